@@ -1,0 +1,1 @@
+"""The appliance: supervisor, executor workers, memory (VMU) and sessions."""

@@ -1,0 +1,1 @@
+"""Executors: the device seam (CPU / CUDA) and the op-graph interpreter."""

@@ -1,0 +1,79 @@
+"""The device seam: where tensors live on a worker and how bytes get there.
+
+``CpuDevice`` keeps a tensor put through the arena *in its slab* (zero copies on the
+worker side); ``CudaDevice`` copies it to the GPU from the page-locked arena (DMA) and
+gives the slab back. Everything else in the worker is written against this interface,
+so all but the GPU-marked tests run on a laptop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+log = logging.getLogger("djinn.appliance.device")
+
+
+class CpuDevice:
+    kind = "cpu"
+    adopts_host_memory = True
+
+    def __init__(self, index: int, memory: int | str) -> None:
+        self.index = index
+        self.torch_device = torch.device("cpu")
+        self.name = f"cpu:{index}"
+        self._memory = memory
+
+    def capacity(self, workers: int) -> int:
+        if self._memory != "auto":
+            return int(self._memory)
+        return psutil.virtual_memory().total // 2 // max(1, workers)
+
+    def register_host_memory(self, address: int, size: int) -> bool:
+        return False  # nothing to pin: the CPU reads shared memory directly
+
+    def from_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaDevice:
+    kind = "cuda"
+    adopts_host_memory = False
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        torch.cuda.set_device(self.torch_device)
+        self.name = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+    def capacity(self, workers: int) -> int:
+        free, _total = torch.cuda.mem_get_info(self.torch_device)
+        return int(free * 0.9)  # leave room for the CUDA context and allocator slack
+
+    def register_host_memory(self, address: int, size: int) -> bool:
+        """Page-lock the arena so host<->device copies from it are DMA."""
+        if not size:
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        ok = int(getattr(err, "value", err)) == 0
+        if not ok:
+            log.warning("cudaHostRegister of the host arena failed (%s); copies will stage", err)
+        return ok
+
+    def from_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.torch_device, non_blocking=False)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+def open_device(spec: str, memory: int | str) -> CpuDevice | CudaDevice:
+    kind, _, index = spec.partition(":")
+    if kind == "cuda":
+        return CudaDevice(int(index or 0))
+    return CpuDevice(int(index or 0), memory)

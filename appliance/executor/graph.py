@@ -1,0 +1,214 @@
+"""Executing an op graph received over the wire (format: ``djinn.protocol.graph``).
+
+Only ops found in ``torch.ops.aten`` / ``torch.ops.prims`` run; names are checked against
+a strict pattern before any attribute lookup, and constants are decoded from tagged JSON.
+Intermediates are dropped right after their last use so a long graph's stack stays as
+small as eager execution's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from djinn.errors import ExecutionError, InvalidArgument, UnsupportedOp
+from djinn.protocol.graph import LAYOUTS, MAX_DEPTH, MAX_NODES, MEMORY_FORMATS, parse_op_name
+from djinn.protocol.tensors import from_wire, parse_dtype
+
+from ..vmu.device import Segment
+
+_OP_CACHE: dict[str, Any] = {}
+
+
+def resolve_op(name: Any) -> Any:
+    op = _OP_CACHE.get(name) if isinstance(name, str) else None
+    if op is not None:
+        return op
+    try:
+        namespace, opname, overload = parse_op_name(name)
+    except ValueError as exc:
+        raise UnsupportedOp(str(exc)) from None
+    packet = getattr(getattr(torch.ops, namespace), opname, None)
+    if packet is None or not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise UnsupportedOp(f"{name}: no such op in torch.ops.{namespace}")
+    op = getattr(packet, overload, None)
+    if not isinstance(op, torch._ops.OpOverload):
+        raise UnsupportedOp(f"{name}: no overload {overload!r}")
+    _OP_CACHE[name] = op
+    return op
+
+
+class GraphRun:
+    """One EXEC request: decode, run node by node, hand back kept and fetched values."""
+
+    def __init__(
+        self,
+        body: dict[str, Any],
+        lookup: Callable[[str], torch.Tensor],
+        segments: list[memoryview],
+        device: torch.device,
+        stack: Segment,
+    ) -> None:
+        nodes = body.get("nodes")
+        if not isinstance(nodes, list) or len(nodes) > MAX_NODES:
+            raise InvalidArgument(f"nodes must be a list of at most {MAX_NODES} ops")
+        self.nodes = nodes
+        self.keep = _ref_list(body, "keep")
+        self.fetch = _ref_list(body, "fetch")
+        self.lookup = lookup
+        self.segments = segments
+        self.device = device
+        self.values: dict[int, Any] = {}
+        self.stack = stack
+        self._stack_refs: dict[int, list[int]] = {}  # storage ptr -> [nbytes, live values]
+        self._inputs: set[int] | None = None
+        self.input_storages: Callable[[], list[int]] = lambda: []
+
+    def run(self) -> tuple[list[Any], list[Any]]:
+        try:
+            return self._run()
+        finally:
+            for nbytes, _refs in self._stack_refs.values():
+                self.stack.release(nbytes)
+            self._stack_refs.clear()
+
+    def _run(self) -> tuple[list[Any], list[Any]]:
+        last_use = self._last_uses()
+        for i, node in enumerate(self.nodes):
+            if not isinstance(node, dict):
+                raise InvalidArgument(f"node {i} is not an object")
+            op = resolve_op(node.get("op"))
+            args = self._decode(node.get("args", []), i, 0)
+            kwargs = self._decode(node.get("kwargs", {}), i, 0)
+            if not isinstance(args, list) or not isinstance(kwargs, dict):
+                raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
+            try:
+                out = op(*args, **kwargs)
+            except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
+            self.values[i] = out
+            self._account(out, +1)
+            for j in last_use.pop(i, ()):
+                self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
+        return [self._ref(r, -1) for r in self.keep], [self._ref(r, -1) for r in self.fetch]
+
+    def _account(self, value: Any, delta: int) -> None:
+        """Stack segment bookkeeping: storages created by this run, while referenced."""
+        tensors = value if isinstance(value, (tuple, list)) else (value,)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr, ref = storage.data_ptr(), self._stack_refs.get(storage.data_ptr())
+            if ref is None:
+                if delta < 0 or not storage.nbytes() or ptr in self._input_ptrs():
+                    continue
+                self.stack.reserve(storage.nbytes())
+                self._stack_refs[ptr] = [storage.nbytes(), 1]
+            elif delta > 0 or ref[1] > 1:
+                ref[1] += delta
+            else:
+                self.stack.release(ref[0])
+                del self._stack_refs[ptr]
+
+    def _input_ptrs(self) -> set[int]:
+        if self._inputs is None:
+            self._inputs = set(self.input_storages())
+        return self._inputs
+
+    def _last_uses(self) -> dict[int, list[int]]:
+        """node index -> node outputs whose last reader it is (kept/fetched ones excluded)."""
+        last: dict[int, int] = {}
+
+        def visit(x: Any, reader: int) -> None:
+            if isinstance(x, dict):
+                if "$v" in x and isinstance(x["$v"], int):
+                    last[x["$v"]] = reader
+                else:
+                    for v in x.values():
+                        visit(v, reader)
+            elif isinstance(x, list):
+                for v in x:
+                    visit(v, reader)
+
+        for i, node in enumerate(self.nodes):
+            if isinstance(node, dict):
+                visit(node.get("args"), i)
+                visit(node.get("kwargs"), i)
+        pinned = {r["$v"] for r in self.keep + self.fetch if "$v" in r}
+        out: dict[int, list[int]] = {}
+        for produced, reader in last.items():
+            if produced not in pinned:
+                out.setdefault(reader, []).append(produced)
+        return out
+
+    def _ref(self, ref: dict[str, Any], at: int) -> Any:
+        if "$h" in ref:
+            handle = ref["$h"]
+            if not isinstance(handle, str):
+                raise InvalidArgument("handle must be a string")
+            return self.lookup(handle)
+        n = ref["$v"]
+        if type(n) is not int or not (0 <= n < len(self.nodes)) or (at >= 0 and n >= at):
+            raise InvalidArgument(f"reference to node {n!r} from node {at}: not an earlier node")
+        if n not in self.values:
+            raise InvalidArgument(f"node {n}'s value was already released")
+        value = self.values[n]
+        if "i" in ref:
+            k = ref["i"]
+            if (
+                not isinstance(value, (tuple, list))
+                or type(k) is not int
+                or not 0 <= k < len(value)
+            ):
+                raise InvalidArgument(f"node {n} has no output {k!r}")
+            value = value[k]
+        return value
+
+    def _decode(self, x: Any, at: int, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise InvalidArgument("constant nested too deeply")
+        if isinstance(x, list):
+            return [self._decode(v, at, depth + 1) for v in x]
+        if not isinstance(x, dict):
+            return x
+        if "$h" in x or "$v" in x:
+            return self._ref(x, at)
+        if "$t" in x:
+            k = x["$t"]
+            if type(k) is not int or not 0 <= k < len(self.segments):
+                raise InvalidArgument(f"no payload segment {k!r}")
+            raw = (
+                torch.frombuffer(self.segments[k], dtype=torch.uint8)
+                if len(self.segments[k])
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            return from_wire(x.get("desc"), raw).to(self.device)
+        if len(x) == 1:
+            ((tag, value),) = x.items()
+            if tag == "$dtype":
+                return parse_dtype(value)
+            if tag == "$device":
+                return self.device  # every device the client names is this worker's
+            if tag == "$mf" and value in MEMORY_FORMATS:
+                return getattr(torch, value)
+            if tag == "$layout" and value in LAYOUTS:
+                return getattr(torch, value)
+            if tag == "$float" and value in ("inf", "-inf", "nan"):
+                return float(value)
+            if tag == "$complex" and isinstance(value, list) and len(value) == 2:
+                return complex(float(value[0]), float(value[1]))
+        if any(isinstance(k, str) and k.startswith("$") for k in x):
+            raise InvalidArgument(f"unknown tagged constant {sorted(x)!r}")
+        return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
+
+
+def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    refs = body.get(key, [])
+    if not isinstance(refs, list) or not all(
+        isinstance(r, dict) and ("$v" in r or "$h" in r) for r in refs
+    ):
+        raise InvalidArgument(f"{key} must be a list of {{'$v': n}} / {{'$h': id}} references")
+    return refs

@@ -1,0 +1,188 @@
+"""Request handlers for a session's connection on a worker.
+
+Each handler takes (worker, session, frame) and returns (reply body, payload segments).
+Errors are raised as typed ``DjinnError``s; the worker turns them into ERROR frames, and
+no handler leaves a half-done change behind (a failing multi-tensor PUT keeps nothing).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.errors import InvalidArgument, NotFound, ResourceExhausted
+from djinn.protocol.frames import Frame, Kind
+from djinn.protocol.tensors import from_wire, to_wire, validate
+
+from .executor.graph import GraphRun
+from .sessions import WorkerSession
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+Reply = tuple[dict[str, Any], list[Any]]
+
+
+def _list(body: dict[str, Any], key: str, limit: int = 1 << 16) -> list[Any]:
+    value = body.get(key)
+    if not isinstance(value, list) or len(value) > limit:
+        raise InvalidArgument(f"{key} must be a list of at most {limit} items")
+    return value
+
+
+def handle_heartbeat(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    return {}, []
+
+
+def handle_alloc(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    if not s.via_unix:
+        raise InvalidArgument("ALLOC is for same-host clients; TCP clients send bytes inline")
+    sizes = _list(frame.body, "sizes", 1024)
+    if not all(type(n) is int and n >= 0 for n in sizes):
+        raise InvalidArgument("sizes must be non-negative integers")
+    offsets: list[int] = []
+    try:
+        for n in sizes:
+            offsets.append(w.store.lease(s, n))
+    except ResourceExhausted:
+        for off in offsets:
+            del s.leases[off]
+            w.store.slabs.free(off)
+        raise
+    return {"slabs": offsets}, []
+
+
+def _stage(w: Worker, s: WorkerSession, frame: Frame, item: Any) -> tuple[torch.Tensor, int | None]:
+    """Check one PUT entry; return its tensor and the slab now owned by the request."""
+    if not isinstance(item, dict):
+        raise InvalidArgument("each tensor entry must be an object")
+    desc = item.get("desc")
+    nbytes = validate(desc)[3]
+    if "slab" in item:
+        off = item["slab"]
+        s.check_lease(off, nbytes)
+        t = from_wire(desc, w.store.slab_tensor(off, nbytes))
+        del s.leases[off]
+        return t, off
+    k = item.get("seg")
+    if type(k) is not int or not 0 <= k < len(frame.segments):
+        raise InvalidArgument(f"a tensor entry needs 'slab' or a valid 'seg', got {k!r}")
+    seg = frame.segments[k]
+    raw = (
+        torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
+    )
+    t = from_wire(desc, raw)
+    return t, w.frame_slabs.pop(k, None)  # TCP bulk bytes were received into a slab
+
+
+def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    items = _list(frame.body, "tensors", 4096)
+    staged: list[tuple[torch.Tensor, int | None]] = []
+    handles: list[str] = []
+    try:
+        for item in items:
+            staged.append(_stage(w, s, frame, item))
+        while staged:
+            t, slab = staged[0]
+            if slab is not None and not w.device.adopts_host_memory:
+                t = w.device.from_host(t)  # DMA from the pinned arena, then give it back
+                w.store.slabs.free(slab)
+                staged[0] = (t, None)
+                slab = None
+            handles.append(w.store.keep(s, t, slab=slab))
+            staged.pop(0)
+    except BaseException:
+        for h in handles:
+            w.store.drop(s, h)
+        for _t, slab in staged:
+            if slab is not None:
+                w.store.slabs.free(slab)
+        raise
+    return {"handles": handles}, []
+
+
+def handle_free(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    handles = _list(frame.body, "handles")
+    missing = [h for h in handles if not isinstance(h, str) or h not in s.handles]
+    if missing:
+        raise NotFound(f"{len(missing)} handle(s) not in this session, nothing freed")
+    for h in handles:
+        w.store.drop(s, h)
+    return {"freed": len(handles)}, []
+
+
+def handle_get(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    handles = _list(frame.body, "handles", 4096)
+    tensors = [s.tensor(h) for h in handles]
+    return export(w, s, tensors)
+
+
+def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    run = GraphRun(
+        frame.body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"]
+    )
+    run.input_storages = lambda: list(s.storages)
+    keep, fetch = run.run()
+    kept = []
+    try:
+        for value in keep:
+            if not isinstance(value, torch.Tensor):
+                raise InvalidArgument("only tensors can be kept as handles")
+            desc, _ = _meta(value)
+            kept.append({"handle": w.store.keep(s, value), **desc})
+    except BaseException:
+        for item in kept:
+            w.store.drop(s, item["handle"])
+        raise
+    body, segments = export(w, s, [v for v in fetch if isinstance(v, torch.Tensor)])
+    values = [None if isinstance(v, torch.Tensor) else _json_value(v) for v in fetch]
+    body.update(kept=kept, values=values)
+    return body, segments
+
+
+def _meta(t: torch.Tensor) -> tuple[dict[str, Any], None]:
+    from djinn.protocol.tensors import dtype_name
+
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride())}, None
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float)) for x in v):
+        return list(v)
+    raise InvalidArgument(f"cannot return a {type(v).__name__} by value")
+
+
+def export(w: Worker, s: WorkerSession, tensors: list[torch.Tensor]) -> Reply:
+    """Describe tensors for a reply: arena slabs for a same-host peer, payload otherwise."""
+    out: list[dict[str, Any]] = []
+    segments: list[Any] = []
+    for t in tensors:
+        desc, flat = to_wire(t)
+        nbytes = flat.numel()
+        if s.via_unix and nbytes > w.inline_max:
+            off = w.store.arena_offset(flat)
+            if off is None:
+                off = w.store.slabs.alloc(nbytes)
+                s.pending_release.append(off)  # valid until the session's next request
+                w.store.slab_tensor(off, nbytes).copy_(flat)
+            out.append({"desc": desc, "slab": off})
+            continue
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        out.append({"desc": desc, "seg": len(segments)})
+        segments.append(memoryview(flat.numpy()) if nbytes else b"")
+    return {"tensors": out}, segments
+
+
+HANDLERS = {
+    Kind.HEARTBEAT: handle_heartbeat,
+    Kind.PING: handle_heartbeat,
+    Kind.ALLOC: handle_alloc,
+    Kind.PUT: handle_put,
+    Kind.GET: handle_get,
+    Kind.FREE: handle_free,
+    Kind.EXEC: handle_exec,
+}

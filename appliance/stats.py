@@ -1,0 +1,57 @@
+"""The stats document (DESIGN.md §5): what `djinn status --json`, `Client.stats()` and
+`djinn top` show. Built by the supervisor from the workers' latest reports."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from djinn.protocol.frames import VERSION
+
+from .workers import WorkerHandle
+
+STATS_SCHEMA = 1
+
+
+def build(
+    workers: list[WorkerHandle],
+    arena: dict[str, Any],
+    started: float,
+    addresses: dict[str, str],
+) -> dict[str, Any]:
+    sessions, devices = [], []
+    used = peak = 0
+    for w in workers:
+        st = w.stats
+        for s in st.get("sessions", []):
+            sessions.append({**s, "worker": w.id})
+        share = st.get("arena", {})
+        used += share.get("used", 0)
+        peak += share.get("peak", 0)
+        vmu = st.get("vmu") or {
+            seg: {"capacity": 0, "used": 0, "peak": 0} for seg in ("text", "data", "stack")
+        }
+        devices.append({"worker": w.id, "device": w.device_name or w.device, **vmu})
+    return {
+        "schema": STATS_SCHEMA,
+        "appliance": {
+            "pid": os.getpid(),
+            "protocol": VERSION,
+            "uptime_s": round(time.time() - started, 3),
+            "addresses": addresses,
+        },
+        "workers": [w.describe() for w in workers],
+        "sessions": sessions,
+        "vmu": {
+            "host_arena": {
+                "name": arena["name"],
+                "capacity": arena["size"],
+                "used": used,
+                "peak": peak,
+                "pinned": arena.get("pinned", False),
+            },
+            "devices": devices,
+        },
+        "models": [],
+    }

@@ -1,0 +1,92 @@
+"""A worker's memory: its share of the host arena, its device VMU, and session storage.
+
+Accounting is per *storage*, not per handle: two handles viewing one block (a tensor and
+its transpose) are charged once, and the block (and its arena slab, if it lives in one)
+is freed when the last handle viewing it is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from djinn.transport.arena import ArenaMapping
+
+from .sessions import StorageRef, WorkerSession, new_handle
+from .vmu.device import DeviceVMU
+from .vmu.slabs import SlabAllocator
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class TensorStore:
+    def __init__(self, arena: ArenaMapping, base: int, size: int, vmu: DeviceVMU) -> None:
+        self.arena = arena
+        self.slabs = SlabAllocator(base, size)
+        self.vmu = vmu
+        self._arena_ptr = 0
+        if arena.size:
+            self._arena_ptr = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
+
+    # -- arena slabs ------------------------------------------------------------------
+    def lease(self, session: WorkerSession, nbytes: int) -> int:
+        off = self.slabs.alloc(nbytes)
+        session.leases[off] = nbytes
+        return off
+
+    def slab_tensor(self, off: int, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.arena.slab(off, nbytes), dtype=torch.uint8)
+
+    def arena_offset(self, t: torch.Tensor) -> int | None:
+        """Offset of ``t``'s first byte if it lives in the arena (CPU tensors only)."""
+        if not self._arena_ptr or t.device.type != "cpu" or not t.numel():
+            return None
+        off = t.data_ptr() - self._arena_ptr
+        return off if 0 <= off < self.arena.size else None
+
+    # -- handles ------------------------------------------------------------------------
+    def keep(self, session: WorkerSession, t: torch.Tensor, slab: int | None = None) -> str:
+        """Give ``t`` a handle in ``session``; reserve its storage in the data segment."""
+        key = storage_key(t)
+        ref = session.storages.get(key[0]) if key[1] else None
+        if ref is None:
+            self.vmu["data"].reserve(key[1])
+            session.data_bytes += key[1]
+            ref = StorageRef(key[1], slab=slab)
+            if key[1]:
+                session.storages[key[0]] = ref
+        ref.refs += 1
+        handle = new_handle()
+        session.handles[handle] = (t, key[0])
+        return handle
+
+    def drop(self, session: WorkerSession, handle: str) -> None:
+        entry = session.handles.pop(handle, None)
+        if entry is None:
+            return
+        ref = session.storages.get(entry[1])
+        if ref is None:
+            return  # zero-byte tensor
+        ref.refs -= 1
+        if ref.refs == 0:
+            del session.storages[entry[1]]
+            self.vmu["data"].release(ref.nbytes)
+            session.data_bytes -= ref.nbytes
+            if ref.slab is not None:
+                self.slabs.free(ref.slab)
+
+    def release_pending(self, session: WorkerSession) -> None:
+        while session.pending_release:
+            self.slabs.free(session.pending_release.pop())
+
+    def free_session(self, session: WorkerSession) -> None:
+        for handle in list(session.handles):
+            self.drop(session, handle)
+        self.release_pending(session)
+        for off in list(session.leases):
+            self.slabs.free(off)
+        session.leases.clear()

@@ -1,0 +1,399 @@
+"""The supervisor: `djinn serve`.
+
+It owns the listening sockets, the host-arena segment and the workers, and never touches
+a tensor or CUDA. A client connection starts here: HELLO authenticates it, then it may
+ask for STATS, KILL_SESSION, or SESSION_OPEN. Opening a session picks the least-loaded
+ready worker and hands the *connection itself* to that worker (SCM_RIGHTS), so every
+later request on it goes straight to the worker with no relay through this process.
+
+Discipline (after gunicorn's arbiter): signal handlers only record; a wake-up fd gets the
+loop out of select; timeouts and exit codes are named constants below.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from djinn.config import Config
+from djinn.errors import AuthFailed, DjinnError, ProtocolError, Unavailable
+from djinn.protocol.frames import VERSION, Frame, Kind, encode_error, encode_frame
+from djinn.transport.framing import FrameReader, PeerClosed, send_buffers
+
+from . import control, listeners, stats
+from .devices import worker_devices
+from .vmu.arena import HostArenaSegment, sweep_stale
+from .workers import WorkerHandle
+
+log = logging.getLogger("djinn.appliance.supervisor")
+
+TICK_S = 0.1  # worker liveness and timer granularity: a dead worker is seen within this
+OPEN_WAIT_S = 30.0  # how long a SESSION_OPEN waits for a ready worker
+READY_TIMEOUT_S = 120.0  # how long start-up waits for the first workers
+EXIT_OK, EXIT_CONFIG, EXIT_NO_WORKERS = 0, 2, 3
+
+
+@dataclass
+class ClientConn:
+    sock: socket.socket
+    reader: FrameReader
+    peer: str
+    via_unix: bool
+    authenticated: bool = False
+    waiting_open: tuple[int, float] | None = None  # (request id, deadline)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, *, parent_pid: int | None = None) -> None:
+        self.cfg = cfg
+        self.parent_pid = parent_pid
+        self.started = time.time()
+        self.sel = selectors.DefaultSelector()
+        self.conns: dict[int, ClientConn] = {}
+        self.stopping = False
+        self.token = ""
+        self.addresses: dict[str, str] = {}
+        self.listeners: list[tuple[socket.socket, bool]] = []
+        self.arena: HostArenaSegment | None = None
+        self.workers: list[WorkerHandle] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    # -- start-up -----------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        sweep_stale()
+        devices = worker_devices(cfg.gpus, cfg.cpu_workers)
+        share = (cfg.arena_bytes // len(devices)) // 4096 * 4096
+        self.arena = HostArenaSegment(share * len(devices))
+        if cfg.socket_path:
+            sock = listeners.unix_listener(cfg.socket_path)
+            self.listeners.append((sock, True))
+            self.addresses["unix"] = f"unix://{cfg.socket_path}"
+        if cfg.tcp_enabled:
+            self.token = listeners.ensure_token(cfg.token, cfg.token_file)
+            sock = listeners.tcp_listener(cfg.tcp_host, cfg.tcp_port)
+            host, port = sock.getsockname()[:2]
+            self.listeners.append((sock, False))
+            self.addresses["tcp"] = f"tcp://{host}:{port}"
+        if not self.listeners:
+            from djinn.errors import ConfigError
+
+            raise ConfigError("nothing to listen on: set socket_path or tcp_enabled")
+        for sock, via_unix in self.listeners:
+            self.sel.register(sock, selectors.EVENT_READ, ("listen", via_unix))
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        signal.set_wakeup_fd(self._wake_w.fileno())
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        for i, device in enumerate(devices):
+            init = {
+                "op": "init",
+                "worker": i,
+                "device": device,
+                "workers": len(devices),
+                "arena_name": self.arena.name,
+                "arena_size": self.arena.size,
+                "arena_base": i * share,
+                "arena_share": share,
+                "inline_max": cfg.inline_max_bytes,
+                "heartbeat_interval": cfg.heartbeat_interval,
+                "lease_s": cfg.heartbeat_interval * cfg.heartbeat_misses,
+                "cpu_worker_memory": cfg.cpu_worker_memory,
+                "text_fraction": cfg.vmu_text_fraction,
+                "data_fraction": cfg.vmu_data_fraction,
+                "log_level": cfg.log_level,
+            }
+            self.workers.append(WorkerHandle(i, device, init))
+        for w in self.workers:
+            self._start_worker(w)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping = True  # record only; the loop does the work
+
+    def _start_worker(self, w: WorkerHandle) -> None:
+        w.start()
+        assert w.ctl is not None
+        w.ctl.setblocking(True)
+        self.sel.register(w.ctl, selectors.EVENT_READ, ("worker", w))
+
+    def wait_ready(self) -> int:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stopping:
+            if all(w.ready or not w.alive for w in self.workers):
+                break
+            self.step()
+        return sum(w.ready for w in self.workers)
+
+    def readiness_line(self) -> str:
+        where = " ".join(f"{k}={v.split('://', 1)[1]}" for k, v in self.addresses.items())
+        devices = ",".join(w.device_name or w.device for w in self.workers if w.ready)
+        return f"djinn ready: {where} workers={sum(w.ready for w in self.workers)} [{devices}]"
+
+    # -- loop ---------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        while not self.stopping:
+            self.step()
+        self.shutdown()
+
+    def step(self) -> None:
+        for key, _ in self.sel.select(TICK_S):
+            tag, data = key.data
+            if tag == "listen":
+                self._accept(key.fileobj, data)
+            elif tag == "conn":
+                self._serve_conn(data)
+            elif tag == "worker":
+                self._on_worker(data)
+            elif tag == "wake":
+                try:
+                    self._wake_r.recv(512)
+                except BlockingIOError:
+                    pass
+        self._tick()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for w in self.workers:
+            if w.alive and w.proc is not None and w.proc.poll() is not None:
+                self._worker_died(w)
+            elif not w.alive and w.restart_at is not None and now >= w.restart_at:
+                w.restarts += 1
+                self._start_worker(w)
+        for conn in list(self.conns.values()):
+            pending = conn.waiting_open
+            if pending and not self._try_open(conn) and now > pending[1]:
+                self._fail(conn, pending[0], Unavailable("no worker became ready in time"))
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            log.warning(
+                "parent process %d exited; stopping the embedded appliance", self.parent_pid
+            )
+            self.stopping = True
+
+    # -- client connections -------------------------------------------------------------
+    def _accept(self, lsock: socket.socket, via_unix: bool) -> None:
+        try:
+            sock, addr = lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        if via_unix:
+            pid, uid, _gid = listeners.peer_credentials(sock)
+            peer = f"unix:pid={pid},uid={uid}"
+            if not listeners.unix_peer_allowed(uid):
+                self._reject(sock, AuthFailed(f"uid {uid} may not use this appliance"))
+                return
+        else:
+            listeners.set_nodelay(sock)
+            peer = f"tcp:{addr[0]}:{addr[1]}"
+        conn = ClientConn(sock, FrameReader(sock, authenticated=False), peer, via_unix)
+        self.conns[sock.fileno()] = conn
+        self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
+
+    def _reject(self, sock: socket.socket, exc: DjinnError) -> None:
+        try:
+            sock.sendall(encode_error(0, exc.code, exc.message))
+        except OSError:
+            pass
+        sock.close()
+
+    def _close(self, conn: ClientConn) -> None:
+        fd = conn.sock.fileno()
+        if fd in self.conns:
+            self.sel.unregister(conn.sock)
+            del self.conns[fd]
+        conn.sock.close()
+
+    def _fail(self, conn: ClientConn, rid: int, exc: DjinnError, *, close: bool = True) -> None:
+        try:
+            send_buffers(conn.sock, [encode_error(rid, exc.code, exc.message)])
+        except OSError:
+            close = True
+        conn.waiting_open = None
+        if close:
+            self._close(conn)
+
+    def _serve_conn(self, conn: ClientConn) -> None:
+        while conn.sock.fileno() >= 0 and conn.waiting_open is None:
+            try:
+                frame = conn.reader.poll()
+            except PeerClosed:
+                self._close(conn)
+                return
+            except ProtocolError as exc:
+                self._fail(conn, 0, exc)
+                return
+            if frame is None:
+                return
+            try:
+                self._dispatch(conn, frame)
+            except DjinnError as exc:
+                self._fail(conn, frame.request_id, exc, close=not conn.authenticated)
+
+    def _dispatch(self, conn: ClientConn, frame: Frame) -> None:
+        rid = frame.request_id
+        if not conn.authenticated:
+            if frame.kind != Kind.HELLO:
+                raise AuthFailed("authenticate with HELLO before any other request")
+            if not conn.via_unix and not listeners.token_matches(
+                self.token, frame.body.get("token")
+            ):
+                log.warning("rejected %s: wrong or missing token", conn.peer)
+                raise AuthFailed("wrong or missing token (set DJINN_TOKEN or token_file)")
+            conn.authenticated = True
+            conn.reader.authenticated = True
+            self._reply(conn, rid, {"protocol": VERSION, "server": "djinn", "pid": os.getpid()})
+            return
+        if frame.kind == Kind.STATS:
+            self._reply(conn, rid, self.stats())
+        elif frame.kind == Kind.PING:
+            self._reply(conn, rid, {})
+        elif frame.kind == Kind.KILL_SESSION:
+            self._reply(conn, rid, {"killed": self._kill_session(frame.body.get("session"))})
+        elif frame.kind == Kind.SESSION_OPEN:
+            if conn.reader.buffered():
+                raise ProtocolError("bytes pipelined after SESSION_OPEN; wait for its reply")
+            conn.waiting_open = (rid, time.monotonic() + OPEN_WAIT_S)
+            conn.extra["client"] = str(frame.body.get("client", ""))[:64]
+            self._try_open(conn)
+        else:
+            raise ProtocolError(f"{frame.kind.name} needs an open session")
+
+    def _reply(self, conn: ClientConn, rid: int, body: dict[str, Any]) -> None:
+        try:
+            send_buffers(conn.sock, encode_frame(Kind.REPLY, rid, body))
+        except OSError:
+            self._close(conn)
+
+    def _try_open(self, conn: ClientConn) -> bool:
+        """Hand the connection to the least-loaded ready worker. True once handed over."""
+        ready = [w for w in self.workers if w.ready and w.ctl is not None]
+        if not ready or conn.waiting_open is None:
+            return False
+        w = min(ready, key=lambda w: (w.session_count(), w.id))
+        import secrets
+
+        msg = {
+            "op": "adopt",
+            "session": secrets.token_hex(8),
+            "peer": conn.peer,
+            "via_unix": conn.via_unix,
+            "request_id": conn.waiting_open[0],
+        }
+        try:
+            control.send(w.ctl, msg, [conn.sock.fileno()])
+        except OSError:
+            return False
+        w.stats.setdefault("sessions", []).append({"id": msg["session"], "peer": conn.peer})
+        conn.waiting_open = None
+        self._close(conn)  # the worker holds the only copy of the connection now
+        return True
+
+    def _kill_session(self, session: Any) -> bool:
+        for w in self.workers:
+            if w.ctl is not None and any(
+                s.get("id") == session for s in w.stats.get("sessions", [])
+            ):
+                control.send(w.ctl, {"op": "kill", "session": session})
+                w.stats["sessions"] = [s for s in w.stats["sessions"] if s.get("id") != session]
+                return True
+        return False
+
+    # -- workers ------------------------------------------------------------------------
+    def _on_worker(self, w: WorkerHandle) -> None:
+        try:
+            got = control.recv(w.ctl) if w.ctl is not None else None
+        except OSError:
+            got = None
+        if got is None:
+            self._worker_died(w)
+            return
+        msg, fds = got
+        for fd in fds:
+            os.close(fd)
+        op = msg.get("op")
+        if op == "ready":
+            w.ready = True
+            w.device_name = msg.get("device", w.device)
+            w.pid = msg.get("pid", w.pid)
+            if msg.get("pinned"):
+                self.arena_pinned = True
+            log.info("worker %d ready on %s (pid %s)", w.id, w.device_name, w.pid)
+        elif op == "stats":
+            w.stats = msg
+        elif op == "failed":
+            w.last_error = str(msg.get("error", ""))[:500]
+
+    def _worker_died(self, w: WorkerHandle) -> None:
+        if w.ctl is not None:
+            self.sel.unregister(w.ctl)
+        w.mark_dead(self.cfg.restart_backoff_max)
+
+    def stats(self) -> dict[str, Any]:
+        assert self.arena is not None
+        arena = {
+            "name": self.arena.name,
+            "size": self.arena.size,
+            "pinned": getattr(self, "arena_pinned", False),
+        }
+        return stats.build(self.workers, arena, self.started, self.addresses)
+
+    # -- shutdown -----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop accepting, let workers finish their current request, remove every trace."""
+        for sock, via_unix in self.listeners:
+            self.sel.unregister(sock)
+            sock.close()
+            if via_unix and self.cfg.socket_path:
+                try:
+                    os.unlink(self.cfg.socket_path)
+                except OSError:
+                    pass
+        for conn in list(self.conns.values()):
+            self._close(conn)
+        for w in self.workers:
+            if w.alive and w.ctl is not None:
+                try:
+                    control.send(w.ctl, {"op": "drain"})
+                except OSError:
+                    pass
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        for w in self.workers:
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                w.proc.kill()
+                w.proc.wait()
+            w.alive = False
+        if self.arena is not None:
+            self.arena.unlink()
+        signal.set_wakeup_fd(-1)
+
+
+def serve(cfg: Config, *, parent_pid: int | None = None, out=sys.stdout) -> int:
+    sup = Supervisor(cfg, parent_pid=parent_pid)
+    try:
+        sup.setup()
+    except DjinnError as exc:
+        print(f"djinn serve: {exc}", file=sys.stderr)
+        sup.shutdown()
+        return EXIT_CONFIG
+    if sup.wait_ready() == 0:
+        errors = "; ".join(w.last_error for w in sup.workers if w.last_error)
+        print(f"djinn serve: no worker started ({errors or 'see log above'})", file=sys.stderr)
+        sup.shutdown()
+        return EXIT_NO_WORKERS
+    print(sup.readiness_line(), file=out, flush=True)
+    sup.serve_forever()
+    return EXIT_OK

@@ -1,0 +1,1 @@
+"""VMU: the host arena (shared memory) and each device's text / data / stack accounting."""

@@ -1,0 +1,309 @@
+"""An executor worker: one process per device, serving the sessions pinned to it.
+
+Started by the supervisor as ``python -m djinn.appliance.worker --control-fd N``. It maps
+its share of the host arena, opens its device, reports ``ready``, then runs one selector
+loop over the control channel and every session connection the supervisor hands it
+(passed as file descriptors, so requests then go client <-> worker with no relay).
+
+Single-threaded on purpose: one device executes one request at a time anyway, and the
+loop never blocks on a slow client except while writing a reply (bounded by
+``framing``'s write timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from djinn.errors import DjinnError, InternalError, ProtocolError, SessionExpired
+from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
+from djinn.transport.arena import ArenaMapping
+from djinn.transport.framing import FrameReader, PeerClosed, default_sink, send_buffers
+
+from . import control
+from .executor.device import open_device
+from .handlers import HANDLERS
+from .sessions import CLOSED, EXPIRED, OPEN, WorkerSession
+from .store import TensorStore
+from .vmu.device import DeviceVMU
+
+log = logging.getLogger("djinn.appliance.worker")
+
+LOOP_TICK_S = 0.1  # lease sweep and stats push granularity
+STATS_PUSH_S = 0.1  # stats freshness when only byte counts changed
+MAX_INLINE_FRAME = 256 << 20  # payload bytes one frame may make the worker buffer privately
+
+
+class Worker:
+    def __init__(self, ctl: socket.socket, init: dict[str, Any]) -> None:
+        self.ctl = ctl
+        self.id = init["worker"]
+        self.inline_max = init["inline_max"]
+        self.lease_s = init["lease_s"]
+        self.heartbeat_interval = init["heartbeat_interval"]
+        self.device = open_device(init["device"], init["cpu_worker_memory"])
+        self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
+        self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
+        capacity = self.device.capacity(init["workers"])
+        vmu = DeviceVMU(capacity, init["text_fraction"], init["data_fraction"])
+        self.store = TensorStore(self.arena, init["arena_base"], init["arena_share"], vmu)
+        self.sessions: dict[int, WorkerSession] = {}
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctl, selectors.EVENT_READ, None)
+        self.frame_slabs: dict[int, int] = {}
+        self.stopping = False
+        self._dirty = True
+        self._last_push = 0.0
+
+    # -- main loop ----------------------------------------------------------------------
+    def run(self) -> int:
+        control.send(
+            self.ctl,
+            {"op": "ready", "pid": os.getpid(), "device": self.device.name, "pinned": self.pinned},
+        )
+        self.push_stats(force=True)
+        while not self.stopping:
+            for key, _ in self.sel.select(LOOP_TICK_S):
+                if key.data is None:
+                    if not self.on_control():
+                        return 0  # supervisor gone: nothing left to serve for
+                else:
+                    self.serve(key.data)
+            self.sweep()
+            self.push_stats()
+        self.drain()
+        return 0
+
+    def on_control(self) -> bool:
+        try:
+            got = control.recv(self.ctl)
+        except OSError:
+            got = None
+        if got is None:
+            log.warning("worker %s: supervisor went away, exiting", self.id)
+            for s in list(self.sessions.values()):
+                self.end_session(s, CLOSED)
+            return False
+        msg, fds = got
+        op = msg.get("op")
+        if op == "adopt" and fds:
+            self.adopt(msg, fds[0])
+        elif op == "kill":
+            for s in list(self.sessions.values()):
+                if s.id == msg.get("session"):
+                    self.end_session(s, CLOSED)
+        elif op == "drain":
+            self.stopping = True
+        for fd in fds[1:]:
+            os.close(fd)
+        return True
+
+    # -- sessions -------------------------------------------------------------------------
+    def adopt(self, msg: dict[str, Any], fd: int) -> None:
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        reader = FrameReader(sock, authenticated=True)
+        session = WorkerSession(
+            msg["session"], msg["peer"], sock, reader, msg["via_unix"], self.lease_s
+        )
+        reader.sink = lambda h, b, lengths: self.sink(session, h, b, lengths)
+        self.sessions[sock.fileno()] = session
+        self.sel.register(sock, selectors.EVENT_READ, session)
+        reply = {
+            "session": session.id,
+            "worker": self.id,
+            "device": self.device.name,
+            "heartbeat_interval": self.heartbeat_interval,
+            "lease_s": self.lease_s,
+            "inline_max": self.inline_max,
+        }
+        if session.via_unix:
+            reply["arena"] = {"name": self.arena.name, "size": self.arena.size}
+        self.reply(session, msg["request_id"], reply, [])
+        self._dirty = True
+        self.push_stats(force=True)
+
+    def end_session(self, s: WorkerSession, state: str) -> None:
+        """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
+        if s.state == OPEN:
+            self.store.free_session(s)
+        s.state = state
+        if state == CLOSED:
+            fd = s.sock.fileno()
+            if fd in self.sessions:
+                self.sel.unregister(s.sock)
+                del self.sessions[fd]
+            s.sock.close()
+        self._dirty = True
+        self.push_stats(force=True)
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for s in list(self.sessions.values()):
+            if s.expired(now):
+                log.info("session %s: lease expired after %.1fs", s.id, now - s.last_seen)
+                self.end_session(s, EXPIRED)
+
+    # -- requests ------------------------------------------------------------------------
+    def sink(self, s: WorkerSession, header: Header, body: dict, lengths: list[int]) -> list:
+        """Where a frame's payload goes: bulk PUT segments straight into arena slabs."""
+        self.free_frame_slabs()
+        if header.kind == Kind.PUT and s.state == OPEN:
+            targets = []
+            for k, n in enumerate(lengths):
+                if n > self.inline_max:
+                    off = self.store.slabs.alloc(n)
+                    self.frame_slabs[k] = off
+                    targets.append(self.store.arena.slab(off, n))
+                else:
+                    targets.append(memoryview(bytearray(n)))
+            return targets
+        private = sum(lengths)
+        if private > MAX_INLINE_FRAME:
+            from djinn.errors import FrameTooLarge
+
+            raise FrameTooLarge(f"{private} inline payload bytes; send bulk tensors with PUT")
+        return default_sink(header, body, lengths)
+
+    def free_frame_slabs(self) -> None:
+        for off in self.frame_slabs.values():
+            self.store.slabs.free(off)
+        self.frame_slabs.clear()
+
+    def serve(self, s: WorkerSession) -> None:
+        while s.sock.fileno() >= 0:
+            try:
+                frame = s.reader.poll()
+            except PeerClosed:
+                log.info("session %s: peer disconnected", s.id)
+                self.free_frame_slabs()
+                self.end_session(s, CLOSED)
+                return
+            except ProtocolError as exc:
+                self.free_frame_slabs()
+                self.send_error(s, 0, exc)
+                self.end_session(s, CLOSED)
+                return
+            if frame is None:
+                return
+            self.dispatch(s, frame)
+            if not s.reader.buffered():
+                return  # nothing pipelined: skip a recv that would only say EAGAIN
+
+    def dispatch(self, s: WorkerSession, frame: Frame) -> None:
+        rid = frame.request_id
+        try:
+            if "__sink_error__" in frame.body:
+                raise frame.body["__sink_error__"]
+            if s.state == EXPIRED:
+                if frame.kind == Kind.SESSION_CLOSE:
+                    self.reply(s, rid, {"closed": True}, [])
+                    self.end_session(s, CLOSED)
+                    return
+                raise SessionExpired(
+                    f"session {s.id} expired after {self.lease_s:.1f}s "
+                    "without a heartbeat; its handles were freed"
+                )
+            s.touch()
+            s.requests += 1
+            self.store.release_pending(s)
+            self.free_piggybacked(s, frame.body.get("free"))
+            if frame.kind == Kind.SESSION_CLOSE:
+                self.reply(s, rid, {"closed": True}, [])
+                self.end_session(s, CLOSED)
+                return
+            handler = HANDLERS.get(frame.kind)
+            if handler is None:
+                raise ProtocolError(f"{frame.kind.name} is not a session request")
+            body, segments = handler(self, s, frame)
+            self._dirty = True
+            self.reply(s, rid, body, segments)
+        except DjinnError as exc:
+            self.send_error(s, rid, exc)
+        except Exception as exc:  # a bug must cost one request, never the worker
+            log.exception("worker %s: request %s failed", self.id, frame.kind.name)
+            self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.free_frame_slabs()
+
+    def free_piggybacked(self, s: WorkerSession, handles: Any) -> None:
+        """Handles the client's garbage collector released, sent along with a request."""
+        if isinstance(handles, list):
+            for h in handles[:65536]:
+                if isinstance(h, str):
+                    self.store.drop(s, h)
+
+    def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
+        try:
+            send_buffers(s.sock, encode_frame(Kind.REPLY, rid, body, segments))
+        except (PeerClosed, OSError):
+            self.end_session(s, CLOSED)
+
+    def send_error(self, s: WorkerSession, rid: int, exc: DjinnError) -> None:
+        try:
+            send_buffers(s.sock, [encode_error(rid, exc.code, exc.message)])
+        except (PeerClosed, OSError):
+            self.end_session(s, CLOSED)
+
+    # -- stats and shutdown -------------------------------------------------------------
+    def push_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and (not self._dirty or now - self._last_push < STATS_PUSH_S):
+            if now - self._last_push < 1.0:
+                return
+        self._last_push = now
+        self._dirty = False
+        msg = {
+            "op": "stats",
+            "sessions": [s.stats(now) for s in self.sessions.values() if s.state == OPEN],
+            "vmu": self.store.vmu.stats(),
+            "arena": self.store.slabs.stats(),
+        }
+        try:
+            control.send(self.ctl, msg)
+        except OSError:
+            self.stopping = True
+
+    def drain(self) -> None:
+        for s in list(self.sessions.values()):
+            self.end_session(s, CLOSED)
+        self.arena.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Djinn executor worker (started by djinn serve)")
+    parser.add_argument("--control-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    # The supervisor owns signals: Ctrl-C in a terminal must not kill workers mid-request.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctl = socket.socket(fileno=args.control_fd)
+    got = control.recv(ctl)
+    if got is None:
+        return 1
+    init = got[0]
+    logging.basicConfig(
+        level=init.get("log_level", "WARNING").upper(),
+        format=f"%(asctime)s worker{init['worker']} %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        worker = Worker(ctl, init)
+    except Exception as exc:
+        log.exception("worker %s failed to start", init.get("worker"))
+        try:
+            control.send(ctl, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        except OSError:
+            pass
+        return 3
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Djinn: remote and shared GPUs that feel local to PyTorch programs.
+
+Kept light on purpose: importing djinn loads neither torch's heavy paths nor the CLI or
+TUI; the public names below are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from djinn.errors import DjinnError
+
+__version__ = "0.1.0"
+__all__ = ["Client", "DjinnError", "RemoteTensor", "Session", "__version__", "connect"]
+
+_LAZY = {
+    "connect": ("djinn.runtime.client", "connect"),
+    "Client": ("djinn.runtime.client", "Client"),
+    "Session": ("djinn.runtime.session", "Session"),
+    "RemoteTensor": ("djinn.runtime.remote", "RemoteTensor"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'djinn' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

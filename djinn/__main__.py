@@ -1,0 +1,3 @@
+from djinn.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Command line (typer). Commands stay thin and import heavy modules inside themselves."""

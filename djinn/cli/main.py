@@ -1,0 +1,90 @@
+"""`djinn` command: serve, status."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Djinn: remote and shared GPUs that feel local to PyTorch programs.")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@app.command()
+def serve(
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+    socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket path."),
+    tcp_host: Optional[str] = typer.Option(None, help="TCP bind address."),
+    tcp_port: Optional[int] = typer.Option(None, help="TCP port (0: any free port)."),
+    no_tcp: bool = typer.Option(False, "--no-tcp", help="Listen on the Unix socket only."),
+    cpu_workers: Optional[int] = typer.Option(None, help="CPU workers when no GPU is used."),
+    gpus: Optional[str] = typer.Option(None, help="'auto', 'none' or a list like '0,1'."),
+    arena_bytes: Optional[str] = typer.Option(None, help="Host arena size, e.g. 2GiB."),
+    log_level: Optional[str] = typer.Option(None, help="debug, info, warning, error."),
+    parent_pid: Optional[int] = typer.Option(None, hidden=True,
+                                             help="Exit when this process does (embedded)."),
+) -> None:
+    """Run the appliance: a supervisor and one executor worker per device."""
+    from djinn import config as config_mod
+    from djinn.errors import DjinnError
+
+    try:
+        cfg = config_mod.load(config).with_overrides(
+            socket_path=socket_path, tcp_host=tcp_host, tcp_port=tcp_port,
+            tcp_enabled=False if no_tcp else None, cpu_workers=cpu_workers, gpus=gpus,
+            arena_bytes=arena_bytes, log_level=log_level)
+    except DjinnError as exc:
+        typer.echo(f"djinn serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _setup_logging(cfg.log_level)
+    from djinn.appliance.supervisor import serve as run_supervisor
+
+    raise typer.Exit(run_supervisor(cfg, parent_pid=parent_pid))
+
+
+@app.command()
+def status(
+    address: Optional[str] = typer.Option(None, help="unix:///path or tcp://host:port."),
+    token: Optional[str] = typer.Option(None, help="Token for a TCP address."),
+    as_json: bool = typer.Option(False, "--json", help="Print the stats document as JSON."),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+) -> None:
+    """Show workers, sessions and memory of a running appliance."""
+    from djinn import config as config_mod
+    from djinn.errors import DjinnError
+
+    from .status import render
+
+    try:
+        cfg = config_mod.load(config)
+        target = address or cfg.address or f"unix://{cfg.socket_path}"
+        if token is None and target.startswith("tcp://"):
+            token = config_mod.read_token(cfg)
+        from djinn.runtime.client import Client
+
+        with Client(target, token) as client:
+            doc = client.stats()
+    except DjinnError as exc:
+        typer.echo(f"djinn status: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        typer.echo(render(doc))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

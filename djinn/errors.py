@@ -1,0 +1,137 @@
+"""Typed errors with stable codes that cross the wire.
+
+Every error the appliance reports travels as an ERROR frame carrying ``code`` and
+``message``; the client turns it back into the same exception class here. Codes are part
+of the protocol: never rename one, only add.
+"""
+
+from __future__ import annotations
+
+
+class DjinnError(Exception):
+    """Base class. ``code`` is the stable wire code."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+        self.message = message or (self.__class__.__doc__ or self.code).strip()
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class InternalError(DjinnError):
+    """The appliance hit a bug; the request failed but the appliance keeps serving."""
+
+    code = "INTERNAL"
+
+
+class ProtocolError(DjinnError):
+    """A frame broke the wire protocol (bad magic, bad lengths, malformed body...)."""
+
+    code = "PROTOCOL_ERROR"
+
+
+class VersionMismatch(ProtocolError):
+    """Client and appliance speak different protocol versions; upgrade the older side."""
+
+    code = "VERSION_MISMATCH"
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame declared more bytes than the protocol allows at this stage."""
+
+    code = "FRAME_TOO_LARGE"
+
+
+class AuthFailed(DjinnError):
+    """Authentication failed: wrong or missing token, or a peer with another uid."""
+
+    code = "AUTH_FAILED"
+
+
+class SessionExpired(DjinnError):
+    """The session's lease ran out (no heartbeat in time); its handles were freed."""
+
+    code = "SESSION_EXPIRED"
+
+
+class SessionLost(DjinnError):
+    """The session's worker died; its handles are gone. Open a new session."""
+
+    code = "SESSION_LOST"
+
+
+class WorkerLost(DjinnError):
+    """The worker running this request died before answering."""
+
+    code = "WORKER_LOST"
+
+
+class NotFound(DjinnError):
+    """No such handle (or object) in this session."""
+
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(DjinnError):
+    """Not enough memory (arena or device segment) for this request."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class InvalidArgument(DjinnError):
+    """A well-formed request with a value the appliance cannot accept."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class UnsupportedOp(DjinnError):
+    """An op that cannot be captured or executed (only torch.ops.aten / prims run)."""
+
+    code = "UNSUPPORTED_OP"
+
+
+class ExecutionError(DjinnError):
+    """An op raised while executing on the appliance (the message carries PyTorch's)."""
+
+    code = "EXECUTION_ERROR"
+
+
+class Unavailable(DjinnError):
+    """The appliance cannot be reached or has no worker ready."""
+
+    code = "UNAVAILABLE"
+
+
+class ConfigError(DjinnError):
+    """A setting has a value Djinn cannot use."""
+
+    code = "CONFIG_ERROR"
+
+
+_BY_CODE: dict[str, type[DjinnError]] = {}
+
+
+def _register(cls: type[DjinnError]) -> None:
+    for sub in cls.__subclasses__():
+        _BY_CODE.setdefault(sub.code, sub)
+        _register(sub)
+
+
+_register(DjinnError)
+
+
+def error_from_wire(code: str, message: str) -> DjinnError:
+    """Rebuild the typed exception for a wire ``code`` (unknown codes stay DjinnError)."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        err = DjinnError(message)
+        err.code = code
+        return err
+    return cls(message)
+
+
+def all_codes() -> list[str]:
+    return sorted(_BY_CODE)

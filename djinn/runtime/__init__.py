@@ -1,0 +1,1 @@
+"""Client runtime: connections, sessions and remote tensors."""

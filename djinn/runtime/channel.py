@@ -1,0 +1,79 @@
+"""A client's connection to the appliance: one blocking socket, one request at a time.
+
+Requests are serialised by a lock (the heartbeat thread shares the session's channel).
+``call`` runs an optional ``after`` callback while still holding the lock, which is how a
+reply that points into an arena slab is copied out before any later request on the
+session can let the worker reuse that slab.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from djinn.errors import DjinnError, ProtocolError, error_from_wire
+from djinn.protocol.frames import VERSION, Frame, Kind, encode_frame
+from djinn.transport.address import Address
+from djinn.transport.framing import FrameReader, PeerClosed, Sink, default_sink, send_buffers
+
+CLIENT_NAME = "djinn-python"
+
+
+class Channel:
+    def __init__(self, address: Address, on_lost: Callable[[str], DjinnError]) -> None:
+        self.address = address
+        self.sock = address.open()
+        self.reader = FrameReader(self.sock, authenticated=True)
+        self.lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._on_lost = on_lost
+        self.closed = False
+
+    def hello(self, token: str | None) -> dict[str, Any]:
+        body = {"client": CLIENT_NAME, "protocol": VERSION, "pid": os.getpid()}
+        if token:
+            body["token"] = token
+        return self.call(Kind.HELLO, body).body
+
+    def call(
+        self,
+        kind: Kind,
+        body: dict[str, Any] | None = None,
+        segments: Sequence[Any] = (),
+        *,
+        sink: Sink | None = None,
+        after: Callable[[Frame], Any] | None = None,
+    ) -> Any:
+        with self.lock:
+            if self.closed:
+                raise self._on_lost("connection already closed")
+            rid = next(self._ids)
+            try:
+                send_buffers(self.sock, encode_frame(kind, rid, body, list(segments)))
+                self.reader.sink = sink or default_sink
+                frame = None
+                while frame is None:
+                    frame = self.reader.poll()
+            except (PeerClosed, OSError) as exc:
+                self.close()
+                raise self._on_lost(str(exc)) from None
+            except ProtocolError:
+                self.close()
+                raise
+            if frame.kind == Kind.ERROR:
+                raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
+            if frame.request_id != rid:
+                self.close()
+                raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
+            return after(frame) if after is not None else frame
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.close()
+            except OSError:
+                pass

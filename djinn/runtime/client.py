@@ -1,0 +1,106 @@
+"""Client: the entry point to an appliance (``djinn.connect``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from djinn import config as config_mod
+from djinn.errors import DjinnError, Unavailable
+from djinn.protocol.frames import Kind
+from djinn.transport.address import Address, parse_address
+from djinn.transport.arena import ArenaMapping
+
+from .channel import Channel
+
+
+def _lost(why: str) -> DjinnError:
+    return Unavailable(f"lost the connection to the appliance: {why}")
+
+
+class Client:
+    """A connection to one appliance. Cheap to keep; open sessions to hold tensors."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.address: Address = parse_address(address)
+        self.token = token
+        self._arenas: dict[str, ArenaMapping] = {}
+        self._ctl = Channel(self.address, _lost)
+        self.server = self._ctl.hello(token)
+
+    def session(self) -> Any:
+        """A new session (a context manager); everything it holds is freed when it ends."""
+        from .session import Session
+
+        return Session(self)
+
+    def stats(self) -> dict[str, Any]:
+        """The stats document (same as ``djinn status --json``)."""
+        return self._ctl.call(Kind.STATS).body
+
+    def kill_session(self, session_id: str) -> bool:
+        """End another session (operator action); True if it existed."""
+        return bool(self._ctl.call(Kind.KILL_SESSION, {"session": session_id}).body["killed"])
+
+    def ping(self) -> None:
+        self._ctl.call(Kind.PING)
+
+    def _map_arena(self, info: dict[str, Any]) -> ArenaMapping:
+        arena = self._arenas.get(info["name"])
+        if arena is None:
+            arena = self._arenas[info["name"]] = ArenaMapping(info["name"], info["size"])
+        return arena
+
+    def close(self) -> None:
+        self._ctl.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.address})"
+
+
+def _listening(path: str) -> bool:
+    if not path or not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def resolve_address(address: str | None, cfg: config_mod.Config) -> str:
+    """Argument, then DJINN_ADDRESS / djinn.toml ``address``, then a local appliance on
+    ``socket_path``, then an embedded appliance started for this process."""
+    if address:
+        return address
+    if cfg.address:
+        return cfg.address
+    if _listening(cfg.socket_path):
+        return f"unix://{cfg.socket_path}"
+    from .embedded import embedded_address
+
+    found = config_mod.find_config_file()
+    return embedded_address(cfg.embedded_start_timeout, str(found) if found else None)
+
+
+def connect(address: str | None = None, *, token: str | None = None) -> Client:
+    """Connect to an appliance (``unix:///path`` or ``tcp://host:port``).
+
+    With no address anywhere, an embedded appliance is started for this process and
+    stopped when it exits. ``token`` defaults to DJINN_TOKEN / token / token_file.
+    """
+    cfg = config_mod.load()
+    target = resolve_address(address, cfg)
+    if token is None and target.startswith("tcp://"):
+        token = config_mod.read_token(cfg)
+    return Client(target, token)

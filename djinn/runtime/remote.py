@@ -1,0 +1,53 @@
+"""RemoteTensor: a handle to a tensor that lives on the appliance.
+
+Shape, dtype and strides are known locally; the bytes stay remote until ``.cpu()``. When
+the RemoteTensor is garbage collected its handle is queued for freeing and the free
+rides along with the session's next request (a finalizer must never do I/O: it can run
+on any thread, even inside a request holding the channel lock).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.protocol.tensors import parse_dtype
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+class RemoteTensor:
+    __slots__ = ("__weakref__", "_finalizer", "dtype", "handle", "session", "shape", "strides")
+
+    def __init__(self, session: Session, handle: str, meta: dict[str, Any]) -> None:
+        self.session = session
+        self.handle = handle
+        self.dtype: torch.dtype = parse_dtype(meta["dtype"])
+        self.shape = torch.Size(meta["shape"])
+        self.strides = tuple(meta["strides"])
+        self._finalizer = weakref.finalize(self, session._free_later, handle)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def cpu(self) -> torch.Tensor:
+        """Fetch the bytes: a new local tensor with the same values, shape and layout."""
+        return self.session.get(self)
+
+    def free(self) -> None:
+        """Release the remote bytes now (also happens when this object is collected)."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self.session.free([self.handle])
+
+    def ref(self) -> dict[str, str]:
+        """This tensor as an input of an op graph."""
+        return {"$h": self.handle}
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"RemoteTensor(shape={list(self.shape)}, dtype={dtype}, handle={self.handle[:8]}…)"

@@ -1,0 +1,194 @@
+"""Session: a lease on the appliance that owns remote tensors.
+
+Opening one hands a fresh connection to a worker; from then on requests go straight to
+that worker. A background thread sends a heartbeat whenever the session has been idle
+for a heartbeat interval, so a live but quiet program keeps its lease, and a dead one
+loses it within ``interval * misses``.
+
+Bulk bytes to a same-host appliance go through the shared-memory arena: ALLOC leases a
+slab, the tensor is copied into it once, PUT hands it over. Over TCP the bytes follow the
+PUT frame and the worker receives them straight into a slab.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.errors import DjinnError, SessionLost, WorkerLost
+from djinn.protocol.frames import Frame, Kind
+from djinn.protocol.tensors import from_wire, to_wire, validate
+
+from .channel import Channel
+from .remote import RemoteTensor
+
+if TYPE_CHECKING:
+    from .client import Client
+
+
+def _u8(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+class Session:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._lost: str | None = None
+        self.channel = Channel(client.address, self._lost_error)
+        self.channel.hello(client.token)
+        info = self.channel.call(Kind.SESSION_OPEN, {"client": "python"}).body
+        self.id: str = info["session"]
+        self.worker: int = info["worker"]
+        self.device: str = info.get("device", "")
+        self.inline_max: int = info["inline_max"]
+        self.heartbeat_interval: float = info["heartbeat_interval"]
+        self.arena = client._map_arena(info["arena"]) if "arena" in info else None
+        self._pending_free: list[str] = []
+        self._last_call = time.monotonic()
+        self._closed = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"djinn-heartbeat-{self.id}",
+                                      daemon=True)
+        self._beat.start()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _lost_error(self, why: str) -> DjinnError:
+        if self._lost is None:
+            self._lost = why
+            return WorkerLost(f"the appliance worker serving session {self.id} went away "
+                              f"({why}); the request did not complete")
+        return SessionLost(f"session {getattr(self, 'id', '?')} is gone ({self._lost}); "
+                           "open a new session")
+
+    def _call(self, kind: Kind, body: dict[str, Any] | None = None, segments: Sequence = (),
+              **kw: Any) -> Any:
+        body = dict(body or {})
+        if self._pending_free:
+            pending, self._pending_free = self._pending_free, []
+            body["free"] = pending
+        self._last_call = time.monotonic()
+        return self.channel.call(kind, body, segments, **kw)
+
+    def _free_later(self, handle: str) -> None:
+        if not self._closed.is_set():
+            self._pending_free.append(handle)
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self.heartbeat_interval / 2):
+            if time.monotonic() - self._last_call < self.heartbeat_interval / 2:
+                continue
+            try:
+                self._call(Kind.HEARTBEAT)
+            except DjinnError:
+                return  # the next real call reports what happened
+
+    # -- tensors ---------------------------------------------------------------------------
+    def put(self, tensor: torch.Tensor) -> RemoteTensor:
+        """Copy ``tensor`` to the appliance; returns its remote handle."""
+        return self.put_many([tensor])[0]
+
+    def put_many(self, tensors: Iterable[torch.Tensor]) -> list[RemoteTensor]:
+        entries: list[dict[str, Any]] = []
+        segments: list[Any] = []
+        bulk: list[tuple[int, torch.Tensor]] = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"put() takes tensors, got {type(t).__name__}")
+            desc, flat = to_wire(t.detach().cpu())
+            if self.arena is not None and flat.numel() > self.inline_max:
+                bulk.append((len(entries), flat))
+                entries.append({"desc": desc})
+            else:
+                entries.append({"desc": desc, "seg": len(segments)})
+                segments.append(memoryview(flat.numpy()) if flat.numel() else b"")
+        if bulk:
+            slabs = self._call(Kind.ALLOC, {"sizes": [f.numel() for _, f in bulk]}).body["slabs"]
+            for (i, flat), off in zip(bulk, slabs):
+                self._arena_tensor(off, flat.numel()).copy_(flat)
+                entries[i]["slab"] = off
+        reply = self._call(Kind.PUT, {"tensors": entries}, segments).body
+        return [RemoteTensor(self, h, e["desc"]) for h, e in zip(reply["handles"], entries)]
+
+    def get(self, remote: RemoteTensor) -> torch.Tensor:
+        return self.get_many([remote])[0]
+
+    def get_many(self, remotes: Sequence[RemoteTensor]) -> list[torch.Tensor]:
+        return self._call(Kind.GET, {"handles": [r.handle for r in remotes]},
+                          sink=self._sink, after=self._unpack)["tensors"]
+
+    def free(self, handles: Iterable[str]) -> None:
+        self._call(Kind.FREE, {"handles": list(handles)})
+
+    def execute(
+        self,
+        nodes: list[dict[str, Any]],
+        *,
+        keep: Sequence[dict[str, Any]] = (),
+        fetch: Sequence[dict[str, Any]] = (),
+        inline: Sequence[torch.Tensor] = (),
+    ) -> tuple[list[RemoteTensor], list[Any]]:
+        """Run an op graph (see ``djinn.protocol.graph``) on the session's worker.
+
+        Returns (kept values as RemoteTensors, fetched values as tensors or numbers).
+        ``inline`` tensors are referenced in the graph as ``{"$t": i, "desc": ...}`` (use
+        :func:`inline_ref`).
+        """
+        segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
+        out = self._call(Kind.EXEC, {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
+                         segments, sink=self._sink, after=self._unpack)
+        kept = [RemoteTensor(self, k["handle"], k) for k in out["kept"]]
+        tensors = iter(out["tensors"])
+        fetched = [next(tensors) if v is None else v for v in out["values"]]
+        return kept, fetched
+
+    def _sink(self, _header: Any, _body: Any, lengths: list[int]) -> list[memoryview]:
+        self._received = [_u8(n) for n in lengths]
+        return [memoryview(t.numpy()) for t in self._received]
+
+    def _unpack(self, frame: Frame) -> dict[str, Any]:
+        """Turn a reply's tensor entries into local tensors (runs under the channel lock)."""
+        received, self._received = getattr(self, "_received", []), []
+        tensors = []
+        for item in frame.body.get("tensors", []):
+            if "slab" in item:
+                nbytes = _nbytes(item["desc"])
+                raw = _u8(nbytes)
+                raw.copy_(self._arena_tensor(item["slab"], nbytes))
+            else:
+                raw = received[item["seg"]]
+            tensors.append(from_wire(item["desc"], raw))
+        return {**frame.body, "tensors": tensors}
+
+    def _arena_tensor(self, off: int, nbytes: int) -> torch.Tensor:
+        assert self.arena is not None
+        return torch.frombuffer(self.arena.slab(off, nbytes), dtype=torch.uint8)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free everything the session holds on the appliance."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            if self._lost is None:
+                self._call(Kind.SESSION_CLOSE)
+        except DjinnError:
+            pass
+        finally:
+            self.channel.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id}, worker={self.worker}, device={self.device!r})"
+
+
+def _nbytes(desc: dict[str, Any]) -> int:
+    return validate(desc)[3]

@@ -1,0 +1,1 @@
+"""Sockets and shared memory: how frames and tensor bytes move between processes."""
