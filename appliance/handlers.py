@@ -166,7 +166,7 @@ def export(w: Worker, s: WorkerSession, tensors: list[torch.Tensor]) -> Reply:
             off = w.store.arena_offset(flat)
             if off is None:
                 off = w.store.slabs.alloc(nbytes)
-                s.pending_release.append(off)  # valid until the session's next request
+                s.pending_release.append(off)  # until the client lists it in "release"
                 w.store.slab_tensor(off, nbytes).copy_(flat)
             out.append({"desc": desc, "slab": off})
             continue

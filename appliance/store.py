@@ -79,6 +79,15 @@ class TensorStore:
             if ref.slab is not None:
                 self.slabs.free(ref.slab)
 
+    def release_slabs(self, session: WorkerSession, offsets: object) -> None:
+        """Reply slabs the client has finished reading (it lists them in a later request)."""
+        if not isinstance(offsets, list):
+            return
+        for off in offsets:
+            if off in session.pending_release:
+                session.pending_release.remove(off)
+                self.slabs.free(off)
+
     def release_pending(self, session: WorkerSession) -> None:
         while session.pending_release:
             self.slabs.free(session.pending_release.pop())

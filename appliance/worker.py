@@ -178,6 +178,7 @@ class Worker:
         self.frame_slabs.clear()
 
     def serve(self, s: WorkerSession) -> None:
+        s.touch()  # bytes arriving prove the client alive, even mid-way through a long upload
         while s.sock.fileno() >= 0:
             try:
                 frame = s.reader.poll()
@@ -213,7 +214,7 @@ class Worker:
                 )
             s.touch()
             s.requests += 1
-            self.store.release_pending(s)
+            self.store.release_slabs(s, frame.body.get("release"))
             self.free_piggybacked(s, frame.body.get("free"))
             if frame.kind == Kind.SESSION_CLOSE:
                 self.reply(s, rid, {"closed": True}, [])

@@ -1,9 +1,8 @@
 """A client's connection to the appliance: one blocking socket, one request at a time.
 
-Requests are serialised by a lock (the heartbeat thread shares the session's channel).
-``call`` runs an optional ``after`` callback while still holding the lock, which is how a
-reply that points into an arena slab is copied out before any later request on the
-session can let the worker reuse that slab.
+Requests are serialised by a lock (the heartbeat thread shares the session's channel);
+the lock covers only the socket exchange, so copying a large reply out of the arena never
+holds up a heartbeat.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ class Channel:
         segments: Sequence[Any] = (),
         *,
         sink: Sink | None = None,
-        after: Callable[[Frame], Any] | None = None,
-    ) -> Any:
+    ) -> Frame:
         with self.lock:
             if self.closed:
                 raise self._on_lost("connection already closed")
@@ -68,7 +66,7 @@ class Channel:
             if frame.request_id != rid:
                 self.close()
                 raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
-            return after(frame) if after is not None else frame
+            return frame
 
     def close(self) -> None:
         if not self.closed:

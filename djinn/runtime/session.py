@@ -47,7 +47,8 @@ class Session:
         self.inline_max: int = info["inline_max"]
         self.heartbeat_interval: float = info["heartbeat_interval"]
         self.arena = client._map_arena(info["arena"]) if "arena" in info else None
-        self._pending_free: list[str] = []
+        self._pending_free: list[str] = []  # handles collected by the GC, freed next call
+        self._release: list[int] = []  # reply slabs already copied out, released next call
         self._last_call = time.monotonic()
         self._closed = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name=f"djinn-heartbeat-{self.id}",
@@ -69,6 +70,9 @@ class Session:
         if self._pending_free:
             pending, self._pending_free = self._pending_free, []
             body["free"] = pending
+        if self._release:
+            release, self._release = self._release, []
+            body["release"] = release
         self._last_call = time.monotonic()
         return self.channel.call(kind, body, segments, **kw)
 
@@ -116,8 +120,8 @@ class Session:
         return self.get_many([remote])[0]
 
     def get_many(self, remotes: Sequence[RemoteTensor]) -> list[torch.Tensor]:
-        return self._call(Kind.GET, {"handles": [r.handle for r in remotes]},
-                          sink=self._sink, after=self._unpack)["tensors"]
+        frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=self._sink)
+        return self._unpack(frame)["tensors"]
 
     def free(self, handles: Iterable[str]) -> None:
         self._call(Kind.FREE, {"handles": list(handles)})
@@ -137,28 +141,32 @@ class Session:
         :func:`inline_ref`).
         """
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
-        out = self._call(Kind.EXEC, {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
-                         segments, sink=self._sink, after=self._unpack)
+        frame = self._call(Kind.EXEC, {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
+                           segments, sink=self._sink)
+        out = self._unpack(frame)
         kept = [RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         tensors = iter(out["tensors"])
         fetched = [next(tensors) if v is None else v for v in out["values"]]
         return kept, fetched
 
-    def _sink(self, _header: Any, _body: Any, lengths: list[int]) -> list[memoryview]:
-        self._received = [_u8(n) for n in lengths]
-        return [memoryview(t.numpy()) for t in self._received]
+    @staticmethod
+    def _sink(_header: Any, _body: Any, lengths: list[int]) -> list[memoryview]:
+        # TCP replies: receive each segment straight into the memory of a new tensor.
+        return [memoryview(_u8(n).numpy()) for n in lengths]
 
     def _unpack(self, frame: Frame) -> dict[str, Any]:
-        """Turn a reply's tensor entries into local tensors (runs under the channel lock)."""
-        received, self._received = getattr(self, "_received", []), []
+        """Turn a reply's tensor entries into local tensors: one copy out of the arena, or
+        the tensor the payload was received into."""
         tensors = []
         for item in frame.body.get("tensors", []):
             if "slab" in item:
                 nbytes = _nbytes(item["desc"])
                 raw = _u8(nbytes)
                 raw.copy_(self._arena_tensor(item["slab"], nbytes))
+                self._release.append(item["slab"])
             else:
-                raw = received[item["seg"]]
+                seg = frame.segments[item["seg"]]
+                raw = torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else _u8(0)
             tensors.append(from_wire(item["desc"], raw))
         return {**frame.body, "tensors": tensors}
 

@@ -1,0 +1,143 @@
+"""Shared fixtures: a real `djinn serve` subprocess, as a client would meet it."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+TOKEN = "test-token-0123456789"
+READY_TIMEOUT_S = 60
+
+
+@dataclass
+class Appliance:
+    proc: subprocess.Popen
+    socket_path: str
+    tcp_port: int
+    token: str
+    config_path: Path
+    readiness: str
+    stderr_path: Path
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def unix(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def tcp(self) -> str:
+        return f"tcp://127.0.0.1:{self.tcp_port}"
+
+    def connect(self, via: str = "unix"):
+        import djinn
+
+        if via == "unix":
+            return djinn.connect(self.unix)
+        return djinn.connect(self.tcp, token=self.token)
+
+    def stats(self) -> dict:
+        import djinn
+
+        with djinn.connect(self.unix) as c:
+            return c.stats()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+
+def start_appliance(tmp: Path, **settings) -> Appliance:
+    """Start `djinn serve` with a private socket, an ephemeral TCP port and a token."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    values = {
+        "socket_path": str(tmp / "djinn.sock"),
+        "tcp_port": 0,
+        "token": TOKEN,
+        "arena_bytes": "256MiB",
+        "heartbeat_interval": 1.0,
+        "heartbeat_misses": 3,
+        "log_level": "info",
+        "restart_backoff_max": 2.0,
+    }
+    values.update(settings)
+    lines = []
+    for k, v in values.items():
+        lines.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
+    cfg = tmp / "djinn.toml"
+    cfg.write_text("\n".join(lines).replace("True", "true").replace("False", "false") + "\n")
+    err = tmp / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
+        stdout=subprocess.PIPE, stderr=err.open("w"), stdin=subprocess.DEVNULL, text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    line = ""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("djinn ready"):
+                break
+        if proc.poll() is not None:
+            break
+    if not line.startswith("djinn ready"):
+        proc.kill()
+        raise RuntimeError(f"djinn serve did not start:\n{err.read_text()}")
+    m = re.search(r"tcp=[^ ]*:(\d+)", line)
+    return Appliance(proc, values["socket_path"], int(m.group(1)) if m else 0, TOKEN, cfg,
+                     line.strip(), err)
+
+
+@pytest.fixture(scope="session")
+def appliance(tmp_path_factory) -> Appliance:
+    """One appliance shared by the tests that do not disturb it."""
+    app = start_appliance(tmp_path_factory.mktemp("appliance"), arena_bytes="1536MiB")
+    yield app
+    app.stop()
+
+
+@pytest.fixture
+def fresh_appliance(tmp_path):
+    """A factory for an appliance a test may kill, restart or exhaust."""
+    started: list[Appliance] = []
+
+    def factory(**settings) -> Appliance:
+        app = start_appliance(tmp_path / f"a{len(started)}", **settings)
+        started.append(app)
+        return app
+
+    yield factory
+    for app in started:
+        app.stop(timeout=10)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """Poll until predicate() is truthy; return its value or raise AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)

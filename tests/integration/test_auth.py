@@ -1,0 +1,88 @@
+"""TCP needs the token; the Unix socket is private to the appliance's user."""
+
+from __future__ import annotations
+
+import os
+import stat
+import socket
+
+import pytest
+
+import djinn
+from djinn.errors import AuthFailed
+from djinn.protocol.frames import HEADER_SIZE, Kind, decode_body, decode_header, encode_body, encode_header
+
+
+def _raw_hello(port: int, body: dict) -> tuple[dict, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        raw = encode_body(body)
+        sock.sendall(encode_header(Kind.HELLO, 1, len(raw)) + raw)
+        head = sock.recv(HEADER_SIZE, socket.MSG_WAITALL)
+        h = decode_header(head, authenticated=True)
+        reply = decode_body(sock.recv(h.body_len, socket.MSG_WAITALL))
+        rest = sock.recv(16)  # the appliance closes after a failed HELLO
+        return {"kind": h.kind, **reply}, rest
+
+
+@pytest.mark.parametrize("token", [None, "wrong", "", 12345])
+def test_wrong_or_missing_token_gets_auth_failed_and_the_connection_closes(appliance, token):
+    body = {"client": "test"} if token is None else {"client": "test", "token": token}
+    reply, rest = _raw_hello(appliance.tcp_port, body)
+    assert reply["kind"] == Kind.ERROR and reply["code"] == "AUTH_FAILED"
+    assert rest == b""
+
+
+def test_client_with_wrong_token_raises_auth_failed(appliance):
+    with pytest.raises(AuthFailed):
+        djinn.connect(appliance.tcp, token="nope")
+    with pytest.raises(AuthFailed):
+        djinn.connect(appliance.tcp, token="")
+
+
+def test_right_token_is_accepted(appliance):
+    with djinn.connect(appliance.tcp, token=appliance.token) as c:
+        assert c.stats()["workers"]
+
+
+def test_unix_socket_is_owner_only(appliance):
+    mode = stat.S_IMODE(os.stat(appliance.socket_path).st_mode)
+    assert mode == 0o600
+
+
+def test_unix_peer_of_another_uid_is_refused(fresh_appliance):
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another user")
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="djinn-uid-test-")
+    os.chmod(where, 0o711)
+    appliance = fresh_appliance(socket_path=f"{where}/djinn.sock", tcp_enabled=False)
+    os.chmod(appliance.socket_path, 0o666)  # let the other user reach the credential check
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: become nobody, then connect as that user
+            code = "NO_REPLY"
+            try:
+                os.setuid(65534)
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(5)
+                s.connect(appliance.socket_path)
+                h = decode_header(s.recv(HEADER_SIZE, socket.MSG_WAITALL), authenticated=True)
+                code = decode_body(s.recv(h.body_len, socket.MSG_WAITALL))["code"]
+            except BaseException as exc:
+                code = f"{type(exc).__name__}: {exc}"
+            os.write(w, code.encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        got = os.read(r, 200).decode()
+    finally:
+        appliance.stop()
+        shutil.rmtree(where, ignore_errors=True)
+    assert got == "AUTH_FAILED"
+
+
+def test_tcp_binds_loopback_by_default(appliance):
+    assert "tcp=127.0.0.1:" in appliance.readiness

@@ -1,0 +1,160 @@
+"""Sessions: leases, disconnects and scoping free exactly what they should."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from djinn.errors import NotFound, SessionExpired
+from tests.conftest import wait_for
+
+LEASE = {"heartbeat_interval": 0.5, "heartbeat_misses": 2}  # lease = 1 s
+BOUND_S = 0.5 * 2 + 1.0  # interval * misses + 1 s
+
+
+def _holder(address: str, token: str | None = None) -> subprocess.Popen:
+    """A client process that holds bulk (arena) and small handles, then waits."""
+    code = textwrap.dedent(f"""
+        import sys, time, torch, djinn
+        c = djinn.connect({address!r}, token={token!r})
+        s = c.session()
+        keep = [s.put(torch.randn(512, 512)) for _ in range(4)] + [s.put(torch.ones(3))]
+        print(s.id, flush=True)
+        for line in sys.stdin:      # each line: make one call, report what happened
+            try:
+                keep[0].cpu()
+                print("ok", flush=True)
+            except djinn.DjinnError as exc:
+                print(exc.code, flush=True)
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _session_ids(app) -> set[str]:
+    return {s["id"] for s in app.stats()["sessions"]}
+
+
+def _arena_used(app) -> int:
+    return app.stats()["vmu"]["host_arena"]["used"]
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_sigkilled_client_loses_session_and_slabs_within_the_lease_bound(fresh_appliance, via):
+    app = fresh_appliance(**LEASE)
+    base = _arena_used(app)
+    proc = _holder(app.unix if via == "unix" else app.tcp, app.token if via == "tcp" else None)
+    sid = proc.stdout.readline().strip()
+    wait_for(lambda: sid in _session_ids(app))
+    # stats are pushed by the worker at most every 0.1 s: poll rather than read once
+    wait_for(lambda: _arena_used(app) >= base + 4 * (1 << 20))  # four 1 MiB tensors in slabs
+    assert app.stats()["vmu"]["devices"][0]["data"]["used"] >= 4 * (1 << 20)
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: sid not in _session_ids(app) and _arena_used(app) == base, timeout=BOUND_S)
+    assert app.stats()["vmu"]["devices"][0]["data"]["used"] == 0
+
+
+def test_silent_client_expires_and_its_next_call_gets_session_expired(fresh_appliance):
+    app = fresh_appliance(**LEASE)
+    base = _arena_used(app)
+    proc = _holder(app.unix)
+    sid = proc.stdout.readline().strip()
+    proc.stdin.write("call\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "ok"
+    os.kill(proc.pid, signal.SIGSTOP)  # alive but silent: no heartbeats
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: sid not in _session_ids(app) and _arena_used(app) == base,
+                 timeout=BOUND_S + 0.5)
+        assert time.monotonic() - stopped >= 0.9  # not before the lease ran out
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    proc.stdin.write("call\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "SESSION_EXPIRED"
+    assert sid not in _session_ids(app)  # never silently given a new session
+    proc.kill()
+    proc.wait()
+
+
+def test_quiet_client_keeps_its_session_through_heartbeats(fresh_appliance):
+    app = fresh_appliance(**LEASE)
+    with app.connect() as client, client.session() as s:
+        r = s.put(torch.arange(10))
+        time.sleep(2.5)  # > two leases with no request: only heartbeats keep it
+        assert torch.equal(r.cpu(), torch.arange(10))
+
+
+def test_expired_session_raises_session_expired_in_process(fresh_appliance):
+    app = fresh_appliance(**LEASE)
+    with app.connect() as client:
+        s = client.session()
+        r = s.put(torch.ones(2))
+        s._closed.set()  # stop heartbeats, as a hung program would
+        time.sleep(BOUND_S + 0.5)
+        with pytest.raises(SessionExpired):
+            r.cpu()
+        with pytest.raises(SessionExpired):
+            s.put(torch.ones(2))
+        s.channel.close()
+
+
+def test_handles_are_scoped_to_their_session(appliance):
+    with appliance.connect() as client, client.session() as a, client.session() as b:
+        ra = a.put(torch.ones(3))
+        stolen = type(ra)(b, ra.handle, {"dtype": "float32", "shape": [3], "strides": [1]})
+        with pytest.raises(NotFound):
+            stolen.cpu()
+        stolen._finalizer.detach()
+        assert torch.equal(ra.cpu(), torch.ones(3))
+
+
+def test_handles_are_unguessable(appliance):
+    with appliance.connect() as client, client.session() as s:
+        handles = {s.put(torch.ones(1)).handle for _ in range(50)}
+    assert len(handles) == 50
+    assert all(len(h) >= 22 for h in handles)  # 128 random bits, url-safe base64
+
+
+def test_closing_a_session_frees_its_handles_and_slabs(appliance):
+    def used():
+        st = appliance.stats()
+        return st["vmu"]["host_arena"]["used"], st["vmu"]["devices"][0]["data"]["used"]
+
+    before = used()
+    with appliance.connect() as client:
+        s = client.session()
+        keep = [s.put(torch.randn(1024, 1024)) for _ in range(3)]
+        wait_for(lambda: used()[0] >= before[0] + 3 * (4 << 20))
+        s.close()
+        wait_for(lambda: used() == before)
+    del keep
+
+
+def test_garbage_collected_remote_tensors_are_freed_with_the_next_call(appliance):
+    with appliance.connect() as client, client.session() as s:
+        for _ in range(5):
+            s.put(torch.randn(256, 1024))  # dropped at once
+        s.put(torch.ones(1))  # carries the frees
+        time.sleep(0.3)
+        mine = [x for x in client.stats()["sessions"] if x["id"] == s.id][0]
+        assert mine["handles"] <= 2
+
+
+def test_every_session_appears_in_the_stats_with_its_peer(appliance):
+    with appliance.connect() as client, client.session() as s:
+        s.put(torch.ones(4))
+        rows = wait_for(lambda: [x for x in client.stats()["sessions"] if x["id"] == s.id])
+        row = rows[0]
+        assert row["peer"].startswith("unix:pid=")
+        for key in ("age_s", "last_heartbeat_s", "handles", "bytes", "worker"):
+            assert key in row
