@@ -131,13 +131,15 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 # -- raw-socket peer (a separate process; no torch) -------------------------------------------
 _CMD = struct.Struct("<cQ")  # command, argument
+SINK_RING = 64 * MiB  # the peer's receive buffer: warm, reused, at most this big
 
 
 def peer_main(transport: str, where: str) -> int:
     """Serve the parent's commands on one socket until it closes.
 
-    ``P n``: echo n messages of PING_BYTES, blocking recv. ``S n``: receive n bytes into a
-    buffer of n bytes, then ack one byte. ``F``: drop the buffer, then ack.
+    ``P n``: echo n messages of PING_BYTES, blocking recv. ``S n``: receive n bytes with
+    ``recv_into`` (into one warm buffer of min(n, SINK_RING) bytes, reused round-robin, so
+    a 1 GiB stream does not cost the peer 1 GiB of memory), then ack one byte.
     """
     if transport == "unix":
         sock = socket.socket(fileno=int(where))
@@ -146,7 +148,7 @@ def peer_main(transport: str, where: str) -> int:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     head = memoryview(bytearray(_CMD.size))
     ping = memoryview(bytearray(PING_BYTES))
-    buf = bytearray()
+    ring = memoryview(bytearray())
     try:
         while True:
             recv_exact(sock, head)
@@ -156,13 +158,14 @@ def peer_main(transport: str, where: str) -> int:
                     recv_exact(sock, ping)
                     sock.sendall(ping)
             elif cmd == b"S":
-                if len(buf) != arg:
-                    buf = bytearray()
-                    buf = bytearray(arg)
-                recv_exact(sock, memoryview(buf))
-                sock.sendall(b"k")
-            elif cmd == b"F":
-                buf = bytearray()
+                if len(ring) < min(arg, SINK_RING):
+                    ring.release()
+                    ring = memoryview(bytearray(min(arg, SINK_RING)))
+                left = arg
+                while left:
+                    chunk = min(left, len(ring))
+                    recv_exact(sock, ring[:chunk])
+                    left -= chunk
                 sock.sendall(b"k")
     except (EOFError, ConnectionError):
         return 0
@@ -215,10 +218,6 @@ class Peer:
         self.sock.sendall(data)
         recv_exact(self.sock, self._ack)
         return (clock() - t0) / 1e9
-
-    def release(self) -> None:
-        self.sock.sendall(_CMD.pack(b"F", 0))
-        recv_exact(self.sock, self._ack)
 
     def close(self) -> None:
         self.sock.close()
@@ -392,71 +391,58 @@ def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[s
 
 
 # -- bulk ---------------------------------------------------------------------------------------
-def memcpy_ceiling(src: torch.Tensor, reps: int) -> dict[str, dict[str, float]]:
-    """``dst.copy_(src)`` into a warm buffer, and into a fresh one (as a reply lands)."""
-    import torch
-
-    n = src.numel()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    warm: list[float] = []
-    for _ in range(reps):
-        t0 = clock()
-        dst.copy_(src)
-        warm.append((clock() - t0) / 1e9)
-    del dst
-    fresh: list[float] = []
-    for _ in range(reps):
-        t0 = clock()
-        out = torch.empty_like(src)
-        out.copy_(src)
-        fresh.append((clock() - t0) / 1e9)
-        del out
-    return {"warm": rate(n, warm), "fresh": rate(n, fresh)}
-
-
-def socket_ceiling(peer: Peer, data: memoryview, reps: int) -> dict[str, float]:
-    peer.stream(data)  # warm-up: the peer allocates and faults in its buffer
-    times = [peer.stream(data) for _ in range(reps)]
-    return rate(data.nbytes, times)
-
-
-def bulk_djinn(s: Session, src: torch.Tensor, reps: int) -> dict[str, Any]:
-    import torch
-
-    n = src.numel()
-    r = s.put(src)  # warm-up and a correctness check, outside the timings
-    out = r.cpu()
-    if not torch.equal(out, src):
-        raise AssertionError(f"bulk round trip of {fmt_bytes(n)} returned different bytes")
-    r.free()
-    del r, out
-    put_s: list[float] = []
-    get_s: list[float] = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = clock()
-        r = s.put(src)
-        t1 = clock()
-        out = r.cpu()
-        t2 = clock()
-        put_s.append((t1 - t0) / 1e9)
-        get_s.append((t2 - t1) / 1e9)
-        r.free()  # give the slab back before the next repetition
-        del r, out
-    return {
-        "put": rate(n, put_s),
-        "get": rate(n, get_s),
-        "combined": rate(2 * n, [p + g for p, g in zip(put_s, get_s)]),
-    }
-
-
 def reps_for(nbytes: int, quick: bool) -> int:
     if nbytes <= 8 * MiB:
-        return 10 if quick else 40
+        return 10 if quick else 50
     if nbytes <= 256 * MiB:
-        return 3 if quick else 8
-    return 2 if quick else 3
+        return 3 if quick else 10
+    return 2 if quick else 5
+
+
+def seconds_since(t0: int) -> float:
+    return (clock() - t0) / 1e9
+
+
+def bulk_round(
+    src: torch.Tensor, sessions: dict[str, Session], raw: dict[str, Peer], *, check: bool
+) -> dict[str, list[float]]:
+    """One timing of every path and ceiling, back to back, so that all of them see the
+    same machine (interleaving rounds beats measuring each path in its own noisy slot).
+
+    Memory stays at src + one arena slab + one result: the warm memcpy ceiling copies
+    into the result a get has just produced (already faulted in), and the result and the
+    remote tensor are dropped before the next path.
+    """
+    import torch
+
+    got: dict[str, list[float]] = {}
+    data = memoryview(src.numpy())
+    for transport, peer in raw.items():
+        got[f"socket_{transport}"] = [peer.stream(data)]
+    data.release()
+    for transport, s in sessions.items():
+        t0 = clock()
+        r = s.put(src)
+        put_s = seconds_since(t0)
+        t0 = clock()
+        out = r.cpu()
+        get_s = seconds_since(t0)
+        r.free()  # give the slab back before anything else runs
+        if check and not torch.equal(out, src):
+            raise AssertionError(f"bulk round trip over {transport} returned different bytes")
+        t0 = clock()
+        out.copy_(src)
+        got.setdefault("memcpy", []).append(seconds_since(t0))
+        del r, out
+        got[f"put_{transport}"] = [put_s]
+        got[f"get_{transport}"] = [get_s]
+        got[f"combined_{transport}"] = [put_s + get_s]
+    t0 = clock()
+    fresh = torch.empty_like(src)
+    fresh.copy_(src)
+    got["alloc_memcpy"] = [seconds_since(t0)]
+    del fresh
+    return got
 
 
 def bulk_size(
@@ -465,32 +451,28 @@ def bulk_size(
     import torch
 
     reps = reps_for(nbytes, quick)
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    src.copy_(torch.arange(256, dtype=torch.uint8).repeat(-(-nbytes // 256))[:nbytes])
-    data = memoryview(src.numpy())
-    note(f"bulk {fmt_bytes(nbytes)}: ceilings ({reps} reps)")
-    memcpy = memcpy_ceiling(src, reps)
-    sockets: dict[str, dict[str, float]] = {}
-    for transport, peer in raw.items():
-        sockets[transport] = socket_ceiling(peer, data, reps)
-        peer.release()  # the peer's buffer must not sit beside the appliance's copies
-    del data
-    paths: dict[str, Any] = {}
-    for transport, s in sessions.items():
-        note(f"bulk {fmt_bytes(nbytes)}: djinn over {transport}")
-        got = bulk_djinn(s, src, reps)
-        best = got["combined"]["best_gbps"]
-        got["vs_memcpy"] = ratio(best, memcpy["warm"]["best_gbps"])
-        got["vs_socket"] = ratio(best, sockets[transport]["best_gbps"])
-        paths[transport] = got
+    note(f"bulk {fmt_bytes(nbytes)}: 1 warm-up + {reps} interleaved rounds")
+    src = torch.arange(256, dtype=torch.uint8).repeat(-(-nbytes // 256))[:nbytes].clone()
+    bulk_round(src, sessions, raw, check=True)  # warm-up and a correctness check
+    times: dict[str, list[float]] = {}
+    for _ in range(reps):
+        gc.collect()
+        for key, values in bulk_round(src, sessions, raw, check=False).items():
+            times.setdefault(key, []).extend(values)
     del src
-    return {
-        "bytes": nbytes,
-        "reps": reps,
-        "memcpy": memcpy,
-        "raw_socket": sockets,
-        "djinn": paths,
-    }
+    memcpy = {"warm": rate(nbytes, times["memcpy"]), "fresh": rate(nbytes, times["alloc_memcpy"])}
+    sockets = {t: rate(nbytes, times[f"socket_{t}"]) for t in raw}
+    paths: dict[str, Any] = {}
+    for t in sessions:
+        combined = rate(2 * nbytes, times[f"combined_{t}"])
+        paths[t] = {
+            "put": rate(nbytes, times[f"put_{t}"]),
+            "get": rate(nbytes, times[f"get_{t}"]),
+            "combined": combined,
+            "vs_memcpy": ratio(combined["best_gbps"], memcpy["warm"]["best_gbps"]),
+            "vs_socket": ratio(combined["best_gbps"], sockets[t]["best_gbps"]),
+        }
+    return {"bytes": nbytes, "reps": reps, "memcpy": memcpy, "raw_socket": sockets, "djinn": paths}
 
 
 # -- report -------------------------------------------------------------------------------------

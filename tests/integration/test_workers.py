@@ -1,0 +1,84 @@
+"""A worker that dies is noticed, its sessions fail typed, and a replacement takes over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from djinn.errors import SessionLost, WorkerLost
+from tests.conftest import wait_for
+
+
+def _workers(app) -> dict[int, dict]:
+    return {w["id"]: w for w in app.stats()["workers"]}
+
+
+def _long_graph(n: int = 400) -> list[dict]:
+    nodes = [{"op": "aten::randn.default", "args": [[1024, 1024]]}]
+    for i in range(n):
+        nodes.append({"op": "aten::mm.default", "args": [{"$v": i}, {"$v": 0}]})
+    return nodes
+
+
+def test_worker_sigkill_fails_in_flight_request_then_recovers(fresh_appliance):
+    app = fresh_appliance(cpu_workers=2)
+    with app.connect() as client:
+        a, b = client.session(), client.session()
+        assert {a.worker, b.worker} == {0, 1}  # least-loaded placement spreads them
+        ra = a.put(torch.randn(256, 256))
+        t_b = torch.randn(300, 300)
+        rb = b.put(t_b)
+        victim = _workers(app)[a.worker]
+        outcome: list[BaseException] = []
+
+        def in_flight():
+            try:
+                a.execute(_long_graph(), fetch=[{"$v": 1}])
+            except BaseException as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        wait_for(lambda: _workers(app)[a.worker]["sessions"] >= 1)
+        import time
+
+        time.sleep(0.3)  # the graph is executing now
+        os.kill(victim["pid"], signal.SIGKILL)
+        t.join(30)
+        assert outcome and isinstance(outcome[0], WorkerLost)
+        with pytest.raises(SessionLost):
+            ra.cpu()
+
+        # detected within a second of the kill
+        wait_for(lambda: (w := _workers(app)[victim["id"]])["restarts"] >= 1 or not w["alive"],
+                 timeout=1.0)
+        # a replacement appears, with a new pid
+        new = wait_for(lambda: (w := _workers(app)[victim["id"]])["alive"] and w["ready"]
+                       and w["pid"] != victim["pid"] and w, timeout=20)
+        assert new["restarts"] == 1
+        # the other worker's session kept its handles
+        assert torch.equal(rb.cpu(), t_b)
+        # new sessions work (both workers serve)
+        for _ in range(2):
+            with client.session() as s:
+                assert torch.equal(s.put(torch.arange(5)).cpu(), torch.arange(5))
+        a.close()
+        b.close()
+
+
+def test_crash_loop_backs_off(fresh_appliance):
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.5)
+    pids = []
+    for _ in range(3):
+        w = wait_for(lambda: (w := _workers(app)[0])["alive"] and w["ready"] and w, timeout=30)
+        pids.append(w["pid"])
+        os.kill(w["pid"], signal.SIGKILL)
+        wait_for(lambda p=w["pid"]: _workers(app)[0]["pid"] != p or not _workers(app)[0]["alive"])
+    w = wait_for(lambda: (w := _workers(app)[0])["alive"] and w["ready"] and w, timeout=30)
+    assert w["restarts"] == 3
+    assert len(set(pids + [w["pid"]])) == 4
+    assert "died" in app.log() and "restarting in 1.0s" in app.log()
