@@ -55,19 +55,21 @@ def header(
     return struct.pack("<4sBBHQiq", magic, version, int(kind), flags, rid, body_len, payload_len)
 
 
-def frame(kind: Kind, body: dict[str, Any] | None = None, payload: bytes = b"", **kw: Any) -> bytes:
+def frame(
+    kind: Kind, body: dict[str, Any] | None = None, payload: bytes = b"", *, rid: int = RID
+) -> bytes:
     raw = encode_body(body) if body is not None else b""
-    return raw_frame(kind, raw, payload, **kw)
+    return raw_frame(kind, raw, payload, rid=rid)
 
 
 def raw_frame(kind: Kind, raw_body: bytes, payload: bytes = b"", *, rid: int = RID) -> bytes:
     return encode_header(kind, rid, len(raw_body), len(payload)) + raw_body + payload
 
 
-def put(desc: Any, payload: bytes, **entry: Any) -> bytes:
+def put(desc: Any, payload: bytes, rid: int = RID, **entry: Any) -> bytes:
     """A PUT of one tensor sent inline as payload segment 0."""
     body = {"tensors": [{"desc": desc, "seg": 0, **entry}], "segs": [len(payload)]}
-    return frame(Kind.PUT, body, payload)
+    return frame(Kind.PUT, body, payload, rid=rid)
 
 
 def exec_graph(nodes: list, **body: Any) -> bytes:
@@ -81,11 +83,11 @@ def f32(shape: list[int], strides: list[int] | None = None) -> dict[str, Any]:
     return desc
 
 
-def nested(depth: int) -> Any:
-    value: Any = 1
-    for _ in range(depth):
-        value = [value]
-    return value
+def exec_with_nested_args(depth: int) -> bytes:
+    """An EXEC whose one constant is ``depth`` nested lists (orjson parses up to 1024)."""
+    args = "[" * depth + "1" + "]" * depth
+    raw = '{"nodes": [{"op": "aten::zeros.default", "args": [%s]}], "keep": [], "fetch": []}'
+    return raw_frame(Kind.EXEC, (raw % args).encode())
 
 
 # -- reading replies ---------------------------------------------------------------------------
@@ -328,8 +330,12 @@ AFTER_HELLO = [
 
 IN_SESSION = [
     # PUT with a descriptor that does not describe its bytes
-    session_case("put-unknown-dtype", put({"dtype": "float128", "shape": [2]}, bytes(8)), "INVALID_ARGUMENT"),
-    session_case("put-dtype-not-a-string", put({"dtype": 7, "shape": [2]}, bytes(2)), "INVALID_ARGUMENT"),
+    session_case(
+        "put-unknown-dtype", put({"dtype": "float128", "shape": [2]}, bytes(8)), "INVALID_ARGUMENT"
+    ),
+    session_case(
+        "put-dtype-not-a-string", put({"dtype": 7, "shape": [2]}, bytes(2)), "INVALID_ARGUMENT"
+    ),
     session_case(
         "put-overlapping-strides",
         put(f32([2, 2], [1, 1]), bytes(16)),
@@ -338,13 +344,21 @@ IN_SESSION = [
     ),
     session_case("put-expanded-stride-0", put(f32([4], [0]), bytes(16)), "INVALID_ARGUMENT"),
     session_case("put-negative-shape", put(f32([-1]), b""), "INVALID_ARGUMENT"),
-    session_case("put-negative-stride-tcp", put(f32([2], [-1]), bytes(8)), "INVALID_ARGUMENT", via="tcp"),
+    session_case(
+        "put-negative-stride-tcp", put(f32([2], [-1]), bytes(8)), "INVALID_ARGUMENT", via="tcp"
+    ),
     session_case("put-strides-wrong-length", put(f32([2, 2], [2]), bytes(16)), "INVALID_ARGUMENT"),
-    session_case("put-shape-not-a-list", put(f32(4), bytes(16)), "INVALID_ARGUMENT"),  # type: ignore[arg-type]
+    session_case(
+        "put-shape-not-a-list", put({"dtype": "float32", "shape": 4}, bytes(16)), "INVALID_ARGUMENT"
+    ),
     session_case("put-desc-not-an-object", put([4], bytes(16)), "INVALID_ARGUMENT"),
     session_case("put-payload-too-short", put(f32([4]), bytes(8)), "INVALID_ARGUMENT"),
-    session_case("put-payload-too-long-tcp", put(f32([1]), bytes(8)), "INVALID_ARGUMENT", via="tcp"),
-    session_case("put-shape-2-pow-80-elements", put(f32([2**40, 2**40]), bytes(16)), "INVALID_ARGUMENT"),
+    session_case(
+        "put-payload-too-long-tcp", put(f32([1]), bytes(8)), "INVALID_ARGUMENT", via="tcp"
+    ),
+    session_case(
+        "put-shape-2-pow-80-elements", put(f32([2**40, 2**40]), bytes(16)), "INVALID_ARGUMENT"
+    ),
     session_case("put-seg-out-of-range", put(f32([1]), bytes(4), seg=3), "INVALID_ARGUMENT"),
     session_case(
         "put-tensors-not-a-list",
@@ -364,27 +378,45 @@ IN_SESSION = [
     ),
     # handles that do not exist
     session_case("get-unknown-handle", frame(Kind.GET, {"handles": ["nope"]}), "NOT_FOUND"),
-    session_case("get-integer-handle-tcp", frame(Kind.GET, {"handles": [123]}), "NOT_FOUND", via="tcp"),
-    session_case("get-handles-not-a-list", frame(Kind.GET, {"handles": "nope"}), "INVALID_ARGUMENT"),
+    session_case(
+        "get-integer-handle-tcp", frame(Kind.GET, {"handles": [123]}), "NOT_FOUND", via="tcp"
+    ),
+    session_case(
+        "get-handles-not-a-list", frame(Kind.GET, {"handles": "nope"}), "INVALID_ARGUMENT"
+    ),
     session_case("free-unknown-handle", frame(Kind.FREE, {"handles": ["nope"]}), "NOT_FOUND"),
-    session_case("free-list-handle-tcp", frame(Kind.FREE, {"handles": [["x"]]}), "NOT_FOUND", via="tcp"),
+    session_case(
+        "free-list-handle-tcp", frame(Kind.FREE, {"handles": [["x"]]}), "NOT_FOUND", via="tcp"
+    ),
     session_case(
         "exec-unknown-handle",
         exec_graph([{"op": "aten::neg.default", "args": [{"$h": "nope"}]}]),
         "NOT_FOUND",
     ),
     # op names outside torch.ops.aten / prims
-    session_case("exec-builtins-eval", exec_graph([{"op": "builtins::eval", "args": ["1+1"]}]), "UNSUPPORTED_OP"),
-    session_case("exec-aten-dunder-class", exec_graph([{"op": "aten::__class__", "args": []}]), "UNSUPPORTED_OP"),
+    session_case(
+        "exec-builtins-eval",
+        exec_graph([{"op": "builtins::eval", "args": ["1+1"]}]),
+        "UNSUPPORTED_OP",
+    ),
+    session_case(
+        "exec-aten-dunder-class",
+        exec_graph([{"op": "aten::__class__", "args": []}]),
+        "UNSUPPORTED_OP",
+    ),
     session_case(
         "exec-overload-dunder-class-tcp",
         exec_graph([{"op": "aten::add.__class__", "args": []}]),
         "UNSUPPORTED_OP",
         via="tcp",
     ),
-    session_case("exec-no-such-aten-op", exec_graph([{"op": "aten::no_such_op_xyz"}]), "UNSUPPORTED_OP"),
+    session_case(
+        "exec-no-such-aten-op", exec_graph([{"op": "aten::no_such_op_xyz"}]), "UNSUPPORTED_OP"
+    ),
     session_case("exec-python-path", exec_graph([{"op": "torch.ops.aten.add"}]), "UNSUPPORTED_OP"),
-    session_case("exec-os-system", exec_graph([{"op": "os::system", "args": ["true"]}]), "UNSUPPORTED_OP"),
+    session_case(
+        "exec-os-system", exec_graph([{"op": "os::system", "args": ["true"]}]), "UNSUPPORTED_OP"
+    ),
     session_case("exec-op-not-a-string", exec_graph([{"op": ["aten::add"]}]), "UNSUPPORTED_OP"),
     # graphs that do not hold together
     session_case(
@@ -420,12 +452,14 @@ IN_SESSION = [
     ),
     session_case(
         "exec-args-nested-too-deeply",
-        exec_graph([{"op": "aten::zeros.default", "args": [nested(900)]}]),
+        exec_with_nested_args(1000),
         "INVALID_ARGUMENT",
     ),
     session_case("exec-nodes-not-a-list", frame(Kind.EXEC, {"nodes": {}}), "INVALID_ARGUMENT"),
     # ALLOC is for same-host clients
-    session_case("alloc-over-tcp", frame(Kind.ALLOC, {"sizes": [64]}), "INVALID_ARGUMENT", via="tcp"),
+    session_case(
+        "alloc-over-tcp", frame(Kind.ALLOC, {"sizes": [64]}), "INVALID_ARGUMENT", via="tcp"
+    ),
     session_case("alloc-negative-size", frame(Kind.ALLOC, {"sizes": [-1]}), "INVALID_ARGUMENT"),
     # a well-formed frame that is not a session request
     session_case("hello-inside-session", frame(Kind.HELLO, {}), "PROTOCOL_ERROR"),
@@ -434,7 +468,9 @@ IN_SESSION = [
     session_case("session-bad-magic-tcp", _GARBAGE, "PROTOCOL_ERROR", via="tcp", closes=True),
     session_case("session-version-0", header(version=0), "VERSION_MISMATCH", closes=True),
     session_case("session-unknown-kind", header(200), "PROTOCOL_ERROR", closes=True),
-    session_case("session-unknown-flags-tcp", header(flags=4), "PROTOCOL_ERROR", via="tcp", closes=True),
+    session_case(
+        "session-unknown-flags-tcp", header(flags=4), "PROTOCOL_ERROR", via="tcp", closes=True
+    ),
     session_case("session-negative-body-len", header(body_len=-8), "PROTOCOL_ERROR", closes=True),
     session_case(
         "session-body-over-max-body",
@@ -449,7 +485,9 @@ IN_SESSION = [
         via="tcp",
         closes=True,
     ),
-    session_case("session-invalid-json", raw_frame(Kind.PUT, b"{tensors}"), "PROTOCOL_ERROR", closes=True),
+    session_case(
+        "session-invalid-json", raw_frame(Kind.PUT, b"{tensors}"), "PROTOCOL_ERROR", closes=True
+    ),
     session_case(
         "session-segs-mismatch",
         frame(Kind.PUT, {"tensors": [], "segs": [4, 4]}, bytes(4)),
@@ -499,21 +537,24 @@ def test_corpus_has_at_least_30_cases_with_unique_ids():
     assert len(set(ids)) == len(ids)
 
 
-def test_session_survives_a_burst_of_request_errors_then_serves_a_put(appliance):
+def test_session_answers_pipelined_bad_requests_in_order_then_round_trips_a_tensor(appliance):
+    bad = [p.values[0].data for p in IN_SESSION if not p.values[0].closes]
     sock = connect_raw(appliance, "unix")
     with sock:
         hello(sock, appliance, "unix")
         open_session(sock)
-        bad = [p.values[0].data for p in IN_SESSION if not p.values[0].closes]
-        sock.sendall(b"".join(bad))  # pipelined: each answered in order, none fatal
+        sock.sendall(b"".join(bad))  # pipelined: each answered in turn, none fatal
         for _ in bad:
             head, _body = read_error(sock)
             assert head.request_id == RID
-        t = torch.arange(4, dtype=torch.float32)
-        reply = request(sock, Kind.PUT, {"tensors": [{"desc": f32([4]), "seg": 0}]}, rid=5)
-        # the PUT above sent no payload: its descriptor needs 16 bytes
-        assert reply is None or "handles" in reply
-        del t
+        data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+        sock.sendall(put(f32([4]), data, rid=5))
+        head, reply, _ = read_frame(sock)
+        assert (head.kind, head.request_id) == (Kind.REPLY, 5), reply
+        sock.sendall(frame(Kind.GET, {"handles": reply["handles"]}, rid=6))
+        head, reply, payload = read_frame(sock)
+        assert (head.kind, head.request_id) == (Kind.REPLY, 6), reply
+        assert payload == data
     assert_appliance_serves(appliance)
 
 

@@ -73,3 +73,11 @@ def test_markdown_reference_lists_every_setting():
     table = config.markdown_table()
     for s in config.SETTINGS:
         assert f"`{s.key}`" in table and s.env in table
+
+
+def test_operations_doc_holds_the_generated_settings_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    body = doc.split("<!-- settings:begin -->\n", 1)[1].split("\n<!-- settings:end -->", 1)[0]
+    assert body == config.markdown_table(), "regenerate with: python -m djinn.config"
