@@ -7,6 +7,7 @@ are and leaves every CUDA call to the workers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 log = logging.getLogger("djinn.appliance.devices")
@@ -24,10 +25,8 @@ def nvml_gpu_count() -> int:
     try:
         return int(pynvml.nvmlDeviceGetCount())
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def worker_devices(gpus: str, cpu_workers: int) -> list[str]:

@@ -12,6 +12,7 @@ loop out of select; timeouts and exit codes are named constants below.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -155,10 +156,8 @@ class Supervisor:
             elif tag == "worker":
                 self._on_worker(data)
             elif tag == "wake":
-                try:
+                with contextlib.suppress(BlockingIOError):
                     self._wake_r.recv(512)
-                except BlockingIOError:
-                    pass
         self._tick()
 
     def _tick(self) -> None:
@@ -200,10 +199,8 @@ class Supervisor:
         self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
 
     def _reject(self, sock: socket.socket, exc: DjinnError) -> None:
-        try:
+        with contextlib.suppress(OSError):
             sock.sendall(encode_error(0, exc.code, exc.message))
-        except OSError:
-            pass
         sock.close()
 
     def _close(self, conn: ClientConn) -> None:
@@ -354,18 +351,14 @@ class Supervisor:
             self.sel.unregister(sock)
             sock.close()
             if via_unix and self.cfg.socket_path:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(self.cfg.socket_path)
-                except OSError:
-                    pass
         for conn in list(self.conns.values()):
             self._close(conn)
         for w in self.workers:
             if w.alive and w.ctl is not None:
-                try:
+                with contextlib.suppress(OSError):
                     control.send(w.ctl, {"op": "drain"})
-                except OSError:
-                    pass
         deadline = time.monotonic() + self.cfg.drain_timeout
         for w in self.workers:
             if w.proc is None:

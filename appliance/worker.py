@@ -13,6 +13,7 @@ loop never blocks on a slow client except while writing a reply (bounded by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import selectors
@@ -256,9 +257,10 @@ class Worker:
     # -- stats and shutdown -------------------------------------------------------------
     def push_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and (not self._dirty or now - self._last_push < STATS_PUSH_S):
-            if now - self._last_push < 1.0:
-                return
+        since = now - self._last_push
+        # dirty: at most every STATS_PUSH_S; clean: once a second (ages and heartbeats move)
+        if not force and since < (STATS_PUSH_S if self._dirty else 1.0):
+            return
         self._last_push = now
         self._dirty = False
         msg = {
@@ -298,10 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(ctl, init)
     except Exception as exc:
         log.exception("worker %s failed to start", init.get("worker"))
-        try:
+        with contextlib.suppress(OSError):
             control.send(ctl, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
-        except OSError:
-            pass
         return 3
     return worker.run()
 

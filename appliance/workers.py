@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -64,10 +65,8 @@ class WorkerHandle:
         self.alive = False
         self.ready = False
         if self.proc is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.kill()
-            except OSError:
-                pass
             code = self.proc.wait()
             self.last_error = self.last_error or f"exit code {code}"
         if self.ctl is not None:

@@ -43,8 +43,10 @@ def main() -> None:
 
         st = client.stats()
         arena = st["vmu"]["host_arena"]
-        print(f"workers: {[w['device'] for w in st['workers']]}, sessions: {len(st['sessions'])}, "
-              f"host arena {human_bytes(arena['used'])} / {human_bytes(arena['capacity'])}")
+        print(
+            f"workers: {[w['device'] for w in st['workers']]}, sessions: {len(st['sessions'])}, "
+            f"host arena {human_bytes(arena['used'])} / {human_bytes(arena['capacity'])}"
+        )
     client.close()
 
 

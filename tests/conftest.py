@@ -87,7 +87,10 @@ def start_appliance(tmp: Path, **settings) -> Appliance:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
-        stdout=subprocess.PIPE, stderr=err.open("w"), stdin=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=err.open("w"),
+        stdin=subprocess.DEVNULL,
+        text=True,
         env=env,
     )
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -104,8 +107,9 @@ def start_appliance(tmp: Path, **settings) -> Appliance:
         proc.kill()
         raise RuntimeError(f"djinn serve did not start:\n{err.read_text()}")
     m = re.search(r"tcp=[^ ]*:(\d+)", line)
-    return Appliance(proc, values["socket_path"], int(m.group(1)) if m else 0, TOKEN, cfg,
-                     line.strip(), err)
+    return Appliance(
+        proc, values["socket_path"], int(m.group(1)) if m else 0, TOKEN, cfg, line.strip(), err
+    )
 
 
 @pytest.fixture(scope="session")

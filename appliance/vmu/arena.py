@@ -7,6 +7,7 @@ without touching a live appliance's segment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -86,7 +87,5 @@ class HostArenaSegment:
         shm.close_fd()
 
     def unlink(self) -> None:
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass

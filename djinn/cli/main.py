@@ -4,32 +4,38 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Djinn: remote and shared GPUs that feel local to PyTorch programs.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Djinn: remote and shared GPUs that feel local to PyTorch programs.",
+)
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
 
 @app.command()
 def serve(
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
-    socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket path."),
-    tcp_host: Optional[str] = typer.Option(None, help="TCP bind address."),
-    tcp_port: Optional[int] = typer.Option(None, help="TCP port (0: any free port)."),
+    config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+    socket_path: str | None = typer.Option(None, "--socket", help="Unix socket path."),
+    tcp_host: str | None = typer.Option(None, help="TCP bind address."),
+    tcp_port: int | None = typer.Option(None, help="TCP port (0: any free port)."),
     no_tcp: bool = typer.Option(False, "--no-tcp", help="Listen on the Unix socket only."),
-    cpu_workers: Optional[int] = typer.Option(None, help="CPU workers when no GPU is used."),
-    gpus: Optional[str] = typer.Option(None, help="'auto', 'none' or a list like '0,1'."),
-    arena_bytes: Optional[str] = typer.Option(None, help="Host arena size, e.g. 2GiB."),
-    log_level: Optional[str] = typer.Option(None, help="debug, info, warning, error."),
-    parent_pid: Optional[int] = typer.Option(None, hidden=True,
-                                             help="Exit when this process does (embedded)."),
+    cpu_workers: int | None = typer.Option(None, help="CPU workers when no GPU is used."),
+    gpus: str | None = typer.Option(None, help="'auto', 'none' or a list like '0,1'."),
+    arena_bytes: str | None = typer.Option(None, help="Host arena size, e.g. 2GiB."),
+    log_level: str | None = typer.Option(None, help="debug, info, warning, error."),
+    parent_pid: int | None = typer.Option(
+        None, hidden=True, help="Exit when this process does (embedded)."
+    ),
 ) -> None:
     """Run the appliance: a supervisor and one executor worker per device."""
     from djinn import config as config_mod
@@ -37,9 +43,15 @@ def serve(
 
     try:
         cfg = config_mod.load(config).with_overrides(
-            socket_path=socket_path, tcp_host=tcp_host, tcp_port=tcp_port,
-            tcp_enabled=False if no_tcp else None, cpu_workers=cpu_workers, gpus=gpus,
-            arena_bytes=arena_bytes, log_level=log_level)
+            socket_path=socket_path,
+            tcp_host=tcp_host,
+            tcp_port=tcp_port,
+            tcp_enabled=False if no_tcp else None,
+            cpu_workers=cpu_workers,
+            gpus=gpus,
+            arena_bytes=arena_bytes,
+            log_level=log_level,
+        )
     except DjinnError as exc:
         typer.echo(f"djinn serve: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -51,10 +63,10 @@ def serve(
 
 @app.command()
 def status(
-    address: Optional[str] = typer.Option(None, help="unix:///path or tcp://host:port."),
-    token: Optional[str] = typer.Option(None, help="Token for a TCP address."),
+    address: str | None = typer.Option(None, help="unix:///path or tcp://host:port."),
+    token: str | None = typer.Option(None, help="Token for a TCP address."),
     as_json: bool = typer.Option(False, "--json", help="Print the stats document as JSON."),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+    config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
 ) -> None:
     """Show workers, sessions and memory of a running appliance."""
     from djinn import config as config_mod

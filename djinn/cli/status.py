@@ -25,8 +25,10 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
 def _usage(seg: dict[str, int]) -> str:
     cap = seg.get("capacity", 0)
     pct = f" ({100 * seg.get('used', 0) / cap:.0f}%)" if cap else ""
-    return (f"{human_bytes(seg.get('used', 0))} / {human_bytes(cap)}{pct}, "
-            f"peak {human_bytes(seg.get('peak', 0))}")
+    return (
+        f"{human_bytes(seg.get('used', 0))} / {human_bytes(cap)}{pct}, "
+        f"peak {human_bytes(seg.get('peak', 0))}"
+    )
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -34,15 +36,37 @@ def render(doc: dict[str, Any]) -> str:
     addrs = ", ".join(app.get("addresses", {}).values())
     lines = [f"Djinn appliance pid {app['pid']}  up {app['uptime_s']:.0f}s  {addrs}", ""]
     lines.append("Workers")
-    lines += _table(["id", "device", "pid", "alive", "restarts", "sessions"],
-                    [[w["id"], w["device"], w["pid"], "yes" if w["alive"] else "NO",
-                      w["restarts"], w["sessions"]] for w in doc["workers"]])
+    lines += _table(
+        ["id", "device", "pid", "alive", "restarts", "sessions"],
+        [
+            [
+                w["id"],
+                w["device"],
+                w["pid"],
+                "yes" if w["alive"] else "NO",
+                w["restarts"],
+                w["sessions"],
+            ]
+            for w in doc["workers"]
+        ],
+    )
     lines += ["", "Sessions"]
     if doc["sessions"]:
-        lines += _table(["id", "worker", "peer", "age", "last beat", "handles", "bytes"],
-                        [[s["id"], s["worker"], s["peer"], f"{s['age_s']:.0f}s",
-                          f"{s['last_heartbeat_s']:.1f}s", s["handles"], human_bytes(s["bytes"])]
-                         for s in doc["sessions"]])
+        lines += _table(
+            ["id", "worker", "peer", "age", "last beat", "handles", "bytes"],
+            [
+                [
+                    s["id"],
+                    s["worker"],
+                    s["peer"],
+                    f"{s['age_s']:.0f}s",
+                    f"{s['last_heartbeat_s']:.1f}s",
+                    s["handles"],
+                    human_bytes(s["bytes"]),
+                ]
+                for s in doc["sessions"]
+            ],
+        )
     else:
         lines.append("(none)")
     vmu = doc["vmu"]

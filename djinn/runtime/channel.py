@@ -7,6 +7,7 @@ holds up a heartbeat.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -71,7 +72,5 @@ class Channel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass

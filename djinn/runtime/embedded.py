@@ -33,8 +33,9 @@ class EmbeddedAppliance:
         cmd = [sys.executable, "-m", "djinn.cli.main", "serve", "--parent-pid", str(os.getpid())]
         if config_path:
             cmd += ["--config", config_path]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
         self.readiness = self._wait_ready(timeout)
         atexit.register(self.stop)
 

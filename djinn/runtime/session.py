@@ -51,21 +51,26 @@ class Session:
         self._release: list[int] = []  # reply slabs already copied out, released next call
         self._last_call = time.monotonic()
         self._closed = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name=f"djinn-heartbeat-{self.id}",
-                                      daemon=True)
+        self._beat = threading.Thread(
+            target=self._heartbeat, name=f"djinn-heartbeat-{self.id}", daemon=True
+        )
         self._beat.start()
 
     # -- plumbing ---------------------------------------------------------------------------
     def _lost_error(self, why: str) -> DjinnError:
         if self._lost is None:
             self._lost = why
-            return WorkerLost(f"the appliance worker serving session {self.id} went away "
-                              f"({why}); the request did not complete")
-        return SessionLost(f"session {getattr(self, 'id', '?')} is gone ({self._lost}); "
-                           "open a new session")
+            return WorkerLost(
+                f"the appliance worker serving session {self.id} went away "
+                f"({why}); the request did not complete"
+            )
+        return SessionLost(
+            f"session {getattr(self, 'id', '?')} is gone ({self._lost}); open a new session"
+        )
 
-    def _call(self, kind: Kind, body: dict[str, Any] | None = None, segments: Sequence = (),
-              **kw: Any) -> Any:
+    def _call(
+        self, kind: Kind, body: dict[str, Any] | None = None, segments: Sequence = (), **kw: Any
+    ) -> Any:
         body = dict(body or {})
         if self._pending_free:
             pending, self._pending_free = self._pending_free, []
@@ -110,11 +115,12 @@ class Session:
                 segments.append(memoryview(flat.numpy()) if flat.numel() else b"")
         if bulk:
             slabs = self._call(Kind.ALLOC, {"sizes": [f.numel() for _, f in bulk]}).body["slabs"]
-            for (i, flat), off in zip(bulk, slabs):
+            for (i, flat), off in zip(bulk, slabs, strict=True):
                 self._arena_tensor(off, flat.numel()).copy_(flat)
                 entries[i]["slab"] = off
         reply = self._call(Kind.PUT, {"tensors": entries}, segments).body
-        return [RemoteTensor(self, h, e["desc"]) for h, e in zip(reply["handles"], entries)]
+        handles = reply["handles"]
+        return [RemoteTensor(self, h, e["desc"]) for h, e in zip(handles, entries, strict=True)]
 
     def get(self, remote: RemoteTensor) -> torch.Tensor:
         return self.get_many([remote])[0]
@@ -141,8 +147,12 @@ class Session:
         :func:`inline_ref`).
         """
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
-        frame = self._call(Kind.EXEC, {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
-                           segments, sink=self._sink)
+        frame = self._call(
+            Kind.EXEC,
+            {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
+            segments,
+            sink=self._sink,
+        )
         out = self._unpack(frame)
         kept = [RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         tensors = iter(out["tensors"])

@@ -8,6 +8,7 @@ buffer to a worker with a single memcpy and no socket traffic for its bytes.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import posix_ipc
@@ -41,8 +42,6 @@ class ArenaMapping:
 
     def close(self) -> None:
         self.view.release()
-        try:
+        # Tensors may still view the mapping; then the OS unmaps it when the process exits.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            # Tensors still view the mapping; the OS unmaps it when the process exits.
-            pass

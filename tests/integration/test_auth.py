@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import os
-import stat
 import socket
+import stat
 
 import pytest
 
 import djinn
 from djinn.errors import AuthFailed
-from djinn.protocol.frames import HEADER_SIZE, Kind, decode_body, decode_header, encode_body, encode_header
+from djinn.protocol.frames import (
+    HEADER_SIZE,
+    Kind,
+    decode_body,
+    decode_header,
+    encode_body,
+    encode_header,
+)
 
 
 def _raw_hello(port: int, body: dict) -> tuple[dict, bytes]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import posix_ipc
 import torch
-
 from djinn.appliance.vmu.arena import boot_id
+
 from tests.conftest import start_appliance
 
 
@@ -56,10 +56,15 @@ def test_start_up_sweeps_segments_left_by_a_crashed_appliance(tmp_path):
 
 def test_an_arena_that_does_not_fit_is_a_clear_error(tmp_path):
     cfg = tmp_path / "djinn.toml"
-    cfg.write_text(f'socket_path = "{tmp_path}/s.sock"\ntcp_enabled = false\n'
-                   'arena_bytes = "64TiB"\n')
-    out = subprocess.run([sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60)
+    cfg.write_text(
+        f'socket_path = "{tmp_path}/s.sock"\ntcp_enabled = false\narena_bytes = "64TiB"\n'
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "RESOURCE_EXHAUSTED" in out.stderr and "arena" in out.stderr
     assert not list(Path("/dev/shm").glob(f"djinn-*-{os.getpid()}-*"))
@@ -68,8 +73,12 @@ def test_an_arena_that_does_not_fit_is_a_clear_error(tmp_path):
 def test_a_second_appliance_on_the_same_socket_is_refused(appliance, tmp_path):
     cfg = tmp_path / "djinn.toml"
     cfg.write_text(f'socket_path = "{appliance.socket_path}"\ntcp_enabled = false\n')
-    out = subprocess.run([sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "already listening" in out.stderr
 
 
@@ -88,13 +97,23 @@ def test_tcp_without_any_token_creates_a_private_token_file(tmp_path):
 
 def test_status_prints_a_table_and_json(appliance):
     env = {**os.environ, "DJINN_ADDRESS": appliance.unix}
-    text = subprocess.run([sys.executable, "-m", "djinn.cli.main", "status"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    text = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert text.returncode == 0, text.stderr
     for word in ("Workers", "Sessions", "host arena", "stack"):
         assert word in text.stdout
-    raw = subprocess.run([sys.executable, "-m", "djinn.cli.main", "status", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    raw = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     doc = json.loads(raw.stdout)
     assert set(doc) >= {"workers", "sessions", "vmu", "models", "appliance"}
     w = doc["workers"][0]
@@ -109,9 +128,22 @@ def test_status_over_tcp_and_client_stats_are_the_same_document(appliance):
 
     with djinn.connect(appliance.tcp, token=appliance.token) as c:
         api = c.stats()
-    out = subprocess.run([sys.executable, "-m", "djinn.cli.main", "status", "--json",
-                          "--address", appliance.tcp, "--token", appliance.token],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "djinn.cli.main",
+            "status",
+            "--json",
+            "--address",
+            appliance.tcp,
+            "--token",
+            appliance.token,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     cli = json.loads(out.stdout)
     assert set(api) == set(cli)
     assert [w["pid"] for w in api["workers"]] == [w["pid"] for w in cli["workers"]]
@@ -119,8 +151,13 @@ def test_status_over_tcp_and_client_stats_are_the_same_document(appliance):
 
 def test_status_without_an_appliance_is_a_clear_error(tmp_path):
     env = {**os.environ, "DJINN_ADDRESS": f"unix://{tmp_path}/nothing.sock"}
-    out = subprocess.run([sys.executable, "-m", "djinn.cli.main", "status"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
 
 
@@ -137,12 +174,48 @@ def test_connect_with_no_address_starts_and_stops_an_embedded_appliance(tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     env["DJINN_SOCKET_PATH"] = str(tmp_path / "nobody-listens.sock")
     env["DJINN_ARENA_BYTES"] = "64MiB"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     pid, address = out.stdout.split()
     assert "djinn-embedded-" in address
     # stopped with the client process: no process, no segment, no socket directory
-    assert not Path(f"/proc/{pid}").exists() or b"djinn" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert (
+        not Path(f"/proc/{pid}").exists()
+        or b"djinn" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
     assert _segments_of(int(pid)) == []
     assert not Path(address.removeprefix("unix://")).parent.exists()
+
+
+def test_embedded_appliance_stops_when_its_client_is_killed(tmp_path):
+    code = textwrap.dedent("""
+        import sys, time, djinn
+        c = djinn.connect()
+        print(c.stats()["appliance"]["pid"], flush=True)
+        time.sleep(120)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env["DJINN_SOCKET_PATH"] = str(tmp_path / "nobody-listens.sock")
+    env["DJINN_ARENA_BYTES"] = "64MiB"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    from tests.conftest import wait_for
+
+    def gone() -> bool:
+        try:
+            return b"djinn" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return True
+
+    wait_for(gone, timeout=15)
+    assert _segments_of(pid) == []

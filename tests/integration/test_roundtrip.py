@@ -22,7 +22,7 @@ def session(request, appliance):
 def _sample(dtype: torch.dtype, shape=(33, 17)) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.rand(shape) > 0.5
-    if dtype.is_complex or dtype.is_floating_point and dtype.itemsize >= 2:
+    if dtype.is_complex or (dtype.is_floating_point and dtype.itemsize >= 2):
         return torch.randn(shape, dtype=torch.float32 if not dtype.is_complex else dtype).to(dtype)
     if dtype.is_floating_point:
         return torch.randn(shape).to(dtype)
@@ -30,8 +30,10 @@ def _sample(dtype: torch.dtype, shape=(33, 17)) -> torch.Tensor:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
 
 
@@ -75,7 +77,7 @@ def test_dense_layouts_come_back_with_their_strides(session):
 def test_many_tensors_in_one_put(session):
     ts = [torch.randn(10), torch.randn(512, 512), torch.arange(5), torch.zeros(0)]
     remotes = session.put_many(ts)
-    for t, back in zip(ts, session.get_many(remotes)):
+    for t, back in zip(ts, session.get_many(remotes), strict=False):
         assert torch.equal(t, back)
 
 

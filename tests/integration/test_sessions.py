@@ -34,8 +34,9 @@ def _holder(address: str, token: str | None = None) -> subprocess.Popen:
             except djinn.DjinnError as exc:
                 print(exc.code, flush=True)
     """)
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _session_ids(app) -> set[str]:
@@ -73,8 +74,9 @@ def test_silent_client_expires_and_its_next_call_gets_session_expired(fresh_appl
     os.kill(proc.pid, signal.SIGSTOP)  # alive but silent: no heartbeats
     try:
         stopped = time.monotonic()
-        wait_for(lambda: sid not in _session_ids(app) and _arena_used(app) == base,
-                 timeout=BOUND_S + 0.5)
+        wait_for(
+            lambda: sid not in _session_ids(app) and _arena_used(app) == base, timeout=BOUND_S + 0.5
+        )
         assert time.monotonic() - stopped >= 0.9  # not before the lease ran out
     finally:
         os.kill(proc.pid, signal.SIGCONT)
@@ -146,7 +148,7 @@ def test_garbage_collected_remote_tensors_are_freed_with_the_next_call(appliance
             s.put(torch.randn(256, 1024))  # dropped at once
         s.put(torch.ones(1))  # carries the frees
         time.sleep(0.3)
-        mine = [x for x in client.stats()["sessions"] if x["id"] == s.id][0]
+        mine = next(x for x in client.stats()["sessions"] if x["id"] == s.id)
         assert mine["handles"] <= 2
 
 

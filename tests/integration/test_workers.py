@@ -54,11 +54,20 @@ def test_worker_sigkill_fails_in_flight_request_then_recovers(fresh_appliance):
             ra.cpu()
 
         # detected within a second of the kill
-        wait_for(lambda: (w := _workers(app)[victim["id"]])["restarts"] >= 1 or not w["alive"],
-                 timeout=1.0)
+        wait_for(
+            lambda: (w := _workers(app)[victim["id"]])["restarts"] >= 1 or not w["alive"],
+            timeout=1.0,
+        )
         # a replacement appears, with a new pid
-        new = wait_for(lambda: (w := _workers(app)[victim["id"]])["alive"] and w["ready"]
-                       and w["pid"] != victim["pid"] and w, timeout=20)
+        new = wait_for(
+            lambda: (
+                (w := _workers(app)[victim["id"]])["alive"]
+                and w["ready"]
+                and w["pid"] != victim["pid"]
+                and w
+            ),
+            timeout=20,
+        )
         assert new["restarts"] == 1
         # the other worker's session kept its handles
         assert torch.equal(rb.cpu(), t_b)
@@ -80,5 +89,5 @@ def test_crash_loop_backs_off(fresh_appliance):
         wait_for(lambda p=w["pid"]: _workers(app)[0]["pid"] != p or not _workers(app)[0]["alive"])
     w = wait_for(lambda: (w := _workers(app)[0])["alive"] and w["ready"] and w, timeout=30)
     assert w["restarts"] == 3
-    assert len(set(pids + [w["pid"]])) == 4
+    assert len(set([*pids, w["pid"]])) == 4
     assert "died" in app.log() and "restarting in 1.0s" in app.log()

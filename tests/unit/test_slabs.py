@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from djinn.appliance.vmu.slabs import ALIGN, SlabAllocator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from djinn.appliance.vmu.slabs import ALIGN, SlabAllocator
 from djinn.errors import ResourceExhausted
 
 
@@ -52,7 +52,7 @@ def test_random_alloc_free_never_overlaps_and_returns_to_empty(ops):
             size = a.size_of(off)
             for o, s in live.items():
                 assert off + size <= o or o + s <= off
-            assert 0 <= off and off + size <= 64 * ALIGN
+            assert off >= 0 and off + size <= 64 * ALIGN
             live[off] = size
         else:
             off = next(iter(live))
