@@ -194,7 +194,9 @@ class Supervisor:
         else:
             listeners.set_nodelay(sock)
             peer = f"tcp:{addr[0]}:{addr[1]}"
-        conn = ClientConn(sock, FrameReader(sock, authenticated=False), peer, via_unix)
+        # No supervisor request carries a payload: refuse one on the header alone.
+        reader = FrameReader(sock, authenticated=False, max_payload=0)
+        conn = ClientConn(sock, reader, peer, via_unix)
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
 

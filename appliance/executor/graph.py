@@ -122,16 +122,18 @@ class GraphRun:
         """node index -> node outputs whose last reader it is (kept/fetched ones excluded)."""
         last: dict[int, int] = {}
 
-        def visit(x: Any, reader: int) -> None:
+        def visit(x: Any, reader: int, depth: int = 0) -> None:
+            if depth > MAX_DEPTH:
+                raise InvalidArgument(f"node {reader}: arguments nested too deeply")
             if isinstance(x, dict):
                 if "$v" in x and isinstance(x["$v"], int):
                     last[x["$v"]] = reader
                 else:
                     for v in x.values():
-                        visit(v, reader)
+                        visit(v, reader, depth + 1)
             elif isinstance(x, list):
                 for v in x:
-                    visit(v, reader)
+                    visit(v, reader, depth + 1)
 
         for i, node in enumerate(self.nodes):
             if isinstance(node, dict):
@@ -208,7 +210,10 @@ class GraphRun:
 def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:
     refs = body.get(key, [])
     if not isinstance(refs, list) or not all(
-        isinstance(r, dict) and ("$v" in r or "$h" in r) for r in refs
+        isinstance(r, dict)
+        and (type(r.get("$v")) is int or isinstance(r.get("$h"), str))
+        and ("i" not in r or type(r["i"]) is int)
+        for r in refs
     ):
         raise InvalidArgument(f"{key} must be a list of {{'$v': n}} / {{'$h': id}} references")
     return refs

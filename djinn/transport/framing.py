@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from djinn.errors import DjinnError
+from djinn.errors import DjinnError, FrameTooLarge
 from djinn.protocol.frames import (
     HEADER_SIZE,
     Frame,
@@ -41,9 +41,12 @@ def default_sink(_header: Header, _body: dict[str, Any], lengths: list[int]) -> 
 class FrameReader:
     """Incremental frame reader. ``poll()`` returns a Frame, or None if it would block."""
 
-    def __init__(self, sock: socket.socket, *, authenticated: bool = False) -> None:
+    def __init__(
+        self, sock: socket.socket, *, authenticated: bool = False, max_payload: int | None = None
+    ) -> None:
         self.sock = sock
         self.authenticated = authenticated
+        self.max_payload = max_payload  # tighter than MAX_PAYLOAD for peers that send none
         self.sink: Sink = default_sink
         self._buf = bytearray(BUFFER_SIZE)
         self._view = memoryview(self._buf)
@@ -99,7 +102,13 @@ class FrameReader:
             raw = self._take(HEADER_SIZE)
             if raw is None:
                 return None
-            self._header = decode_header(raw, authenticated=self.authenticated)
+            header = decode_header(raw, authenticated=self.authenticated)
+            if self.max_payload is not None and header.payload_len > self.max_payload:
+                raise FrameTooLarge(
+                    f"payload of {header.payload_len} bytes; this endpoint accepts at most "
+                    f"{self.max_payload}"
+                )
+            self._header = header
         header = self._header
         if self._body is None:
             if header.body_len > BUFFER_SIZE:

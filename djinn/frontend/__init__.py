@@ -1,0 +1,1 @@
+"""Transparent capture: LazyTensor, the ``remote_accelerator`` device, factories, capture."""

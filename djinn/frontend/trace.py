@@ -1,0 +1,202 @@
+"""The per-thread trace of captured ops and how it is shipped to the appliance.
+
+Ops are recorded in *program order* and executed remotely in that same order, so
+in-place ops, views and ``out=`` arguments behave exactly as in eager PyTorch: the worker
+holds real tensors with real aliasing and applies the same mutations in the same order.
+A flush ships every pending node once; outputs that a live LazyTensor still refers to
+are kept on the appliance as handles (so nothing is ever recomputed), everything else is
+dropped after its last use, and only the values being read come back.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.errors import DjinnError, UnsupportedOp
+from djinn.protocol.tensors import dtype_name, to_wire
+from djinn.runtime.remote import RemoteTensor
+
+if TYPE_CHECKING:
+    from .lazy import LazyTensor
+
+
+class Node:
+    """One captured aten call. ``args``/``kwargs`` hold refs, never LazyTensors, so a
+    pending graph does not keep user tensors alive."""
+
+    __slots__ = ("args", "executed", "holders", "kwargs", "module", "nout", "op", "results",
+                 "rng", "trace", "__weakref__", "specs", "phase")
+
+    def __init__(self, op: Any, args: Any, kwargs: Any, trace: Trace, nout: int) -> None:
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs
+        self.trace = trace
+        self.nout = nout
+        self.holders: list[list[weakref.ref]] = [[] for _ in range(nout)]
+        self.results: list[RemoteTensor | None] | None = None
+        self.executed = False
+        self.rng: torch.Tensor | None = None
+        self.module = ""
+        self.specs: Any = None
+        self.phase = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.op._schema.name}.{self.op._overloadname}"
+
+
+class Pending:
+    """Output ``index`` of a node (index 0 for single-output ops)."""
+
+    __slots__ = ("index", "node")
+
+    def __init__(self, node: Node, index: int) -> None:
+        self.node = node
+        self.index = index
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.lock = threading.RLock()
+        self.recorders: list[list[Node]] = []
+
+    def add(self, node: Node) -> None:
+        self.nodes.append(node)
+        for rec in self.recorders:
+            rec.append(node)
+
+
+_local = threading.local()
+
+
+def current() -> Trace:
+    trace = getattr(_local, "trace", None)
+    if trace is None:
+        trace = _local.trace = Trace()
+    return trace
+
+
+def bind(lazy: LazyTensor, ref: Any) -> None:
+    """Point a LazyTensor at a value; a pending value learns it has a live holder."""
+    lazy._ref = ref
+    if isinstance(ref, Pending):
+        ref.node.holders[ref.index].append(weakref.ref(lazy))
+
+
+def resolved(ref: Any) -> Any:
+    """A pending ref whose node already ran elsewhere becomes its kept handle."""
+    if isinstance(ref, Pending) and ref.node.executed:
+        results = ref.node.results or []
+        value = results[ref.index] if ref.index < len(results) else None
+        if value is None:
+            raise DjinnError(f"{ref.node.name}: its value was released before it was read")
+        return value
+    return ref
+
+
+class _Encoder:
+    def __init__(self, nodes: list[Node]) -> None:
+        self.index = {id(n): i for i, n in enumerate(nodes)}
+        self.inline: list[torch.Tensor] = []
+        self._inline_ids: dict[int, int] = {}
+
+    def ref(self, ref: Any) -> Any:
+        ref = resolved(ref)
+        if isinstance(ref, Pending):
+            i = self.index.get(id(ref.node))
+            if i is None:
+                raise DjinnError(f"{ref.node.name}: captured in another trace that was not run")
+            return {"$v": i, "i": ref.index} if ref.node.nout > 1 else {"$v": i}
+        if isinstance(ref, RemoteTensor):
+            return {"$h": ref.handle}
+        raise TypeError(ref)
+
+    def tensor(self, t: torch.Tensor) -> dict[str, Any]:
+        k = self._inline_ids.get(id(t))
+        if k is None:
+            k = self._inline_ids[id(t)] = len(self.inline)
+            self.inline.append(t)
+        desc, _ = to_wire(t)
+        return {"$t": k, "desc": desc}
+
+    def value(self, x: Any) -> Any:
+        if isinstance(x, (Pending, RemoteTensor)):
+            return self.ref(x)
+        if x is None or isinstance(x, (bool, int, str)):
+            return x
+        if isinstance(x, float):
+            if math.isfinite(x):
+                return x
+            return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+        if isinstance(x, (list, tuple)):
+            return [self.value(v) for v in x]
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        if isinstance(x, torch.dtype):
+            return {"$dtype": dtype_name(x)}
+        if isinstance(x, torch.device):
+            return {"$device": str(x)}
+        if isinstance(x, torch.memory_format):
+            return {"$mf": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.layout):
+            return {"$layout": str(x).removeprefix("torch.")}
+        if isinstance(x, complex):
+            return {"$complex": [x.real, x.imag]}
+        if isinstance(x, dict):
+            return {k: self.value(v) for k, v in x.items()}
+        raise UnsupportedOp(f"cannot send a {type(x).__name__} argument to the appliance")
+
+    def node(self, n: Node) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": n.name, "args": self.value(n.args)}
+        if n.kwargs:
+            out["kwargs"] = self.value(n.kwargs)
+        if n.rng is not None:
+            out["rng"] = self.tensor(n.rng)["$t"]
+        return out
+
+
+def flush(trace: Trace, fetch: list[Any] = ()) -> list[Any]:
+    """Run every pending node of ``trace``; return the values of the ``fetch`` refs."""
+    from .session import default_session
+
+    with trace.lock:
+        nodes, trace.nodes = trace.nodes, []
+        if not nodes and not fetch:
+            return []
+        enc = _Encoder(nodes)
+        try:
+            encoded = [enc.node(n) for n in nodes]
+            keep_refs, keep_targets = [], []
+            for i, n in enumerate(nodes):
+                for k in range(n.nout):
+                    alive = [lz for w in n.holders[k] if (lz := w()) is not None
+                             and isinstance(lz._ref, Pending) and lz._ref.node is n]
+                    if alive:
+                        keep_refs.append({"$v": i, "i": k} if n.nout > 1 else {"$v": i})
+                        keep_targets.append((n, k, alive))
+            fetch_refs = [enc.ref(r) for r in fetch]
+        except BaseException:
+            trace.nodes = nodes + trace.nodes
+            raise
+        session = default_session()
+        try:
+            kept, fetched = session.execute(encoded, keep=keep_refs, fetch=fetch_refs,
+                                            inline=enc.inline, rng_state_segments=True)
+        finally:
+            for n in nodes:
+                n.executed = True
+                n.results = [None] * n.nout
+                n.args = n.kwargs = None  # let inputs go
+                n.rng = None
+        for (n, k, alive), remote in zip(keep_targets, kept, strict=True):
+            n.results[k] = remote
+            for lz in alive:
+                lz._ref = remote
+        return fetched
