@@ -9,15 +9,30 @@ from __future__ import annotations
 from typing import Any
 
 from djinn.errors import DjinnError
+from djinn.frontend.device import register as _register_device
+
+# `device="remote_accelerator:0"` must work right after `import djinn` (cheap: no I/O).
+_register_device()
 
 __version__ = "0.1.0"
-__all__ = ["Client", "DjinnError", "RemoteTensor", "Session", "__version__", "connect"]
+__all__ = [
+    "Client",
+    "DjinnError",
+    "RemoteTensor",
+    "Session",
+    "__version__",
+    "capture",
+    "connect",
+    "device",
+]
 
 _LAZY = {
     "connect": ("djinn.runtime.client", "connect"),
     "Client": ("djinn.runtime.client", "Client"),
     "Session": ("djinn.runtime.session", "Session"),
     "RemoteTensor": ("djinn.runtime.remote", "RemoteTensor"),
+    "capture": ("djinn.frontend.capture", "capture"),
+    "device": ("djinn.frontend.device", "device"),
 }
 
 

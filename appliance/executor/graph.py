@@ -80,6 +80,8 @@ class GraphRun:
             if not isinstance(node, dict):
                 raise InvalidArgument(f"node {i} is not an object")
             op = resolve_op(node.get("op"))
+            if "rng" in node:
+                self._seed(node["rng"])
             args = self._decode(node.get("args", []), i, 0)
             kwargs = self._decode(node.get("kwargs", {}), i, 0)
             if not isinstance(args, list) or not isinstance(kwargs, dict):
@@ -93,6 +95,20 @@ class GraphRun:
             for j in last_use.pop(i, ()):
                 self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
         return [self._ref(r, -1) for r in self.keep], [self._ref(r, -1) for r in self.fetch]
+
+    def _seed(self, k: Any) -> None:
+        """Random ops carry the client generator's state so a CPU worker draws exactly the
+        numbers local eager PyTorch would under the same seed."""
+        if type(k) is not int or not 0 <= k < len(self.segments):
+            raise InvalidArgument(f"no payload segment {k!r} for the generator state")
+        state = torch.frombuffer(self.segments[k], dtype=torch.uint8).clone()
+        try:
+            if self.device.type == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.manual_seed(int.from_bytes(bytes(state[-8:].tolist()), "little"))
+        except RuntimeError as exc:
+            raise InvalidArgument(f"bad generator state: {exc}") from None
 
     def _account(self, value: Any, delta: int) -> None:
         """Stack segment bookkeeping: storages created by this run, while referenced."""

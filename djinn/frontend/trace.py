@@ -162,14 +162,17 @@ class _Encoder:
         return out
 
 
-def flush(trace: Trace, fetch: list[Any] = ()) -> list[Any]:
-    """Run every pending node of ``trace``; return the values of the ``fetch`` refs."""
+def flush(
+    trace: Trace, fetch: list[Any] = (), keep: list[Any] = ()
+) -> tuple[list[Any], list[RemoteTensor]]:
+    """Run every pending node of ``trace``. Returns the values of the ``fetch`` refs and
+    handles for the ``keep`` refs (outputs live LazyTensors hold are kept regardless)."""
     from .session import default_session
 
     with trace.lock:
         nodes, trace.nodes = trace.nodes, []
         if not nodes and not fetch:
-            return []
+            return [], []
         enc = _Encoder(nodes)
         try:
             encoded = [enc.node(n) for n in nodes]
@@ -182,21 +185,22 @@ def flush(trace: Trace, fetch: list[Any] = ()) -> list[Any]:
                         keep_refs.append({"$v": i, "i": k} if n.nout > 1 else {"$v": i})
                         keep_targets.append((n, k, alive))
             fetch_refs = [enc.ref(r) for r in fetch]
+            extra = [enc.ref(r) for r in keep]
         except BaseException:
             trace.nodes = nodes + trace.nodes
             raise
         session = default_session()
         try:
-            kept, fetched = session.execute(encoded, keep=keep_refs, fetch=fetch_refs,
-                                            inline=enc.inline, rng_state_segments=True)
+            kept, fetched = session.execute(encoded, keep=keep_refs + extra, fetch=fetch_refs,
+                                            inline=enc.inline)
         finally:
             for n in nodes:
                 n.executed = True
                 n.results = [None] * n.nout
                 n.args = n.kwargs = None  # let inputs go
                 n.rng = None
-        for (n, k, alive), remote in zip(keep_targets, kept, strict=True):
+        for (n, k, alive), remote in zip(keep_targets, kept, strict=False):
             n.results[k] = remote
             for lz in alive:
                 lz._ref = remote
-        return fetched
+        return fetched, kept[len(keep_targets) :]

@@ -1,0 +1,73 @@
+"""``djinn.capture()``: run code that never names a device on the appliance.
+
+Inside the block, factory functions called without a device (``torch.ones(3)``) create
+LazyTensors; everything computed from them is captured. The mode lives on PyTorch's
+per-thread mode stack, so two threads capturing at once never mix their graphs. The
+context also records the ops captured inside it; ``.graph()`` turns them into an SRG.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import factories
+from .device import DEVICE_TYPE, register
+from .trace import Node, current
+
+# PyTorch's own functions, and the remote-aware wrappers that replace two of them.
+_WRAPPED = {factories._original_arange: factories.arange, factories._original_tensor: factories.tensor}
+FACTORIES = frozenset({
+    *_WRAPPED, torch.empty, torch.empty_strided, torch.eye, torch.full, torch.linspace,
+    torch.logspace, torch.ones, torch.rand, torch.randint, torch.randn, torch.randperm,
+    torch.scalar_tensor, torch.zeros, torch.as_tensor, torch.normal,
+    torch.empty_like, torch.full_like, torch.ones_like, torch.rand_like, torch.randint_like,
+    torch.randn_like, torch.zeros_like, torch.tril_indices, torch.triu_indices,
+    torch.bartlett_window, torch.hann_window, torch.hamming_window, torch.blackman_window,
+    torch.kaiser_window,
+})
+
+
+class _RemoteFactories(TorchFunctionMode):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.device = torch.device(DEVICE_TYPE, index)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None:
+            if func is torch.normal and any(isinstance(a, torch.Tensor) for a in args):
+                return func(*args, **kwargs)
+            kwargs = {**kwargs, "device": self.device}
+            if func is torch.as_tensor:
+                func = factories._original_tensor
+            func = _WRAPPED.get(func, func)
+        return func(*args, **kwargs)
+
+
+class capture:  # noqa: N801 - used like a function: `with djinn.capture():`
+    """Context manager: factories without a device create remote tensors."""
+
+    def __init__(self, index: int = 0) -> None:
+        register()
+        self._mode = _RemoteFactories(index)
+        self.nodes: list[Node] = []
+
+    def __enter__(self) -> capture:
+        current().recorders.append(self.nodes)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        rec = current().recorders
+        if self.nodes in rec:
+            rec.remove(self.nodes)
+
+    def graph(self) -> Any:
+        """The SRG of every op captured inside the block."""
+        from djinn.graph.builder import build_srg
+
+        return build_srg(self.nodes)

@@ -1,0 +1,358 @@
+"""LazyTensor: a tensor on ``remote_accelerator`` whose value is computed on the appliance.
+
+One type, two states: a LazyTensor refers either to a *pending* output of a captured op
+(``trace.Pending``) or to a value held on the appliance (``RemoteTensor``); a third,
+transient state (``Uninit``) is an allocation nobody has written yet, so that
+``empty`` + ``copy_`` (how ``.to()`` moves data) uploads the bytes once and allocates
+nothing else remotely. Shapes, dtypes and strides come from ``meta`` inference; the
+client never holds a tensor's data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from djinn.errors import DjinnError, UnsupportedOp
+from djinn.runtime.remote import RemoteTensor
+
+from . import meta as meta_mod
+from . import trace as trace_mod
+from .device import DEVICE_TYPE
+from .meta import META, TensorSpec
+from .trace import Node, Pending, bind, current, flush
+
+REMOTE = torch.device(DEVICE_TYPE, 0)
+SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+class Uninit:
+    """An allocation (``empty``) not yet used: materialised only if something reads it."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: TensorSpec) -> None:
+        self.spec = spec
+
+
+class LazyTensor(torch.Tensor):
+    _ref: Any
+
+    @staticmethod
+    def __new__(cls, spec: TensorSpec, ref: Any, requires_grad: bool = False) -> LazyTensor:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, spec.shape, strides=spec.stride, storage_offset=spec.offset, dtype=spec.dtype,
+            device=REMOTE, requires_grad=requires_grad,
+        )
+        bind(t, ref)
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    # -- reading values: these materialise -------------------------------------------------
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        local = fetch(self)
+        text = repr(local)
+        suffix = f", device='{self.device}'"
+        if text.endswith(")"):
+            text = text[:-1] + suffix + ")"
+        return text
+
+    def tolist(self) -> Any:
+        return fetch(self).tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return fetch(self).numpy(force=force)
+
+    def __array__(self, dtype: Any = None) -> Any:
+        arr = fetch(self).numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return format(self.item(), spec)
+        return format(repr(self), spec)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise UnsupportedOp("a remote tensor cannot be pickled; call .cpu() first")
+
+
+def spec_of(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), None)
+
+
+def is_lazy(x: Any) -> bool:
+    return isinstance(x, LazyTensor)
+
+
+# -- capture -------------------------------------------------------------------------------
+class _Args:
+    """One pass over an op's arguments: refs for the node, a cache key, meta inputs."""
+
+    __slots__ = ("flat", "key", "lazies", "trace")
+
+    def __init__(self, trace: trace_mod.Trace) -> None:
+        self.trace = trace
+        self.flat: list[Any] = []  # tensor inputs in traversal order (original objects)
+        self.key: list[Any] | None = []
+        self.lazies = False
+
+    def ref(self, x: Any) -> Any:
+        if isinstance(x, LazyTensor):
+            self.lazies = True
+            self.flat.append(x)
+            if self.key is not None:
+                self.key.append(("L", x.dtype, tuple(x.shape), tuple(x.stride()),
+                                 x.storage_offset()))
+            return _ref_for_node(x, self.trace)
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise UnsupportedOp(f"cannot mix a {x.device} tensor into remote computation")
+            self.flat.append(x)
+            if self.key is not None:
+                self.key.append(("C", x.dtype, tuple(x.shape), tuple(x.stride()),
+                                 x.storage_offset()))
+            return _snapshot(x)
+        if isinstance(x, (list, tuple)):
+            if self.key is not None:
+                self.key.append(("(", len(x)))
+            return [self.ref(v) for v in x]
+        if self.key is not None:
+            try:
+                hash(x)
+                self.key.append((type(x), x))
+            except TypeError:
+                self.key = None
+        return x
+
+
+def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
+    ref = x._ref
+    if isinstance(ref, Uninit):
+        node = Node(torch.ops.aten.empty_strided.default,
+                    [list(ref.spec.shape), list(ref.spec.stride)],
+                    {"dtype": ref.spec.dtype, "device": REMOTE}, trace, 1)
+        trace.add(node)
+        ref = Pending(node, 0)
+        bind(x, ref)
+    elif isinstance(ref, Pending) and not ref.node.executed and ref.node.trace is not trace:
+        flush(ref.node.trace)  # captured by another thread: run it there first
+        ref = x._ref
+    return trace_mod.resolved(ref)
+
+
+def _snapshot(t: torch.Tensor) -> Any:
+    """A CPU tensor used by remote code: copy it now (eager semantics: later changes to
+    it must not leak into the captured op). Large ones are uploaded once."""
+    t = t.detach()
+    if t.numel() * t.element_size() <= SMALL_UPLOAD:
+        return t.clone()
+    from .session import default_session
+
+    return default_session().put(t)
+
+
+def _meta_of(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        s = spec_of(x)
+        return meta_mod.meta_tensor(s.dtype, s.shape, s.stride, s.offset)
+    if isinstance(x, torch.device):
+        return META if x.type in (DEVICE_TYPE, "cpu") else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta_of(v) for v in x) if type(x) in (list, tuple) else x
+    return x
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    special = SPECIAL.get(func)
+    if special is not None:
+        return special(func, args, kwargs)
+    kw_device = kwargs.get("device")
+    if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
+        return _run_locally(func, args, kwargs)
+    return capture(func, args, kwargs)
+
+
+def capture(func: Any, args: tuple, kwargs: dict) -> Any:
+    trace = current()
+    a = _Args(trace)
+    ref_args = [a.ref(v) for v in args]
+    ref_kwargs = {k: a.ref(v) for k, v in kwargs.items()}
+    key = (func, tuple(a.key)) if a.key is not None else None
+    flat = a.flat
+
+    def build():
+        metas = [meta_mod.meta_tensor(*_spec_tuple(t)) for t in flat]
+        it = iter(metas)
+
+        def sub(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return next(it)
+            if isinstance(x, torch.device):
+                return META
+            if type(x) in (list, tuple):
+                return type(x)(sub(v) for v in x)
+            return x
+
+        return [sub(v) for v in args], {k: sub(v) for k, v in kwargs.items()}, metas
+
+    try:
+        spec = meta_mod.infer(func, key, build)
+    except meta_mod.DataDependent:
+        return _run_now(func, trace, ref_args, ref_kwargs)
+    except RuntimeError as exc:
+        raise DjinnError(f"{func}: {exc}") from None  # the same error eager would raise
+    specs = spec if isinstance(spec, (tuple, list)) else (spec,)
+    tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
+    if not tensor_pos:
+        return spec  # a metadata-only answer (is_same_size, sizes...)
+    node = Node(func, ref_args, ref_kwargs, trace, len(specs))
+    node.specs = specs
+    if _SEEDED in func.tags:
+        node.rng = _advance_local_generator(func, args, kwargs)
+    trace.add(node)
+    outs: list[Any] = []
+    for i, s in enumerate(specs):
+        if not isinstance(s, TensorSpec):
+            outs.append(s)
+            continue
+        outs.append(_output(s, flat, node, i))
+    if isinstance(spec, TensorSpec):
+        return outs[0]
+    return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)
+
+
+def _spec_tuple(t: torch.Tensor) -> tuple:
+    return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
+    if s.alias is not None:
+        target = flat[s.alias]
+        if isinstance(target, LazyTensor):
+            if (tuple(target.shape), tuple(target.stride())) == (s.shape, s.stride):
+                return target  # in-place op or out=: the same tensor, mutated remotely
+            if target.numel() != 0:
+                raise UnsupportedOp(
+                    f"{node.name} changes the shape of a remote tensor in place; "
+                    "use the out-of-place op"
+                )
+            # out= resizing an empty tensor (how arange/linspace build factories): the
+            # result is a new tensor.
+    return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
+
+
+def _advance_local_generator(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Note [seeded ops]: a random op records the local CPU generator's state (the worker
+    restores it before running the op), then runs the op locally on scratch tensors so the
+    local generator advances exactly as eager PyTorch's would. Remote values then equal
+    local eager values under the same ``torch.manual_seed``."""
+    state = torch.get_rng_state()
+
+    def scratch(x: Any) -> Any:
+        if isinstance(x, LazyTensor):
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
+        if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
+            return torch.device("cpu")
+        if type(x) in (list, tuple):
+            return type(x)(scratch(v) for v in x)
+        return x
+
+    func(*[scratch(v) for v in args], **{k: scratch(v) for k, v in kwargs.items()})
+    return state
+
+
+def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict) -> Any:
+    """Ops whose output shape depends on values (nonzero, unique...) or that return Python
+    values (equal): run the trace up to and including them, keep the tensor outputs."""
+    returns = [str(r.type) for r in func._schema.returns]
+    node = Node(func, ref_args, ref_kwargs, trace, max(1, len(returns)))
+    trace.add(node)
+    tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
+    if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
+        raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
+    refs = [Pending(node, i) for i in range(node.nout)]
+    values = flush(trace, fetch=[r for i, r in enumerate(refs) if i not in tensor_idx],
+                   keep=[refs[i] for i in tensor_idx])
+    fetched, kept = values
+    out: list[Any] = []
+    fi = iter(fetched)
+    ki = iter(kept)
+    for i in range(len(returns)):
+        if i in tensor_idx:
+            remote: RemoteTensor = next(ki)
+            spec = TensorSpec(remote.dtype, tuple(remote.shape), remote.strides, 0, None)
+            out.append(LazyTensor(spec, remote))
+        else:
+            value = next(fi)
+            out.append(value.item() if isinstance(value, torch.Tensor) else value)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+# -- materialisation -------------------------------------------------------------------------
+def fetch(t: LazyTensor) -> torch.Tensor:
+    """The value of ``t`` as a CPU tensor (runs everything this thread captured so far)."""
+    trace = current()
+    ref = _ref_for_node(t, trace)
+    value = flush(trace, fetch=[ref])[0][0]
+    return value
+
+
+def _run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op whose result lives on the CPU (``.cpu()``, ``.to("cpu")``): read the remote
+    inputs, then run it locally."""
+
+    def local(x: Any) -> Any:
+        if isinstance(x, LazyTensor):
+            return fetch(x)
+        if type(x) in (list, tuple):
+            return type(x)(local(v) for v in x)
+        return x
+
+    return func(*[local(v) for v in args], **{k: local(v) for k, v in kwargs.items()})
+
+
+def _item(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(fetch(args[0]), *args[1:], **kwargs)
+
+
+def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    ref = x._ref
+    if isinstance(ref, Uninit):
+        ref = _ref_for_node(x, current())
+    return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
+
+
+def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
+    dst, src = args[0], args[1]
+    if not isinstance(dst, LazyTensor):
+        dst.copy_(fetch(src) if isinstance(src, LazyTensor) else src, **kwargs)
+        return dst
+    if (isinstance(dst._ref, Uninit) and not isinstance(src, LazyTensor)
+            and isinstance(src, torch.Tensor) and src.device.type == "cpu"
+            and src.dtype == dst.dtype and src.shape == dst.shape):
+        ref = _snapshot(src)
+        if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
+            bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
+            return dst
+        if isinstance(ref, torch.Tensor) and ref.stride() == dst.stride():
+            node = Node(torch.ops.aten.clone.default, [ref], {}, current(), 1)
+            current().add(node)
+            bind(dst, Pending(node, 0))
+            return dst
+    return capture(func, args, kwargs)
+
+
+SPECIAL = {
+    torch.ops.aten._local_scalar_dense.default: _item,
+    torch.ops.aten.is_nonzero.default: _item,
+    torch.ops.aten.detach.default: _detach,
+    torch.ops.aten.copy_.default: _copy,
+}
