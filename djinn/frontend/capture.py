@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import factories
 from .device import DEVICE_TYPE, register
-from .trace import Node, current
+from .trace import AUTOGRAD_RECORDERS, Node, current
 
 # PyTorch's own functions, and the remote-aware wrappers that replace two of them.
 _WRAPPED = {factories._original_arange: factories.arange, factories._original_tensor: factories.tensor}
@@ -53,21 +53,28 @@ class capture:  # noqa: N801 - used like a function: `with djinn.capture():`
     def __init__(self, index: int = 0) -> None:
         register()
         self._mode = _RemoteFactories(index)
-        self.nodes: list[Node] = []
+        self.records: list[Any] = []
+        self._ids: dict[int, Any] = {}
+
+    def on_node(self, node: Node) -> None:
+        from djinn.graph.builder import record
+
+        self.records.append(record(node, self._ids))
 
     def __enter__(self) -> capture:
-        current().recorders.append(self.nodes)
+        current().recorders.append(self)
+        AUTOGRAD_RECORDERS.append(self)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
-        rec = current().recorders
-        if self.nodes in rec:
-            rec.remove(self.nodes)
+        for recorders in (current().recorders, AUTOGRAD_RECORDERS):
+            if self in recorders:
+                recorders.remove(self)
 
     def graph(self) -> Any:
         """The SRG of every op captured inside the block."""
         from djinn.graph.builder import build_srg
 
-        return build_srg(self.nodes)
+        return build_srg(self.records)

@@ -36,9 +36,10 @@ def register() -> None:
                 "another PrivateUse1 backend is registered "
                 f"({torch._C._get_privateuse1_backend_name()}); Djinn cannot share it"
             )
-        from . import factories
+        from . import factories, hooks
 
         factories.install()
+        hooks.install()
         _registered = True
 
 

@@ -17,6 +17,7 @@ import torch
 from djinn.errors import DjinnError, UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
+from . import hooks
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -110,7 +111,13 @@ class _Args:
             if self.key is not None:
                 self.key.append(("L", x.dtype, tuple(x.shape), tuple(x.stride()),
                                  x.storage_offset()))
-            return _ref_for_node(x, self.trace)
+            ref = _ref_for_node(x, self.trace)
+            if self.trace.recorders and getattr(x, "_is_param", False):
+                from djinn.graph.builder import WEIGHTS
+
+                if isinstance(ref, RemoteTensor):
+                    WEIGHTS.add(ref)
+            return ref
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise UnsupportedOp(f"cannot mix a {x.device} tensor into remote computation")
@@ -214,6 +221,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         return spec  # a metadata-only answer (is_same_size, sizes...)
     node = Node(func, ref_args, ref_kwargs, trace, len(specs))
     node.specs = specs
+    node.module = hooks.module_path()
     if _SEEDED in func.tags:
         node.rng = _advance_local_generator(func, args, kwargs)
     trace.add(node)

@@ -65,15 +65,21 @@ class Trace:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.lock = threading.RLock()
-        self.recorders: list[list[Node]] = []
+        self.recorders: list[Any] = []  # djinn.capture() blocks building an SRG
 
     def add(self, node: Node) -> None:
         self.nodes.append(node)
-        for rec in self.recorders:
-            rec.append(node)
+        recorders = self.recorders
+        if not recorders and AUTOGRAD_RECORDERS and torch._C._current_graph_task_id() != -1:
+            # backward() of remote tensors runs on PyTorch's device thread, not the thread
+            # that captured the forward: attribute its ops to the open capture blocks.
+            recorders = AUTOGRAD_RECORDERS
+        for recorder in recorders:
+            recorder.on_node(node)
 
 
 _local = threading.local()
+AUTOGRAD_RECORDERS: list[Any] = []  # capture blocks open in any thread (see Trace.add)
 
 
 def current() -> Trace:

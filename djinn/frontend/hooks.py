@@ -1,0 +1,65 @@
+"""Module paths for captured ops, from global forward hooks.
+
+Each thread keeps a stack of the modules whose ``forward`` is running; an op captured
+meanwhile is tagged with the dotted path (``GPT2Model.h.0.attn.c_attn``). Names are the
+attribute names under the parent, found once per module and cached.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+_local = threading.local()
+_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_installed = False
+
+
+def _stack() -> list[str]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _pre(module: torch.nn.Module, _args: Any) -> None:
+    stack = _stack()
+    name = _names.get(module)
+    if name is None:
+        name = type(module).__name__
+        parent = getattr(_local, "parents", None)
+        if stack and parent:
+            for child_name, child in parent[-1]._modules.items():
+                if child is module:
+                    name = child_name
+                    break
+        _names[module] = name
+    path = f"{stack[-1]}.{name}" if stack else name
+    stack.append(path)
+    parents = getattr(_local, "parents", None)
+    if parents is None:
+        parents = _local.parents = []
+    parents.append(module)
+
+
+def _post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+    stack = _stack()
+    if stack:
+        stack.pop()
+        _local.parents.pop()
+
+
+def module_path() -> str:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else ""
+
+
+def install() -> None:
+    global _installed
+    if not _installed:
+        torch.nn.modules.module.register_module_forward_pre_hook(_pre)
+        torch.nn.modules.module.register_module_forward_hook(_post, always_call=True)
+        _installed = True

@@ -1,0 +1,1 @@
+"""The Semantically Rich Graph (SRG): captured ops with meaning and cost attached."""
