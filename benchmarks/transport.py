@@ -66,6 +66,8 @@ TARGET_TINY_UNIX_P50_US = 100.0  # tiny round trip over unix, p50
 RPC_TINY_P50_US = 330.0  # torch.distributed.rpc, tiny round trip p50 (quoted)
 RPC_BULK_GBPS = 1.5  # torch.distributed.rpc bulk, upper bound (quoted)
 
+FOREIGN_CPU_WARN = 0.05  # warn when other processes took more of the machine than this
+
 clock = time.perf_counter_ns
 
 
@@ -114,6 +116,24 @@ def rate(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
 
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped
+    children). Their difference over a run is what other processes took from it."""
+    import resource
+
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return None
+    ticks = [int(f) for f in fields]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        own += usage.ru_utime + usage.ru_stime
+    return busy, own
 
 
 def note(msg: str) -> None:
@@ -489,7 +509,19 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def render(doc: dict[str, Any]) -> str:
     out: list[str] = []
     tiny = doc["tiny"]
+    host = doc["host"]
     out.append(f"# Djinn transport benchmark ({doc['appliance']['device']})")
+    out.append("")
+    out.append(
+        f"{host['cpus']} CPUs, torch {host['torch']} ({host['torch_threads']} intra-op "
+        f"threads), Python {host['python']}; {doc['elapsed_s']} s"
+    )
+    foreign = host.get("foreign_cpu_share")
+    if foreign is not None and foreign > FOREIGN_CPU_WARN:
+        out.append(
+            f"**Warning: other processes used {foreign:.0%} of the CPUs during this run; "
+            "absolute numbers are unreliable (ratios, taken in interleaved rounds, less so).**"
+        )
     out.append("")
     out.append(
         f"## Tiny put+get round trip (4 x float32), µs; {tiny['iterations']} iterations "
@@ -632,6 +664,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warmup = max(20, iterations // 10)
     arena_bytes = -(-(max(sizes) + 256 * MiB) // MiB) * MiB
     started = time.monotonic()
+    cpu_before = cpu_seconds()
     doc: dict[str, Any] = {
         "benchmark": "transport",
         "schema": 1,
@@ -681,8 +714,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 for client in clients.values():
                     client.close()
+    elapsed = time.monotonic() - started
+    cpu_after = cpu_seconds()
+    if cpu_before and cpu_after:
+        foreign = (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])
+        share = max(0.0, foreign / (elapsed * (os.cpu_count() or 1)))
+        doc["host"]["foreign_cpu_share"] = round(share, 3)
     doc["targets"] = targets(doc)
-    doc["elapsed_s"] = round(time.monotonic() - started, 1)
+    doc["elapsed_s"] = round(elapsed, 1)
     return doc
 
 

@@ -145,3 +145,20 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def remote(appliance):
+    """The transparent frontend wired to the shared appliance (as DJINN_ADDRESS would)."""
+    import djinn  # noqa: F401 - registers the remote_accelerator device
+    from djinn.frontend import session
+
+    old = os.environ.get("DJINN_ADDRESS")
+    os.environ["DJINN_ADDRESS"] = appliance.unix
+    session.reset()
+    yield "remote_accelerator:0"
+    session.reset()
+    if old is None:
+        os.environ.pop("DJINN_ADDRESS", None)
+    else:
+        os.environ["DJINN_ADDRESS"] = old

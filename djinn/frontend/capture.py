@@ -18,16 +18,42 @@ from .device import DEVICE_TYPE, register
 from .trace import AUTOGRAD_RECORDERS, Node, current
 
 # PyTorch's own functions, and the remote-aware wrappers that replace two of them.
-_WRAPPED = {factories._original_arange: factories.arange, factories._original_tensor: factories.tensor}
-FACTORIES = frozenset({
-    *_WRAPPED, torch.empty, torch.empty_strided, torch.eye, torch.full, torch.linspace,
-    torch.logspace, torch.ones, torch.rand, torch.randint, torch.randn, torch.randperm,
-    torch.scalar_tensor, torch.zeros, torch.as_tensor, torch.normal,
-    torch.empty_like, torch.full_like, torch.ones_like, torch.rand_like, torch.randint_like,
-    torch.randn_like, torch.zeros_like, torch.tril_indices, torch.triu_indices,
-    torch.bartlett_window, torch.hann_window, torch.hamming_window, torch.blackman_window,
-    torch.kaiser_window,
-})
+_WRAPPED = {factories._original_tensor: factories.tensor}
+FACTORIES = frozenset(
+    {
+        *_WRAPPED,
+        torch.arange,
+        torch.empty,
+        torch.empty_strided,
+        torch.eye,
+        torch.full,
+        torch.linspace,
+        torch.logspace,
+        torch.ones,
+        torch.rand,
+        torch.randint,
+        torch.randn,
+        torch.randperm,
+        torch.scalar_tensor,
+        torch.zeros,
+        torch.as_tensor,
+        torch.normal,
+        torch.empty_like,
+        torch.full_like,
+        torch.ones_like,
+        torch.rand_like,
+        torch.randint_like,
+        torch.randn_like,
+        torch.zeros_like,
+        torch.tril_indices,
+        torch.triu_indices,
+        torch.bartlett_window,
+        torch.hann_window,
+        torch.hamming_window,
+        torch.blackman_window,
+        torch.kaiser_window,
+    }
+)
 
 
 class _RemoteFactories(TorchFunctionMode):
@@ -47,7 +73,7 @@ class _RemoteFactories(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class capture:  # noqa: N801 - used like a function: `with djinn.capture():`
+class capture:
     """Context manager: factories without a device create remote tensors."""
 
     def __init__(self, index: int = 0) -> None:

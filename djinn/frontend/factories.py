@@ -32,7 +32,8 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         mkw = {k: (meta.META if isinstance(v, torch.device) else v) for k, v in kwargs.items()}
         m = op(*args, **mkw)
         spec = lazy.spec_of(m)
-        return lazy.LazyTensor(spec, lazy.Uninit(spec))
+        # an empty(0) is usually the out= target of a factory that resizes it
+        return lazy.LazyTensor(spec, lazy.Uninit(spec), dynamic=m.numel() == 0)
     return lazy.dispatch(op, args, kwargs)
 
 
@@ -47,34 +48,9 @@ def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     return _original_tensor(data, *args, **kwargs)
 
 
-_original_arange = torch.arange
-
-
-@functools.wraps(_original_arange)
-def arange(*args: Any, **kwargs: Any) -> torch.Tensor:
-    device = kwargs.get("device")
-    if device is None or not is_remote(device) or "out" in kwargs:
-        return _original_arange(*args, **kwargs)
-    # PyTorch sizes arange's output inside the out= kernel and then returns its own
-    # empty(0) tensor, which a wrapper subclass cannot resize: capture the functional op.
-    from . import lazy
-
-    requires_grad = kwargs.pop("requires_grad", False)
-    dtype = _original_arange(*args, **{**kwargs, "device": "meta"}).dtype
-    bounds = [a.item() if isinstance(a, torch.Tensor) else a for a in args]
-    start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds, 1)[:3]
-    start = kwargs.get("start", start)
-    end = kwargs.get("end", end)
-    step = kwargs.get("step", step)
-    out = lazy.capture(torch.ops.aten.arange.start_step, (start, end, step),
-                       {"dtype": dtype, "device": torch.device(device)})
-    return out.requires_grad_(requires_grad) if requires_grad else out
-
-
 def install() -> None:
     global _library
     if _library is None:
-        _library = torch.library.Library("_", "IMPL")  # noqa: TOR901 - fallback registration
+        _library = torch.library.Library("_", "IMPL")
         _library.fallback(fallback, "PrivateUse1")
         torch.tensor = tensor
-        torch.arange = arange

@@ -10,11 +10,12 @@ client never holds a tensor's data.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from djinn.errors import DjinnError, UnsupportedOp
+from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
 from . import hooks
@@ -42,11 +43,23 @@ class LazyTensor(torch.Tensor):
     _ref: Any
 
     @staticmethod
-    def __new__(cls, spec: TensorSpec, ref: Any, requires_grad: bool = False) -> LazyTensor:
+    def __new__(
+        cls, spec: TensorSpec, ref: Any, requires_grad: bool = False, dynamic: bool = False
+    ) -> LazyTensor:
+        # Note [resizable outputs]: factories such as arange and eye allocate empty(0) and
+        # let an out= kernel resize it. A wrapper's sizes are fixed at creation, so those
+        # empties are made with sizes answered from Python (`_dyn`), which a resize updates.
         t = torch.Tensor._make_wrapper_subclass(
-            cls, spec.shape, strides=spec.stride, storage_offset=spec.offset, dtype=spec.dtype,
-            device=REMOTE, requires_grad=requires_grad,
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            storage_offset=spec.offset,
+            dtype=spec.dtype,
+            device=REMOTE,
+            requires_grad=requires_grad,
+            dispatch_sizes_strides_policy="sizes" if dynamic else None,
         )
+        t._dyn = spec if dynamic else None
         bind(t, ref)
         return t
 
@@ -109,8 +122,9 @@ class _Args:
             self.lazies = True
             self.flat.append(x)
             if self.key is not None:
-                self.key.append(("L", x.dtype, tuple(x.shape), tuple(x.stride()),
-                                 x.storage_offset()))
+                self.key.append(
+                    ("L", x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+                )
             ref = _ref_for_node(x, self.trace)
             if self.trace.recorders and getattr(x, "_is_param", False):
                 from djinn.graph.builder import WEIGHTS
@@ -123,8 +137,9 @@ class _Args:
                 raise UnsupportedOp(f"cannot mix a {x.device} tensor into remote computation")
             self.flat.append(x)
             if self.key is not None:
-                self.key.append(("C", x.dtype, tuple(x.shape), tuple(x.stride()),
-                                 x.storage_offset()))
+                self.key.append(
+                    ("C", x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+                )
             return _snapshot(x)
         if isinstance(x, (list, tuple)):
             if self.key is not None:
@@ -142,9 +157,13 @@ class _Args:
 def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     ref = x._ref
     if isinstance(ref, Uninit):
-        node = Node(torch.ops.aten.empty_strided.default,
-                    [list(ref.spec.shape), list(ref.spec.stride)],
-                    {"dtype": ref.spec.dtype, "device": REMOTE}, trace, 1)
+        node = Node(
+            torch.ops.aten.empty_strided.default,
+            [list(ref.spec.shape), list(ref.spec.stride)],
+            {"dtype": ref.spec.dtype, "device": REMOTE},
+            trace,
+            1,
+        )
         trace.add(node)
         ref = Pending(node, 0)
         bind(x, ref)
@@ -176,7 +195,39 @@ def _meta_of(x: Any) -> Any:
     return x
 
 
+def _size_query(func: Any, args: tuple, kwargs: dict) -> Any:
+    spec = args[0]._dyn
+    if func is _aten.sym_size.default:
+        return spec.shape
+    if func is _aten.sym_stride.default:
+        return spec.stride
+    if func is _aten.sym_numel.default:
+        return math.prod(spec.shape)
+    if func is _aten.sym_storage_offset.default:
+        return spec.offset
+    if func is _aten.dim.default:
+        return len(spec.shape)
+    m = meta_mod.meta_tensor(spec.dtype, spec.shape, spec.stride, spec.offset)
+    return func(m, *args[1:], **kwargs)  # is_contiguous and friends: ask a meta twin
+
+
+_aten = torch.ops.aten
+_SIZE_QUERIES = {
+    _aten.sym_size.default,
+    _aten.sym_stride.default,
+    _aten.sym_numel.default,
+    _aten.sym_storage_offset.default,
+    _aten.dim.default,
+    _aten.is_contiguous.default,
+    _aten.is_contiguous.memory_format,
+    _aten.is_strides_like_format.default,
+    _aten.is_non_overlapping_and_dense.default,
+}
+
+
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func in _SIZE_QUERIES:
+        return _size_query(func, args, kwargs)
     special = SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
@@ -213,8 +264,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         spec = meta_mod.infer(func, key, build)
     except meta_mod.DataDependent:
         return _run_now(func, trace, ref_args, ref_kwargs)
-    except RuntimeError as exc:
-        raise DjinnError(f"{func}: {exc}") from None  # the same error eager would raise
+    # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
     if not tensor_pos:
@@ -246,13 +296,13 @@ def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
         if isinstance(target, LazyTensor):
             if (tuple(target.shape), tuple(target.stride())) == (s.shape, s.stride):
                 return target  # in-place op or out=: the same tensor, mutated remotely
-            if target.numel() != 0:
-                raise UnsupportedOp(
-                    f"{node.name} changes the shape of a remote tensor in place; "
-                    "use the out-of-place op"
-                )
-            # out= resizing an empty tensor (how arange/linspace build factories): the
-            # result is a new tensor.
+            if target._dyn is not None:  # Note [resizable outputs]
+                target._dyn = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None)
+                return target
+            raise UnsupportedOp(
+                f"{node.name} changes the shape of a remote tensor in place; "
+                "use the out-of-place op"
+            )
     return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
 
 
@@ -286,8 +336,11 @@ def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict
     if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
         raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
     refs = [Pending(node, i) for i in range(node.nout)]
-    values = flush(trace, fetch=[r for i, r in enumerate(refs) if i not in tensor_idx],
-                   keep=[refs[i] for i in tensor_idx])
+    values = flush(
+        trace,
+        fetch=[r for i, r in enumerate(refs) if i not in tensor_idx],
+        keep=[refs[i] for i in tensor_idx],
+    )
     fetched, kept = values
     out: list[Any] = []
     fi = iter(fetched)
@@ -343,9 +396,14 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
     if not isinstance(dst, LazyTensor):
         dst.copy_(fetch(src) if isinstance(src, LazyTensor) else src, **kwargs)
         return dst
-    if (isinstance(dst._ref, Uninit) and not isinstance(src, LazyTensor)
-            and isinstance(src, torch.Tensor) and src.device.type == "cpu"
-            and src.dtype == dst.dtype and src.shape == dst.shape):
+    if (
+        isinstance(dst._ref, Uninit)
+        and not isinstance(src, LazyTensor)
+        and isinstance(src, torch.Tensor)
+        and src.device.type == "cpu"
+        and src.dtype == dst.dtype
+        and src.shape == dst.shape
+    ):
         ref = _snapshot(src)
         if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
             bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else

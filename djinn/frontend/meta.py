@@ -71,11 +71,15 @@ def _spec(out: Any, flat_inputs: list[torch.Tensor]) -> Any:
         alias = next((i for i, t in enumerate(flat_inputs) if t is out), None)
         if out.device.type != "meta":
             raise UnsupportedOp(f"op produced a {out.device.type} tensor from meta inputs")
-        return TensorSpec(out.dtype, tuple(out.shape), tuple(out.stride()),
-                          out.storage_offset(), alias)
+        return TensorSpec(
+            out.dtype, tuple(out.shape), tuple(out.stride()), out.storage_offset(), alias
+        )
     if isinstance(out, (tuple, list)):
-        return type(out)(_spec(o, flat_inputs) for o in out) if type(out) in (tuple, list) \
+        return (
+            type(out)(_spec(o, flat_inputs) for o in out)
+            if type(out) in (tuple, list)
             else tuple(_spec(o, flat_inputs) for o in out)
+        )
     return out
 
 

@@ -29,8 +29,21 @@ class Node:
     """One captured aten call. ``args``/``kwargs`` hold refs, never LazyTensors, so a
     pending graph does not keep user tensors alive."""
 
-    __slots__ = ("args", "executed", "holders", "kwargs", "module", "nout", "op", "results",
-                 "rng", "trace", "__weakref__", "specs", "phase")
+    __slots__ = (
+        "__weakref__",
+        "args",
+        "executed",
+        "holders",
+        "kwargs",
+        "module",
+        "nout",
+        "op",
+        "phase",
+        "results",
+        "rng",
+        "specs",
+        "trace",
+    )
 
     def __init__(self, op: Any, args: Any, kwargs: Any, trace: Trace, nout: int) -> None:
         self.op = op
@@ -185,8 +198,13 @@ def flush(
             keep_refs, keep_targets = [], []
             for i, n in enumerate(nodes):
                 for k in range(n.nout):
-                    alive = [lz for w in n.holders[k] if (lz := w()) is not None
-                             and isinstance(lz._ref, Pending) and lz._ref.node is n]
+                    alive = [
+                        lz
+                        for w in n.holders[k]
+                        if (lz := w()) is not None
+                        and isinstance(lz._ref, Pending)
+                        and lz._ref.node is n
+                    ]
                     if alive:
                         keep_refs.append({"$v": i, "i": k} if n.nout > 1 else {"$v": i})
                         keep_targets.append((n, k, alive))
@@ -197,8 +215,9 @@ def flush(
             raise
         session = default_session()
         try:
-            kept, fetched = session.execute(encoded, keep=keep_refs + extra, fetch=fetch_refs,
-                                            inline=enc.inline)
+            kept, fetched = session.execute(
+                encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline
+            )
         finally:
             for n in nodes:
                 n.executed = True

@@ -18,7 +18,6 @@ from djinn.protocol.tensors import DTYPE_NAMES
 
 from .srg import SRG, SRGEdge, SRGInput, SRGNode, TensorMeta
 
-
 # RemoteTensors holding module parameters, noted at capture (residency: persistent_weight).
 WEIGHTS: weakref.WeakSet = weakref.WeakSet()
 
@@ -102,13 +101,14 @@ def record(node: Any, ids: dict[int, Record]) -> Record:
             if spec is None or not hasattr(spec, "shape"):
                 return None
             meta = _meta(spec.dtype, spec.shape)
-            inputs.append((producer.node_id if producer else f"pending:{id(x.node)}", x.index,
-                           meta, "node"))
+            inputs.append(
+                (producer.node_id if producer else f"pending:{id(x.node)}", x.index, meta, "node")
+            )
             return _Shape(spec.dtype, spec.shape)
         if isinstance(x, RemoteTensor):
             meta = _meta(x.dtype, tuple(x.shape))
             kind = "weight" if x in WEIGHTS else "handle"
-            inputs.append((f"h:{x.handle[:12]}", 0, meta, kind))
+            inputs.append((f"h:{x.handle}", 0, meta, kind))
             return _Shape(x.dtype, tuple(x.shape))
         if isinstance(x, torch.Tensor):
             meta = _meta(x.dtype, tuple(x.shape))
@@ -133,6 +133,13 @@ def record(node: Any, ids: dict[int, Record]) -> Record:
 def build_srg(records: list[Record]) -> SRG:
     graph = SRG()
     seen_inputs: dict[str, SRGInput] = {}
+    # A value computed inside the block but read from another thread's trace (backward
+    # runs on PyTorch's device thread) arrives as a handle: link it to its producer.
+    produced: dict[str, tuple[int, int]] = {}
+    for rec in records:
+        for k, remote in enumerate(rec.node.results or ()):
+            if remote is not None:
+                produced[f"h:{remote.handle}"] = (rec.node_id, k)
     for rec in records:
         node = SRGNode(
             id=rec.node_id,
@@ -147,10 +154,11 @@ def build_srg(records: list[Record]) -> SRG:
         )
         graph.nodes.append(node)
         for src, index, meta, kind in rec.inputs:
-            if kind != "node" and src not in seen_inputs:
+            if src in produced:
+                src, index = produced[src]
+            elif kind != "node" and src not in seen_inputs:
                 residency = "persistent_weight" if kind == "weight" else "ephemeral_activation"
                 seen_inputs[src] = SRGInput(src, kind, residency, meta)
             graph.edges.append(SRGEdge(src, rec.node_id, index, meta))
     graph.inputs = list(seen_inputs.values())
     return graph
-

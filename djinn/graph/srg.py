@@ -13,8 +13,15 @@ from typing import Any
 
 SCHEMA = "djinn.srg/1"
 
-PHASES = ("unknown", "forward", "llm_prefill", "llm_decode", "vision_encoding",
-          "multimodal_fusion", "training")
+PHASES = (
+    "unknown",
+    "forward",
+    "llm_prefill",
+    "llm_decode",
+    "vision_encoding",
+    "multimodal_fusion",
+    "training",
+)
 RESIDENCIES = ("persistent_weight", "stateful_kv_cache", "ephemeral_activation", "gradient")
 MODALITIES = ("text", "vision", "audio", "fusion")
 
@@ -84,9 +91,12 @@ class SRG:
             "nodes": nodes,
             "edges": [asdict(e) for e in self.edges],
             "inputs": [asdict(i) for i in self.inputs],
-            "totals": {"nodes": len(self.nodes), "flops": self.total_flops,
-                       "bytes_read": sum(n.bytes_read for n in self.nodes),
-                       "bytes_written": sum(n.bytes_written for n in self.nodes)},
+            "totals": {
+                "nodes": len(self.nodes),
+                "flops": self.total_flops,
+                "bytes_read": sum(n.bytes_read for n in self.nodes),
+                "bytes_written": sum(n.bytes_written for n in self.nodes),
+            },
         }
 
     def to_json(self, **kw: Any) -> str:

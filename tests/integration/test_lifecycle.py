@@ -204,8 +204,9 @@ def test_embedded_appliance_stops_when_its_client_is_killed(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     env["DJINN_SOCKET_PATH"] = str(tmp_path / "nobody-listens.sock")
     env["DJINN_ARENA_BYTES"] = "64MiB"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+    )
     pid = int(proc.stdout.readline())
     proc.kill()
     proc.wait()

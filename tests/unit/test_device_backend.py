@@ -1,0 +1,46 @@
+"""Pins the PyTorch behaviour the remote device relies on (Note [python backend]).
+
+If a PyTorch upgrade breaks one of these, the capture frontend breaks with it: these
+tests say which assumption moved. None of them needs an appliance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import djinn  # noqa: F401 - registers the backend
+from djinn.frontend.device import DEVICE_TYPE, device, is_remote
+from djinn.frontend.lazy import LazyTensor, Uninit
+
+
+def test_device_strings_are_legal():
+    assert torch.device("remote_accelerator", 0).type == DEVICE_TYPE
+    assert torch.device("remote_accelerator:1").index == 1
+    assert device(0) == torch.device("remote_accelerator:0")
+    assert is_remote("remote_accelerator:0") and is_remote(torch.device("remote_accelerator"))
+    assert not is_remote("cpu")
+
+
+def test_factories_reach_the_privateuse1_fallback_as_lazy_empties():
+    t = torch.empty(3, 4, device="remote_accelerator:0")
+    assert isinstance(t, LazyTensor) and isinstance(t._ref, Uninit)
+    assert t.shape == (3, 4) and t.device.type == DEVICE_TYPE
+
+
+def test_module_to_turns_parameters_into_lazy_parameters():
+    lin = torch.nn.Linear(3, 2)
+    assert lin.weight.device.type == "cpu"
+    # .to() uploads (needs an appliance), so only check the parameter conversion path:
+    # Parameter() of a wrapper subclass keeps the subclass and marks it as a parameter.
+    p = torch.nn.Parameter(torch.empty(2, 3, device="remote_accelerator:0"))
+    assert isinstance(p, LazyTensor) and getattr(p, "_is_param", False)
+
+
+def test_capture_needs_no_meta_run_for_a_cached_signature():
+    from djinn.frontend import meta
+
+    x = torch.empty(5, 5, device="remote_accelerator:0")
+    _ = x + x
+    size = meta.cache_size()
+    _ = x + x
+    assert meta.cache_size() == size
