@@ -66,6 +66,9 @@ TARGET_TINY_UNIX_P50_US = 100.0  # tiny round trip over unix, p50
 RPC_TINY_P50_US = 330.0  # torch.distributed.rpc, tiny round trip p50 (quoted)
 RPC_BULK_GBPS = 1.5  # torch.distributed.rpc bulk, upper bound (quoted)
 
+# Small copies are timed a few times per round: a copy that is stalled by another
+# process (a descheduled intra-op thread costs a whole time slice) is no ceiling.
+MEMCPY_TRIES = 5
 FOREIGN_CPU_WARN = 0.05  # warn when other processes took more of the machine than this
 
 clock = time.perf_counter_ns
@@ -450,9 +453,10 @@ def bulk_round(
         r.free()  # give the slab back before anything else runs
         if check and not torch.equal(out, src):
             raise AssertionError(f"bulk round trip over {transport} returned different bytes")
-        t0 = clock()
-        out.copy_(src)
-        got.setdefault("memcpy", []).append(seconds_since(t0))
+        for _ in range(MEMCPY_TRIES if src.numel() <= 64 * MiB else 1):
+            t0 = clock()
+            out.copy_(src)
+            got.setdefault("memcpy", []).append(seconds_since(t0))
         del r, out
         got[f"put_{transport}"] = [put_s]
         got[f"get_{transport}"] = [get_s]

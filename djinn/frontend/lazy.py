@@ -18,7 +18,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import hooks
+from . import factories, hooks
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -27,6 +27,7 @@ from .trace import Node, Pending, bind, current, flush
 
 REMOTE = torch.device(DEVICE_TYPE, 0)
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
+SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
@@ -93,8 +94,25 @@ class LazyTensor(torch.Tensor):
             return format(self.item(), spec)
         return format(repr(self), spec)
 
+    # Indexing with Python lists makes PyTorch build an index tensor on *this* tensor's
+    # device through a path that asserts for Python backends: build it on the CPU instead
+    # (it is then uploaded like any local tensor mixed into remote code).
+    def __getitem__(self, index: Any) -> Any:
+        return super().__getitem__(_local_index(index))
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(_local_index(index), value)
+
     def __reduce_ex__(self, proto: Any) -> Any:
         raise UnsupportedOp("a remote tensor cannot be pickled; call .cpu() first")
+
+
+def _local_index(index: Any) -> Any:
+    if isinstance(index, list):
+        return factories._original_tensor(index)
+    if isinstance(index, tuple):
+        return tuple(factories._original_tensor(i) if isinstance(i, list) else i for i in index)
+    return index
 
 
 def spec_of(t: torch.Tensor) -> TensorSpec:
@@ -135,11 +153,15 @@ class _Args:
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise UnsupportedOp(f"cannot mix a {x.device} tensor into remote computation")
+            if x.layout != torch.strided:
+                raise UnsupportedOp(f"{x.layout} tensors cannot be sent to the appliance yet")
             self.flat.append(x)
             if self.key is not None:
-                self.key.append(
-                    ("C", x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
-                )
+                # Small local tensors can steer output shapes (tensor_split indices): their
+                # values are part of the signature. Large ones never do in practice.
+                values = tuple(x.reshape(-1).tolist()) if x.numel() <= SMALL_KEY else None
+                meta = (x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+                self.key.append(("C", meta, values))
             return _snapshot(x)
         if isinstance(x, (list, tuple)):
             if self.key is not None:
@@ -241,7 +263,11 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     trace = current()
     a = _Args(trace)
     ref_args = [a.ref(v) for v in args]
-    ref_kwargs = {k: a.ref(v) for k, v in kwargs.items()}
+    ref_kwargs = {}
+    for k, v in kwargs.items():
+        if a.key is not None:
+            a.key.append(k)  # keyword names are part of the signature
+        ref_kwargs[k] = a.ref(v)
     key = (func, tuple(a.key)) if a.key is not None else None
     flat = a.flat
 
@@ -269,7 +295,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
     if not tensor_pos:
         return spec  # a metadata-only answer (is_same_size, sizes...)
-    node = Node(func, ref_args, ref_kwargs, trace, len(specs))
+    node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
     if _SEEDED in func.tags:
@@ -330,7 +356,7 @@ def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict
     """Ops whose output shape depends on values (nonzero, unique...) or that return Python
     values (equal): run the trace up to and including them, keep the tensor outputs."""
     returns = [str(r.type) for r in func._schema.returns]
-    node = Node(func, ref_args, ref_kwargs, trace, max(1, len(returns)))
+    node = Node(func, ref_args, ref_kwargs, trace, max(1, len(returns)), multi=len(returns) > 1)
     trace.add(node)
     tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
     if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):

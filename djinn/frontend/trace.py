@@ -36,6 +36,7 @@ class Node:
         "holders",
         "kwargs",
         "module",
+        "multi",
         "nout",
         "op",
         "phase",
@@ -45,8 +46,11 @@ class Node:
         "trace",
     )
 
-    def __init__(self, op: Any, args: Any, kwargs: Any, trace: Trace, nout: int) -> None:
+    def __init__(
+        self, op: Any, args: Any, kwargs: Any, trace: Trace, nout: int, multi: bool = False
+    ) -> None:
         self.op = op
+        self.multi = multi or nout > 1  # outputs are a tuple/list: refer to them by index
         self.args = args
         self.kwargs = kwargs
         self.trace = trace
@@ -132,7 +136,7 @@ class _Encoder:
             i = self.index.get(id(ref.node))
             if i is None:
                 raise DjinnError(f"{ref.node.name}: captured in another trace that was not run")
-            return {"$v": i, "i": ref.index} if ref.node.nout > 1 else {"$v": i}
+            return {"$v": i, "i": ref.index} if ref.node.multi else {"$v": i}
         if isinstance(ref, RemoteTensor):
             return {"$h": ref.handle}
         raise TypeError(ref)
@@ -206,7 +210,7 @@ def flush(
                         and lz._ref.node is n
                     ]
                     if alive:
-                        keep_refs.append({"$v": i, "i": k} if n.nout > 1 else {"$v": i})
+                        keep_refs.append({"$v": i, "i": k} if n.multi else {"$v": i})
                         keep_targets.append((n, k, alive))
             fetch_refs = [enc.ref(r) for r in fetch]
             extra = [enc.ref(r) for r in keep]

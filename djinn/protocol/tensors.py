@@ -115,6 +115,8 @@ def to_wire(t: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
     flat = flat.reshape(-1)  # dense in this order: a view, never a copy
     if flat.numel() == 0:
         return desc, torch.empty(0, dtype=torch.uint8)
+    if flat.stride(0) != 1:  # one element reached through a stride-0 (expanded) dim
+        flat = flat.as_strided((flat.numel(),), (1,))
     return desc, flat.view(torch.uint8)
 
 

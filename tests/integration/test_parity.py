@@ -1,0 +1,107 @@
+"""Numerical parity with local eager PyTorch for real models moved with .to(remote)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+R = "remote_accelerator:0"
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _remote(remote):
+    yield
+
+
+def _max_diff(a, b) -> float:
+    return (a.detach().cpu().float() - b.detach().float()).abs().max().item()
+
+
+def _pair(model: torch.nn.Module):
+    local = model.eval()
+    remote = copy.deepcopy(local).to(R)
+    return local, remote
+
+
+def test_mlp_forward():
+    torch.manual_seed(0)
+    local, remote = _pair(torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 10)
+    ))
+    x = torch.randn(16, 32)
+    assert _max_diff(remote(x.to(R)), local(x)) <= TOL
+
+
+def test_small_cnn_with_batch_norm_in_eval_and_train_mode():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 16, 3), torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 5),
+    )
+    x = torch.randn(4, 3, 16, 16)
+    local, remote = _pair(net)
+    assert _max_diff(remote(x.to(R)), local(x)) <= TOL
+    local.train()
+    remote.train()
+    assert _max_diff(remote(x.to(R)), local(x)) <= TOL
+    # batch norm's running statistics were updated remotely, exactly as locally
+    assert _max_diff(remote[1].running_mean, local[1].running_mean) <= TOL
+    assert _max_diff(remote[1].running_var, local[1].running_var) <= TOL
+
+
+def test_gpt2_forward():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
+    torch.manual_seed(0)
+    local, remote = _pair(transformers.GPT2LMHeadModel(cfg))
+    ids = torch.randint(0, 500, (2, 12))
+    with torch.no_grad():
+        want = local(ids).logits
+        got = remote(ids.to(R)).logits
+    assert got.shape == want.shape
+    assert _max_diff(got, want) <= TOL
+
+
+def test_bert_forward():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                  intermediate_size=128, vocab_size=500)
+    torch.manual_seed(0)
+    local, remote = _pair(transformers.BertModel(cfg))
+    ids = torch.randint(0, 500, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        want = local(input_ids=ids, attention_mask=mask)
+        got = remote(input_ids=ids.to(R), attention_mask=mask.to(R))
+    assert _max_diff(got.last_hidden_state, want.last_hidden_state) <= TOL
+    assert _max_diff(got.pooler_output, want.pooler_output) <= TOL
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_training_loop_matches_local(optimizer):
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    remote = copy.deepcopy(local).to(R)
+
+    def make(params):
+        if optimizer == "adam":
+            return torch.optim.Adam(params, lr=1e-2)
+        return torch.optim.SGD(params, lr=1e-1, momentum=0.9)
+
+    opt_l, opt_r = make(local.parameters()), make(remote.parameters())
+    x, y = torch.randn(32, 20), torch.randint(0, 3, (32,))
+    xr, yr = x.to(R), y.to(R)
+    for _ in range(5):
+        for model, opt, inp, tgt in ((local, opt_l, x, y), (remote, opt_r, xr, yr)):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(inp), tgt)
+            loss.backward()
+            opt.step()
+    for p_l, p_r in zip(local.parameters(), remote.parameters(), strict=True):
+        assert _max_diff(p_r, p_l) <= TOL
+    assert isinstance(remote[0].weight.grad, torch.Tensor)
