@@ -70,8 +70,14 @@ def _compare(got: Any, want: Any) -> None:
 
 
 # Ops whose outputs are uninitialised memory: only metadata is comparable.
-UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_permuted",
-                 "empty_strided"}
+UNINITIALISED = {
+    "empty",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "empty_permuted",
+    "empty_strided",
+}
 
 
 def _clone_inputs(x: Any) -> Any:
@@ -152,8 +158,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.address:
         os.environ["DJINN_ADDRESS"] = args.address
-    import djinn  # noqa: F401 - registers the device
     from torch.testing._internal.common_methods_invocations import op_db
+
+    import djinn  # noqa: F401 - registers the device
 
     ops = [o for o in op_db if torch.float32 in o.supported_dtypes("cpu")]
     if args.ops:

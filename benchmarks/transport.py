@@ -450,6 +450,9 @@ def bulk_round(
         t0 = clock()
         out = r.cpu()
         get_s = seconds_since(t0)
+        t0 = clock()
+        r.cpu(out=out)  # into a warm, preallocated buffer: no fresh pages to fault in
+        get_into_s = seconds_since(t0)
         r.free()  # give the slab back before anything else runs
         if check and not torch.equal(out, src):
             raise AssertionError(f"bulk round trip over {transport} returned different bytes")
@@ -460,7 +463,9 @@ def bulk_round(
         del r, out
         got[f"put_{transport}"] = [put_s]
         got[f"get_{transport}"] = [get_s]
+        got[f"getinto_{transport}"] = [get_into_s]
         got[f"combined_{transport}"] = [put_s + get_s]
+        got[f"combinedinto_{transport}"] = [put_s + get_into_s]
     t0 = clock()
     fresh = torch.empty_like(src)
     fresh.copy_(src)
@@ -492,8 +497,13 @@ def bulk_size(
         paths[t] = {
             "put": rate(nbytes, times[f"put_{t}"]),
             "get": rate(nbytes, times[f"get_{t}"]),
+            "get_into": rate(nbytes, times[f"getinto_{t}"]),
             "combined": combined,
             "vs_memcpy": ratio(combined["best_gbps"], memcpy["warm"]["best_gbps"]),
+            "into_vs_memcpy": ratio(
+                rate(2 * nbytes, times[f"combinedinto_{t}"])["best_gbps"],
+                memcpy["warm"]["best_gbps"],
+            ),
             "vs_socket": ratio(combined["best_gbps"], sockets[t]["best_gbps"]),
         }
     return {"bytes": nbytes, "reps": reps, "memcpy": memcpy, "raw_socket": sockets, "djinn": paths}
@@ -580,6 +590,7 @@ def render(doc: dict[str, Any]) -> str:
                     "unix (arena)" if transport == "unix" else "tcp (payload)",
                     gbps(d["put"]),
                     gbps(d["get"]),
+                    gbps(d["get_into"]),
                     gbps(d["combined"]),
                     gbps(memcpy["warm"]),
                     gbps(memcpy["fresh"]),
@@ -593,6 +604,7 @@ def render(doc: dict[str, Any]) -> str:
         "path",
         "put",
         "get",
+        "get (out=)",
         "put+get",
         "memcpy",
         "alloc+memcpy",
@@ -606,6 +618,7 @@ def render(doc: dict[str, Any]) -> str:
         "Rounds are interleaved: every path and ceiling is timed once per round. "
         "memcpy = dst.copy_(src) into a warm buffer (the result a get just produced); "
         "alloc+memcpy = into a fresh torch.empty (as a get's result must be); "
+        "get (out=) = `r.cpu(out=buffer)` into a warm preallocated tensor; "
         "raw socket = one-way sendall/recv_into stream of the same bytes between two "
         "processes (receiver reuses a warm buffer of at most 64 MiB)."
     )
@@ -630,6 +643,17 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "target": f"arena bulk put+get >= {TARGET_ARENA_VS_MEMCPY}x memcpy "
                 f"({fmt_bytes(item['bytes'])})",
+                "measured": f"{v:.3f}x",
+                "met": v >= TARGET_ARENA_VS_MEMCPY,
+            }
+        )
+    for item in doc["bulk"]:
+        v = item["djinn"]["unix"]["into_vs_memcpy"]
+        checks.append(
+            {
+                "target": f"arena put + get(out=) >= {TARGET_ARENA_VS_MEMCPY}x memcpy "
+                f"({fmt_bytes(item['bytes'])}; a fresh result is bound by page faults, "
+                "see alloc+memcpy)",
                 "measured": f"{v:.3f}x",
                 "met": v >= TARGET_ARENA_VS_MEMCPY,
             }

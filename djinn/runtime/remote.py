@@ -34,9 +34,10 @@ class RemoteTensor:
     def nbytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
 
-    def cpu(self) -> torch.Tensor:
-        """Fetch the bytes: a new local tensor with the same values, shape and layout."""
-        return self.session.get(self)
+    def cpu(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Fetch the bytes: a new local tensor with the same values, shape and layout, or
+        into ``out`` (same shape and dtype), which saves allocating fresh memory."""
+        return self.session.get(self, out=out)
 
     def free(self) -> None:
         """Release the remote bytes now (also happens when this object is collected)."""

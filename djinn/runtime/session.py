@@ -122,12 +122,23 @@ class Session:
         handles = reply["handles"]
         return [RemoteTensor(self, h, e["desc"]) for h, e in zip(handles, entries, strict=True)]
 
-    def get(self, remote: RemoteTensor) -> torch.Tensor:
-        return self.get_many([remote])[0]
+    def get(self, remote: RemoteTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Fetch a remote tensor's value. With ``out`` (a CPU tensor of the same shape and
+        dtype) the bytes land in it, skipping a fresh allocation (Note [fresh pages])."""
+        return self.get_many([remote], None if out is None else [out])[0]
 
-    def get_many(self, remotes: Sequence[RemoteTensor]) -> list[torch.Tensor]:
-        frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=self._sink)
-        return self._unpack(frame)["tensors"]
+    def get_many(
+        self, remotes: Sequence[RemoteTensor], out: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        if out is not None:
+            if len(out) != len(remotes):
+                raise ValueError("out= needs one tensor per remote tensor")
+            for r, o in zip(remotes, out, strict=True):
+                if o.device.type != "cpu" or o.shape != r.shape or o.dtype != r.dtype:
+                    raise ValueError(f"out= must be a CPU tensor of {list(r.shape)} {r.dtype}")
+        sink = self._sink if out is None else self._sink_into(out)
+        frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=sink)
+        return self._unpack(frame, out)["tensors"]
 
     def free(self, handles: Iterable[str]) -> None:
         self._call(Kind.FREE, {"handles": list(handles)})
@@ -164,20 +175,39 @@ class Session:
         # TCP replies: receive each segment straight into the memory of a new tensor.
         return [memoryview(_u8(n).numpy()) for n in lengths]
 
-    def _unpack(self, frame: Frame) -> dict[str, Any]:
+    @staticmethod
+    def _sink_into(out: Sequence[torch.Tensor]) -> Any:
+        def sink(_header: Any, body: dict[str, Any], lengths: list[int]) -> list[memoryview]:
+            targets = [memoryview(_u8(n).numpy()) for n in lengths]
+            for item, o in zip(body.get("tensors", []), out, strict=False):
+                k = item.get("seg")
+                direct = _bytes_of(o, item["desc"])
+                if type(k) is int and 0 <= k < len(lengths) and direct is not None:
+                    if direct.numel() == lengths[k]:
+                        targets[k] = memoryview(direct.numpy())
+            return targets
+
+        return sink
+
+    def _unpack(self, frame: Frame, out: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
         """Turn a reply's tensor entries into local tensors: one copy out of the arena, or
         the tensor the payload was received into."""
         tensors = []
-        for item in frame.body.get("tensors", []):
+        for i, item in enumerate(frame.body.get("tensors", [])):
+            dest = out[i] if out is not None else None
+            direct = _bytes_of(dest, item["desc"]) if dest is not None else None
             if "slab" in item:
                 nbytes = _nbytes(item["desc"])
-                raw = _u8(nbytes)
+                raw = direct if direct is not None else _u8(nbytes)
                 raw.copy_(self._arena_tensor(item["slab"], nbytes))
                 self._release.append(item["slab"])
             else:
                 seg = frame.segments[item["seg"]]
                 raw = torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else _u8(0)
-            tensors.append(from_wire(item["desc"], raw))
+            value = from_wire(item["desc"], raw)
+            if dest is not None and direct is None:
+                dest.copy_(value)  # layouts differ: one strided copy
+            tensors.append(dest if dest is not None else value)
         return {**frame.body, "tensors": tensors}
 
     def _arena_tensor(self, off: int, nbytes: int) -> torch.Tensor:
@@ -206,6 +236,13 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session(id={self.id}, worker={self.worker}, device={self.device!r})"
+
+
+def _bytes_of(t: torch.Tensor, desc: dict[str, Any]) -> torch.Tensor | None:
+    """``t``'s bytes as a flat uint8 view if they can take the wire bytes as they are."""
+    if not t.is_contiguous() or list(t.stride()) != list(desc["strides"]) or not t.numel():
+        return None
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _nbytes(desc: dict[str, Any]) -> int:

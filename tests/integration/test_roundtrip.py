@@ -104,3 +104,17 @@ def test_one_gib_round_trip(appliance, via):
         assert torch.equal(back, t)
         del back
         r.free()
+
+
+@pytest.mark.parametrize("shape", [(4,), (700, 300)])
+def test_get_into_a_preallocated_tensor(session, shape):
+    t = torch.randn(*shape)
+    r = session.put(t)
+    out = torch.empty(*shape)
+    back = r.cpu(out=out)
+    assert back is out and torch.equal(out, t)
+    tt = session.put(torch.randn(300, 200).t())  # a transposed layout into a contiguous out
+    out2 = torch.empty(200, 300)
+    assert torch.equal(tt.cpu(out=out2), tt.cpu())
+    with pytest.raises(ValueError):
+        r.cpu(out=torch.empty(3, dtype=torch.float64))
