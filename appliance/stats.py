@@ -19,6 +19,7 @@ def build(
     arena: dict[str, Any],
     started: float,
     addresses: dict[str, str],
+    supervisor_requests: list[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     sessions, devices = [], []
     used = peak = 0
@@ -54,4 +55,7 @@ def build(
             "devices": devices,
         },
         "models": [],
+        "requests": [
+            {**r, "worker": w.id} for w in workers for r in w.stats.get("requests", [])
+        ] + [{**r, "worker": "supervisor"} for r in supervisor_requests],
     }

@@ -30,6 +30,7 @@ from djinn.transport.framing import FrameReader, PeerClosed, send_buffers
 
 from . import control, listeners, stats
 from .devices import worker_devices
+from .reqstats import RequestStats
 from .vmu.arena import HostArenaSegment, sweep_stale
 from .workers import WorkerHandle
 
@@ -66,6 +67,7 @@ class Supervisor:
         self.arena: HostArenaSegment | None = None
         self.workers: list[WorkerHandle] = []
         self._wake_r, self._wake_w = socket.socketpair()
+        self.requests = RequestStats()
 
     # -- start-up -----------------------------------------------------------------------
     def setup(self) -> None:
@@ -233,10 +235,13 @@ class Supervisor:
                 return
             if frame is None:
                 return
+            started, outcome = time.perf_counter(), "ok"
             try:
                 self._dispatch(conn, frame)
             except DjinnError as exc:
+                outcome = exc.code
                 self._fail(conn, frame.request_id, exc, close=not conn.authenticated)
+            self.requests.record(frame.kind.name, outcome, time.perf_counter() - started)
 
     def _dispatch(self, conn: ClientConn, frame: Frame) -> None:
         rid = frame.request_id
@@ -344,7 +349,8 @@ class Supervisor:
             "size": self.arena.size,
             "pinned": getattr(self, "arena_pinned", False),
         }
-        return stats.build(self.workers, arena, self.started, self.addresses)
+        return stats.build(self.workers, arena, self.started, self.addresses,
+                           self.requests.snapshot())
 
     # -- shutdown -----------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -31,6 +31,7 @@ from djinn.transport.framing import FrameReader, PeerClosed, default_sink, send_
 from . import control
 from .executor.device import open_device
 from .handlers import HANDLERS
+from .reqstats import RequestStats
 from .sessions import CLOSED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .vmu.device import DeviceVMU
@@ -59,6 +60,7 @@ class Worker:
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
         self.frame_slabs: dict[int, int] = {}
+        self.requests = RequestStats()
         self.stopping = False
         self._dirty = True
         self._last_push = 0.0
@@ -201,6 +203,8 @@ class Worker:
 
     def dispatch(self, s: WorkerSession, frame: Frame) -> None:
         rid = frame.request_id
+        started = time.perf_counter()
+        outcome = "ok"
         try:
             if "__sink_error__" in frame.body:
                 raise frame.body["__sink_error__"]
@@ -228,12 +232,15 @@ class Worker:
             self._dirty = True
             self.reply(s, rid, body, segments)
         except DjinnError as exc:
+            outcome = exc.code
             self.send_error(s, rid, exc)
         except Exception as exc:  # a bug must cost one request, never the worker
+            outcome = InternalError.code
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
             self.free_frame_slabs()
+            self.requests.record(frame.kind.name, outcome, time.perf_counter() - started)
 
     def free_piggybacked(self, s: WorkerSession, handles: Any) -> None:
         """Handles the client's garbage collector released, sent along with a request."""
@@ -268,6 +275,7 @@ class Worker:
             "sessions": [s.stats(now) for s in self.sessions.values() if s.state == OPEN],
             "vmu": self.store.vmu.stats(),
             "arena": self.store.slabs.stats(),
+            "requests": self.requests.snapshot(),
         }
         try:
             control.send(self.ctl, msg)
