@@ -94,6 +94,25 @@ def status(
         typer.echo(render(doc))
 
 
+@app.command()
+def top(
+    address: Optional[str] = typer.Option(None, help="unix:///path or tcp://host:port."),
+    token: Optional[str] = typer.Option(None, help="Token for a TCP address."),
+    refresh: float = typer.Option(1.0, help="Seconds between stats polls."),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+) -> None:
+    """Live view of workers, sessions, memory watermarks, models and requests."""
+    from djinn import config as config_mod
+
+    cfg = config_mod.load(config)
+    target = address or cfg.address or f"unix://{cfg.socket_path}"
+    if token is None and target.startswith("tcp://"):
+        token = config_mod.read_token(cfg)
+    from djinn.tui.app import run_top
+
+    run_top(target, token=token, refresh=refresh)
+
+
 def main() -> None:
     app()
 
