@@ -68,6 +68,8 @@ class Supervisor:
         self.workers: list[WorkerHandle] = []
         self._wake_r, self._wake_w = socket.socketpair()
         self.requests = RequestStats()
+        self.latest_stats: dict[str, Any] | None = None  # read by the metrics thread
+        self.metrics_server: Any = None
 
     # -- start-up -----------------------------------------------------------------------
     def setup(self) -> None:
@@ -119,6 +121,14 @@ class Supervisor:
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:
             self._start_worker(w)
+        if cfg.metrics_port:
+            from . import metrics
+
+            self.metrics_server = metrics.start(cfg.metrics_host, cfg.metrics_port,
+                                                lambda: self.latest_stats)
+            self.addresses["metrics"] = (
+                f"http://{cfg.metrics_host}:{self.metrics_server.server_port}/metrics"
+            )
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping = True  # record only; the loop does the work
@@ -174,6 +184,8 @@ class Supervisor:
             pending = conn.waiting_open
             if pending and not self._try_open(conn) and now > pending[1]:
                 self._fail(conn, pending[0], Unavailable("no worker became ready in time"))
+        if self.metrics_server is not None:
+            self.latest_stats = self.stats()  # a fresh object each tick: safe to read
         if self.parent_pid and os.getppid() != self.parent_pid:
             log.warning(
                 "parent process %d exited; stopping the embedded appliance", self.parent_pid
@@ -377,6 +389,8 @@ class Supervisor:
                 w.proc.kill()
                 w.proc.wait()
             w.alive = False
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         if self.arena is not None:
             self.arena.unlink()
         signal.set_wakeup_fd(-1)

@@ -96,10 +96,10 @@ def status(
 
 @app.command()
 def top(
-    address: Optional[str] = typer.Option(None, help="unix:///path or tcp://host:port."),
-    token: Optional[str] = typer.Option(None, help="Token for a TCP address."),
+    address: str | None = typer.Option(None, help="unix:///path or tcp://host:port."),
+    token: str | None = typer.Option(None, help="Token for a TCP address."),
     refresh: float = typer.Option(1.0, help="Seconds between stats polls."),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+    config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
 ) -> None:
     """Live view of workers, sessions, memory watermarks, models and requests."""
     from djinn import config as config_mod
