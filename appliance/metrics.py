@@ -31,10 +31,12 @@ class StatsCollector:
         doc = self.snapshot()
         if not doc:
             return
-        up = GaugeMetricFamily("djinn_worker_up", "1 if the worker is alive and ready",
-                               labels=["worker", "device"])
-        restarts = CounterMetricFamily("djinn_worker_restarts", "Worker restarts",
-                                       labels=["worker", "device"])
+        up = GaugeMetricFamily(
+            "djinn_worker_up", "1 if the worker is alive and ready", labels=["worker", "device"]
+        )
+        restarts = CounterMetricFamily(
+            "djinn_worker_restarts", "Worker restarts", labels=["worker", "device"]
+        )
         for w in doc["workers"]:
             labels = [str(w["id"]), str(w["device"])]
             up.add_metric(labels, 1.0 if w["alive"] and w.get("ready", True) else 0.0)
@@ -51,8 +53,9 @@ class StatsCollector:
         yield sessions
 
         arena = doc["vmu"]["host_arena"]
-        vmu = GaugeMetricFamily("djinn_vmu_bytes", "VMU memory by segment",
-                                labels=["worker", "segment", "measure"])
+        vmu = GaugeMetricFamily(
+            "djinn_vmu_bytes", "VMU memory by segment", labels=["worker", "segment", "measure"]
+        )
         for measure in ("capacity", "used", "peak"):
             vmu.add_metric(["host", "host_arena", measure], arena[measure])
         for dev in doc["vmu"]["devices"]:
@@ -61,9 +64,11 @@ class StatsCollector:
                     vmu.add_metric([str(dev["worker"]), seg, measure], dev[seg][measure])
         yield vmu
 
-        hist = HistogramMetricFamily("djinn_request_seconds",
-                                     "Request latency by kind and outcome",
-                                     labels=["worker", "kind", "outcome"])
+        hist = HistogramMetricFamily(
+            "djinn_request_seconds",
+            "Request latency by kind and outcome",
+            labels=["worker", "kind", "outcome"],
+        )
         for r in doc.get("requests", []):
             cumulative, buckets = 0, []
             for bound, n in zip((*BUCKETS, float("inf")), r["buckets"], strict=True):

@@ -55,7 +55,6 @@ def build(
             "devices": devices,
         },
         "models": [],
-        "requests": [
-            {**r, "worker": w.id} for w in workers for r in w.stats.get("requests", [])
-        ] + [{**r, "worker": "supervisor"} for r in supervisor_requests],
+        "requests": [{**r, "worker": w.id} for w in workers for r in w.stats.get("requests", [])]
+        + [{**r, "worker": "supervisor"} for r in supervisor_requests],
     }

@@ -124,8 +124,9 @@ class Supervisor:
         if cfg.metrics_port:
             from . import metrics
 
-            self.metrics_server = metrics.start(cfg.metrics_host, cfg.metrics_port,
-                                                lambda: self.latest_stats)
+            self.metrics_server = metrics.start(
+                cfg.metrics_host, cfg.metrics_port, lambda: self.latest_stats
+            )
             self.addresses["metrics"] = (
                 f"http://{cfg.metrics_host}:{self.metrics_server.server_port}/metrics"
             )
@@ -361,8 +362,9 @@ class Supervisor:
             "size": self.arena.size,
             "pinned": getattr(self, "arena_pinned", False),
         }
-        return stats.build(self.workers, arena, self.started, self.addresses,
-                           self.requests.snapshot())
+        return stats.build(
+            self.workers, arena, self.started, self.addresses, self.requests.snapshot()
+        )
 
     # -- shutdown -----------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -123,9 +123,13 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds a client waits for an embedded appliance to become ready.",
         "float",
     ),
-    Setting("metrics_port", 0, "Prometheus endpoint port on metrics_host (0: no endpoint). "
-            "Serves request counts and latency histograms, VMU gauges, sessions, restarts.",
-            "int"),
+    Setting(
+        "metrics_port",
+        0,
+        "Prometheus endpoint port on metrics_host (0: no endpoint). "
+        "Serves request counts and latency histograms, VMU gauges, sessions, restarts.",
+        "int",
+    ),
     Setting("metrics_host", "127.0.0.1", "Bind address of the Prometheus endpoint."),
     Setting("log_level", "warning", "Logging level for every Djinn component."),
 )

@@ -113,6 +113,22 @@ def top(
     run_top(target, token=token, refresh=refresh)
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def run(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="The Python script to run, then its arguments."),
+    device_map: str = typer.Option(
+        "cuda=remote_accelerator", help="Map a device type to the appliance ('' for none)."
+    ),
+) -> None:
+    """Run an unmodified script; its `cuda` work lands on the appliance."""
+    from .run import run_script
+
+    raise typer.Exit(run_script(script, list(ctx.args), device_map))
+
+
 def main() -> None:
     app()
 

@@ -62,12 +62,23 @@ def test_metrics_endpoint_reports_requests_memory_sessions_and_workers(fresh_app
 
         text = wait_for(moved, timeout=5)
         assert _value(text, "djinn_request_seconds_count", kind="FREE", outcome="NOT_FOUND") == 1
-        assert _value(text, "djinn_request_seconds_bucket", kind="GET", outcome="ok",
-                      le="+Inf") >= 5
-        assert _value(text, "djinn_request_seconds_count", worker="supervisor",
-                      kind="SESSION_OPEN", outcome="ok") >= 1
-        assert _value(text, "djinn_vmu_bytes", worker="0", segment="data",
-                      measure="used") >= 5 * 512 * 512 * 4
+        assert (
+            _value(text, "djinn_request_seconds_bucket", kind="GET", outcome="ok", le="+Inf") >= 5
+        )
+        assert (
+            _value(
+                text,
+                "djinn_request_seconds_count",
+                worker="supervisor",
+                kind="SESSION_OPEN",
+                outcome="ok",
+            )
+            >= 1
+        )
+        assert (
+            _value(text, "djinn_vmu_bytes", worker="0", segment="data", measure="used")
+            >= 5 * 512 * 512 * 4
+        )
         del keep
     text = wait_for(lambda: _value(t := _scrape(url), "djinn_sessions", worker="0") == 0 and t)
     assert _value(text, "djinn_worker_restarts_total", worker="0") == 0

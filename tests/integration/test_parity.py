@@ -28,9 +28,14 @@ def _pair(model: torch.nn.Module):
 
 def test_mlp_forward():
     torch.manual_seed(0)
-    local, remote = _pair(torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 10)
-    ))
+    local, remote = _pair(
+        torch.nn.Sequential(
+            torch.nn.Linear(32, 64),
+            torch.nn.GELU(),
+            torch.nn.LayerNorm(64),
+            torch.nn.Linear(64, 10),
+        )
+    )
     x = torch.randn(16, 32)
     assert _max_diff(remote(x.to(R)), local(x)) <= TOL
 
@@ -38,9 +43,16 @@ def test_mlp_forward():
 def test_small_cnn_with_batch_norm_in_eval_and_train_mode():
     torch.manual_seed(0)
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 16, 3), torch.nn.BatchNorm2d(16),
-        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 5),
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 5),
     )
     x = torch.randn(4, 3, 16, 16)
     local, remote = _pair(net)
@@ -68,8 +80,13 @@ def test_gpt2_forward():
 
 def test_bert_forward():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                  intermediate_size=128, vocab_size=500)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=500,
+    )
     torch.manual_seed(0)
     local, remote = _pair(transformers.BertModel(cfg))
     ids = torch.randint(0, 500, (2, 10))

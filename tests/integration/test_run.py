@@ -1,0 +1,145 @@
+"""`djinn run`: an unmodified CUDA script runs on the appliance with the same numbers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 6 * 6, 5))
+    net = net.cuda() if device == "cuda" else net
+    x = torch.randn(2, 3, 8, 8).to(device)
+    w = torch.randn(5, 3, device=torch.device(device))
+    out = net(x) @ w
+    print("sum %.6f" % out.sum().item())
+    print("values", [round(v, 5) for v in out.flatten().tolist()])
+    print("argmax", out.argmax(dim=1).tolist())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loss = out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    print("after step %.6f" % (net(x) @ w).sum().item())
+    print("argv", sys.argv[1:])
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def scripts(tmp_path: Path) -> tuple[Path, Path]:
+    cuda = tmp_path / "train_cuda.py"
+    cuda.write_text(SCRIPT)
+    cpu = tmp_path / "train_cpu.py"
+    cpu.write_text(SCRIPT.replace('"cuda" if torch.cuda.is_available() else "cpu"', '"cpu"'))
+    return cuda, cpu
+
+
+def test_unmodified_cuda_script_prints_the_same_numbers_as_local_cpu(appliance, scripts):
+    cuda, cpu = scripts
+    remote = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(cuda), "7", "--some-flag"],
+        env=_env(DJINN_ADDRESS=appliance.unix),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    local = subprocess.run(
+        [sys.executable, str(cpu), "7", "--some-flag"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert local.returncode == 7
+    assert remote.returncode == 7, remote.stderr  # exit code passed through
+    assert remote.stdout == local.stdout  # same numbers, same argv
+    assert "argv ['7', '--some-flag']" in remote.stdout
+
+
+def test_script_really_ran_on_the_appliance(appliance, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        textwrap.dedent("""
+        import torch
+        x = torch.ones(3).cuda()
+        print(x.device.type, torch.cuda.is_available(), torch.device("cuda", 0))
+        print(type(x).__name__)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(probe)],
+        env=_env(DJINN_ADDRESS=appliance.unix),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [
+        "remote_accelerator",
+        "True",
+        "remote_accelerator:0",
+        "LazyTensor",
+    ]
+
+
+def test_script_error_shows_the_scripts_traceback_not_djinns(appliance, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\n\ndef f():\n    raise ValueError('broken input')\n\n"
+        "x = torch.ones(2).cuda()\nf()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(bad)],
+        env=_env(DJINN_ADDRESS=appliance.unix),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert "ValueError: broken input" in out.stderr
+    assert 'bad.py", line 7, in <module>' in out.stderr
+    assert "djinn/cli" not in out.stderr and "runpy" not in out.stderr
+
+
+def test_missing_script_is_a_clear_error(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(tmp_path / "nope.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "no such script" in out.stderr
+
+
+def test_with_no_appliance_configured_an_embedded_one_serves_and_stops(tmp_path, scripts):
+    cuda, cpu = scripts
+    env = _env(DJINN_SOCKET_PATH=str(tmp_path / "none.sock"), DJINN_ARENA_BYTES="64MiB")
+    remote = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(cuda), "0"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    local = subprocess.run(
+        [sys.executable, str(cpu), "0"], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout
