@@ -182,9 +182,9 @@ class Session:
             for item, o in zip(body.get("tensors", []), out, strict=False):
                 k = item.get("seg")
                 direct = _bytes_of(o, item["desc"])
-                if type(k) is int and 0 <= k < len(lengths) and direct is not None:
-                    if direct.numel() == lengths[k]:
-                        targets[k] = memoryview(direct.numpy())
+                fits = direct is not None and type(k) is int and 0 <= k < len(lengths)
+                if fits and direct.numel() == lengths[k]:
+                    targets[k] = memoryview(direct.numpy())
             return targets
 
         return sink

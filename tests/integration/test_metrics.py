@@ -6,7 +6,10 @@ import re
 import socket
 import urllib.request
 
+import pytest
 import torch
+
+from djinn.errors import NotFound
 
 from tests.conftest import wait_for
 
@@ -45,10 +48,8 @@ def test_metrics_endpoint_reports_requests_memory_sessions_and_workers(fresh_app
         keep = [s.put(torch.randn(512, 512)) for _ in range(5)]
         for r in keep:
             r.cpu()
-        try:
+        with pytest.raises(NotFound):
             s.free(["no-such-handle"])
-        except Exception:
-            pass
 
         def moved():
             text = _scrape(url)
