@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from djinn.errors import NotFound
-
 from tests.conftest import wait_for
 
 
