@@ -177,6 +177,26 @@ def export(w: Worker, s: WorkerSession, tensors: list[torch.Tensor]) -> Reply:
     return {"tensors": out}, segments
 
 
+def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    """Load safetensors weights from an allowlisted directory into handles."""
+    from . import weights
+
+    directory = weights.resolve(frame.body.get("path"), w.model_roots)
+    data = w.store.vmu["data"]
+    tensors = weights.load(directory, w.device.torch_device, data.capacity - data.used)
+    out, kept = [], []
+    try:
+        for name, t in tensors.items():
+            kept.append(w.store.keep(s, t))
+            desc, _ = _meta(t)
+            out.append({"name": name, "handle": kept[-1], **desc})
+    except BaseException:
+        for h in kept:
+            w.store.drop(s, h)
+        raise
+    return {"tensors": out}, []
+
+
 HANDLERS = {
     Kind.HEARTBEAT: handle_heartbeat,
     Kind.PING: handle_heartbeat,
@@ -185,4 +205,5 @@ HANDLERS = {
     Kind.GET: handle_get,
     Kind.FREE: handle_free,
     Kind.EXEC: handle_exec,
+    Kind.LOAD: handle_load,
 }

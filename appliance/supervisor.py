@@ -117,6 +117,7 @@ class Supervisor:
                 "text_fraction": cfg.vmu_text_fraction,
                 "data_fraction": cfg.vmu_data_fraction,
                 "log_level": cfg.log_level,
+                "model_roots": cfg.model_roots,
             }
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:

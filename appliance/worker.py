@@ -50,6 +50,7 @@ class Worker:
         self.inline_max = init["inline_max"]
         self.lease_s = init["lease_s"]
         self.heartbeat_interval = init["heartbeat_interval"]
+        self.model_roots = [r for r in str(init.get("model_roots", "")).split(":") if r]
         self.device = open_device(init["device"], init["cpu_worker_memory"])
         self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)

@@ -24,6 +24,7 @@ __all__ = [
     "capture",
     "connect",
     "device",
+    "from_pretrained",
 ]
 
 _LAZY = {
@@ -33,6 +34,7 @@ _LAZY = {
     "RemoteTensor": ("djinn.runtime.remote", "RemoteTensor"),
     "capture": ("djinn.frontend.capture", "capture"),
     "device": ("djinn.frontend.device", "device"),
+    "from_pretrained": ("djinn.frontend.ghost", "from_pretrained"),
 }
 
 

@@ -101,6 +101,13 @@ SETTINGS: tuple[Setting, ...] = (
         "between calls (data). The rest is stack (activations during a call).",
         "float",
     ),
+    Setting(
+        "model_roots",
+        "~/.cache/djinn/models",
+        "Directories the appliance may load "
+        "model weights from (safetensors only), separated by ':'. A path outside them, "
+        "or reaching outside through '..' or a symlink, is refused.",
+    ),
     # -- sessions and lifecycle -----------------------------------------------------
     Setting("heartbeat_interval", 1.0, "Seconds between client heartbeats.", "float"),
     Setting(

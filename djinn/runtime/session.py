@@ -140,6 +140,12 @@ class Session:
         frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=sink)
         return self._unpack(frame, out)["tensors"]
 
+    def load(self, path: str) -> dict[str, RemoteTensor]:
+        """Have the appliance load the safetensors weights in ``path`` (a directory on the
+        appliance host, under its ``model_roots``); returns them by name, bytes remote."""
+        reply = self._call(Kind.LOAD, {"path": str(path)}).body
+        return {t["name"]: RemoteTensor(self, t["handle"], t) for t in reply["tensors"]}
+
     def free(self, handles: Iterable[str]) -> None:
         self._call(Kind.FREE, {"handles": list(handles)})
 
