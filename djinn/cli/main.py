@@ -124,6 +124,9 @@ def run(
     ),
 ) -> None:
     """Run an unmodified script; its `cuda` work lands on the appliance."""
+    from djinn import config as config_mod
+
+    _setup_logging(config_mod.load().log_level)
     from .run import run_script
 
     raise typer.Exit(run_script(script, list(ctx.args), device_map))
