@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-# Upper bounds in seconds (Prometheus-style cumulative buckets; +Inf is implicit).
+# Upper bounds in seconds; each bucket counts the requests that fell in it (not cumulative:
+# the metrics endpoint accumulates). One extra bucket past the last bound is +Inf.
 BUCKETS = (
     5e-5,
     1e-4,

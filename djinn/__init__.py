@@ -21,6 +21,7 @@ __all__ = [
     "RemoteTensor",
     "Session",
     "__version__",
+    "analyze",
     "capture",
     "connect",
     "device",
@@ -33,6 +34,7 @@ _LAZY = {
     "Session": ("djinn.runtime.session", "Session"),
     "RemoteTensor": ("djinn.runtime.remote", "RemoteTensor"),
     "capture": ("djinn.frontend.capture", "capture"),
+    "analyze": ("djinn.semantics.analyze", "analyze"),
     "device": ("djinn.frontend.device", "device"),
     "from_pretrained": ("djinn.frontend.ghost", "from_pretrained"),
 }

@@ -35,8 +35,10 @@ def main() -> None:
             o.step()
             losses.append(loss.item())
         print(f"step {step}: loss remote {losses[0]:.5f}, local {losses[1]:.5f}")
-    diff = max((p.cpu() - q).abs().max().item()
-               for p, q in zip(model.parameters(), local.parameters(), strict=True))
+    diff = max(
+        (p.cpu() - q).abs().max().item()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True)
+    )
     accuracy = (model(xr).argmax(-1) == yr).float().mean().item()
     print(f"accuracy on the appliance: {accuracy:.3f}; max |remote - local| weight: {diff:.1e}")
 

@@ -132,6 +132,36 @@ def run(
     raise typer.Exit(run_script(script, list(ctx.args), device_map))
 
 
+@app.command()
+def plugins(
+    check: bool = typer.Option(
+        False, "--check", help="Also import each plugin and report the ones that fail."
+    ),
+) -> None:
+    """List the pattern and cost-model plugins (from package metadata, nothing imported)."""
+    from djinn.semantics.registry import default_registry, list_plugins
+
+    found = list_plugins()
+    broken: dict[str, str] = {}
+    if check:
+        import warnings
+
+        registry = default_registry()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            registry.patterns()
+            registry.cost_models()
+        broken = registry.broken
+    if not found:
+        typer.echo("no plugins registered")
+    for p in found:
+        key = f"djinn.{p.group}:{p.name}"
+        status = f"  BROKEN: {broken[key]}" if key in broken else ("  ok" if check else "")
+        typer.echo(f"{p.group:12} {p.name:16} {p.target:52} ({p.distribution}){status}")
+    if broken:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

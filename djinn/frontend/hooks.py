@@ -32,8 +32,9 @@ def _pre(module: torch.nn.Module, _args: Any) -> None:
         name = type(module).__name__
         parent = getattr(_local, "parents", None)
         if stack and parent:
-            for child_name, child in parent[-1]._modules.items():
-                if child is module:
+            # search below the calling module: blocks in a ModuleList are `h.0`, not `0`
+            for child_name, child in parent[-1].named_modules():
+                if child is module and child_name:
                     name = child_name
                     break
         _names[module] = name

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import posix_ipc
 import torch
-from djinn.appliance.vmu.arena import boot_id
 
+from djinn.appliance.vmu.arena import boot_id
 from tests.conftest import start_appliance
 
 

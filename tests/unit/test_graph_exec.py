@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from djinn.appliance.executor.graph import GraphRun, resolve_op
 from djinn.appliance.vmu.device import Segment
-
 from djinn.errors import ExecutionError, InvalidArgument, NotFound, ResourceExhausted, UnsupportedOp
 
 HANDLES = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, 3)}

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from djinn.appliance.vmu.slabs import ALIGN, SlabAllocator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from djinn.appliance.vmu.slabs import ALIGN, SlabAllocator
 from djinn.errors import ResourceExhausted
 
 

@@ -95,7 +95,7 @@ class SortableTable(DataTable):
                 self.remove_row(key)
         for key, cells in rows.items():
             if key in self.rows:
-                for col, cell in zip(self._columns, cells):
+                for col, cell in zip(self._columns, cells, strict=True):
                     old = self.get_cell(key, col.key)
                     if old != cell or old.sort_value != cell.sort_value:
                         self.update_cell(key, col.key, cell, update_width=True)

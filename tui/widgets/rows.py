@@ -1,0 +1,150 @@
+"""Stats document -> table rows, for the workers, sessions and models panels.
+
+Pure functions (no widgets) so the mapping can be read and tested on its own. Every key is
+read with a default: the document grows over time (models are still an empty list) and
+`djinn top` must keep working against an appliance one version older or newer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from djinn.cli.status import human_bytes
+
+from .table import Cell, Column, Rows
+
+WORKER_COLUMNS = [
+    Column("id", "id"),
+    Column("device", "device"),
+    Column("pid", "pid", numeric=True),
+    Column("alive", "alive"),
+    Column("restarts", "restarts", numeric=True),
+    Column("sessions", "sessions", numeric=True),
+    Column("util", "util", numeric=True),
+]
+
+SESSION_COLUMNS = [
+    Column("id", "id"),
+    Column("worker", "worker"),
+    Column("peer", "peer"),
+    Column("age", "age", numeric=True),
+    Column("beat", "last beat", numeric=True),
+    Column("handles", "handles", numeric=True),
+    Column("bytes", "bytes", numeric=True),
+    Column("phase", "phase"),
+]
+
+MODEL_COLUMNS = [
+    Column("name", "name"),
+    Column("fingerprint", "fingerprint"),
+    Column("bytes", "bytes", numeric=True),
+    Column("users", "users", numeric=True),
+    Column("hits", "hits", numeric=True),
+]
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """Compact age: 0.4s, 42s, 3m07s, 2h05m. Taken from the document, never the local clock,
+    so what is shown is what the appliance measured."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _num(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _int_cell(value: Any) -> Cell:
+    n = _num(value)
+    return Cell("-" if n is None else str(n), n, numeric=True)
+
+
+def _bytes_cell(value: Any) -> Cell:
+    n = _num(value)
+    return Cell("-" if n is None else human_bytes(n), n, numeric=True)
+
+
+def _age_cell(value: Any) -> Cell:
+    n = _num(value)
+    return Cell(fmt_duration(n), n, numeric=True)
+
+
+def _count(value: Any) -> Any:
+    # "users" may come as a count or as the list of session ids using the model.
+    return len(value) if isinstance(value, (list, tuple)) else value
+
+
+def worker_rows(doc: dict[str, Any]) -> Rows:
+    rows: Rows = {}
+    for w in doc.get("workers", []):
+        if not w.get("alive", False):
+            alive = "NO"
+        elif not w.get("ready", True):
+            alive = "starting"
+        else:
+            alive = "yes"
+        # "utilisation" is filled by the source from NVML for same-host CUDA workers (the
+        # document does not carry it); anything else shows "-".
+        util = _num(w.get("utilisation"))
+        rows[str(w.get("id"))] = [
+            Cell(str(w.get("id", "?")), w.get("id")),
+            Cell(str(w.get("device", "?"))),
+            _int_cell(w.get("pid")),
+            Cell(alive),
+            _int_cell(w.get("restarts")),
+            _int_cell(w.get("sessions")),
+            Cell("-" if util is None else f"{util:.0f}%", util, numeric=True),
+        ]
+    return rows
+
+
+def session_rows(doc: dict[str, Any]) -> Rows:
+    rows: Rows = {}
+    for s in doc.get("sessions", []):
+        sid = str(s.get("id", "?"))
+        rows[sid] = [
+            Cell(sid),
+            Cell(str(s.get("worker", "?")), s.get("worker")),
+            Cell(str(s.get("peer", "?"))),
+            _age_cell(s.get("age_s")),
+            _age_cell(s.get("last_heartbeat_s")),
+            _int_cell(s.get("handles")),
+            _bytes_cell(s.get("bytes")),
+            Cell(str(s.get("phase", "-"))),
+        ]
+    return rows
+
+
+def model_rows(doc: dict[str, Any]) -> Rows:
+    rows: Rows = {}
+    for i, m in enumerate(doc.get("models", [])):
+        fingerprint = str(m.get("fingerprint", ""))
+        key = fingerprint or str(m.get("name", "")) or f"#{i}"
+        rows[key] = [
+            Cell(str(m.get("name", "?"))),
+            Cell(fingerprint[:16] or "-"),
+            _bytes_cell(m.get("bytes")),
+            _int_cell(_count(m.get("users", m.get("sessions")))),
+            _int_cell(m.get("hits")),
+        ]
+    return rows
+
+
+def segments(doc: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(key, label, {used, peak, capacity}) for the host arena, then each device's
+    text / data / stack segments, in document order."""
+    vmu = doc.get("vmu", {})
+    out = [("host", "host arena", vmu.get("host_arena", {}))]
+    for dev in vmu.get("devices", []):
+        worker = dev.get("worker", "?")
+        for seg in ("text", "data", "stack"):
+            out.append((f"w{worker}-{seg}", f"w{worker} {seg}", dev.get(seg, {})))
+    return out
