@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import InvalidArgument, NotFound, ResourceExhausted
+from djinn.errors import (
+    ExecutionError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    UnsupportedOp,
+)
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import from_wire, to_wire, validate
 
@@ -197,6 +203,77 @@ def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     return {"tensors": out}, []
 
 
+def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    """Phase 1 (no ``state``): attach to a cached model, or say that weights are needed.
+    Phase 2 (``state``: name -> handle of uploaded tensors): build and cache the model;
+    the uploaded handles leave the session (their bytes now belong to the model)."""
+    from .models import build, import_class
+
+    body = frame.body
+    fp = body.get("fingerprint")
+    if not isinstance(fp, str) or not 16 <= len(fp) <= 128:
+        raise InvalidArgument("fingerprint must be a string of 16 to 128 characters")
+    entry = w.models.entries.get(fp)
+    state = body.get("state")
+    if entry is None and state is None:
+        import_class(body.get("class"), w.models.allowlist)  # refuse early, before upload
+        return {"cached": False}, []
+    if entry is None:
+        if not isinstance(state, dict):
+            raise InvalidArgument("state must map parameter names to handles")
+        tensors = {}
+        for name, handle in state.items():
+            t = s.tensor(handle)
+            # weights outlive the session's handles: copy them out of the arena
+            tensors[name] = t.clone() if w.store.arena_offset(t) is not None else t
+        cls = import_class(body.get("class"), w.models.allowlist)
+        module = build(cls, body.get("config"), tensors, w.device.torch_device)
+        entry = w.models.add(fp, str(body.get("name", cls.__name__))[:128], module)
+    if isinstance(state, dict):
+        for handle in state.values():
+            w.store.drop(s, handle)
+    w.models.attach(entry, s.id)
+    s.models.add(fp)
+    return {"cached": True, "bytes": entry.nbytes, "sessions": len(entry.sessions)}, []
+
+
+def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    """Run a registered model's forward (or an allowlisted method) on its worker."""
+    from .skeleton import decode_args, encode_output
+
+    body = frame.body
+    fp = body.get("fingerprint")
+    if fp not in s.models:
+        raise NotFound("this session has not registered that model")
+    entry = w.models.get(fp)
+    method = body.get("method", "forward")
+    if method != "forward" and method not in w.model_methods:
+        raise UnsupportedOp(f"method {method!r} is not allowlisted (model_methods)")
+    device = w.device.torch_device
+    args = decode_args(body.get("args", []), s, frame.segments, device)
+    kwargs = decode_args(body.get("kwargs", {}), s, frame.segments, device)
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise InvalidArgument("args must be a list and kwargs an object")
+    hints = body.get("hints")
+    if isinstance(hints, dict) and isinstance(hints.get("phase"), str):
+        s.phase = hints["phase"][:32]
+    fn = entry.module if method == "forward" else getattr(entry.module, method)
+    try:
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ExecutionError(f"{entry.name}.{method}: {type(exc).__name__}: {exc}") from None
+    entry.hits += 1
+    kept: list[str] = []
+    try:
+        skeleton = encode_output(out, s, w.store, kept, w.models.allowlist)
+    except BaseException:
+        for h in kept:
+            w.store.drop(s, h)
+        raise
+    return {"out": skeleton}, []
+
+
 HANDLERS = {
     Kind.HEARTBEAT: handle_heartbeat,
     Kind.PING: handle_heartbeat,
@@ -206,4 +283,6 @@ HANDLERS = {
     Kind.FREE: handle_free,
     Kind.EXEC: handle_exec,
     Kind.LOAD: handle_load,
+    Kind.REGISTER: handle_register,
+    Kind.CALL: handle_call,
 }

@@ -14,6 +14,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,9 @@ class WorkerSession:
     storages: dict[int, StorageRef] = field(default_factory=dict)
     leases: dict[int, int] = field(default_factory=dict)  # slab offset -> bytes leased
     pending_release: list[int] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)  # remote objects (KV caches...)
+    object_ids: dict[int, str] = field(default_factory=dict)
+    models: set[str] = field(default_factory=set)  # fingerprints this session registered
     data_bytes: int = 0
     requests: int = 0
     phase: str = "unknown"
@@ -83,6 +87,8 @@ class WorkerSession:
             "arena_leases": len(self.leases) + len(self.pending_release),
             "requests": self.requests,
             "phase": self.phase,
+            "models": len(self.models),
+            "objects": len(self.objects),
         }
 
 

@@ -54,7 +54,7 @@ def build(
             },
             "devices": devices,
         },
-        "models": [],
+        "models": [{**m, "worker": w.id} for w in workers for m in w.stats.get("models", [])],
         "requests": [{**r, "worker": w.id} for w in workers for r in w.stats.get("requests", [])]
         + [{**r, "worker": "supervisor"} for r in supervisor_requests],
     }

@@ -118,6 +118,8 @@ class Supervisor:
                 "data_fraction": cfg.vmu_data_fraction,
                 "log_level": cfg.log_level,
                 "model_roots": cfg.model_roots,
+                "model_allowlist": cfg.model_allowlist,
+                "model_methods": cfg.model_methods,
             }
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:

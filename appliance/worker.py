@@ -31,6 +31,7 @@ from djinn.transport.framing import FrameReader, PeerClosed, default_sink, send_
 from . import control
 from .executor.device import open_device
 from .handlers import HANDLERS
+from .models import ModelCache
 from .reqstats import RequestStats
 from .sessions import CLOSED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
@@ -57,6 +58,9 @@ class Worker:
         capacity = self.device.capacity(init["workers"])
         vmu = DeviceVMU(capacity, init["text_fraction"], init["data_fraction"])
         self.store = TensorStore(self.arena, init["arena_base"], init["arena_share"], vmu)
+        allowlist = _csv(init.get("model_allowlist", "transformers."))
+        self.models = ModelCache(vmu["text"], allowlist)
+        self.model_methods = set(_csv(init.get("model_methods", "generate")))
         self.sessions: dict[int, WorkerSession] = {}
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
@@ -137,6 +141,11 @@ class Worker:
     def end_session(self, s: WorkerSession, state: str) -> None:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
         if s.state == OPEN:
+            for fp in s.models:
+                self.models.detach(fp, s.id)
+            s.models.clear()
+            s.objects.clear()
+            s.object_ids.clear()
             self.store.free_session(s)
         s.state = state
         if state == CLOSED:
@@ -221,7 +230,7 @@ class Worker:
             s.touch()
             s.requests += 1
             self.store.release_slabs(s, frame.body.get("release"))
-            self.free_piggybacked(s, frame.body.get("free"))
+            self.free_piggybacked(s, frame.body.get("free"), frame.body.get("free_objects"))
             if frame.kind == Kind.SESSION_CLOSE:
                 self.reply(s, rid, {"closed": True}, [])
                 self.end_session(s, CLOSED)
@@ -243,12 +252,18 @@ class Worker:
             self.free_frame_slabs()
             self.requests.record(frame.kind.name, outcome, time.perf_counter() - started)
 
-    def free_piggybacked(self, s: WorkerSession, handles: Any) -> None:
-        """Handles the client's garbage collector released, sent along with a request."""
+    def free_piggybacked(self, s: WorkerSession, handles: Any, objects: Any = None) -> None:
+        """Handles and remote objects the client's garbage collector released, sent along
+        with a request."""
         if isinstance(handles, list):
             for h in handles[:65536]:
                 if isinstance(h, str):
                     self.store.drop(s, h)
+        if isinstance(objects, list):
+            for oid in objects[:65536]:
+                obj = s.objects.pop(oid, None) if isinstance(oid, str) else None
+                if obj is not None:
+                    s.object_ids.pop(id(obj), None)
 
     def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
         try:
@@ -277,6 +292,7 @@ class Worker:
             "vmu": self.store.vmu.stats(),
             "arena": self.store.slabs.stats(),
             "requests": self.requests.snapshot(),
+            "models": self.models.stats(),
         }
         try:
             control.send(self.ctl, msg)
@@ -287,6 +303,10 @@ class Worker:
         for s in list(self.sessions.values()):
             self.end_session(s, CLOSED)
         self.arena.close()
+
+
+def _csv(text: str) -> list[str]:
+    return [p.strip() for p in str(text).split(",") if p.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ class WorkerHandle:
     def start(self) -> None:
         parent, child = control.pair()
         env = dict(os.environ)
+        env["DJINN_APPLIANCE_PROCESS"] = "1"  # no client-side device hooks in a worker
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "djinn.appliance.worker", "--control-fd", str(child.fileno())],
             pass_fds=[child.fileno()],

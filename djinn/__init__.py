@@ -12,7 +12,9 @@ from djinn.errors import DjinnError
 from djinn.frontend.device import register as _register_device
 
 # `device="remote_accelerator:0"` must work right after `import djinn` (cheap: no I/O).
-_register_device()
+# Appliance processes import djinn too, but want none of the client's hooks.
+if not __import__("os").environ.get("DJINN_APPLIANCE_PROCESS"):
+    _register_device()
 
 __version__ = "0.1.0"
 __all__ = [

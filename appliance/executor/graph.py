@@ -195,32 +195,43 @@ class GraphRun:
         if "$h" in x or "$v" in x:
             return self._ref(x, at)
         if "$t" in x:
-            k = x["$t"]
-            if type(k) is not int or not 0 <= k < len(self.segments):
-                raise InvalidArgument(f"no payload segment {k!r}")
-            raw = (
-                torch.frombuffer(self.segments[k], dtype=torch.uint8)
-                if len(self.segments[k])
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            return from_wire(x.get("desc"), raw).to(self.device)
-        if len(x) == 1:
-            ((tag, value),) = x.items()
-            if tag == "$dtype":
-                return parse_dtype(value)
-            if tag == "$device":
-                return self.device  # every device the client names is this worker's
-            if tag == "$mf" and value in MEMORY_FORMATS:
-                return getattr(torch, value)
-            if tag == "$layout" and value in LAYOUTS:
-                return getattr(torch, value)
-            if tag == "$float" and value in ("inf", "-inf", "nan"):
-                return float(value)
-            if tag == "$complex" and isinstance(value, list) and len(value) == 2:
-                return complex(float(value[0]), float(value[1]))
-        if any(isinstance(k, str) and k.startswith("$") for k in x):
-            raise InvalidArgument(f"unknown tagged constant {sorted(x)!r}")
+            return inline_tensor(x, self.segments, self.device)
+        found, value = decode_constant(x, self.device)
+        if found:
+            return value
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
+
+
+
+def decode_constant(x: dict[str, Any], device: torch.device) -> tuple[bool, Any]:
+    """A one-key tagged constant (``{"$dtype": ...}``...) -> (True, value); a plain dict
+    -> (False, None); an unknown ``$`` tag -> INVALID_ARGUMENT."""
+    if len(x) == 1:
+        ((tag, value),) = x.items()
+        if tag == "$dtype":
+            return True, parse_dtype(value)
+        if tag == "$device":
+            return True, device  # every device the client names is this worker's
+        if tag == "$mf" and value in MEMORY_FORMATS:
+            return True, getattr(torch, value)
+        if tag == "$layout" and value in LAYOUTS:
+            return True, getattr(torch, value)
+        if tag == "$float" and value in ("inf", "-inf", "nan"):
+            return True, float(value)
+        if tag == "$complex" and isinstance(value, list) and len(value) == 2:
+            return True, complex(float(value[0]), float(value[1]))
+    if any(isinstance(k, str) and k.startswith("$") for k in x):
+        raise InvalidArgument(f"unknown tagged constant {sorted(x)!r}")
+    return False, None
+
+
+def inline_tensor(x: dict[str, Any], segments: list[memoryview], device: torch.device) -> Any:
+    k = x["$t"]
+    if type(k) is not int or not 0 <= k < len(segments):
+        raise InvalidArgument(f"no payload segment {k!r}")
+    seg = segments[k]
+    raw = torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
+    return from_wire(x.get("desc"), raw).to(device)
 
 
 def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:

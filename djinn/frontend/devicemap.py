@@ -57,6 +57,12 @@ class DeviceMap(TorchFunctionMode):
 
 
 _saved: dict[str, Any] = {}
+_active: list[str] = []
+
+
+def active_source() -> str | None:
+    """The device type being mapped to the appliance, if `djinn run` installed one."""
+    return _active[-1] if _active else None
 
 
 def install(source: str = "cuda") -> DeviceMap:
@@ -81,11 +87,14 @@ def install(source: str = "cuda") -> DeviceMap:
         )
     mode = DeviceMap(source)
     mode.__enter__()
+    _active.append(source)
     return mode
 
 
 def uninstall(mode: DeviceMap) -> None:
     mode.__exit__(None, None, None)
+    if _active:
+        _active.pop()
     if _saved:
         torch.nn.Module.cuda = _saved.pop("module_cuda")
         for name, fn in _saved.items():

@@ -48,9 +48,30 @@ def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     return _original_tensor(data, *args, **kwargs)
 
 
+_original_module_to = torch.nn.Module.to
+
+
+def module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`model.to(remote)`: inference-mode transformers models register on the model path
+    (one upload, shared weights, KV caches kept remotely); other modules move their
+    parameters as LazyTensors (the graph path)."""
+    from . import devicemap, remote_module
+
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    if device is not None and devicemap.active_source() == device.type:
+        device = torch.device("remote_accelerator", device.index or 0)
+        args, kwargs = (device,), ({"dtype": dtype} if dtype is not None else {})
+    if device is not None and is_remote(device) and remote_module.wants_model_path(self):
+        if dtype is not None:
+            _original_module_to(self, dtype=dtype)
+        return remote_module.move(self, device)
+    return _original_module_to(self, *args, **kwargs)
+
+
 def install() -> None:
     global _library
     if _library is None:
         _library = torch.library.Library("_", "IMPL")
         _library.fallback(fallback, "PrivateUse1")
         torch.tensor = tensor
+        torch.nn.Module.to = module_to

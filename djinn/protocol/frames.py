@@ -66,6 +66,8 @@ class Kind(IntEnum):
     FREE = 23
     EXEC = 24
     LOAD = 25
+    REGISTER = 26
+    CALL = 27
 
 
 _KINDS = frozenset(int(k) for k in Kind)

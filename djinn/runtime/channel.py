@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from djinn.errors import DjinnError, ProtocolError, error_from_wire
-from djinn.protocol.frames import VERSION, Frame, Kind, encode_frame
+from djinn.protocol.frames import HEADER_SIZE, VERSION, Frame, Kind, encode_frame
 from djinn.transport.address import Address
 from djinn.transport.framing import FrameReader, PeerClosed, Sink, default_sink, send_buffers
 
@@ -31,6 +31,8 @@ class Channel:
         self._ids = itertools.count(1)
         self._on_lost = on_lost
         self.closed = False
+        self.bytes_sent = 0  # on the socket, both directions: what a call costs on the wire
+        self.bytes_received = 0
 
     def hello(self, token: str | None) -> dict[str, Any]:
         body = {"client": CLIENT_NAME, "protocol": VERSION, "pid": os.getpid()}
@@ -51,7 +53,9 @@ class Channel:
                 raise self._on_lost("connection already closed")
             rid = next(self._ids)
             try:
-                send_buffers(self.sock, encode_frame(kind, rid, body, list(segments)))
+                buffers = encode_frame(kind, rid, body, list(segments))
+                self.bytes_sent += sum(memoryview(b).nbytes for b in buffers)
+                send_buffers(self.sock, buffers)
                 self.reader.sink = sink or default_sink
                 frame = None
                 while frame is None:
@@ -62,6 +66,8 @@ class Channel:
             except ProtocolError:
                 self.close()
                 raise
+            h = frame.header
+            self.bytes_received += HEADER_SIZE + h.body_len + h.payload_len
             if frame.kind == Kind.ERROR:
                 raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
             if frame.request_id != rid:

@@ -49,6 +49,7 @@ class Session:
         self.arena = client._map_arena(info["arena"]) if "arena" in info else None
         self._pending_free: list[str] = []  # handles collected by the GC, freed next call
         self._release: list[int] = []  # reply slabs already copied out, released next call
+        self._pending_free_objects: list[str] = []
         self._last_call = time.monotonic()
         self._closed = threading.Event()
         self._beat = threading.Thread(
@@ -78,12 +79,19 @@ class Session:
         if self._release:
             release, self._release = self._release, []
             body["release"] = release
+        if self._pending_free_objects:
+            objects, self._pending_free_objects = self._pending_free_objects, []
+            body["free_objects"] = objects
         self._last_call = time.monotonic()
         return self.channel.call(kind, body, segments, **kw)
 
     def _free_later(self, handle: str) -> None:
         if not self._closed.is_set():
             self._pending_free.append(handle)
+
+    def _free_object_later(self, oid: str) -> None:
+        if not self._closed.is_set():
+            self._pending_free_objects.append(oid)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.heartbeat_interval / 2):

@@ -1,0 +1,133 @@
+"""The worker's model cache: modules registered once, shared by every session using them.
+
+A model is built only from a class importable under an allowlisted module prefix
+(``model_allowlist``) plus its JSON config, constructed with parameters on the meta
+device and then given the uploaded tensors — never from pickled bytes. Its weights are
+charged to the VMU *text* segment once, however many sessions use it, and freed when the
+last of them is gone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from djinn.errors import InvalidArgument, NotFound, UnsupportedOp
+
+from .vmu.device import Segment
+
+log = logging.getLogger("djinn.appliance.models")
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+@dataclass
+class ModelEntry:
+    fingerprint: str
+    name: str
+    module: torch.nn.Module
+    nbytes: int
+    sessions: set[str] = field(default_factory=set)
+    hits: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "name": self.name, "bytes": self.nbytes,
+                "sessions": len(self.sessions), "hits": self.hits}
+
+
+def import_class(path: Any, allowlist: list[str]) -> type:
+    if not isinstance(path, str) or not _NAME.match(path) or "__" in path:
+        raise InvalidArgument(f"not a class path: {path!r}")
+    if not any(path.startswith(prefix) for prefix in allowlist):
+        raise UnsupportedOp(f"{path} is not under an allowlisted module ({', '.join(allowlist)})")
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # longest importable module prefix
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+            return obj
+        break
+    raise NotFound(f"no nn.Module class {path} on the appliance")
+
+
+def build(cls: type, config: Any, state: dict[str, torch.Tensor], device: torch.device):
+    """Construct ``cls`` from its config with meta parameters, then assign ``state``."""
+    from djinn.frontend.ghost import parameters_on_meta
+
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or not isinstance(config, dict):
+        raise UnsupportedOp(f"{cls.__name__} has no JSON config: use the graph path")
+    with parameters_on_meta(), torch.device("cpu"):
+        module = cls(config_class.from_dict(config))
+    names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    missing = sorted(names - set(state))
+    if missing:
+        raise InvalidArgument(f"weights missing for {cls.__name__}: {', '.join(missing[:6])}")
+    for name, tensor in state.items():
+        path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        if leaf in owner._parameters:
+            old = owner._parameters[leaf]
+            if tuple(old.shape) != tuple(tensor.shape):
+                raise InvalidArgument(f"{name}: got {list(tensor.shape)}, "
+                                      f"expected {list(old.shape)}")
+            owner._parameters[leaf] = torch.nn.Parameter(tensor.to(old.dtype),
+                                                         requires_grad=False)
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = tensor
+        else:
+            raise InvalidArgument(f"{cls.__name__} has no parameter or buffer {name}")
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    return module.to(device).eval()
+
+
+class ModelCache:
+    def __init__(self, text: Segment, allowlist: list[str]) -> None:
+        self.text = text
+        self.allowlist = allowlist
+        self.entries: dict[str, ModelEntry] = {}
+
+    def get(self, fingerprint: Any) -> ModelEntry:
+        entry = self.entries.get(fingerprint) if isinstance(fingerprint, str) else None
+        if entry is None:
+            raise NotFound(f"no model {fingerprint!r} on this worker: register it first")
+        return entry
+
+    def add(self, fingerprint: str, name: str, module: torch.nn.Module) -> ModelEntry:
+        seen: set[int] = set()
+        nbytes = 0
+        for t in (*module.parameters(), *module.buffers()):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                nbytes += t.untyped_storage().nbytes()
+        self.text.reserve(nbytes)
+        entry = self.entries[fingerprint] = ModelEntry(fingerprint, name, module, nbytes)
+        log.info("model %s (%s) cached: %d bytes", name, fingerprint[:12], nbytes)
+        return entry
+
+    def attach(self, entry: ModelEntry, session_id: str) -> None:
+        entry.sessions.add(session_id)
+
+    def detach(self, fingerprint: str, session_id: str) -> None:
+        entry = self.entries.get(fingerprint)
+        if entry is None:
+            return
+        entry.sessions.discard(session_id)
+        if not entry.sessions:  # the last user is gone: the weights go with it
+            del self.entries[fingerprint]
+            self.text.release(entry.nbytes)
+            log.info("model %s freed", entry.name)
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [e.stats() for e in self.entries.values()]

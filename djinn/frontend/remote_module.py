@@ -1,0 +1,300 @@
+"""The model path on the client: register a module once, then call it by fingerprint.
+
+``model.eval().to("remote_accelerator:0")`` on a transformers model registers it: the
+fingerprint (class, config, weights) is offered to the appliance, which either already
+holds the model (another session or client uploaded it: nothing is sent) or asks for the
+weights, uploaded once through the data plane. The local copy's parameters then move to
+the meta device (no client memory), and the module's class is swapped for a subclass
+whose ``__call__`` and allowlisted methods (``generate``) run on the appliance.
+
+Calls send the fingerprint, the inputs (handles for values already remote) and the
+semantic hints of ``djinn.analyze``. Results come back as skeletons: the same structure,
+tensors as LazyTensors bound to handles, other objects (a ``DynamicCache``) as
+``RemoteObject``s that can be passed back, so a KV cache never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from djinn.errors import InvalidArgument, UnsupportedOp
+from djinn.protocol.frames import Kind
+from djinn.protocol.tensors import dtype_name
+from djinn.runtime.remote import RemoteTensor
+
+from .device import DEVICE_TYPE, is_remote
+
+log = logging.getLogger("djinn.frontend.model")
+UPLOAD_CHUNK = 256 << 20  # bytes per put while uploading weights (progress granularity)
+PROGRESS_MIN = 256 << 20  # show upload progress for models at least this big
+_local = threading.local()
+
+
+class RemoteObject:
+    """An object that lives in a session on the appliance (a KV cache...)."""
+
+    __slots__ = ("__weakref__", "_finalizer", "cls", "oid", "session")
+
+    def __init__(self, session: Any, oid: str, cls: str) -> None:
+        self.session, self.oid, self.cls = session, oid, cls
+        self._finalizer = weakref.finalize(self, session._free_object_later, oid)
+
+    def __repr__(self) -> str:
+        return f"RemoteObject({self.cls.rsplit('.', 1)[-1]}, id={self.oid[:8]}…)"
+
+
+def wants_model_path(module: torch.nn.Module) -> bool:
+    """Inference-mode transformers models take the model path; everything else (training,
+    plain nn.Modules) keeps the graph path."""
+    if module.training or getattr(module, "_djinn", None) is not None:
+        return False
+    config = getattr(module, "config", None)
+    return hasattr(config, "to_dict") and any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    )
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return {k: v.detach() for k, v in state.items()}
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def fingerprint(module: torch.nn.Module) -> str:
+    """Architecture (class + config) and every weight byte: identical models share it."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(_class_path(type(module)).encode())
+    h.update(_config_json(module).encode())
+    for name, t in sorted(_state(module).items()):
+        h.update(f"{name}:{dtype_name(t.dtype)}:{list(t.shape)}".encode())
+        flat = t.contiguous().reshape(-1)
+        if flat.numel():
+            h.update(memoryview(flat.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def _config_json(module: torch.nn.Module) -> str:
+    # json, not orjson: configs have int keys (id2label) and the odd non-JSON value
+    return json.dumps(module.config.to_dict(), sort_keys=True, default=str)
+
+
+def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Put every tensor (bulk through the arena), with a progress line for big models."""
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    show = total >= PROGRESS_MIN and sys.stderr.isatty()
+    handles: dict[str, str] = {}
+    batch: list[tuple[str, torch.Tensor]] = []
+    done, started = 0, time.perf_counter()
+
+    def flush() -> None:
+        nonlocal done
+        remotes = session.put_many([t for _, t in batch])
+        for (name, t), r in zip(batch, remotes, strict=True):
+            r._finalizer.detach()  # the appliance hands these to the model
+            handles[name] = r.handle
+            done += t.numel() * t.element_size()
+        batch.clear()
+        if show:
+            rate = done / max(time.perf_counter() - started, 1e-9) / 1e6
+            print(f"\rdjinn: uploading weights {done >> 20}/{total >> 20} MiB "
+                  f"({rate:.0f} MB/s)", end="", file=sys.stderr, flush=True)
+
+    pending = 0
+    for name, t in state.items():
+        batch.append((name, t))
+        pending += t.numel() * t.element_size()
+        if pending >= UPLOAD_CHUNK:
+            flush()
+            pending = 0
+    if batch:
+        flush()
+    if show:
+        print(file=sys.stderr)
+    return handles
+
+
+def register(module: torch.nn.Module, session: Any) -> dict[str, Any]:
+    """Offer ``module`` to the appliance by fingerprint; upload the weights only if asked."""
+    fp = fingerprint(module)
+    body = {"fingerprint": fp, "class": _class_path(type(module)),
+            "config": json.loads(_config_json(module)), "name": type(module).__name__}
+    reply = session._call(Kind.REGISTER, body).body
+    uploaded = False
+    if not reply["cached"]:
+        handles = _upload(session, _state(module))
+        reply = session._call(Kind.REGISTER, {**body, "state": handles}).body
+        uploaded = True
+    log.info("registered %s (%s): %s", body["name"], fp[:12],
+             "uploaded" if uploaded else "already on the appliance")
+    return {"fingerprint": fp, "uploaded": uploaded, **reply}
+
+
+class _RemoteBinding:
+    def __init__(self, fingerprint: str, session: Any, device: torch.device, info: dict):
+        self.fingerprint = fingerprint
+        self.session = session
+        self.device = device
+        self.info = info
+
+
+class RemoteModelMixin:
+    """Mixed into a registered module's class: calls run on the appliance."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "tracing", False):  # djinn.analyze tracing on meta: stay local
+            return super().__call__(*args, **kwargs)
+        return call(self, "forward", args, kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return call(self, "generate", args, kwargs)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if (device is None or is_remote(device)) and dtype is None:
+            return self
+        raise UnsupportedOp("a model registered on the appliance cannot move back; "
+                            "keep a local copy if you need one")
+
+
+_classes: dict[type, type] = {}
+
+
+def _remote_class(cls: type) -> type:
+    remote = _classes.get(cls)
+    if remote is None:
+        remote = _classes[cls] = type(cls.__name__, (RemoteModelMixin, cls),
+                                      {"__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+    return remote
+
+
+def move(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    from .session import default_session
+
+    session = default_session()
+    info = register(module, session)
+    torch.nn.Module.to(module, "meta")  # the weights live on the appliance now
+    module._djinn = _RemoteBinding(info["fingerprint"], session, device, info)
+    module.__class__ = _remote_class(type(module))
+    return module
+
+
+# -- calls --------------------------------------------------------------------------------
+def _encode(x: Any, inline: list[torch.Tensor]) -> Any:
+    from .lazy import LazyTensor
+
+    if isinstance(x, LazyTensor):
+        return {"$h": _handle_of(x).handle}
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise UnsupportedOp(f"cannot send a {x.device} tensor to the appliance")
+        from djinn.protocol.tensors import to_wire
+
+        inline.append(x.detach())
+        return {"$t": len(inline) - 1, "desc": to_wire(x.detach())[0]}
+    if isinstance(x, RemoteObject):
+        return {"$o": x.oid}
+    if isinstance(x, RemoteTensor):
+        return {"$h": x.handle}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, tuple):
+        return {"$tuple": [_encode(v, inline) for v in x]}
+    if isinstance(x, list):
+        return [_encode(v, inline) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _encode(v, inline) for k, v in x.items()}
+    if isinstance(x, torch.dtype):
+        return {"$dtype": dtype_name(x)}
+    if isinstance(x, torch.device):
+        return {"$device": str(x)}
+    raise InvalidArgument(f"cannot pass a {type(x).__name__} to a remote model")
+
+
+def _handle_of(x: Any) -> RemoteTensor:
+    """A LazyTensor's value on the appliance: run whatever is pending first (program
+    order: a pending in-place op on it must happen before the model reads it)."""
+    from . import trace
+    from .lazy import _ref_for_node
+
+    tr = trace.current()
+    _ref_for_node(x, tr)
+    trace.flush(tr)
+    ref = x._ref
+    if not isinstance(ref, RemoteTensor):
+        raise InvalidArgument("tensor has no value on the appliance")
+    return ref
+
+
+def _decode(x: Any, session: Any) -> Any:
+    from .lazy import LazyTensor
+    from .meta import TensorSpec
+
+    if isinstance(x, list):
+        return [_decode(v, session) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if "$h" in x:
+        remote = RemoteTensor(session, x["$h"], x)
+        return LazyTensor(TensorSpec(remote.dtype, tuple(remote.shape), remote.strides, 0,
+                                     None), remote)
+    if "$o" in x:
+        return RemoteObject(session, x["$o"], x.get("class", "object"))
+    if "$tuple" in x:
+        return tuple(_decode(v, session) for v in x["$tuple"])
+    if "$mo" in x:
+        cls = _model_output_class(x["$mo"])
+        return cls(**{k: _decode(v, session) for k, v in x["fields"].items()})
+    return {k: _decode(v, session) for k, v in x.items()}
+
+
+def _model_output_class(path: str) -> type:
+    if not isinstance(path, str) or not path.startswith("transformers."):
+        raise InvalidArgument(f"unexpected output class {path!r}")
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    from djinn.semantics.analyze import analyze
+
+    _local.tracing = True
+    try:
+        return analyze(module, *args, **kwargs).hints()
+    except Exception as exc:  # hints help placement; a call never fails for want of them
+        log.debug("no semantic hints for %s: %s", type(module).__name__, exc)
+        return None
+    finally:
+        _local.tracing = False
+
+
+def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
+    binding: _RemoteBinding = module._djinn
+    inline: list[torch.Tensor] = []
+    body = {"fingerprint": binding.fingerprint, "method": method,
+            "args": [_encode(a, inline) for a in args],
+            "kwargs": {k: _encode(v, inline) for k, v in kwargs.items()}}
+    if method == "forward":
+        hints = _hints(module, args, kwargs)
+        if hints:
+            body["hints"] = hints
+    from djinn.protocol.tensors import to_wire
+
+    segments = [memoryview(to_wire(t)[1].numpy()) for t in inline]
+    reply = binding.session._call(Kind.CALL, body, segments).body
+    return _decode(reply["out"], binding.session)
