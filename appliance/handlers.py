@@ -129,7 +129,10 @@ def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         frame.body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"]
     )
     run.input_storages = lambda: list(s.storages)
-    keep, fetch = run.run()
+    try:
+        keep, fetch = run.run()
+    finally:
+        w.store.recharge(s)  # an op may have grown a handle's storage (out=, in place)
     kept = []
     try:
         for value in keep:

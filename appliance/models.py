@@ -36,8 +36,13 @@ class ModelEntry:
     hits: int = 0
 
     def stats(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "name": self.name, "bytes": self.nbytes,
-                "sessions": len(self.sessions), "hits": self.hits}
+        return {
+            "fingerprint": self.fingerprint,
+            "name": self.name,
+            "bytes": self.nbytes,
+            "sessions": len(self.sessions),
+            "hits": self.hits,
+        }
 
 
 def import_class(path: Any, allowlist: list[str]) -> type:
@@ -78,10 +83,10 @@ def build(cls: type, config: Any, state: dict[str, torch.Tensor], device: torch.
         if leaf in owner._parameters:
             old = owner._parameters[leaf]
             if tuple(old.shape) != tuple(tensor.shape):
-                raise InvalidArgument(f"{name}: got {list(tensor.shape)}, "
-                                      f"expected {list(old.shape)}")
-            owner._parameters[leaf] = torch.nn.Parameter(tensor.to(old.dtype),
-                                                         requires_grad=False)
+                raise InvalidArgument(
+                    f"{name}: got {list(tensor.shape)}, expected {list(old.shape)}"
+                )
+            owner._parameters[leaf] = torch.nn.Parameter(tensor.to(old.dtype), requires_grad=False)
         elif leaf in owner._buffers:
             owner._buffers[leaf] = tensor
         else:

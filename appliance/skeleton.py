@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 SCALARS = (bool, int, float, str, type(None))
 
 
-def decode_args(x: Any, s: WorkerSession, segments: list, device: torch.device,
-                depth: int = 0) -> Any:
+def decode_args(
+    x: Any, s: WorkerSession, segments: list, device: torch.device, depth: int = 0
+) -> Any:
     if depth > MAX_DEPTH:
         raise InvalidArgument("arguments nested too deeply")
     if isinstance(x, list):
@@ -58,16 +59,26 @@ def _class_path(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def encode_output(x: Any, s: WorkerSession, store: TensorStore, kept: list[str],
-                  allowlist: list[str], depth: int = 0) -> Any:
+def encode_output(
+    x: Any,
+    s: WorkerSession,
+    store: TensorStore,
+    kept: list[str],
+    allowlist: list[str],
+    depth: int = 0,
+) -> Any:
     """Skeleton of a call's result; new handles are appended to ``kept`` (for rollback)."""
     if depth > MAX_DEPTH:
         raise InvalidArgument("output nested too deeply")
     if isinstance(x, torch.Tensor):
         handle = store.keep(s, x.detach())
         kept.append(handle)
-        return {"$h": handle, "dtype": dtype_name(x.dtype), "shape": list(x.shape),
-                "strides": list(x.stride())}
+        return {
+            "$h": handle,
+            "dtype": dtype_name(x.dtype),
+            "shape": list(x.shape),
+            "strides": list(x.stride()),
+        }
     if isinstance(x, SCALARS):
         return x
     rec = lambda v: encode_output(v, s, store, kept, allowlist, depth + 1)  # noqa: E731
@@ -91,5 +102,7 @@ def encode_output(x: Any, s: WorkerSession, store: TensorStore, kept: list[str],
 
 
 def _is_model_output(x: Any) -> bool:
-    return any(c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
-               for c in type(x).__mro__)
+    return any(
+        c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
+        for c in type(x).__mro__
+    )

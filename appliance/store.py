@@ -52,6 +52,9 @@ class TensorStore:
     def keep(self, session: WorkerSession, t: torch.Tensor, slab: int | None = None) -> str:
         """Give ``t`` a handle in ``session``; reserve its storage in the data segment."""
         key = storage_key(t)
+        if not key[1] and slab is not None:
+            self.slabs.free(slab)  # nothing to keep in it: a zero-byte tensor owns no slab
+            slab = None
         ref = session.storages.get(key[0]) if key[1] else None
         if ref is None:
             self.vmu["data"].reserve(key[1])
@@ -63,6 +66,22 @@ class TensorStore:
         handle = new_handle()
         session.handles[handle] = (t, key[0])
         return handle
+
+    def recharge(self, session: WorkerSession) -> None:
+        """Charge storages that grew while a graph ran (an ``out=`` op resizing a handle):
+        the accounting must follow the memory actually held, even past the capacity."""
+        for t, key in list(session.handles.values()):
+            ref = session.storages.get(key)
+            if ref is None:
+                continue
+            now = t.untyped_storage().nbytes()
+            if now > ref.nbytes:
+                grow = now - ref.nbytes
+                seg = self.vmu["data"]
+                seg.used += grow
+                seg.peak = max(seg.peak, seg.used)
+                session.data_bytes += grow
+                ref.nbytes = now
 
     def drop(self, session: WorkerSession, handle: str) -> None:
         entry = session.handles.pop(handle, None)

@@ -37,6 +37,10 @@ from .workers import WorkerHandle
 log = logging.getLogger("djinn.appliance.supervisor")
 
 TICK_S = 0.1  # worker liveness and timer granularity: a dead worker is seen within this
+PREAUTH_TIMEOUT_S = 10.0  # a connection must send HELLO within this
+MAX_PREAUTH_CONNECTIONS = 256  # unauthenticated TCP connections at once; more are refused
+PREAUTH_BUFFER = 4096  # read buffer per connection: frames here are tiny
+ACCEPT_PAUSE_S = 0.5  # out of file descriptors: stop accepting for this long
 OPEN_WAIT_S = 30.0  # how long a SESSION_OPEN waits for a ready worker
 READY_TIMEOUT_S = 120.0  # how long start-up waits for the first workers
 EXIT_OK, EXIT_CONFIG, EXIT_NO_WORKERS = 0, 2, 3
@@ -49,6 +53,7 @@ class ClientConn:
     peer: str
     via_unix: bool
     authenticated: bool = False
+    accepted: float = field(default_factory=time.monotonic)
     waiting_open: tuple[int, float] | None = None  # (request id, deadline)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,10 +75,12 @@ class Supervisor:
         self.requests = RequestStats()
         self.latest_stats: dict[str, Any] | None = None  # read by the metrics thread
         self.metrics_server: Any = None
+        self.accept_paused_until = 0.0
 
     # -- start-up -----------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        _raise_fd_limit()
         sweep_stale()
         devices = worker_devices(cfg.gpus, cfg.cpu_workers)
         share = (cfg.arena_bytes // len(devices)) // 4096 * 4096
@@ -159,7 +166,10 @@ class Supervisor:
     # -- loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
         while not self.stopping:
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug costs a log line, never the appliance
+                log.exception("error in the supervisor loop")
         self.shutdown()
 
     def step(self) -> None:
@@ -183,7 +193,18 @@ class Supervisor:
                 self._worker_died(w)
             elif not w.alive and w.restart_at is not None and now >= w.restart_at:
                 w.restarts += 1
-                self._start_worker(w)
+                try:
+                    self._start_worker(w)
+                except OSError as exc:  # out of processes or fds: try again later
+                    log.error("cannot start worker %d: %s", w.id, exc)
+                    w.restart_at = now + ACCEPT_PAUSE_S * 4
+        if self.accept_paused_until and now >= self.accept_paused_until:
+            self.accept_paused_until = 0.0
+            for sock, via_unix in self.listeners:
+                self.sel.register(sock, selectors.EVENT_READ, ("listen", via_unix))
+        for conn in list(self.conns.values()):
+            if not conn.authenticated and now - conn.accepted > PREAUTH_TIMEOUT_S:
+                self._fail(conn, 0, AuthFailed("no HELLO in time"))
         for conn in list(self.conns.values()):
             pending = conn.waiting_open
             if pending and not self._try_open(conn) and now > pending[1]:
@@ -202,6 +223,20 @@ class Supervisor:
             sock, addr = lsock.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as exc:  # EMFILE and friends: pause accepting, keep serving
+            log.error("cannot accept connections (%s); pausing %.1fs", exc, ACCEPT_PAUSE_S)
+            if not self.accept_paused_until:
+                for listener, _ in self.listeners:
+                    self.sel.unregister(listener)
+            self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+            return
+        if (
+            not via_unix
+            and sum(not (c.authenticated or c.via_unix) for c in self.conns.values())
+            >= MAX_PREAUTH_CONNECTIONS
+        ):
+            sock.close()  # a network flood gets nothing; local (uid-checked) peers still do
+            return
         sock.setblocking(False)
         if via_unix:
             pid, uid, _gid = listeners.peer_credentials(sock)
@@ -213,7 +248,7 @@ class Supervisor:
             listeners.set_nodelay(sock)
             peer = f"tcp:{addr[0]}:{addr[1]}"
         # No supervisor request carries a payload: refuse one on the header alone.
-        reader = FrameReader(sock, authenticated=False, max_payload=0)
+        reader = FrameReader(sock, authenticated=False, max_payload=0, buffer_size=PREAUTH_BUFFER)
         conn = ClientConn(sock, reader, peer, via_unix)
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
@@ -323,7 +358,10 @@ class Supervisor:
             if w.ctl is not None and any(
                 s.get("id") == session for s in w.stats.get("sessions", [])
             ):
-                control.send(w.ctl, {"op": "kill", "session": session})
+                try:
+                    control.send(w.ctl, {"op": "kill", "session": session})
+                except OSError:  # the worker just died: its sessions are gone anyway
+                    return False
                 w.stats["sessions"] = [s for s in w.stats["sessions"] if s.get("id") != session]
                 return True
         return False
@@ -399,6 +437,16 @@ class Supervisor:
         if self.arena is not None:
             self.arena.unlink()
         signal.set_wakeup_fd(-1)
+
+
+def _raise_fd_limit() -> None:
+    """Every client and session is a socket: take all the descriptors we may have."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def serve(cfg: Config, *, parent_pid: int | None = None, out=sys.stdout) -> int:

@@ -67,6 +67,7 @@ class Worker:
         self.frame_slabs: dict[int, int] = {}
         self.requests = RequestStats()
         self.stopping = False
+        self.busy_until = 0.0  # Note [busy worker]
         self._dirty = True
         self._last_push = 0.0
 
@@ -78,16 +79,24 @@ class Worker:
         )
         self.push_stats(force=True)
         while not self.stopping:
-            for key, _ in self.sel.select(LOOP_TICK_S):
-                if key.data is None:
-                    if not self.on_control():
-                        return 0  # supervisor gone: nothing left to serve for
-                else:
-                    self.serve(key.data)
-            self.sweep()
-            self.push_stats()
+            try:
+                if not self.step():
+                    return 0  # supervisor gone: nothing left to serve for
+            except Exception:  # a bug costs a log line, never the worker
+                log.exception("worker %s: error in the serving loop", self.id)
         self.drain()
         return 0
+
+    def step(self) -> bool:
+        for key, _ in self.sel.select(LOOP_TICK_S):
+            if key.data is None:
+                if not self.on_control():
+                    return False
+            else:
+                self.serve(key.data)
+        self.sweep()
+        self.push_stats()
+        return True
 
     def on_control(self) -> bool:
         try:
@@ -160,7 +169,7 @@ class Worker:
     def sweep(self) -> None:
         now = time.monotonic()
         for s in list(self.sessions.values()):
-            if s.expired(now):
+            if s.state == OPEN and now - self.busy_until > s.lease_s and s.expired(now):
                 log.info("session %s: lease expired after %.1fs", s.id, now - s.last_seen)
                 self.end_session(s, EXPIRED)
 
@@ -216,8 +225,8 @@ class Worker:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            if "__sink_error__" in frame.body:
-                raise frame.body["__sink_error__"]
+            if frame.error is not None:
+                raise frame.error
             if s.state == EXPIRED:
                 if frame.kind == Kind.SESSION_CLOSE:
                     self.reply(s, rid, {"closed": True}, [])
@@ -250,7 +259,13 @@ class Worker:
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
             self.free_frame_slabs()
-            self.requests.record(frame.kind.name, outcome, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.requests.record(frame.kind.name, outcome, elapsed)
+            s.touch()  # the client could not heartbeat while we worked: count from now
+            if elapsed > self.lease_s / 4:
+                # Note [busy worker]: while one request ran, no other session's heartbeat
+                # could be read. Nobody's lease runs out for time the worker was busy.
+                self.busy_until = time.monotonic()
 
     def free_piggybacked(self, s: WorkerSession, handles: Any, objects: Any = None) -> None:
         """Handles and remote objects the client's garbage collector released, sent along

@@ -108,11 +108,18 @@ SETTINGS: tuple[Setting, ...] = (
         "model weights from (safetensors only), separated by ':'. A path outside them, "
         "or reaching outside through '..' or a symlink, is refused.",
     ),
-    Setting("model_allowlist", "transformers.", "Module prefixes whose classes the "
-            "appliance may build for the model path (comma-separated). Other modules run on "
-            "the graph path."),
-    Setting("model_methods", "generate", "Methods besides forward that clients may call on a "
-            "registered model (comma-separated)."),
+    Setting(
+        "model_allowlist",
+        "transformers.",
+        "Module prefixes whose classes the "
+        "appliance may build for the model path (comma-separated). Other modules run on "
+        "the graph path.",
+    ),
+    Setting(
+        "model_methods",
+        "generate",
+        "Methods besides forward that clients may call on a registered model (comma-separated).",
+    ),
     # -- sessions and lifecycle -----------------------------------------------------
     Setting("heartbeat_interval", 1.0, "Seconds between client heartbeats.", "float"),
     Setting(

@@ -8,6 +8,7 @@ small as eager execution's.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from djinn.protocol.graph import LAYOUTS, MAX_DEPTH, MAX_NODES, MEMORY_FORMATS, 
 from djinn.protocol.tensors import from_wire, parse_dtype
 
 from ..vmu.device import Segment
+from . import oppolicy
 
 _OP_CACHE: dict[str, Any] = {}
 
@@ -36,6 +38,7 @@ def resolve_op(name: Any) -> Any:
     op = getattr(packet, overload, None)
     if not isinstance(op, torch._ops.OpOverload):
         raise UnsupportedOp(f"{name}: no overload {overload!r}")
+    oppolicy.check(op)
     _OP_CACHE[name] = op
     return op
 
@@ -90,6 +93,7 @@ class GraphRun:
                 out = op(*args, **kwargs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
                 raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
+            oppolicy.check_bounds(out, node.get("op"))
             self.values[i] = out
             self._account(out, +1)
             for j in last_use.pop(i, ()):
@@ -105,8 +109,9 @@ class GraphRun:
         try:
             if self.device.type == "cpu":
                 torch.set_rng_state(state)
-            else:
-                torch.cuda.manual_seed(int.from_bytes(bytes(state[-8:].tolist()), "little"))
+            else:  # CUDA's generator is another algorithm: seed it from the whole state
+                digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
+                torch.cuda.manual_seed(int.from_bytes(digest, "little"))
         except RuntimeError as exc:
             raise InvalidArgument(f"bad generator state: {exc}") from None
 
@@ -202,7 +207,6 @@ class GraphRun:
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
 
 
-
 def decode_constant(x: dict[str, Any], device: torch.device) -> tuple[bool, Any]:
     """A one-key tagged constant (``{"$dtype": ...}``...) -> (True, value); a plain dict
     -> (False, None); an unknown ``$`` tag -> INVALID_ARGUMENT."""
@@ -230,7 +234,9 @@ def inline_tensor(x: dict[str, Any], segments: list[memoryview], device: torch.d
     if type(k) is not int or not 0 <= k < len(segments):
         raise InvalidArgument(f"no payload segment {k!r}")
     seg = segments[k]
-    raw = torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
+    raw = (
+        torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
+    )
     return from_wire(x.get("desc"), raw).to(device)
 
 

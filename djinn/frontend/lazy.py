@@ -356,11 +356,11 @@ def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict
     """Ops whose output shape depends on values (nonzero, unique...) or that return Python
     values (equal): run the trace up to and including them, keep the tensor outputs."""
     returns = [str(r.type) for r in func._schema.returns]
+    if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
+        raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
     node = Node(func, ref_args, ref_kwargs, trace, max(1, len(returns)), multi=len(returns) > 1)
     trace.add(node)
     tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
-    if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
-        raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
     refs = [Pending(node, i) for i in range(node.nout)]
     values = flush(
         trace,

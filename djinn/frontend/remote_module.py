@@ -32,7 +32,7 @@ from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
-from .device import DEVICE_TYPE, is_remote
+from .device import is_remote
 
 log = logging.getLogger("djinn.frontend.model")
 UPLOAD_CHUNK = 256 << 20  # bytes per put while uploading weights (progress granularity)
@@ -111,8 +111,12 @@ def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
         batch.clear()
         if show:
             rate = done / max(time.perf_counter() - started, 1e-9) / 1e6
-            print(f"\rdjinn: uploading weights {done >> 20}/{total >> 20} MiB "
-                  f"({rate:.0f} MB/s)", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rdjinn: uploading weights {done >> 20}/{total >> 20} MiB ({rate:.0f} MB/s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     pending = 0
     for name, t in state.items():
@@ -131,16 +135,24 @@ def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
 def register(module: torch.nn.Module, session: Any) -> dict[str, Any]:
     """Offer ``module`` to the appliance by fingerprint; upload the weights only if asked."""
     fp = fingerprint(module)
-    body = {"fingerprint": fp, "class": _class_path(type(module)),
-            "config": json.loads(_config_json(module)), "name": type(module).__name__}
+    body = {
+        "fingerprint": fp,
+        "class": _class_path(type(module)),
+        "config": json.loads(_config_json(module)),
+        "name": type(module).__name__,
+    }
     reply = session._call(Kind.REGISTER, body).body
     uploaded = False
     if not reply["cached"]:
         handles = _upload(session, _state(module))
         reply = session._call(Kind.REGISTER, {**body, "state": handles}).body
         uploaded = True
-    log.info("registered %s (%s): %s", body["name"], fp[:12],
-             "uploaded" if uploaded else "already on the appliance")
+    log.info(
+        "registered %s (%s): %s",
+        body["name"],
+        fp[:12],
+        "uploaded" if uploaded else "already on the appliance",
+    )
     return {"fingerprint": fp, "uploaded": uploaded, **reply}
 
 
@@ -167,8 +179,10 @@ class RemoteModelMixin:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if (device is None or is_remote(device)) and dtype is None:
             return self
-        raise UnsupportedOp("a model registered on the appliance cannot move back; "
-                            "keep a local copy if you need one")
+        raise UnsupportedOp(
+            "a model registered on the appliance cannot move back; "
+            "keep a local copy if you need one"
+        )
 
 
 _classes: dict[type, type] = {}
@@ -177,9 +191,11 @@ _classes: dict[type, type] = {}
 def _remote_class(cls: type) -> type:
     remote = _classes.get(cls)
     if remote is None:
-        remote = _classes[cls] = type(cls.__name__, (RemoteModelMixin, cls),
-                                      {"__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+        remote = _classes[cls] = type(
+            cls.__name__,
+            (RemoteModelMixin, cls),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
     return remote
 
 
@@ -251,8 +267,9 @@ def _decode(x: Any, session: Any) -> Any:
         return x
     if "$h" in x:
         remote = RemoteTensor(session, x["$h"], x)
-        return LazyTensor(TensorSpec(remote.dtype, tuple(remote.shape), remote.strides, 0,
-                                     None), remote)
+        return LazyTensor(
+            TensorSpec(remote.dtype, tuple(remote.shape), remote.strides, 0, None), remote
+        )
     if "$o" in x:
         return RemoteObject(session, x["$o"], x.get("class", "object"))
     if "$tuple" in x:
@@ -286,9 +303,12 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
     inline: list[torch.Tensor] = []
-    body = {"fingerprint": binding.fingerprint, "method": method,
-            "args": [_encode(a, inline) for a in args],
-            "kwargs": {k: _encode(v, inline) for k, v in kwargs.items()}}
+    body = {
+        "fingerprint": binding.fingerprint,
+        "method": method,
+        "args": [_encode(a, inline) for a in args],
+        "kwargs": {k: _encode(v, inline) for k, v in kwargs.items()},
+    }
     if method == "forward":
         hints = _hints(module, args, kwargs)
         if hints:

@@ -85,7 +85,8 @@ class Trace:
         self.recorders: list[Any] = []  # djinn.capture() blocks building an SRG
 
     def add(self, node: Node) -> None:
-        self.nodes.append(node)
+        with self.lock:  # another thread may be flushing this trace (cross-thread reads)
+            self.nodes.append(node)
         recorders = self.recorders
         if not recorders and AUTOGRAD_RECORDERS and torch._C._current_graph_task_id() != -1:
             # backward() of remote tensors runs on PyTorch's device thread, not the thread

@@ -88,6 +88,7 @@ class Frame:
     header: Header
     body: dict[str, Any]
     segments: list[memoryview]
+    error: Any = None  # set by the reader when the payload could not be placed (drained)
 
     @property
     def kind(self) -> Kind:

@@ -42,13 +42,18 @@ class FrameReader:
     """Incremental frame reader. ``poll()`` returns a Frame, or None if it would block."""
 
     def __init__(
-        self, sock: socket.socket, *, authenticated: bool = False, max_payload: int | None = None
+        self,
+        sock: socket.socket,
+        *,
+        authenticated: bool = False,
+        max_payload: int | None = None,
+        buffer_size: int = BUFFER_SIZE,
     ) -> None:
         self.sock = sock
         self.authenticated = authenticated
         self.max_payload = max_payload  # tighter than MAX_PAYLOAD for peers that send none
         self.sink: Sink = default_sink
-        self._buf = bytearray(BUFFER_SIZE)
+        self._buf = bytearray(buffer_size)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -78,7 +83,7 @@ class FrameReader:
             got = self.sock.recv_into(self._view[self._end :])
         except (BlockingIOError, InterruptedError):
             return False
-        except (ConnectionResetError, BrokenPipeError) as exc:
+        except OSError as exc:  # reset, timed out, unreachable...: the peer is gone
             raise PeerClosed(str(exc)) from None
         if got == 0:
             raise PeerClosed("peer closed the connection")
@@ -111,7 +116,7 @@ class FrameReader:
             self._header = header
         header = self._header
         if self._body is None:
-            if header.body_len > BUFFER_SIZE:
+            if header.body_len > len(self._buf):
                 raw = self._take_large(header.body_len)
             else:
                 raw = self._take(header.body_len)
@@ -129,7 +134,7 @@ class FrameReader:
         if not done:
             return None
         if self._sink_error is not None:
-            frame = Frame(header, {"__sink_error__": self._sink_error}, [])
+            frame = Frame(header, {}, [], error=self._sink_error)
         else:
             frame = Frame(header, self._body, self._targets)
         self._reset()
@@ -159,7 +164,7 @@ class FrameReader:
             got = self.sock.recv_into(dst)
         except (BlockingIOError, InterruptedError):
             return None
-        except (ConnectionResetError, BrokenPipeError) as exc:
+        except OSError as exc:
             raise PeerClosed(str(exc)) from None
         if got == 0:
             raise PeerClosed("peer closed the connection mid-frame")

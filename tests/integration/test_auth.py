@@ -93,3 +93,27 @@ def test_unix_peer_of_another_uid_is_refused(fresh_appliance):
 
 def test_tcp_binds_loopback_by_default(appliance):
     assert "tcp=127.0.0.1:" in appliance.readiness
+
+
+def test_a_flood_of_silent_connections_does_not_stop_the_appliance(fresh_appliance):
+    app = fresh_appliance()
+    socks = []
+    try:
+        for _ in range(400):  # more than MAX_PREAUTH_CONNECTIONS, none says HELLO
+            s = socket.create_connection(("127.0.0.1", app.tcp_port), timeout=5)
+            socks.append(s)
+        with djinn.connect(app.unix) as c:  # a real client still gets through
+            assert c.stats()["workers"][0]["alive"]
+        refused = 0
+        for s in socks:
+            s.settimeout(2)
+            try:
+                if s.recv(1) == b"":
+                    refused += 1
+            except (TimeoutError, OSError):
+                pass
+        assert refused >= 400 - 256  # the ones over the cap were closed at once
+    finally:
+        for s in socks:
+            s.close()
+    assert app.proc.poll() is None

@@ -49,3 +49,15 @@ def test_graph_executes_on_the_gpu_with_eager_parity(gpu_appliance):
         )
     expected = (a.cuda() @ b.cuda()).cpu()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_random_ops_on_a_gpu_worker_draw_fresh_numbers(gpu_appliance, monkeypatch):
+    import djinn  # noqa: F401
+    from djinn.frontend import session
+
+    monkeypatch.setenv("DJINN_ADDRESS", gpu_appliance.unix)
+    session.reset()
+    a = torch.randn(1000, device="remote_accelerator:0").cpu()
+    b = torch.randn(1000, device="remote_accelerator:0").cpu()
+    assert not torch.equal(a, b)
+    session.reset()

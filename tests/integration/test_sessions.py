@@ -160,3 +160,31 @@ def test_every_session_appears_in_the_stats_with_its_peer(appliance):
         assert row["peer"].startswith("unix:pid=")
         for key in ("age_s", "last_heartbeat_s", "handles", "bytes", "worker"):
             assert key in row
+
+
+def test_a_request_longer_than_the_lease_expires_nobody(fresh_appliance):
+    app = fresh_appliance(**LEASE)  # lease 1 s
+    with app.connect() as client:
+        busy, idle = client.session(), client.session()
+        keep = idle.put(torch.ones(3))
+        nodes = [{"op": "aten::randn.default", "args": [[768, 768]]}]
+        for i in range(250):  # about 2-4 s of matmuls on this machine
+            nodes.append({"op": "aten::mm.default", "args": [{"$v": i}, {"$v": 0}]})
+        kept, _ = busy.execute(nodes, keep=[{"$v": 0}])
+        assert kept[0].cpu().shape == (768, 768)  # the caller's session survived
+        assert torch.equal(keep.cpu(), torch.ones(3))  # and so did the idle one
+        busy.close()
+        idle.close()
+
+
+def test_zero_byte_put_into_a_leased_slab_gives_the_slab_back(appliance):
+    from djinn.protocol.frames import Kind
+
+    before = appliance.stats()["vmu"]["host_arena"]["used"]
+    with appliance.connect() as client, client.session() as s:
+        for _ in range(3):
+            (off,) = s._call(Kind.ALLOC, {"sizes": [0]}).body["slabs"]
+            desc = {"dtype": "float32", "shape": [0, 3], "strides": [3, 1]}
+            (h,) = s._call(Kind.PUT, {"tensors": [{"desc": desc, "slab": off}]}).body["handles"]
+            s.free([h])
+        wait_for(lambda: appliance.stats()["vmu"]["host_arena"]["used"] == before)

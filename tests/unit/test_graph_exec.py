@@ -131,3 +131,36 @@ def test_intermediates_are_released_after_last_use():
     (_, fetch), stack = run(nodes, fetch=[{"$v": 3}])
     assert torch.equal(fetch[0], torch.full((1 << 20,), 3.0))
     assert stack.peak <= 2 * (4 << 20)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "aten::from_file.default",
+        "aten::_reshape_alias.default",
+        "aten::_reshape_alias_copy.default",
+        "aten::set_.source_Storage",
+        "aten::_index_put_impl_.default",
+        "aten::resize_.default",
+        "aten::_unsafe_index.Tensor",
+        "aten::_unsafe_masked_index.default",
+    ],
+)
+def test_dangerous_aten_ops_are_refused(name):
+    # files, unchecked views, storage rebinding and unchecked indexing: never for clients
+    with pytest.raises(UnsupportedOp):
+        resolve_op(name)
+
+
+def test_views_outside_their_storage_are_caught_after_any_op():
+    from djinn.appliance.executor import oppolicy
+
+    t = torch.zeros(4)
+    bad = torch.ops.aten._reshape_alias.default(t, [100], [1])
+    with pytest.raises(ExecutionError):
+        oppolicy.check_bounds(bad, "test")
+    oppolicy.check_bounds((t[1:], t.t(), torch.zeros(0)), "test")  # fine views pass
+
+
+def test_autograd_view_ops_named_unsafe_are_allowed():
+    assert resolve_op("aten::_unsafe_view.default") is torch.ops.aten._unsafe_view.default
