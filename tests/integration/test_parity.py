@@ -20,9 +20,13 @@ def _max_diff(a, b) -> float:
     return (a.detach().cpu().float() - b.detach().float()).abs().max().item()
 
 
-def _pair(model: torch.nn.Module):
+def _pair(model: torch.nn.Module, path: str = "graph"):
+    """(local, remote). The graph path moves the module while in training mode (so even a
+    transformers model stays a module of LazyTensors); the model path registers it."""
     local = model.eval()
-    remote = copy.deepcopy(local).to(R)
+    remote = copy.deepcopy(local)
+    remote = remote.train().to(R).eval() if path == "graph" else remote.to(R)
+    assert (getattr(remote, "_djinn", None) is not None) == (path == "model")
     return local, remote
 
 
@@ -65,11 +69,12 @@ def test_small_cnn_with_batch_norm_in_eval_and_train_mode():
     assert _max_diff(remote[1].running_var, local[1].running_var) <= TOL
 
 
-def test_gpt2_forward():
+@pytest.mark.parametrize("path", ["graph", "model"])
+def test_gpt2_forward(path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
     torch.manual_seed(0)
-    local, remote = _pair(transformers.GPT2LMHeadModel(cfg))
+    local, remote = _pair(transformers.GPT2LMHeadModel(cfg), path)
     ids = torch.randint(0, 500, (2, 12))
     with torch.no_grad():
         want = local(ids).logits
@@ -78,7 +83,8 @@ def test_gpt2_forward():
     assert _max_diff(got, want) <= TOL
 
 
-def test_bert_forward():
+@pytest.mark.parametrize("path", ["graph", "model"])
+def test_bert_forward(path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(
         num_hidden_layers=2,
@@ -88,7 +94,7 @@ def test_bert_forward():
         vocab_size=500,
     )
     torch.manual_seed(0)
-    local, remote = _pair(transformers.BertModel(cfg))
+    local, remote = _pair(transformers.BertModel(cfg), path)
     ids = torch.randint(0, 500, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, 7:] = 0

@@ -1,0 +1,198 @@
+"""The model path: register once by fingerprint, call by fingerprint, state stays remote."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from djinn.frontend.lazy import LazyTensor
+from djinn.frontend.remote_module import RemoteObject
+from tests.conftest import wait_for
+
+transformers = pytest.importorskip("transformers")
+R = "remote_accelerator:0"
+
+
+def _gpt2(n_layer: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=64, n_head=4, vocab_size=1000, n_positions=1024
+    )
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(autouse=True)
+def _remote(remote):
+    yield
+
+
+def test_gpt2_registers_and_runs_by_fingerprint_with_eager_parity():
+    local = _gpt2()
+    model = copy.deepcopy(local).to(R)
+    assert model._djinn.info["uploaded"] is True
+    assert all(p.device.type == "meta" for p in model.parameters())  # no weights here
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    out = model(ids, use_cache=True)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert isinstance(out.logits, LazyTensor) and isinstance(out.past_key_values, RemoteObject)
+    with torch.no_grad():
+        ref = local(ids, use_cache=True)
+    assert (out.logits.cpu() - ref.logits).abs().max().item() <= 1e-5
+    # a hand-written decode loop: the KV cache is passed back by reference
+    nxt, ref_nxt = (
+        out.logits[:, -1].argmax(-1, keepdim=True),
+        ref.logits[:, -1].argmax(-1, keepdim=True),
+    )
+    past, ref_past = out.past_key_values, ref.past_key_values
+    for _ in range(4):
+        step = model(nxt, past_key_values=past, use_cache=True)
+        with torch.no_grad():
+            ref_step = local(ref_nxt, past_key_values=ref_past, use_cache=True)
+        assert (step.logits.cpu() - ref_step.logits).abs().max().item() <= 1e-5
+        assert step.past_key_values.oid == past.oid  # updated in place on the appliance
+        nxt, past = step.logits[:, -1].argmax(-1, keepdim=True), step.past_key_values
+        ref_nxt, ref_past = (
+            ref_step.logits[:, -1].argmax(-1, keepdim=True),
+            ref_step.past_key_values,
+        )
+        assert torch.equal(nxt.cpu(), ref_nxt)
+
+
+def test_greedy_generate_runs_on_the_appliance_and_matches_local():
+    local = _gpt2(seed=1)
+    model = copy.deepcopy(local).to(R)
+    ids = torch.tensor([[5, 6, 7]])
+    got = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = local.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert isinstance(got, LazyTensor)
+    assert torch.equal(got.cpu(), want)
+
+
+def _decode_step_bytes(model, context: int) -> tuple[int, int]:
+    ids = torch.randint(0, 1000, (1, context))
+    out = model(ids, use_cache=True)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    nxt.cpu()  # settle the argmax so the measured step is the model call alone
+    channel = model._djinn.session.channel
+    sent, received = channel.bytes_sent, channel.bytes_received
+    step = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    measured = (channel.bytes_sent - sent, channel.bytes_received - received)
+    del step, out
+    return measured
+
+
+def test_bytes_per_decode_step_do_not_grow_with_the_context():
+    model = _gpt2(n_layer=2, seed=2).to(R)
+    short = _decode_step_bytes(model, 16)
+    long = _decode_step_bytes(model, 512)
+    assert abs(short[0] - long[0]) <= 16 and abs(short[1] - long[1]) <= 16, (short, long)
+    assert short[0] + short[1] < 4096  # fingerprint, one token and a cache reference
+
+
+def test_bert_on_the_model_path_matches_eager():
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=1000,
+    )
+    torch.manual_seed(0)
+    local = transformers.BertModel(cfg).eval()
+    model = copy.deepcopy(local).to(R)
+    ids = torch.randint(0, 1000, (2, 9))
+    got = model(input_ids=ids, attention_mask=torch.ones(2, 9, dtype=torch.long))
+    with torch.no_grad():
+        want = local(input_ids=ids, attention_mask=torch.ones(2, 9, dtype=torch.long))
+    assert (got.last_hidden_state.cpu() - want.last_hidden_state).abs().max().item() <= 1e-5
+
+
+def test_semantic_hints_travel_with_calls_and_show_in_the_stats(appliance):
+    import djinn
+
+    model = _gpt2(seed=3).to(R)
+    session = model._djinn.session
+
+    def phase() -> str:
+        with djinn.connect(appliance.unix) as c:
+            return next(s["phase"] for s in c.stats()["sessions"] if s["id"] == session.id)
+
+    out = model(torch.randint(0, 1000, (1, 32)), use_cache=True)
+    assert wait_for(lambda: phase() == "llm_prefill")
+    model(out.logits[:, -1].argmax(-1, keepdim=True), past_key_values=out.past_key_values)
+    assert wait_for(lambda: phase() == "llm_decode")
+
+
+def test_training_models_and_plain_modules_keep_the_graph_path():
+    train = _gpt2(seed=4).train().to(R)
+    assert getattr(train, "_djinn", None) is None
+    assert isinstance(train.transformer.wte.weight, LazyTensor)
+
+
+CLIENT = textwrap.dedent("""
+    import sys, time, torch, djinn
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(7)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)
+    model = GPT2LMHeadModel(cfg).eval().to("remote_accelerator:0")
+    print("uploaded", model._djinn.info["uploaded"], flush=True)
+    print("logits", round(model(torch.tensor([[1, 2, 3]])).logits.sum().item(), 4), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_two_clients_share_one_upload_and_one_copy(appliance):
+    import djinn
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env["DJINN_ADDRESS"] = appliance.unix
+
+    def start():
+        return subprocess.Popen(
+            [sys.executable, "-c", CLIENT],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+
+    def models():
+        with djinn.connect(appliance.unix) as c:
+            st = c.stats()
+        new = [m for m in st["models"] if m["fingerprint"] not in before]
+        return new, st["vmu"]["devices"][0]["text"]["used"]
+
+    before: set[str] = set()
+    before = {m["fingerprint"] for m in appliance.stats()["models"]}
+    base_text = models()[1]
+    first = start()
+    assert first.stdout.readline().split() == ["uploaded", "True"]
+    logits_a = first.stdout.readline()
+    second = start()
+    assert second.stdout.readline().split() == ["uploaded", "False"]  # nothing sent
+    assert second.stdout.readline() == logits_a  # both correct, same numbers
+    listed, text = wait_for(lambda: (m := models())[0] and m[0][0]["sessions"] == 2 and m)
+    assert len(listed) == 1 and listed[0]["name"] == "GPT2LMHeadModel"
+    assert text - base_text == listed[0]["bytes"]  # one copy in the text segment
+    for p in (first, second):
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=60)
+    wait_for(lambda: models() == ([], base_text))  # freed with its last user
+
+
+def test_a_class_outside_the_allowlist_is_refused(appliance):
+    from djinn.errors import UnsupportedOp
+    from djinn.protocol.frames import Kind
+
+    with appliance.connect() as client, client.session() as s, pytest.raises(UnsupportedOp):
+        s._call(
+            Kind.REGISTER, {"fingerprint": "f" * 40, "class": "os.path.Something", "config": {}}
+        )
