@@ -191,6 +191,8 @@ def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     from . import weights
 
     directory = weights.resolve(frame.body.get("path"), w.model_roots)
+    if frame.body.get("hash_only"):
+        return {"content_hash": weights.content_hash(directory)}, []
     data = w.store.vmu["data"]
     tensors = weights.load(directory, w.device.torch_device, data.capacity - data.used)
     out, kept = [], []

@@ -9,6 +9,7 @@ segment before a byte is loaded.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -42,6 +43,25 @@ def safetensors_files(directory: Path) -> list[Path]:
         if Path(os.path.realpath(f)).parent != directory:
             raise InvalidArgument(f"{f.name} links outside {directory}")
     return files
+
+
+_hashes: dict[tuple, str] = {}
+
+
+def content_hash(directory: Path) -> str:
+    """Hash of the weight files' bytes (cached per file size and mtime): ghost-loaded
+    models are fingerprinted by what they contain, not by where they lie."""
+    files = safetensors_files(directory)
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    digest = _hashes.get(key)
+    if digest is None:
+        h = hashlib.blake2b(digest_size=20)
+        for f in files:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(8 << 20):
+                    h.update(chunk)
+        digest = _hashes[key] = h.hexdigest()
+    return digest
 
 
 def load(directory: Path, device: torch.device, room: int) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ __all__ = [
     "connect",
     "device",
     "from_pretrained",
+    "hook_transformers",
 ]
 
 _LAZY = {
@@ -39,6 +40,7 @@ _LAZY = {
     "analyze": ("djinn.semantics.analyze", "analyze"),
     "device": ("djinn.frontend.device", "device"),
     "from_pretrained": ("djinn.frontend.ghost", "from_pretrained"),
+    "hook_transformers": ("djinn.frontend.ghost", "hook_transformers"),
 }
 
 

@@ -19,7 +19,7 @@ import torch
 
 from djinn.errors import InvalidArgument
 
-from .device import DEVICE_TYPE, register
+from .device import DEVICE_TYPE, is_remote, register
 
 
 @contextlib.contextmanager
@@ -56,27 +56,95 @@ def _lookup(loaded: dict[str, Any], name: str, prefix: str) -> Any:
     return None
 
 
-def from_pretrained(path: str | os.PathLike, model_class: Any = None, *, index: int = 0) -> Any:
+def from_pretrained(
+    path: str | os.PathLike, model_class: Any = None, *, index: int = 0, model_path: bool = True
+) -> Any:
     """Load a transformers model by ghost loading (weights stay on the appliance).
 
     ``path`` is a model directory (``config.json`` + ``*.safetensors``) that both this
     machine (for the config) and the appliance (for the weights, under its
     ``model_roots``) can read. ``model_class`` defaults to ``transformers.AutoModel``.
+
+    By default the model is registered on the model path under a fingerprint of its class,
+    config and weight bytes (hashed by the appliance), so every session loading the same
+    files shares one copy and later loads read nothing. ``model_path=False`` gives a
+    module of LazyTensors instead (the graph path: trainable, per session).
     """
     from transformers import AutoConfig, AutoModel
 
-    from .lazy import LazyTensor
-    from .meta import TensorSpec
     from .session import default_session
 
     register()
     device = torch.device(DEVICE_TYPE, index)
     path = os.path.abspath(os.fspath(path))
     config = AutoConfig.from_pretrained(path)
+    cls = model_class or AutoModel
+    build = getattr(cls, "from_config", None) or cls._from_config  # Auto* or a concrete class
     with parameters_on_meta():
-        model = (model_class or AutoModel).from_config(config)
+        model = build(config)
     model.eval()
-    loaded = default_session().load(path)
+    session = default_session()
+    if model_path:
+        return _register_ghost(model, path, session, device)
+    return _bind_graph_path(model, session.load(path), path, device)
+
+
+def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -> Any:
+    """Model path: fingerprint by content; load on the appliance only if nobody has."""
+    import hashlib
+
+    from djinn.protocol.frames import Kind
+
+    from . import remote_module
+
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(remote_module._class_path(type(model)).encode())
+    digest.update(remote_module._config_json(model).encode())
+    digest.update(session.content_hash(path).encode())
+    fp = digest.hexdigest()
+    body = {
+        "fingerprint": fp,
+        "class": remote_module._class_path(type(model)),
+        "config": __import__("json").loads(remote_module._config_json(model)),
+        "name": type(model).__name__,
+    }
+    reply = session._call(Kind.REGISTER, body).body
+    loaded = not reply["cached"]
+    if loaded:
+        remotes = session.load(path)
+        prefix = getattr(model, "base_model_prefix", "")
+        state: dict[str, str] = {}
+        local_buffers = []
+        for name, _ in [*model.named_parameters(), *model.named_buffers()]:
+            remote = _lookup(remotes, name, prefix)
+            if remote is not None:
+                remote._finalizer.detach()  # the appliance hands it to the model
+                state[name] = remote.handle
+            elif name in dict(model.named_buffers()):
+                local_buffers.append(name)  # built by the constructor, not in the files
+            else:
+                raise InvalidArgument(f"weight {name} missing from {path}")
+        buffers = dict(model.named_buffers())
+        for name, r in zip(
+            local_buffers, session.put_many([buffers[n] for n in local_buffers]), strict=True
+        ):
+            state[name] = r.handle
+            r._finalizer.detach()
+        for r in remotes.values():  # checkpoint entries the model does not use
+            r.free()
+        reply = session._call(Kind.REGISTER, {**body, "state": state}).body
+    torch.nn.Module.to(model, "meta")
+    info = {"fingerprint": fp, "uploaded": False, "loaded_on_appliance": loaded, **reply}
+    model._djinn = remote_module._RemoteBinding(fp, session, device, info)
+    model.__class__ = remote_module._remote_class(type(model))
+    return model
+
+
+def _bind_graph_path(model: Any, loaded: dict[str, Any], path: str, device: torch.device) -> Any:
+    """Graph path: every parameter a LazyTensor bound to its loaded handle."""
+    from .lazy import LazyTensor
+    from .meta import TensorSpec
+
     prefix = getattr(model, "base_model_prefix", "")
 
     def bind(remote: Any) -> LazyTensor:
@@ -112,3 +180,27 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, *, index: 
     if still_missing:
         raise InvalidArgument(f"weights missing from {path}: {', '.join(still_missing[:8])}")
     return model
+
+
+def hook_transformers() -> None:
+    """Opt in: ``SomeModel.from_pretrained(path, device_map="remote_accelerator:0")`` (and
+    the Auto classes, which end there) ghost-loads through Djinn."""
+    import functools
+
+    from transformers import PreTrainedModel
+
+    if getattr(PreTrainedModel.from_pretrained, "_djinn", False):
+        return
+    original = PreTrainedModel.from_pretrained.__func__
+
+    @functools.wraps(original)
+    def from_pretrained_hook(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+        device_map = kwargs.get("device_map")
+        remote = isinstance(device_map, (str, torch.device)) and is_remote(device_map)
+        if remote and not args and os.path.isdir(os.fspath(path)):
+            index = torch.device(device_map).index or 0
+            return from_pretrained(path, model_class=cls, index=index)
+        return original(cls, path, *args, **kwargs)
+
+    from_pretrained_hook._djinn = True
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained_hook)

