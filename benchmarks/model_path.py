@@ -94,6 +94,7 @@ def main() -> int:
         l_pre.append(p)
         l_step += s
     med = statistics.median
+    n_params = sum(p.numel() for p in local.parameters())
     result = {
         "model": f"GPT-2 {args.layers} layers",
         "prefill_tokens": args.prefill,
@@ -130,7 +131,7 @@ def main() -> int:
         f"{result['decode_ms']['ratio']} | {min(sizes)}..{max(sizes)} |"
     )
     print(
-        f"\nregistration (fingerprint + upload of {sum(p.numel() for p in local.parameters()) / 1e6:.0f}M "
+        f"\nregistration (fingerprint + upload of {n_params / 1e6:.0f}M "
         f"params): {register_s:.2f}s; target remote/local <= 1.10; decode bytes constant: "
         f"{result['targets']['decode_bytes_constant']}\n"
     )

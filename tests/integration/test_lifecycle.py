@@ -48,8 +48,9 @@ def test_start_up_sweeps_segments_left_by_a_crashed_appliance(tmp_path):
     seg.close_fd()
     app = start_appliance(tmp_path)
     try:
+        # (which process swept it is not asserted: any appliance starting on this host,
+        # a concurrent test's included, sweeps dead owners' segments)
         assert not Path("/dev/shm", name[1:]).exists()
-        assert "left by a crashed appliance" in app.log()
     finally:
         app.stop()
 
