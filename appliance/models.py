@@ -34,10 +34,12 @@ class ModelEntry:
     nbytes: int
     sessions: set[str] = field(default_factory=set)
     hits: int = 0
+    storages: set[int] = field(default_factory=set)  # data_ptrs of the weights
 
     def stats(self) -> dict[str, Any]:
         return {
-            "fingerprint": self.fingerprint,
+            # a prefix only: the full fingerprint is what a client presents to attach
+            "fingerprint": self.fingerprint[:12],
             "name": self.name,
             "bytes": self.nbytes,
             "sessions": len(self.sessions),
@@ -45,10 +47,17 @@ class ModelEntry:
         }
 
 
+def _allowed(path: str, allowlist: list[str]) -> bool:
+    return any(path.startswith(p if p.endswith(".") else p + ".") for p in allowlist)
+
+
 def import_class(path: Any, allowlist: list[str]) -> type:
+    """A transformers-style model class (``config_class`` + JSON config) defined under an
+    allowlisted module. The class's *defining* module is checked, not just the path used
+    to reach it (``transformers.x.torch.nn.Linear`` is torch's class)."""
     if not isinstance(path, str) or not _NAME.match(path) or "__" in path:
         raise InvalidArgument(f"not a class path: {path!r}")
-    if not any(path.startswith(prefix) for prefix in allowlist):
+    if not _allowed(path, allowlist):
         raise UnsupportedOp(f"{path} is not under an allowlisted module ({', '.join(allowlist)})")
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):  # longest importable module prefix
@@ -58,42 +67,64 @@ def import_class(path: Any, allowlist: list[str]) -> type:
             continue
         for attr in parts[cut:]:
             obj = getattr(obj, attr, None)
-        if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-            return obj
-        break
+        if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+            break
+        defined_in = f"{obj.__module__}.{obj.__qualname__}"
+        if not _allowed(defined_in, allowlist) or getattr(obj, "config_class", None) is None:
+            raise UnsupportedOp(f"{path} is {defined_in}, not an allowlisted model class")
+        return obj
     raise NotFound(f"no nn.Module class {path} on the appliance")
 
 
-def build(cls: type, config: Any, state: dict[str, torch.Tensor], device: torch.device):
-    """Construct ``cls`` from its config with meta parameters, then assign ``state``."""
-    from djinn.frontend.ghost import parameters_on_meta
+# Config keys that make transformers choose code to run (attention kernels fetched from
+# the Hub, remote code): only these values are accepted from a client.
+_IMPLEMENTATIONS = {None, "eager", "sdpa"}
 
+
+def sanitize_config(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("auto_map") or config.get("trust_remote_code"):
+        raise UnsupportedOp("configs with auto_map or remote code are not accepted")
+    for key, value in config.items():
+        if key.endswith("_implementation") and value not in _IMPLEMENTATIONS:
+            raise UnsupportedOp(f"config {key}={value!r} is not accepted (eager or sdpa)")
+    return config
+
+
+def build(cls: type, config: Any, state: dict[str, torch.Tensor], device: torch.device):
+    """Construct ``cls`` from its config entirely on the meta device (a config cannot make
+    the worker allocate anything), then give every parameter and buffer a private copy
+    of its tensor from ``state``, in the dtype it came in."""
     config_class = getattr(cls, "config_class", None)
     if config_class is None or not isinstance(config, dict):
         raise UnsupportedOp(f"{cls.__name__} has no JSON config: use the graph path")
-    with parameters_on_meta(), torch.device("cpu"):
-        module = cls(config_class.from_dict(config))
+    with torch.device("meta"):
+        module = cls(config_class.from_dict(sanitize_config(config)))
     names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
     missing = sorted(names - set(state))
     if missing:
         raise InvalidArgument(f"weights missing for {cls.__name__}: {', '.join(missing[:6])}")
     for name, tensor in state.items():
         path, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(path) if path else module
-        if leaf in owner._parameters:
+        try:
+            owner = module.get_submodule(path) if path else module
+        except AttributeError:
+            raise InvalidArgument(f"{cls.__name__} has no submodule {path}") from None
+        # a copy: no session may keep a writable alias of weights other sessions share
+        value = tensor.to(device, copy=True)
+        if leaf in owner._parameters and owner._parameters[leaf] is not None:
             old = owner._parameters[leaf]
             if tuple(old.shape) != tuple(tensor.shape):
                 raise InvalidArgument(
                     f"{name}: got {list(tensor.shape)}, expected {list(old.shape)}"
                 )
-            owner._parameters[leaf] = torch.nn.Parameter(tensor.to(old.dtype), requires_grad=False)
+            owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
         elif leaf in owner._buffers:
-            owner._buffers[leaf] = tensor
+            owner._buffers[leaf] = value
         else:
             raise InvalidArgument(f"{cls.__name__} has no parameter or buffer {name}")
     if hasattr(module, "tie_weights"):
         module.tie_weights()
-    return module.to(device).eval()
+    return module.eval()
 
 
 class ModelCache:
@@ -117,7 +148,9 @@ class ModelCache:
                 seen.add(key)
                 nbytes += t.untyped_storage().nbytes()
         self.text.reserve(nbytes)
-        entry = self.entries[fingerprint] = ModelEntry(fingerprint, name, module, nbytes)
+        entry = self.entries[fingerprint] = ModelEntry(
+            fingerprint, name, module, nbytes, storages=seen
+        )
         log.info("model %s (%s) cached: %d bytes", name, fingerprint[:12], nbytes)
         return entry
 

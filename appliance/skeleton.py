@@ -65,13 +65,19 @@ def encode_output(
     store: TensorStore,
     kept: list[str],
     allowlist: list[str],
+    weights: set[int] | frozenset = frozenset(),
     depth: int = 0,
 ) -> Any:
-    """Skeleton of a call's result; new handles are appended to ``kept`` (for rollback)."""
+    """Skeleton of a call's result; new handles are appended to ``kept`` (for rollback).
+    A tensor viewing the model's own weights is copied: no session may hold a writable
+    alias of weights other sessions share."""
     if depth > MAX_DEPTH:
         raise InvalidArgument("output nested too deeply")
     if isinstance(x, torch.Tensor):
-        handle = store.keep(s, x.detach())
+        x = x.detach()
+        if x.untyped_storage().data_ptr() in weights:
+            x = x.clone()
+        handle = store.keep(s, x)
         kept.append(handle)
         return {
             "$h": handle,
@@ -81,7 +87,7 @@ def encode_output(
         }
     if isinstance(x, SCALARS):
         return x
-    rec = lambda v: encode_output(v, s, store, kept, allowlist, depth + 1)  # noqa: E731
+    rec = lambda v: encode_output(v, s, store, kept, allowlist, weights, depth + 1)  # noqa: E731
     path = _class_path(x)
     if _is_model_output(x):
         return {"$mo": path, "fields": {k: rec(v) for k, v in x.items()}}

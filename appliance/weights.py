@@ -64,6 +64,17 @@ def content_hash(directory: Path) -> str:
     return digest
 
 
+def tensor_names(directory: Path) -> list[str]:
+    """Names in the files, read from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in safetensors_files(directory):
+        with safe_open(str(f), framework="pt") as handle:
+            names.extend(handle.keys())
+    return sorted(names)
+
+
 def load(directory: Path, device: torch.device, room: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -42,6 +42,8 @@ class WorkerHandle:
         parent, child = control.pair()
         env = dict(os.environ)
         env["DJINN_APPLIANCE_PROCESS"] = "1"  # no client-side device hooks in a worker
+        # a worker never fetches code or weights from a hub, whatever a request says
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "djinn.appliance.worker", "--control-fd", str(child.fileno())],
             pass_fds=[child.fileno()],

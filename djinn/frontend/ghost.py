@@ -46,12 +46,8 @@ def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 
 def _lookup(loaded: dict[str, Any], name: str, prefix: str) -> Any:
-    for key in (
-        name,
-        f"{prefix}.{name}" if prefix else None,
-        name.removeprefix(f"{prefix}.") if prefix else None,
-    ):
-        if key and key in loaded:
+    for key in _candidates(name, prefix):
+        if key in loaded:
             return loaded.pop(key)
     return None
 
@@ -90,54 +86,61 @@ def from_pretrained(
 
 
 def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -> Any:
-    """Model path: fingerprint by content; load on the appliance only if nobody has."""
-    import hashlib
-
+    """Model path: the appliance reads the files itself; the fingerprint covers their
+    content hash, how the model's names map onto theirs, and the buffers the model builds
+    (the appliance verifies all three). Nothing is loaded if the model is cached."""
+    from djinn.protocol.fingerprint import model_fingerprint
     from djinn.protocol.frames import Kind
 
     from . import remote_module
 
-    digest = hashlib.blake2b(digest_size=20)
-    digest.update(remote_module._class_path(type(model)).encode())
-    digest.update(remote_module._config_json(model).encode())
-    digest.update(session.content_hash(path).encode())
-    fp = digest.hexdigest()
+    info = session.inspect_weights(path)
+    in_files = set(info["names"])
+    prefix = getattr(model, "base_model_prefix", "")
+    name_map: dict[str, str] = {}
+    local: dict[str, torch.Tensor] = {}
+    buffers = dict(model.named_buffers())
+    for name, _ in [*model.named_parameters(), *buffers.items()]:
+        found = next((key for key in _candidates(name, prefix) if key in in_files), None)
+        if found is not None:
+            name_map[name] = found
+        elif name in buffers:
+            local[name] = buffers[name]  # built by the constructor, not in the files
+        else:
+            raise InvalidArgument(f"weight {name} missing from {path}")
+    class_path = remote_module._class_path(type(model))
+    config_json = remote_module._config_json(model)
+    fp = model_fingerprint(
+        class_path, config_json, local.items(), content_hash=info["content_hash"], name_map=name_map
+    )
     body = {
         "fingerprint": fp,
-        "class": remote_module._class_path(type(model)),
-        "config": __import__("json").loads(remote_module._config_json(model)),
+        "class": class_path,
+        "config_json": config_json,
         "name": type(model).__name__,
     }
     reply = session._call(Kind.REGISTER, body).body
     loaded = not reply["cached"]
     if loaded:
-        remotes = session.load(path)
-        prefix = getattr(model, "base_model_prefix", "")
-        state: dict[str, str] = {}
-        local_buffers = []
-        for name, _ in [*model.named_parameters(), *model.named_buffers()]:
-            remote = _lookup(remotes, name, prefix)
-            if remote is not None:
-                remote._finalizer.detach()  # the appliance hands it to the model
-                state[name] = remote.handle
-            elif name in dict(model.named_buffers()):
-                local_buffers.append(name)  # built by the constructor, not in the files
-            else:
-                raise InvalidArgument(f"weight {name} missing from {path}")
-        buffers = dict(model.named_buffers())
-        for name, r in zip(
-            local_buffers, session.put_many([buffers[n] for n in local_buffers]), strict=True
-        ):
-            state[name] = r.handle
-            r._finalizer.detach()
-        for r in remotes.values():  # checkpoint entries the model does not use
-            r.free()
-        reply = session._call(Kind.REGISTER, {**body, "state": state}).body
+        handles = {}
+        for name, r in zip(local, session.put_many(list(local.values())), strict=True):
+            r._finalizer.detach()  # the appliance takes it over
+            handles[name] = r.handle
+        reply = session._call(
+            Kind.REGISTER, {**body, "path": path, "name_map": name_map, "buffers": handles}
+        ).body
     torch.nn.Module.to(model, "meta")
     info = {"fingerprint": fp, "uploaded": False, "loaded_on_appliance": loaded, **reply}
     model._djinn = remote_module._RemoteBinding(fp, session, device, info)
     model.__class__ = remote_module._remote_class(type(model))
     return model
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    out = [name]
+    if prefix:
+        out += [f"{prefix}.{name}", name.removeprefix(f"{prefix}.")]
+    return out
 
 
 def _bind_graph_path(model: Any, loaded: dict[str, Any], path: str, device: torch.device) -> Any:

@@ -15,7 +15,6 @@ tensors as LazyTensors bound to handles, other objects (a ``DynamicCache``) as
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
@@ -76,16 +75,13 @@ def _class_path(cls: type) -> str:
 
 
 def fingerprint(module: torch.nn.Module) -> str:
-    """Architecture (class + config) and every weight byte: identical models share it."""
-    h = hashlib.blake2b(digest_size=20)
-    h.update(_class_path(type(module)).encode())
-    h.update(_config_json(module).encode())
-    for name, t in sorted(_state(module).items()):
-        h.update(f"{name}:{dtype_name(t.dtype)}:{list(t.shape)}".encode())
-        flat = t.contiguous().reshape(-1)
-        if flat.numel():
-            h.update(memoryview(flat.view(torch.uint8).numpy()))
-    return h.hexdigest()
+    """Architecture (class + config) and every weight byte: identical models share it
+    (the appliance recomputes it from what it receives before caching anything)."""
+    from djinn.protocol.fingerprint import model_fingerprint
+
+    return model_fingerprint(
+        _class_path(type(module)), _config_json(module), _state(module).items()
+    )
 
 
 def _config_json(module: torch.nn.Module) -> str:
@@ -138,12 +134,13 @@ def register(module: torch.nn.Module, session: Any) -> dict[str, Any]:
     body = {
         "fingerprint": fp,
         "class": _class_path(type(module)),
-        "config": json.loads(_config_json(module)),
+        "config_json": _config_json(module),
         "name": type(module).__name__,
     }
     reply = session._call(Kind.REGISTER, body).body
     uploaded = False
     if not reply["cached"]:
+        # the appliance takes the uploaded handles over (or drops them if it refuses)
         handles = _upload(session, _state(module))
         reply = session._call(Kind.REGISTER, {**body, "state": handles}).body
         uploaded = True

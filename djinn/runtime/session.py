@@ -148,9 +148,10 @@ class Session:
         frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=sink)
         return self._unpack(frame, out)["tensors"]
 
-    def content_hash(self, path: str) -> str:
-        """Hash of the safetensors bytes in ``path`` on the appliance host."""
-        return self._call(Kind.LOAD, {"path": str(path), "hash_only": True}).body["content_hash"]
+    def inspect_weights(self, path: str) -> dict[str, Any]:
+        """``{content_hash, names}`` of the safetensors files in ``path`` on the appliance
+        host, without loading them."""
+        return self._call(Kind.LOAD, {"path": str(path), "hash_only": True}).body
 
     def load(self, path: str) -> dict[str, RemoteTensor]:
         """Have the appliance load the safetensors weights in ``path`` (a directory on the

@@ -196,3 +196,89 @@ def test_a_class_outside_the_allowlist_is_refused(appliance):
         s._call(
             Kind.REGISTER, {"fingerprint": "f" * 40, "class": "os.path.Something", "config": {}}
         )
+
+
+def _register_body(model) -> dict:
+    from djinn.frontend import remote_module
+
+    return {
+        "fingerprint": remote_module.fingerprint(model),
+        "class": remote_module._class_path(type(model)),
+        "config_json": remote_module._config_json(model),
+        "name": "x",
+    }
+
+
+def test_other_weights_under_a_models_fingerprint_are_refused(appliance):
+    """Cache poisoning: the appliance recomputes the fingerprint from what it receives."""
+    from djinn.errors import InvalidArgument
+    from djinn.frontend import remote_module
+    from djinn.protocol.frames import Kind
+
+    honest = _gpt2(seed=11)
+    body = _register_body(honest)
+    evil_state = {
+        k: torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in remote_module._state(honest).items()
+    }
+    with appliance.connect() as client, client.session() as s:
+        assert s._call(Kind.REGISTER, body).body["cached"] is False
+        handles = remote_module._upload(s, evil_state)
+        with pytest.raises(InvalidArgument, match="fingerprint"):
+            s._call(Kind.REGISTER, {**body, "state": handles})
+        mine = lambda: next(x for x in client.stats()["sessions"] if x["id"] == s.id)  # noqa: E731
+        assert wait_for(lambda: mine()["handles"] == 0)  # refused uploads are dropped too
+    assert body["fingerprint"][:12] not in {m["fingerprint"] for m in appliance.stats()["models"]}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"custom_generate": "/tmp/x", "trust_remote_code": True},
+        {"streamer": None},
+        {"max_new_tokens": 10**9},
+        {"generation_config": None},
+    ],
+)
+def test_generate_accepts_only_sampling_and_length_controls(kwargs):
+    from djinn.errors import DjinnError
+
+    model = _gpt2(seed=12).to(R)
+    with pytest.raises(DjinnError) as info:
+        model.generate(torch.tensor([[1, 2]]), **kwargs)
+    assert info.value.code in ("UNSUPPORTED_OP", "INVALID_ARGUMENT")
+
+
+def test_model_outputs_never_alias_shared_weights(appliance):
+    """A call returning a weight gets a copy: in-place ops on it cannot change the model."""
+    model = _gpt2(seed=13).to(R)
+    ids = torch.tensor([[1, 2, 3]])
+    before = model(ids).logits.cpu()
+    hidden = model(ids, output_hidden_states=True).hidden_states[0]
+    hidden.mul_(0)  # an in-place op on a returned tensor
+    hidden.cpu()
+    assert torch.equal(model(ids).logits.cpu(), before)
+
+
+def test_configs_that_pick_code_are_refused(appliance):
+    from djinn.errors import UnsupportedOp
+    from djinn.protocol.frames import Kind
+
+    model = _gpt2(seed=14)
+    model.config._attn_implementation_internal = None
+    body = _register_body(model)
+    import json
+
+    config = json.loads(body["config_json"])
+    config["attn_implementation"] = "evil-org/evil-kernel"
+    body["config_json"] = json.dumps(config)
+
+    # refused before anything is uploaded
+    with appliance.connect() as client, client.session() as s, pytest.raises(UnsupportedOp):
+        s._call(Kind.REGISTER, body)
+
+
+def test_half_precision_models_stay_half_precision():
+    model = _gpt2(seed=15).half().to(R)
+    out = model(torch.tensor([[1, 2, 3]]))
+    assert out.logits.dtype == torch.float16
