@@ -270,10 +270,11 @@ def _decode(x: Any, session: Any) -> Any:
     if "$o" in x:
         # One RemoteObject per remote id: a cache updated in place comes back with the
         # same id, and an older wrapper's finalizer must not free it under the newer one.
-        known = session.__dict__.setdefault("_remote_objects", weakref.WeakValueDictionary())
-        obj = known.get(x["$o"])
-        if obj is None:
-            obj = known[x["$o"]] = RemoteObject(session, x["$o"], x.get("class", "object"))
+        with session.objects_lock:
+            known = session.__dict__.setdefault("_remote_objects", weakref.WeakValueDictionary())
+            obj = known.get(x["$o"])
+            if obj is None:
+                obj = known[x["$o"]] = RemoteObject(session, x["$o"], x.get("class", "object"))
         return obj
     if "$tuple" in x:
         return tuple(_decode(v, session) for v in x["$tuple"])

@@ -50,6 +50,8 @@ class Session:
         self._pending_free: list[str] = []  # handles collected by the GC, freed next call
         self._release: list[int] = []  # reply slabs already copied out, released next call
         self._pending_free_objects: list[str] = []
+        self._lists_lock = threading.Lock()
+        self.objects_lock = threading.Lock()  # dedupes RemoteObjects (remote_module)
         self._last_call = time.monotonic()
         self._closed = threading.Event()
         self._beat = threading.Thread(
@@ -73,25 +75,25 @@ class Session:
         self, kind: Kind, body: dict[str, Any] | None = None, segments: Sequence = (), **kw: Any
     ) -> Any:
         body = dict(body or {})
-        if self._pending_free:
-            pending, self._pending_free = self._pending_free, []
-            body["free"] = pending
-        if self._release:
-            release, self._release = self._release, []
-            body["release"] = release
-        if self._pending_free_objects:
-            objects, self._pending_free_objects = self._pending_free_objects, []
-            body["free_objects"] = objects
+        with self._lists_lock:  # finalizers append from any thread
+            if self._pending_free:
+                body["free"], self._pending_free = self._pending_free, []
+            if self._release:
+                body["release"], self._release = self._release, []
+            if self._pending_free_objects:
+                body["free_objects"], self._pending_free_objects = self._pending_free_objects, []
         self._last_call = time.monotonic()
         return self.channel.call(kind, body, segments, **kw)
 
     def _free_later(self, handle: str) -> None:
         if not self._closed.is_set():
-            self._pending_free.append(handle)
+            with self._lists_lock:
+                self._pending_free.append(handle)
 
     def _free_object_later(self, oid: str) -> None:
         if not self._closed.is_set():
-            self._pending_free_objects.append(oid)
+            with self._lists_lock:
+                self._pending_free_objects.append(oid)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.heartbeat_interval / 2):
@@ -219,7 +221,8 @@ class Session:
                 nbytes = _nbytes(item["desc"])
                 raw = direct if direct is not None else _u8(nbytes)
                 raw.copy_(self._arena_tensor(item["slab"], nbytes))
-                self._release.append(item["slab"])
+                with self._lists_lock:
+                    self._release.append(item["slab"])
             else:
                 seg = frame.segments[item["seg"]]
                 raw = torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else _u8(0)

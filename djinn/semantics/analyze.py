@@ -159,9 +159,11 @@ def annotate(
     for plugin in registry.patterns():
         try:
             m = plugin.match(graph, ctx)
-        except Exception:  # a pattern that cannot read this graph simply does not match
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # a pattern that cannot read this graph simply does not match
             m = None
-        if m is not None:
+        if isinstance(m, PatternMatch):
             matches.append(m)
     matches.sort(key=lambda m: -m.confidence)
     phased = [m for m in matches if m.phase]

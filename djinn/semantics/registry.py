@@ -8,6 +8,7 @@ never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -61,14 +62,18 @@ class Registry:
                 plugin = ep.load()()
                 if not isinstance(plugin, _PROTOCOLS[kind]):
                     raise TypeError(f"{ep.value} does not implement {_PROTOCOLS[kind].__name__}")
-            except Exception as exc:  # a broken plugin must never take Djinn down
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # even SystemExit: a plugin never takes Djinn down
                 self.broken[key] = f"{type(exc).__name__}: {exc}"
-                warnings.warn(
-                    f"djinn: skipping plugin {key} ({ep.value}): {exc}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
                 log.warning("skipping plugin %s: %s", key, exc)
+                # under -W error a warning raises: it must not become fatal either
+                with contextlib.suppress(Exception):
+                    warnings.warn(
+                        f"djinn: skipping plugin {key} ({ep.value}): {exc}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 continue
             plugins.append(plugin)
         return plugins
