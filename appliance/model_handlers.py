@@ -1,0 +1,250 @@
+"""Request handlers of the model path: LOAD (weights from disk), REGISTER, CALL.
+
+Same contract as ``handlers``: (worker, session, frame) -> (reply body, payload segments),
+typed errors, nothing half-done left behind. Everything a client sends here is treated as
+hostile: classes come only from the allowlist, fingerprints are verified against the
+bytes received, generate() takes sampling and length controls only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import torch
+
+from djinn.errors import ExecutionError, InvalidArgument, NotFound, UnsupportedOp
+from djinn.protocol.frames import Frame
+
+from .sessions import WorkerSession
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+Reply = tuple[dict[str, Any], list[Any]]
+
+
+def _meta(t: torch.Tensor) -> dict[str, Any]:
+    from djinn.protocol.tensors import dtype_name
+
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride())}
+
+
+def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    """Load safetensors weights from an allowlisted directory into handles."""
+    from . import weights
+
+    directory = weights.resolve(frame.body.get("path"), w.model_roots)
+    if frame.body.get("hash_only"):
+        return {
+            "content_hash": weights.content_hash(directory),
+            "names": weights.tensor_names(directory),
+        }, []
+    data = w.store.vmu["data"]
+    tensors = weights.load(directory, w.device.torch_device, data.capacity - data.used)
+    out, kept = [], []
+    try:
+        for name, t in tensors.items():
+            kept.append(w.store.keep(s, t))
+            out.append({"name": name, "handle": kept[-1], **_meta(t)})
+    except BaseException:
+        for h in kept:
+            w.store.drop(s, h)
+        raise
+    return {"tensors": out}, []
+
+
+MAX_CONFIG_JSON = 1 << 20
+
+
+def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    """Register a model under a fingerprint the worker *verifies* before caching it.
+
+    Phase 1 (no weights named): attach to the cached model, or answer that weights are
+    needed (after refusing classes outside the allowlist). Phase 2 names the weights,
+    either uploaded (``state``: model name -> handle) or on the appliance's disk
+    (``path`` + ``name_map`` model name -> checkpoint name, and ``buffers`` the model
+    builds itself). The fingerprint is recomputed from exactly those bytes; a mismatch is
+    refused, so nobody can place other weights under a model's fingerprint.
+    """
+    from djinn.protocol.fingerprint import model_fingerprint
+
+    from . import weights
+    from .models import build, import_class, sanitize_config
+
+    body = frame.body
+    fp = body.get("fingerprint")
+    if not isinstance(fp, str) or not 16 <= len(fp) <= 128:
+        raise InvalidArgument("fingerprint must be a string of 16 to 128 characters")
+    entry = w.models.entries.get(fp)
+    state, path = body.get("state"), body.get("path")
+    named = [
+        h for part in (state, body.get("buffers")) if isinstance(part, dict) for h in part.values()
+    ]
+    try:
+        if entry is None:
+            # class and config are refused before any upload
+            cls = import_class(body.get("class"), w.models.allowlist)
+            config_json = body.get("config_json")
+            if not isinstance(config_json, str) or len(config_json) > MAX_CONFIG_JSON:
+                raise InvalidArgument("config_json must be the model config as a JSON string")
+            try:
+                config = sanitize_config(orjson.loads(config_json))
+            except (orjson.JSONDecodeError, AttributeError):
+                raise InvalidArgument("config_json is not a JSON object") from None
+            if state is None and path is None:
+                return {"cached": False}, []
+            class_path = body["class"]
+            if path is not None:
+                name_map = body.get("name_map")
+                buffers = body.get("buffers") or {}
+                if not isinstance(name_map, dict) or not isinstance(buffers, dict):
+                    raise InvalidArgument("name_map and buffers must be objects")
+                directory = weights.resolve(path, w.model_roots)
+                local = {n: s.tensor(h) for n, h in buffers.items()}
+                expected = model_fingerprint(
+                    class_path,
+                    config_json,
+                    local.items(),
+                    content_hash=weights.content_hash(directory),
+                    name_map=name_map,
+                )
+                if expected != fp:
+                    raise InvalidArgument("fingerprint does not match these files and buffers")
+                data = w.store.vmu["data"]
+                files = weights.load(directory, torch.device("cpu"), data.capacity - data.used)
+                try:
+                    tensors = {n: files[f] for n, f in name_map.items()}
+                except (KeyError, TypeError):
+                    raise InvalidArgument("name_map names a tensor the files do not hold") from None
+                tensors.update(local)
+            else:
+                if not isinstance(state, dict):
+                    raise InvalidArgument("state must map parameter names to handles")
+                tensors = {n: s.tensor(h) for n, h in state.items()}
+                if model_fingerprint(class_path, config_json, tensors.items()) != fp:
+                    raise InvalidArgument("fingerprint does not match the uploaded weights")
+            module = build(cls, config, tensors, w.device.torch_device)
+            entry = w.models.add(fp, str(body.get("name", cls.__name__))[:128], module)
+    finally:
+        for handle in named:  # uploaded weights leave the session, whatever happened
+            if isinstance(handle, str):
+                w.store.drop(s, handle)
+    w.models.attach(entry, s.id)
+    s.models.add(fp)
+    return {"cached": True, "bytes": entry.nbytes, "sessions": len(entry.sessions)}, []
+
+
+# Keyword arguments a client may pass to generate(): sampling and length controls only.
+# Others reach code, files or the network (custom_generate, trust_remote_code, streamer,
+# assistant_model, generation_config...).
+GENERATE_KWARGS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "max_new_tokens",
+        "max_length",
+        "min_new_tokens",
+        "min_length",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "num_beams",
+        "num_return_sequences",
+        "pad_token_id",
+        "eos_token_id",
+        "bos_token_id",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "length_penalty",
+        "early_stopping",
+        "use_cache",
+        "return_dict_in_generate",
+        "output_scores",
+        "output_logits",
+        "past_key_values",
+        "position_ids",
+        "token_type_ids",
+        "renormalize_logits",
+        "decoder_input_ids",
+        "encoder_outputs",
+        "inputs_embeds",
+    }
+)
+MAX_NEW_TOKENS = 8192
+MAX_BEAMS = 16
+
+
+def _no_strings(x: Any) -> None:
+    """Plain strings are refused in model-call arguments (tagged values such as handles
+    and dtypes are checked by the decoder)."""
+    if isinstance(x, str):
+        raise InvalidArgument("strings are not accepted as model-call arguments")
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            _no_strings(v)
+    elif isinstance(x, dict):
+        if any(isinstance(k, str) and k.startswith("$") for k in x):
+            if isinstance(x.get("$tuple"), list):
+                _no_strings(x["$tuple"])
+            return
+        for v in x.values():
+            _no_strings(v)
+
+
+def _check_generate(kwargs: dict[str, Any]) -> None:
+    extra = sorted(set(kwargs) - GENERATE_KWARGS)
+    if extra:
+        raise UnsupportedOp(f"generate() arguments not accepted: {', '.join(extra)}")
+    for key, cap in (
+        ("max_new_tokens", MAX_NEW_TOKENS),
+        ("max_length", MAX_NEW_TOKENS * 2),
+        ("num_beams", MAX_BEAMS),
+        ("num_return_sequences", MAX_BEAMS),
+    ):
+        value = kwargs.get(key)
+        if value is not None and (not isinstance(value, int) or not 0 <= value <= cap):
+            raise InvalidArgument(f"{key} must be an integer in [0, {cap}]")
+
+
+def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    """Run a registered model's forward (or an allowlisted method) on its worker."""
+    from .skeleton import decode_args, encode_output
+
+    body = frame.body
+    fp = body.get("fingerprint")
+    if fp not in s.models:
+        raise NotFound("this session has not registered that model")
+    entry = w.models.get(fp)
+    method = body.get("method", "forward")
+    if method != "forward" and method not in w.model_methods:
+        raise UnsupportedOp(f"method {method!r} is not allowlisted (model_methods)")
+    raw_args, raw_kwargs = body.get("args", []), body.get("kwargs", {})
+    _no_strings([raw_args, raw_kwargs])  # a string is how a path or a repo id gets in
+    device = w.device.torch_device
+    args = decode_args(raw_args, s, frame.segments, device)
+    kwargs = decode_args(raw_kwargs, s, frame.segments, device)
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise InvalidArgument("args must be a list and kwargs an object")
+    if method == "generate":
+        _check_generate(kwargs)
+    hints = body.get("hints")
+    if isinstance(hints, dict) and isinstance(hints.get("phase"), str):
+        s.phase = hints["phase"][:32]
+    fn = entry.module if method == "forward" else getattr(entry.module, method)
+    try:
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ExecutionError(f"{entry.name}.{method}: {type(exc).__name__}: {exc}") from None
+    entry.hits += 1
+    kept: list[str] = []
+    try:
+        skeleton = encode_output(out, s, w.store, kept, w.models.allowlist, entry.storages)
+    except BaseException:
+        for h in kept:
+            w.store.drop(s, h)
+        raise
+    return {"out": skeleton}, []
