@@ -1,0 +1,205 @@
+"""What the transport benchmark times: tiny put+get round trips, interleaved bulk rounds of
+every path beside its ceilings, the statistics they are reduced to, and the CPU time other
+processes took from the machine meanwhile."""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from _common import MiB, clock, fmt_bytes, note, seconds_since
+
+if TYPE_CHECKING:
+    import torch
+    from _peers import Peer
+
+    from djinn.runtime.client import Client
+    from djinn.runtime.session import Session
+
+# Small copies are timed a few times per round: a copy that is stalled by another
+# process (a descheduled intra-op thread costs a whole time slice) is no ceiling.
+MEMCPY_TRIES = 5
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence."""
+    rank = max(1, -(-len(sorted_values) * q // 100))
+    return sorted_values[int(rank) - 1]
+
+
+def latency(samples_ns: Sequence[int]) -> dict[str, float]:
+    us = sorted(ns / 1e3 for ns in samples_ns)
+    return {
+        "p50_us": round(statistics.median(us), 2),
+        "p99_us": round(percentile(us, 99), 2),
+        "mean_us": round(statistics.fmean(us), 2),
+        "min_us": round(us[0], 2),
+        "n": len(us),
+    }
+
+
+def rate(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
+    """GB/s (1e9 bytes per second): best of the repetitions, and their median."""
+    return {
+        "best_gbps": round(nbytes / min(seconds) / 1e9, 3),
+        "median_gbps": round(nbytes / statistics.median(seconds) / 1e9, 3),
+        "reps": len(seconds),
+    }
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped
+    children). Their difference over a run is what other processes took from it."""
+    import resource
+
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return None
+    ticks = [int(f) for f in fields]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        own += usage.ru_utime + usage.ru_stime
+    return busy, own
+
+
+# -- tiny round trips ---------------------------------------------------------------------------
+def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[str, float]]:
+    import torch
+
+    from djinn.protocol.frames import Kind
+
+    t = torch.arange(4, dtype=torch.float32)
+    with client.session() as s:
+        for _ in range(warmup):
+            s.put(t).cpu()
+        if not torch.equal(s.put(t).cpu(), t):
+            raise AssertionError("tiny round trip returned different values")
+        put_ns: list[int] = []
+        get_ns: list[int] = []
+        gc.collect()
+        for _ in range(iterations):
+            t0 = clock()
+            r = s.put(t)
+            t1 = clock()
+            r.cpu()
+            t2 = clock()
+            put_ns.append(t1 - t0)
+            get_ns.append(t2 - t1)
+            del r  # its free rides along with the next request, as in real use
+        beat_ns: list[int] = []
+        for _ in range(warmup):
+            s._call(Kind.HEARTBEAT)
+        for _ in range(iterations):
+            t0 = clock()
+            s._call(Kind.HEARTBEAT)
+            beat_ns.append(clock() - t0)
+    return {
+        "roundtrip": latency([p + g for p, g in zip(put_ns, get_ns, strict=True)]),
+        "put": latency(put_ns),
+        "get": latency(get_ns),
+        "heartbeat": latency(beat_ns),
+    }
+
+
+# -- bulk ---------------------------------------------------------------------------------------
+def reps_for(nbytes: int, quick: bool) -> int:
+    if nbytes <= 8 * MiB:
+        return 10 if quick else 50
+    if nbytes <= 256 * MiB:
+        return 3 if quick else 10
+    return 2 if quick else 5
+
+
+def bulk_round(
+    src: torch.Tensor, sessions: dict[str, Session], raw: dict[str, Peer], *, check: bool
+) -> dict[str, list[float]]:
+    """One timing of every path and ceiling, back to back, so that all of them see the
+    same machine (interleaving rounds beats measuring each path in its own noisy slot).
+
+    Memory stays at src + one arena slab + one result: the warm memcpy ceiling copies
+    into the result a get has just produced (already faulted in), and the result and the
+    remote tensor are dropped before the next path.
+    """
+    import torch
+
+    got: dict[str, list[float]] = {}
+    data = memoryview(src.numpy())
+    for transport, peer in raw.items():
+        got[f"socket_{transport}"] = [peer.stream(data)]
+    data.release()
+    for transport, s in sessions.items():
+        t0 = clock()
+        r = s.put(src)
+        put_s = seconds_since(t0)
+        t0 = clock()
+        out = r.cpu()
+        get_s = seconds_since(t0)
+        t0 = clock()
+        r.cpu(out=out)  # into a warm, preallocated buffer: no fresh pages to fault in
+        get_into_s = seconds_since(t0)
+        r.free()  # give the slab back before anything else runs
+        if check and not torch.equal(out, src):
+            raise AssertionError(f"bulk round trip over {transport} returned different bytes")
+        for _ in range(MEMCPY_TRIES if src.numel() <= 64 * MiB else 1):
+            t0 = clock()
+            out.copy_(src)
+            got.setdefault("memcpy", []).append(seconds_since(t0))
+        del r, out
+        got[f"put_{transport}"] = [put_s]
+        got[f"get_{transport}"] = [get_s]
+        got[f"getinto_{transport}"] = [get_into_s]
+        got[f"combined_{transport}"] = [put_s + get_s]
+        got[f"combinedinto_{transport}"] = [put_s + get_into_s]
+    t0 = clock()
+    fresh = torch.empty_like(src)
+    fresh.copy_(src)
+    got["alloc_memcpy"] = [seconds_since(t0)]
+    del fresh
+    return got
+
+
+def bulk_size(
+    nbytes: int, quick: bool, sessions: dict[str, Session], raw: dict[str, Peer]
+) -> dict[str, Any]:
+    import torch
+
+    reps = reps_for(nbytes, quick)
+    note(f"bulk {fmt_bytes(nbytes)}: 1 warm-up + {reps} interleaved rounds")
+    src = torch.arange(256, dtype=torch.uint8).repeat(-(-nbytes // 256))[:nbytes].clone()
+    bulk_round(src, sessions, raw, check=True)  # warm-up and a correctness check
+    times: dict[str, list[float]] = {}
+    for _ in range(reps):
+        gc.collect()
+        for key, values in bulk_round(src, sessions, raw, check=False).items():
+            times.setdefault(key, []).extend(values)
+    del src
+    memcpy = {"warm": rate(nbytes, times["memcpy"]), "fresh": rate(nbytes, times["alloc_memcpy"])}
+    sockets = {t: rate(nbytes, times[f"socket_{t}"]) for t in raw}
+    paths: dict[str, Any] = {}
+    for t in sessions:
+        combined = rate(2 * nbytes, times[f"combined_{t}"])
+        paths[t] = {
+            "put": rate(nbytes, times[f"put_{t}"]),
+            "get": rate(nbytes, times[f"get_{t}"]),
+            "get_into": rate(nbytes, times[f"getinto_{t}"]),
+            "combined": combined,
+            "vs_memcpy": ratio(combined["best_gbps"], memcpy["warm"]["best_gbps"]),
+            "into_vs_memcpy": ratio(
+                rate(2 * nbytes, times[f"combinedinto_{t}"])["best_gbps"],
+                memcpy["warm"]["best_gbps"],
+            ),
+            "vs_socket": ratio(combined["best_gbps"], sockets[t]["best_gbps"]),
+        }
+    return {"bytes": nbytes, "reps": reps, "memcpy": memcpy, "raw_socket": sockets, "djinn": paths}

@@ -1,0 +1,190 @@
+"""The transport benchmark's report: the design targets checked against a result document,
+and the markdown tables printed to stdout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from _common import TRANSPORTS, fmt_bytes
+
+# Design targets and a quoted (not measured) peer, printed as reference lines.
+TARGET_ARENA_VS_MEMCPY = 0.5  # arena bulk put+get >= 0.5x memcpy
+TARGET_TINY_UNIX_P50_US = 100.0  # tiny round trip over unix, p50
+RPC_TINY_P50_US = 330.0  # torch.distributed.rpc, tiny round trip p50 (quoted)
+RPC_BULK_GBPS = 1.5  # torch.distributed.rpc bulk, upper bound (quoted)
+
+FOREIGN_CPU_WARN = 0.05  # warn when other processes took more of the machine than this
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def render(doc: dict[str, Any]) -> str:
+    out: list[str] = []
+    tiny = doc["tiny"]
+    host = doc["host"]
+    out.append(f"# Djinn transport benchmark ({doc['appliance']['device']})")
+    out.append("")
+    out.append(
+        f"{host['cpus']} CPUs, torch {host['torch']} ({host['torch_threads']} intra-op "
+        f"threads), Python {host['python']}; {doc['elapsed_s']} s"
+    )
+    foreign = host.get("foreign_cpu_share")
+    if foreign is not None and foreign > FOREIGN_CPU_WARN:
+        out.append(
+            f"**Warning: other processes used {foreign:.0%} of the CPUs during this run; "
+            "absolute numbers are unreliable (ratios, taken in interleaved rounds, less so).**"
+        )
+    out.append("")
+    out.append(
+        f"## Tiny put+get round trip (4 x float32), µs; {tiny['iterations']} iterations "
+        f"after {tiny['warmup']} warm-up"
+    )
+    out.append("")
+    rows = []
+    for transport in TRANSPORTS:
+        d, c = tiny["djinn"][transport], tiny["raw_ping_pong"][transport]
+        rows.append(
+            [
+                transport,
+                f"{d['roundtrip']['p50_us']:.1f}",
+                f"{d['roundtrip']['p99_us']:.1f}",
+                f"{d['put']['p50_us']:.1f}",
+                f"{d['get']['p50_us']:.1f}",
+                f"{d['heartbeat']['p50_us']:.1f}",
+                f"{c['p50_us']:.1f}",
+                f"{c['p99_us']:.1f}",
+                f"{tiny['roundtrip_vs_ping_pong'][transport]:.1f}x",
+            ]
+        )
+    headers = [
+        "path",
+        "put+get p50",
+        "put+get p99",
+        "put p50",
+        "get p50",
+        "HEARTBEAT p50",
+        "raw ping-pong p50",
+        "raw p99",
+        "put+get / raw",
+    ]
+    out.append(md_table(headers, rows))
+    out.append("")
+    out.append(
+        "Raw ping-pong: 64-byte message between two processes, blocking recv "
+        "(unix = socketpair, tcp = loopback, TCP_NODELAY). A put+get is two requests."
+    )
+    out.append("")
+    out.append("## Bulk put+get, GB/s (1e9 B/s): best of reps (median); ratios use best-of put+get")
+    out.append("")
+    rows = []
+    for item in doc["bulk"]:
+        memcpy = item["memcpy"]
+        for transport in TRANSPORTS:
+            d = item["djinn"][transport]
+            sock = item["raw_socket"][transport]
+            rows.append(
+                [
+                    f"{fmt_bytes(item['bytes'])} x{item['reps']}",
+                    "unix (arena)" if transport == "unix" else "tcp (payload)",
+                    gbps(d["put"]),
+                    gbps(d["get"]),
+                    gbps(d["get_into"]),
+                    gbps(d["combined"]),
+                    gbps(memcpy["warm"]),
+                    gbps(memcpy["fresh"]),
+                    f"{sock['best_gbps']:.2f} ({transport})",
+                    f"{d['vs_memcpy']:.2f}x",
+                    f"{d['vs_socket']:.2f}x",
+                ]
+            )
+    headers = [
+        "size",
+        "path",
+        "put",
+        "get",
+        "get (out=)",
+        "put+get",
+        "memcpy",
+        "alloc+memcpy",
+        "raw socket",
+        "/ memcpy",
+        "/ socket",
+    ]
+    out.append(md_table(headers, rows))
+    out.append("")
+    out.append(
+        "Rounds are interleaved: every path and ceiling is timed once per round. "
+        "memcpy = dst.copy_(src) into a warm buffer (the result a get just produced); "
+        "alloc+memcpy = into a fresh torch.empty (as a get's result must be); "
+        "get (out=) = `r.cpu(out=buffer)` into a warm preallocated tensor; "
+        "raw socket = one-way sendall/recv_into stream of the same bytes between two "
+        "processes (receiver reuses a warm buffer of at most 64 MiB)."
+    )
+    out.append("")
+    out.append("## Design targets (DESIGN.md §7) and references")
+    out.append("")
+    for check in doc["targets"]:
+        mark = {True: "met", False: "MISSED", None: "ref"}[check["met"]]
+        out.append(f"- [{mark}] {check['target']}: {check['measured']}")
+    return "\n".join(out)
+
+
+def gbps(r: dict[str, float]) -> str:
+    return f"{r['best_gbps']:.2f} ({r['median_gbps']:.2f})"
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    checks: list[dict[str, Any]] = []
+    for item in doc["bulk"]:
+        v = item["djinn"]["unix"]["vs_memcpy"]
+        checks.append(
+            {
+                "target": f"arena bulk put+get >= {TARGET_ARENA_VS_MEMCPY}x memcpy "
+                f"({fmt_bytes(item['bytes'])})",
+                "measured": f"{v:.3f}x",
+                "met": v >= TARGET_ARENA_VS_MEMCPY,
+            }
+        )
+    for item in doc["bulk"]:
+        v = item["djinn"]["unix"]["into_vs_memcpy"]
+        checks.append(
+            {
+                "target": f"arena put + get(out=) >= {TARGET_ARENA_VS_MEMCPY}x memcpy "
+                f"({fmt_bytes(item['bytes'])}; a fresh result is bound by page faults, "
+                "see alloc+memcpy)",
+                "measured": f"{v:.3f}x",
+                "met": v >= TARGET_ARENA_VS_MEMCPY,
+            }
+        )
+    p50 = doc["tiny"]["djinn"]["unix"]["roundtrip"]["p50_us"]
+    checks.append(
+        {
+            "target": f"tiny round trip <= {TARGET_TINY_UNIX_P50_US:.0f} µs p50 over unix",
+            "measured": f"{p50:.1f} µs",
+            "met": p50 <= TARGET_TINY_UNIX_P50_US,
+        }
+    )
+    best_bulk = max(
+        (item["djinn"][t]["combined"]["best_gbps"] for item in doc["bulk"] for t in TRANSPORTS),
+        default=0.0,
+    )
+    checks.append(
+        {
+            "target": f"reference, quoted not measured: torch.distributed.rpc ~"
+            f"{RPC_TINY_P50_US:.0f} µs tiny p50, < {RPC_BULK_GBPS} GB/s bulk",
+            "measured": f"djinn unix tiny p50 {p50:.1f} µs "
+            f"({RPC_TINY_P50_US / p50:.1f}x faster than the quote); "
+            f"best djinn bulk put+get {best_bulk:.2f} GB/s",
+            "met": None,
+        }
+    )
+    return checks
