@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import torch
 
-from djinn.errors import ExecutionError, InvalidArgument, NotFound, UnsupportedOp
+from djinn.errors import (
+    ExecutionError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    UnsupportedOp,
+)
 from djinn.protocol.frames import Frame
 
 from .sessions import WorkerSession
@@ -243,6 +249,13 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     kept: list[str] = []
     try:
         skeleton = encode_output(out, s, w.store, kept, w.models.allowlist, entry.storages)
+        w.store.charge_objects(s)  # the KV cache grew: charge it like any session data
+        data = w.store.vmu["data"]
+        if data.used > data.capacity:
+            raise ResourceExhausted(
+                f"session data (handles and KV caches) exceeds the data segment "
+                f"({data.used} of {data.capacity} bytes); free objects or handles"
+            )
     except BaseException:
         for h in kept:
             w.store.drop(s, h)

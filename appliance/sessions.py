@@ -51,6 +51,7 @@ class WorkerSession:
     objects: dict[str, Any] = field(default_factory=dict)  # remote objects (KV caches...)
     object_ids: dict[int, str] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)  # fingerprints this session registered
+    object_bytes: int = 0  # tensor bytes held by remote objects (KV caches), in data
     data_bytes: int = 0
     requests: int = 0
     phase: str = "unknown"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import InvalidArgument, NotFound
+from djinn.errors import InvalidArgument, NotFound, ResourceExhausted
 from djinn.protocol.graph import MAX_DEPTH
 from djinn.protocol.tensors import dtype_name
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .store import TensorStore
 
 SCALARS = (bool, int, float, str, type(None))
+MAX_OBJECTS = 4096  # remote objects (KV caches...) one session may hold
 
 
 def decode_args(
@@ -100,6 +101,8 @@ def encode_output(
     if any(path.startswith(prefix) for prefix in allowlist):
         oid = s.object_ids.get(id(x))
         if oid is None or s.objects.get(oid) is not x:
+            if len(s.objects) >= MAX_OBJECTS:
+                raise ResourceExhausted(f"a session holds at most {MAX_OBJECTS} remote objects")
             oid = secrets.token_urlsafe(12)
             s.objects[oid] = x
             s.object_ids[id(x)] = oid

@@ -16,6 +16,23 @@ from .vmu.device import DeviceVMU
 from .vmu.slabs import SlabAllocator
 
 
+def _tensors_in(obj: object, depth: int = 0):
+    """Tensors reachable from an object (a transformers Cache: layers -> keys/values)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 5:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            yield from _tensors_in(v, depth + 1)
+
+
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
@@ -67,6 +84,25 @@ class TensorStore:
         session.handles[handle] = (t, key[0])
         return handle
 
+    def charge_objects(self, session: WorkerSession) -> int:
+        """Re-measure the tensors remote objects hold (a KV cache grows every decode step)
+        and charge the difference to the data segment. Returns the bytes now held."""
+        seen: set[int] = set(session.storages)  # handles are already charged
+        total = 0
+        for obj in session.objects.values():
+            for t in _tensors_in(obj):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        delta = total - session.object_bytes
+        seg = self.vmu["data"]
+        seg.used = max(0, seg.used + delta)
+        seg.peak = max(seg.peak, seg.used)
+        session.data_bytes += delta
+        session.object_bytes = total
+        return total
+
     def recharge(self, session: WorkerSession) -> None:
         """Charge storages that grew while a graph ran (an ``out=`` op resizing a handle):
         the accounting must follow the memory actually held, even past the capacity."""
@@ -110,6 +146,11 @@ class TensorStore:
     def release_pending(self, session: WorkerSession) -> None:
         while session.pending_release:
             self.slabs.free(session.pending_release.pop())
+
+    def free_objects(self, session: WorkerSession) -> None:
+        session.objects.clear()
+        session.object_ids.clear()
+        self.charge_objects(session)
 
     def free_session(self, session: WorkerSession) -> None:
         for handle in list(session.handles):

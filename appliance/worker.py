@@ -153,8 +153,7 @@ class Worker:
             for fp in s.models:
                 self.models.detach(fp, s.id)
             s.models.clear()
-            s.objects.clear()
-            s.object_ids.clear()
+            self.store.free_objects(s)
             self.store.free_session(s)
         s.state = state
         if state == CLOSED:
@@ -279,6 +278,7 @@ class Worker:
                 obj = s.objects.pop(oid, None) if isinstance(oid, str) else None
                 if obj is not None:
                     s.object_ids.pop(id(obj), None)
+            self.store.charge_objects(s)
 
     def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
         try:

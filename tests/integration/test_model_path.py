@@ -282,3 +282,25 @@ def test_half_precision_models_stay_half_precision():
     model = _gpt2(seed=15).half().to(R)
     out = model(torch.tensor([[1, 2, 3]]))
     assert out.logits.dtype == torch.float16
+
+
+def test_kv_caches_are_charged_to_the_session_and_freed_with_it(appliance):
+    model = _gpt2(seed=16).to(R)
+    session = model._djinn.session
+
+    def mine():
+        return next(x for x in appliance.stats()["sessions"] if x["id"] == session.id)
+
+    out = model(torch.randint(0, 1000, (1, 64)), use_cache=True)
+    first = wait_for(lambda: mine()["bytes"] > 0 and mine()["bytes"])
+    out = model(
+        out.logits[:, -1].argmax(-1, keepdim=True),
+        past_key_values=out.past_key_values,
+        use_cache=True,
+    )
+    grown = wait_for(lambda: mine()["bytes"] > first and mine()["bytes"])
+    # 2 layers x (K, V) x 64 channels x float32 per token, at least: the cache is counted
+    assert grown - first >= 2 * 2 * 64 * 4
+    del out
+    model(torch.tensor([[1]]))  # carries the frees
+    wait_for(lambda: mine()["objects"] == 0 and mine()["bytes"] < first)
