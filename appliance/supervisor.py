@@ -41,6 +41,7 @@ PREAUTH_TIMEOUT_S = 10.0  # a connection must send HELLO within this
 MAX_PREAUTH_CONNECTIONS = 256  # unauthenticated TCP connections at once; more are refused
 PREAUTH_BUFFER = 4096  # read buffer per connection: frames here are tiny
 ACCEPT_PAUSE_S = 0.5  # out of file descriptors: stop accepting for this long
+ACCEPT_BATCH = 64  # connections accepted per wake-up of a listening socket
 OPEN_WAIT_S = 30.0  # how long a SESSION_OPEN waits for a ready worker
 READY_TIMEOUT_S = 120.0  # how long start-up waits for the first workers
 EXIT_OK, EXIT_CONFIG, EXIT_NO_WORKERS = 0, 2, 3
@@ -176,7 +177,9 @@ class Supervisor:
         for key, _ in self.sel.select(TICK_S):
             tag, data = key.data
             if tag == "listen":
-                self._accept(key.fileobj, data)
+                for _ in range(ACCEPT_BATCH):  # drain a burst, but keep serving others
+                    if not self._accept(key.fileobj, data):
+                        break
             elif tag == "conn":
                 self._serve_conn(data)
             elif tag == "worker":
@@ -218,32 +221,33 @@ class Supervisor:
             self.stopping = True
 
     # -- client connections -------------------------------------------------------------
-    def _accept(self, lsock: socket.socket, via_unix: bool) -> None:
+    def _accept(self, lsock: socket.socket, via_unix: bool) -> bool:
+        """Accept one connection; False when there is none (or accepting is paused)."""
         try:
             sock, addr = lsock.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:  # EMFILE and friends: pause accepting, keep serving
             log.error("cannot accept connections (%s); pausing %.1fs", exc, ACCEPT_PAUSE_S)
             if not self.accept_paused_until:
                 for listener, _ in self.listeners:
                     self.sel.unregister(listener)
             self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
-            return
+            return False
         if (
             not via_unix
             and sum(not (c.authenticated or c.via_unix) for c in self.conns.values())
             >= MAX_PREAUTH_CONNECTIONS
         ):
             sock.close()  # a network flood gets nothing; local (uid-checked) peers still do
-            return
+            return True
         sock.setblocking(False)
         if via_unix:
             pid, uid, _gid = listeners.peer_credentials(sock)
             peer = f"unix:pid={pid},uid={uid}"
             if not listeners.unix_peer_allowed(uid):
                 self._reject(sock, AuthFailed(f"uid {uid} may not use this appliance"))
-                return
+                return True
         else:
             listeners.set_nodelay(sock)
             peer = f"tcp:{addr[0]}:{addr[1]}"
@@ -252,6 +256,7 @@ class Supervisor:
         conn = ClientConn(sock, reader, peer, via_unix)
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
+        return True
 
     def _reject(self, sock: socket.socket, exc: DjinnError) -> None:
         with contextlib.suppress(OSError):
