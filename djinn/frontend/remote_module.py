@@ -89,8 +89,20 @@ def _config_json(module: torch.nn.Module) -> str:
     return json.dumps(module.config.to_dict(), sort_keys=True, default=str)
 
 
+def _same_bytes_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
 def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Put every tensor (bulk through the arena), with a progress line for big models."""
+    """Put every tensor (bulk through the arena), with a progress line for big models.
+    Tied weights (one tensor under two names) travel once; both names get its handle."""
+    unique: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        first = unique.setdefault(_same_bytes_key(t), name)
+        if first != name:
+            aliases[name] = first
+    state = {n: t for n, t in state.items() if n not in aliases}
     total = sum(t.numel() * t.element_size() for t in state.values())
     show = total >= PROGRESS_MIN and sys.stderr.isatty()
     handles: dict[str, str] = {}
@@ -125,6 +137,8 @@ def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
         flush()
     if show:
         print(file=sys.stderr)
+    for name, first in aliases.items():
+        handles[name] = handles[first]
     return handles
 
 

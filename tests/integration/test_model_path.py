@@ -310,3 +310,30 @@ def test_kv_caches_are_charged_to_the_session_and_freed_with_it(appliance):
     gc.collect()
     model(torch.tensor([[1]]))  # carries the frees
     wait_for(lambda: mine()["objects"] <= base[0] and mine()["bytes"] < first)
+
+
+def test_tied_weights_travel_once(monkeypatch):
+    from djinn.frontend.session import default_session
+
+    model = _gpt2(seed=17)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())  # deduplicated
+    unique += sum(b.numel() * b.element_size() for b in model.buffers())
+    session = default_session()
+    uploaded: list[int] = []
+    real_put_many = session.put_many
+
+    def counting_put_many(tensors):
+        tensors = list(tensors)
+        uploaded.append(sum(t.numel() * t.element_size() for t in tensors))
+        return real_put_many(tensors)
+
+    monkeypatch.setattr(session, "put_many", counting_put_many)
+    remote = model.to(R)
+    monkeypatch.undo()
+    assert remote._djinn.info["uploaded"] is True
+    assert sum(uploaded) == unique  # the tied head did not travel a second time
+    out = remote(torch.tensor([[1, 2, 3]]))
+    with torch.no_grad():
+        want = _gpt2(seed=17)(torch.tensor([[1, 2, 3]])).logits
+    assert (out.logits.cpu() - want).abs().max().item() <= 1e-5
