@@ -17,7 +17,7 @@ from djinn.errors import (
     ResourceExhausted,
 )
 from djinn.protocol.frames import Frame, Kind
-from djinn.protocol.tensors import from_wire, to_wire, validate
+from djinn.protocol.tensors import describe, from_wire, to_wire, validate
 
 from .executor.graph import GraphRun
 from .model_handlers import handle_call, handle_load, handle_register
@@ -137,8 +137,7 @@ def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         for value in keep:
             if not isinstance(value, torch.Tensor):
                 raise InvalidArgument("only tensors can be kept as handles")
-            desc, _ = _meta(value)
-            kept.append({"handle": w.store.keep(s, value), **desc})
+            kept.append({"handle": w.store.keep(s, value), **describe(value)})
     except BaseException:
         for item in kept:
             w.store.drop(s, item["handle"])
@@ -147,12 +146,6 @@ def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     values = [None if isinstance(v, torch.Tensor) else _json_value(v) for v in fetch]
     body.update(kept=kept, values=values)
     return body, segments
-
-
-def _meta(t: torch.Tensor) -> tuple[dict[str, Any], None]:
-    from djinn.protocol.tensors import dtype_name
-
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride())}, None
 
 
 def _json_value(v: Any) -> Any:

@@ -21,6 +21,7 @@ from djinn.errors import (
     UnsupportedOp,
 )
 from djinn.protocol.frames import Frame
+from djinn.protocol.tensors import describe
 
 from .sessions import WorkerSession
 
@@ -28,12 +29,6 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 Reply = tuple[dict[str, Any], list[Any]]
-
-
-def _meta(t: torch.Tensor) -> dict[str, Any]:
-    from djinn.protocol.tensors import dtype_name
-
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride())}
 
 
 def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
@@ -52,7 +47,7 @@ def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     try:
         for name, t in tensors.items():
             kept.append(w.store.keep(s, t))
-            out.append({"name": name, "handle": kept[-1], **_meta(t)})
+            out.append({"name": name, "handle": kept[-1], **describe(t)})
     except BaseException:
         for h in kept:
             w.store.drop(s, h)

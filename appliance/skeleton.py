@@ -17,7 +17,7 @@ import torch
 
 from djinn.errors import InvalidArgument, NotFound, ResourceExhausted
 from djinn.protocol.graph import MAX_DEPTH
-from djinn.protocol.tensors import dtype_name
+from djinn.protocol.tensors import describe
 
 from .executor.graph import decode_constant, inline_tensor
 
@@ -80,12 +80,7 @@ def encode_output(
             x = x.clone()
         handle = store.keep(s, x)
         kept.append(handle)
-        return {
-            "$h": handle,
-            "dtype": dtype_name(x.dtype),
-            "shape": list(x.shape),
-            "strides": list(x.stride()),
-        }
+        return {"$h": handle, **describe(x)}
     if isinstance(x, SCALARS):
         return x
     rec = lambda v: encode_output(v, s, store, kept, allowlist, weights, depth + 1)  # noqa: E731

@@ -9,6 +9,7 @@ from typing import Any
 
 from djinn.protocol.frames import VERSION
 
+from .vmu.device import SEGMENTS
 from .workers import WorkerHandle
 
 STATS_SCHEMA = 1
@@ -30,9 +31,7 @@ def build(
         share = st.get("arena", {})
         used += share.get("used", 0)
         peak += share.get("peak", 0)
-        vmu = st.get("vmu") or {
-            seg: {"capacity": 0, "used": 0, "peak": 0} for seg in ("text", "data", "stack")
-        }
+        vmu = st.get("vmu") or {seg: {"capacity": 0, "used": 0, "peak": 0} for seg in SEGMENTS}
         devices.append({"worker": w.id, "device": w.device_name or w.device, **vmu})
     return {
         "schema": STATS_SCHEMA,

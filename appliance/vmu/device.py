@@ -48,11 +48,8 @@ class DeviceVMU:
         text = int(capacity * text_fraction)
         data = int(capacity * data_fraction)
         self.capacity = capacity
-        self.segments = {
-            "text": Segment("text", text),
-            "data": Segment("data", data),
-            "stack": Segment("stack", capacity - text - data),
-        }
+        sizes = dict(zip(SEGMENTS, (text, data, capacity - text - data), strict=True))
+        self.segments = {name: Segment(name, size) for name, size in sizes.items()}
 
     def __getitem__(self, name: str) -> Segment:
         return self.segments[name]

@@ -119,25 +119,19 @@ def spec_of(t: torch.Tensor) -> TensorSpec:
     return TensorSpec(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), None)
 
 
-def is_lazy(x: Any) -> bool:
-    return isinstance(x, LazyTensor)
-
-
 # -- capture -------------------------------------------------------------------------------
 class _Args:
     """One pass over an op's arguments: refs for the node, a cache key, meta inputs."""
 
-    __slots__ = ("flat", "key", "lazies", "trace")
+    __slots__ = ("flat", "key", "trace")
 
     def __init__(self, trace: trace_mod.Trace) -> None:
         self.trace = trace
         self.flat: list[Any] = []  # tensor inputs in traversal order (original objects)
         self.key: list[Any] | None = []
-        self.lazies = False
 
     def ref(self, x: Any) -> Any:
         if isinstance(x, LazyTensor):
-            self.lazies = True
             self.flat.append(x)
             if self.key is not None:
                 self.key.append(
@@ -204,17 +198,6 @@ def _snapshot(t: torch.Tensor) -> Any:
     from .session import default_session
 
     return default_session().put(t)
-
-
-def _meta_of(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        s = spec_of(x)
-        return meta_mod.meta_tensor(s.dtype, s.shape, s.stride, s.offset)
-    if isinstance(x, torch.device):
-        return META if x.type in (DEVICE_TYPE, "cpu") else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_meta_of(v) for v in x) if type(x) in (list, tuple) else x
-    return x
 
 
 def _size_query(func: Any, args: tuple, kwargs: dict) -> Any:

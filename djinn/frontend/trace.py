@@ -10,7 +10,6 @@ dropped after its last use, and only the values being read come back.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import DjinnError, UnsupportedOp
+from djinn.protocol.graph import encode_float
 from djinn.protocol.tensors import dtype_name, to_wire
 from djinn.runtime.remote import RemoteTensor
 
@@ -39,7 +39,6 @@ class Node:
         "multi",
         "nout",
         "op",
-        "phase",
         "results",
         "rng",
         "specs",
@@ -61,7 +60,6 @@ class Node:
         self.rng: torch.Tensor | None = None
         self.module = ""
         self.specs: Any = None
-        self.phase = ""
 
     @property
     def name(self) -> str:
@@ -156,9 +154,7 @@ class _Encoder:
         if x is None or isinstance(x, (bool, int, str)):
             return x
         if isinstance(x, float):
-            if math.isfinite(x):
-                return x
-            return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+            return encode_float(x)
         if isinstance(x, (list, tuple)):
             return [self.value(v) for v in x]
         if isinstance(x, torch.Tensor):

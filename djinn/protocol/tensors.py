@@ -47,6 +47,11 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InvalidArgument(f"dtype {dtype} cannot be sent to the appliance") from None
 
 
+def describe(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's metadata as the wire shows it (for handles: no bytes attached)."""
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride())}
+
+
 def parse_dtype(name: Any) -> torch.dtype:
     dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
