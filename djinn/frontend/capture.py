@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import factories
+from . import factories, hooks
 from .device import DEVICE_TYPE, register
 from .trace import AUTOGRAD_RECORDERS, Node, current
 
@@ -88,6 +88,9 @@ class capture:
         self.records.append(record(node, self._ids))
 
     def __enter__(self) -> capture:
+        # Module paths come from global forward hooks, installed only once someone records
+        # a graph: ordinary use of PyTorch in the process never pays for them.
+        hooks.install()
         current().recorders.append(self)
         AUTOGRAD_RECORDERS.append(self)
         self._mode.__enter__()

@@ -36,10 +36,9 @@ def register() -> None:
                 "another PrivateUse1 backend is registered "
                 f"({torch._C._get_privateuse1_backend_name()}); Djinn cannot share it"
             )
-        from . import factories, hooks
+        from . import factories
 
         factories.install()
-        hooks.install()
         _registered = True
 
 
