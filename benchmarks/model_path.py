@@ -17,9 +17,9 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import save_json
 
 
 def main() -> int:
@@ -135,10 +135,7 @@ def main() -> int:
         f"params): {register_s:.2f}s; target remote/local <= 1.10; decode bytes constant: "
         f"{result['targets']['decode_bytes_constant']}\n"
     )
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+    save_json(result, args.json)
     print(json.dumps(result))
     return 0
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from _appliance import appliance, connect, device_of, unwind_on_sigterm
-from _common import TRANSPORTS, MiB, fmt_bytes, note
+from _common import TRANSPORTS, MiB, fmt_bytes, note, save_json
 from _measure import bulk_size, cpu_seconds, latency, ratio, tiny_djinn
 from _peers import peer_argv, peer_main, peers
 from _report import render, targets
@@ -171,15 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         note("interrupted")
         return 130
     print(render(doc))
-    text = json.dumps(doc, indent=2, ensure_ascii=False)
     if args.json == "-":
         print()
-        print(text)
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
     else:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        note(f"wrote {path}")
+        note(f"wrote {save_json(doc, args.json)}")
     return 0
 
 
