@@ -19,9 +19,9 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import save_json
 
 
 def main() -> int:
@@ -41,7 +41,10 @@ def main() -> int:
     torch.manual_seed(0)
     local = transformers.GPT2LMHeadModel(cfg).eval()
     t0 = time.perf_counter()
-    remote = copy.deepcopy(local).to("remote_accelerator:0")
+    # moved in training mode so it stays on the graph path (an eval-mode transformers model
+    # would register on the model path, where nothing is captured op by op), then eval
+    remote = copy.deepcopy(local).train().to("remote_accelerator:0").eval()
+    assert getattr(remote, "_djinn", None) is None, "expected the graph path"
     ids = torch.randint(0, cfg.vocab_size, (1, args.tokens))
     rids = ids.to("remote_accelerator:0")
     with torch.no_grad():
@@ -107,10 +110,7 @@ def main() -> int:
     print(f"| remote / local | {result['remote_over_local']} |")
     print(f"| max abs diff vs local | {diff:.2e} |")
     print(f"| weights upload + first forward (s) | {result['weights_upload_s']} |\n")
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+    save_json(result, args.json)
     print(json.dumps(result))
     return 0
 
