@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -340,8 +341,6 @@ class Supervisor:
         if not ready or conn.waiting_open is None:
             return False
         w = min(ready, key=lambda w: (w.session_count(), w.id))
-        import secrets
-
         msg = {
             "op": "adopt",
             "session": secrets.token_hex(8),

@@ -23,7 +23,13 @@ import sys
 import time
 from typing import Any
 
-from djinn.errors import DjinnError, InternalError, ProtocolError, SessionExpired
+from djinn.errors import (
+    DjinnError,
+    FrameTooLarge,
+    InternalError,
+    ProtocolError,
+    SessionExpired,
+)
 from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink, send_buffers
@@ -188,8 +194,6 @@ class Worker:
             return targets
         private = sum(lengths)
         if private > MAX_INLINE_FRAME:
-            from djinn.errors import FrameTooLarge
-
             raise FrameTooLarge(f"{private} inline payload bytes; send bulk tensors with PUT")
         return default_sink(header, body, lengths)
 
