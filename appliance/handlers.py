@@ -78,7 +78,7 @@ def _stage(w: Worker, s: WorkerSession, frame: Frame, item: Any) -> tuple[torch.
         torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
     )
     t = from_wire(desc, raw)
-    return t, w.frame_slabs.pop(k, None)  # TCP bulk bytes were received into a slab
+    return t, s.frame_slabs.pop(k, None)  # TCP bulk bytes were received into a slab
 
 
 def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:

@@ -48,6 +48,8 @@ class WorkerSession:
     storages: dict[int, StorageRef] = field(default_factory=dict)
     leases: dict[int, int] = field(default_factory=dict)  # slab offset -> bytes leased
     pending_release: list[int] = field(default_factory=list)
+    # receive slabs of the frame being read, by segment: Note [receive slabs] (worker.py)
+    frame_slabs: dict[int, int] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)  # remote objects (KV caches...)
     object_ids: dict[int, str] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)  # fingerprints this session registered

@@ -70,7 +70,6 @@ class Worker:
         self.sessions: dict[int, WorkerSession] = {}
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
-        self.frame_slabs: dict[int, int] = {}
         self.requests = RequestStats()
         self.stopping = False
         self.busy_until = 0.0  # Note [busy worker]
@@ -155,6 +154,7 @@ class Worker:
 
     def end_session(self, s: WorkerSession, state: str) -> None:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
+        self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
         if s.state == OPEN:
             for fp in s.models:
                 self.models.detach(fp, s.id)
@@ -180,14 +180,20 @@ class Worker:
 
     # -- requests ------------------------------------------------------------------------
     def sink(self, s: WorkerSession, header: Header, body: dict, lengths: list[int]) -> list:
-        """Where a frame's payload goes: bulk PUT segments straight into arena slabs."""
-        self.free_frame_slabs()
+        """Where a frame's payload goes: bulk PUT segments straight into arena slabs.
+
+        Note [receive slabs]: a payload arrives over many reads, and between them the
+        loop serves every other session. The slabs it is received into therefore belong
+        to *this* session (``s.frame_slabs``) and only this session's own dispatch, or its
+        end, frees them: no other session's frame may touch them.
+        """
+        self.free_frame_slabs(s)  # left over from a frame that never reached dispatch
         if header.kind == Kind.PUT and s.state == OPEN:
             targets = []
             for k, n in enumerate(lengths):
                 if n > self.inline_max:
                     off = self.store.slabs.alloc(n)
-                    self.frame_slabs[k] = off
+                    s.frame_slabs[k] = off
                     targets.append(self.store.arena.slab(off, n))
                 else:
                     targets.append(memoryview(bytearray(n)))
@@ -197,10 +203,11 @@ class Worker:
             raise FrameTooLarge(f"{private} inline payload bytes; send bulk tensors with PUT")
         return default_sink(header, body, lengths)
 
-    def free_frame_slabs(self) -> None:
-        for off in self.frame_slabs.values():
+    def free_frame_slabs(self, s: WorkerSession) -> None:
+        """Give back the receive slabs of ``s``'s current frame that no handle adopted."""
+        for off in s.frame_slabs.values():
             self.store.slabs.free(off)
-        self.frame_slabs.clear()
+        s.frame_slabs.clear()
 
     def serve(self, s: WorkerSession) -> None:
         s.touch()  # bytes arriving prove the client alive, even mid-way through a long upload
@@ -209,11 +216,9 @@ class Worker:
                 frame = s.reader.poll()
             except PeerClosed:
                 log.info("session %s: peer disconnected", s.id)
-                self.free_frame_slabs()
                 self.end_session(s, CLOSED)
                 return
             except ProtocolError as exc:
-                self.free_frame_slabs()
                 self.send_error(s, 0, exc)
                 self.end_session(s, CLOSED)
                 return
@@ -261,7 +266,7 @@ class Worker:
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
-            self.free_frame_slabs()
+            self.free_frame_slabs(s)
             elapsed = time.perf_counter() - started
             self.requests.record(frame.kind.name, outcome, elapsed)
             s.touch()  # the client could not heartbeat while we worked: count from now
