@@ -237,7 +237,8 @@ def inline_tensor(x: dict[str, Any], segments: list[memoryview], device: torch.d
     raw = (
         torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
     )
-    return from_wire(x.get("desc"), raw).to(device)
+    t = from_wire(x.get("desc"), raw)
+    return t if x.get("host") is True else t.to(device)
 
 
 def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:

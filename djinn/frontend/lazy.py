@@ -251,11 +251,19 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         if a.key is not None:
             a.key.append(k)  # keyword names are part of the signature
         ref_kwargs[k] = a.ref(v)
+    host = _host_args(func)
+    if host:
+        for i in host:
+            if i < len(args) and _is_host_tensor(args[i]) and _is_host_tensor(ref_args[i]):
+                ref_args[i] = trace_mod.HostTensor(ref_args[i])
     key = (func, tuple(a.key)) if a.key is not None else None
     flat = a.flat
 
     def build():
-        metas = [meta_mod.meta_tensor(*_spec_tuple(t)) for t in flat]
+        metas = [
+            t if host and _is_host_tensor(t) else meta_mod.meta_tensor(*_spec_tuple(t))
+            for t in flat
+        ]
         it = iter(metas)
 
         def sub(x: Any) -> Any:
@@ -277,7 +285,15 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
     if not tensor_pos:
-        return spec  # a metadata-only answer (is_same_size, sizes...)
+        if not _mutates(func):
+            return spec  # a metadata-only answer (is_same_size, sizes...)
+        # Note [effects without outputs]: `_foreach_add_(list, 1.0)` returns nothing and
+        # mutates its inputs. It is recorded like any op (program order keeps every later
+        # read correct); dropping it would be a silent wrong number.
+        node = Node(func, ref_args, ref_kwargs, trace, 0)
+        node.module = hooks.module_path()
+        trace.add(node)
+        return spec
     node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
@@ -293,6 +309,43 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(spec, TensorSpec):
         return outs[0]
     return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)
+
+
+_HOST_ARGS: dict[Any, tuple[int, ...]] = {}
+
+
+def _host_args(func: Any) -> tuple[int, ...]:
+    """Positions of arguments the kernel wants as CPU tensors whatever the device (the
+    per-list ``scalars`` of the ``_foreach_*.Tensor`` overloads, as on CUDA)."""
+    known = _HOST_ARGS.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = tuple(
+            i
+            for i, a in enumerate(schema.arguments if schema is not None else ())
+            if a.name == "scalars" and str(a.type) == "Tensor"
+        )
+        _HOST_ARGS[func] = known
+    return known
+
+
+def _is_host_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor) and x.device.type == "cpu"
+
+
+_MUTATES: dict[Any, bool] = {}
+
+
+def _mutates(func: Any) -> bool:
+    """Whether ``func`` writes to an argument (its schema marks it ``Tensor(a!)``)."""
+    known = _MUTATES.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = schema is not None and any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        )
+        _MUTATES[func] = known
+    return known
 
 
 def _spec_tuple(t: torch.Tensor) -> tuple:

@@ -66,6 +66,16 @@ class Node:
         return f"{self.op._schema.name}.{self.op._overloadname}"
 
 
+class HostTensor:
+    """A small CPU tensor an op wants on the host, not on its device (the ``scalars`` of
+    ``_foreach_addcdiv.Tensor``, as on CUDA): sent inline and never moved to the device."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 class Pending:
     """Output ``index`` of a node (index 0 for single-output ops)."""
 
@@ -159,6 +169,8 @@ class _Encoder:
             return [self.value(v) for v in x]
         if isinstance(x, torch.Tensor):
             return self.tensor(x)
+        if isinstance(x, HostTensor):
+            return {**self.tensor(x.tensor), "host": True}
         if isinstance(x, torch.dtype):
             return {"$dtype": dtype_name(x)}
         if isinstance(x, torch.device):

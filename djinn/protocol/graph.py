@@ -12,6 +12,8 @@ of these tagged objects, each with exactly one ``$`` key:
     {"$h": "<handle>"}                 a tensor the session already holds
     {"$v": n} / {"$v": n, "i": k}      output of node n (element k of a tuple output)
     {"$t": seg, "desc": {...}}         a tensor sent inline as payload segment ``seg``
+    {"$t": seg, "desc": {...}, "host": true}   ... kept in host memory, not moved to the
+                                       device (the CPU ``scalars`` of ``_foreach_*.Tensor``)
     {"$dtype": "float32"}   {"$device": "cpu"}   {"$mf": "channels_last"}
     {"$layout": "strided"}  {"$complex": [re, im]}   {"$float": "inf" | "-inf" | "nan"}
 

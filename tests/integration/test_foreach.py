@@ -1,0 +1,160 @@
+"""Issue 15 §1: ops that return nothing still run. Every ``torch._foreach_*`` overload,
+in place or not, gives remotely what it gives locally: its outputs *and* what it wrote
+into its arguments. Dropping a mutation is a silent wrong number, the worst outcome."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+R = "remote_accelerator:0"
+SHAPES = [(2, 2), (3, 3)]  # square: _foreach_mm multiplies the lists pairwise
+
+
+def _schemas() -> list[Any]:
+    return sorted(
+        (s for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::_foreach_")),
+        key=lambda s: (s.name, s.overload_name),
+    )
+
+
+def _op(schema: Any) -> Any:
+    packet = getattr(torch.ops.aten, schema.name.split("::")[1])
+    return getattr(packet, schema.overload_name or "default")
+
+
+def _args(schema: Any, gen: torch.Generator) -> tuple[list[Any], dict[str, Any]] | None:
+    """Arguments built from the schema; values in (0.1, 0.9) suit every unary op's domain."""
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for a in schema.arguments:
+        kind = str(a.type)
+        if kind == "List[Tensor]":
+            value: Any = [torch.rand(s, generator=gen) * 0.8 + 0.1 for s in SHAPES]
+        elif kind == "Tensor":
+            # a CPU tensor of per-list scalars, or a one-element tensor operand
+            value = torch.tensor([0.5, 0.25]) if a.name == "scalars" else torch.tensor(0.5)
+        elif kind == "number":
+            value = 0.5
+        elif kind == "List[number]":
+            value = [0.5, 0.25]
+        elif kind == "bool":
+            value = False
+        elif kind.startswith("Optional["):
+            value = None
+        else:
+            return None
+        if a.kwarg_only:
+            kwargs[a.name] = value
+        else:
+            args.append(value)
+    return args, kwargs
+
+
+def _remote(x: Any, name: str = "") -> Any:
+    if isinstance(x, torch.Tensor):
+        return x if name == "scalars" else x.to(R)
+    if isinstance(x, list):
+        return [_remote(v) for v in x]
+    return x
+
+
+def _local(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return [_local(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _local(v) for k, v in x.items()}
+    return x
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    return x
+
+
+def test_every_foreach_overload_matches_eager_outputs_and_mutations(remote):
+    gen = torch.Generator().manual_seed(0)
+    tried, mutating = [], []
+    for schema in _schemas():
+        built = _args(schema, gen)
+        assert built is not None, f"{schema}: an argument type this test cannot build"
+        args, kwargs = built
+        op = _op(schema)
+        want_args, want_kwargs = _clone(args), _clone(kwargs)
+        try:
+            want = op(*want_args, **want_kwargs)
+        except (RuntimeError, TypeError):
+            continue  # eager refuses these arguments: not a test of Djinn
+        names = [a.name for a in schema.arguments if not a.kwarg_only]
+        rargs = [_remote(v, n) for v, n in zip(args, names, strict=True)]
+        rkwargs = {k: _remote(v, k) for k, v in kwargs.items()}
+        got = op(*rargs, **rkwargs)
+        label = f"{schema.name}.{schema.overload_name}"
+        tried.append(label)
+        torch.testing.assert_close(_local(got), _local(want), msg=label, rtol=1e-5, atol=1e-5)
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            mutating.append(label)
+        # what the op wrote into its arguments must be there too (the defect: it was not)
+        torch.testing.assert_close(_local(rargs), _local(want_args), msg=label)
+        torch.testing.assert_close(_local(rkwargs), _local(want_kwargs), msg=label)
+    assert len(tried) > 150, len(tried)
+    assert len(mutating) > 60, len(mutating)
+
+
+def test_foreach_add_in_place_on_a_remote_list(remote):
+    a = [torch.ones(3, device=R)]
+    torch._foreach_add_(a, 1.0)
+    assert a[0].cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_an_effect_only_op_with_no_live_output_still_runs(remote):
+    """The mutated tensor is read only after other work: the write must not be lost
+    however the trace is cut."""
+    x = torch.zeros(4, device=R)
+    torch._foreach_mul_([x.add_(1.0)], 3.0)
+    y = x * 2
+    assert y.cpu().tolist() == [6.0] * 4
+    assert x.cpu().tolist() == [3.0] * 4
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda p: torch.optim.Adam(p, lr=0.05, foreach=True), id="adam-foreach"),
+        pytest.param(lambda p: torch.optim.Adam(p, lr=0.05, foreach=False), id="adam-loop"),
+        pytest.param(lambda p: torch.optim.Adam(p, lr=0.05, fused=True), id="adam-fused"),
+        pytest.param(lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True), id="adamw-foreach"),
+        pytest.param(lambda p: torch.optim.AdamW(p, lr=0.05, fused=True), id="adamw-fused"),
+        pytest.param(lambda p: torch.optim.AdamW(p, lr=0.05), id="adamw-default"),
+        pytest.param(
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True), id="sgd-foreach"
+        ),
+        pytest.param(lambda p: torch.optim.RMSprop(p, lr=0.01, foreach=True), id="rmsprop"),
+    ],
+)
+def test_optimizers_update_remote_weights_exactly_as_local(remote, make):
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    remote_model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+    )
+    remote_model.load_state_dict(local.state_dict())
+    remote_model.to(R)
+    opt_l, opt_r = make(local.parameters()), make(remote_model.parameters())
+    x = torch.randn(8, 6)
+    for _ in range(4):
+        for model, opt, inp in ((local, opt_l, x), (remote_model, opt_r, x.to(R))):
+            opt.zero_grad()
+            model(inp).pow(2).mean().backward()
+            opt.step()
+    before = torch.nn.Linear(6, 5)  # a weight that never moved: proves the update ran
+    for (name, p_l), p_r in zip(local.named_parameters(), remote_model.parameters(), strict=True):
+        torch.testing.assert_close(p_r.detach().cpu(), p_l.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(local[0].weight.detach(), before.weight.detach())
