@@ -13,15 +13,13 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import factories, hooks
+from . import hooks
 from .device import DEVICE_TYPE, register
 from .trace import AUTOGRAD_RECORDERS, Node, current
 
-# PyTorch's own functions, and the remote-aware wrappers that replace two of them.
-_WRAPPED = {factories._original_tensor: factories.tensor}
 FACTORIES = frozenset(
     {
-        *_WRAPPED,
+        torch.tensor,
         torch.arange,
         torch.empty,
         torch.empty_strided,
@@ -68,8 +66,7 @@ class _RemoteFactories(TorchFunctionMode):
                 return func(*args, **kwargs)
             kwargs = {**kwargs, "device": self.device}
             if func is torch.as_tensor:
-                func = factories._original_tensor
-            func = _WRAPPED.get(func, func)
+                func = torch.tensor
         return func(*args, **kwargs)
 
 

@@ -7,22 +7,26 @@ that reaches the PrivateUse1 dispatch key without a LazyTensor argument lands in
 ``empty_strided`` followed by ``copy_``. Empty allocations become ``Uninit``
 LazyTensors; every other op is captured like any op on LazyTensors.
 
-``torch.tensor(data, device=remote)`` trips an internal assert in that path, so it is
-wrapped: the tensor is built on the CPU, then moved.
+Note [to_copy kernel]: ``torch.tensor(data, device=remote)`` builds the tensor on the CPU
+and moves it with the Python dispatch key excluded; through the fallback that move trips
+an internal assert in PyTorch. A kernel registered for ``aten::_to_copy`` on PrivateUse1
+takes every CPU -> remote move instead (``torch.tensor``, ``Tensor.to``, ``Module.to``),
+so no torch function needs replacing: importing Djinn leaves local PyTorch untouched.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+
+from djinn.errors import UnsupportedOp
 
 from .device import is_remote
 
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
 _library: torch.library.Library | None = None
-_original_tensor = torch.tensor
+_libraries: list[torch.library.Library] = []  # kept alive: dropping one unregisters it
 
 
 def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -37,15 +41,30 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return lazy.dispatch(op, args, kwargs)
 
 
-@functools.wraps(_original_tensor)
-def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    device = kwargs.get("device")
-    if device is not None and is_remote(device):
-        kwargs = {**kwargs, "device": "cpu"}
-        requires_grad = kwargs.pop("requires_grad", False)
-        t = _original_tensor(data, *args, **kwargs).to(device)
-        return t.requires_grad_(requires_grad) if requires_grad else t
-    return _original_tensor(data, *args, **kwargs)
+def to_copy(
+    x: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: Any = None,
+    non_blocking: bool = False,
+    memory_format: Any = None,
+) -> torch.Tensor:
+    """A CPU tensor moved to the remote device (Note [to_copy kernel]): converted locally
+    exactly as ``_to_copy`` would, then uploaded once into an allocation that holds it."""
+    from . import lazy
+
+    if layout not in (None, torch.strided):
+        raise UnsupportedOp(f"{layout} tensors cannot be sent to the appliance yet")
+    same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
+    # as is: the upload copies it anyway (eager semantics: later changes must not leak)
+    local = (
+        x if same else torch.ops.aten._to_copy.default(x, dtype=dtype, memory_format=memory_format)
+    )
+    spec = lazy.spec_of(local)
+    dst = lazy.LazyTensor(spec, lazy.Uninit(spec))
+    return lazy.copy_into(dst, local)
 
 
 _original_module_to = torch.nn.Module.to
@@ -54,7 +73,12 @@ _original_module_to = torch.nn.Module.to
 def module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`model.to(remote)`: inference-mode transformers models register on the model path
     (one upload, shared weights, KV caches kept remotely); other modules move their
-    parameters as LazyTensors (the graph path)."""
+    parameters as LazyTensors (the graph path).
+
+    Note [module to]: the one PyTorch method Djinn still replaces. PyTorch offers no hook
+    that sees a whole module being moved (each parameter reaches the dispatcher alone), and
+    the model path must see the module. Any move that is not to the remote device goes to
+    PyTorch's own ``Module.to`` unchanged (tests/unit/test_import_side_effects.py)."""
     from . import devicemap, remote_module
 
     device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -73,5 +97,7 @@ def install() -> None:
     if _library is None:
         _library = torch.library.Library("_", "IMPL")
         _library.fallback(fallback, "PrivateUse1")
-        torch.tensor = tensor
+        _aten_library = torch.library.Library("aten", "IMPL")
+        _aten_library.impl("_to_copy", to_copy, "PrivateUse1")
+        _libraries.append(_aten_library)
         torch.nn.Module.to = module_to

@@ -18,7 +18,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import factories, hooks
+from . import hooks
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -109,9 +109,9 @@ class LazyTensor(torch.Tensor):
 
 def _local_index(index: Any) -> Any:
     if isinstance(index, list):
-        return factories._original_tensor(index)
+        return torch.tensor(index)
     if isinstance(index, tuple):
-        return tuple(factories._original_tensor(i) if isinstance(i, list) else i for i in index)
+        return tuple(torch.tensor(i) if isinstance(i, list) else i for i in index)
     return index
 
 
@@ -458,6 +458,12 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
     if not isinstance(dst, LazyTensor):
         dst.copy_(fetch(src) if isinstance(src, LazyTensor) else src, **kwargs)
         return dst
+    return copy_into(dst, src, kwargs)
+
+
+def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTensor:
+    """``dst.copy_(src)``; a fresh allocation taking a CPU tensor whole is just an upload."""
+    kwargs = kwargs or {}
     if (
         isinstance(dst._ref, Uninit)
         and not isinstance(src, LazyTensor)
@@ -475,7 +481,7 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
             current().add(node)
             bind(dst, Pending(node, 0))
             return dst
-    return capture(func, args, kwargs)
+    return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)
 
 
 SPECIAL = {
