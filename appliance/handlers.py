@@ -37,7 +37,8 @@ def _list(body: dict[str, Any], key: str, limit: int = 1 << 16) -> list[Any]:
 
 
 def handle_heartbeat(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
-    return {}, []
+    # the session's bytes as of now: what torch.cuda.memory_allocated() reports for it
+    return {"bytes": s.data_bytes}, []
 
 
 def handle_alloc(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
