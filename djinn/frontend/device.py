@@ -4,8 +4,9 @@ Note [python backend]: ``rename_privateuse1_backend`` alone makes the device str
 but a tensor subclass on that device *aborts the process* (a C++ error, no exception) as
 soon as autograd touches a leaf that requires grad, because PyTorch has no device guard
 for it. ``_setup_privateuseone_for_python_backend`` (experimental, private) also
-registers a Python device guard, hooks and a device module, after which LazyTensors work
-through forward and ``backward()``. The API may move between PyTorch releases, so it is
+registers a Python device guard, hooks and a device module (``device_module.py``, what
+``torch.remote_accelerator`` is), after which LazyTensors work through forward and
+``backward()``. The API may move between PyTorch releases, so it is
 called only here and ``tests/unit/test_device_backend.py`` pins the behaviour we rely on.
 """
 
@@ -30,7 +31,11 @@ def register() -> None:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if torch._C._get_privateuse1_backend_name() == "privateuseone":
-            _setup_privateuseone_for_python_backend(rename=DEVICE_TYPE)
+            from . import device_module
+
+            _setup_privateuseone_for_python_backend(
+                rename=DEVICE_TYPE, backend_module=device_module
+            )
         elif torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:
             raise RuntimeError(
                 "another PrivateUse1 backend is registered "

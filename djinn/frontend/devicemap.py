@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import device_module
 from .device import DEVICE_TYPE, register
 
 
@@ -31,6 +32,9 @@ def _target(dev: Any, source: str, index_base: int) -> Any:
     return dev
 
 
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]  # the getter arrives as its bound __get__
+
+
 class DeviceMap(TorchFunctionMode):
     def __init__(self, source: str = "cuda") -> None:
         super().__init__()
@@ -38,6 +42,14 @@ class DeviceMap(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _IS_CUDA and self.source == "cuda":
+            return args[0].device.type in (DEVICE_TYPE, "cuda")
+        if torch.is_autocast_enabled(self.source) and not torch.is_autocast_enabled(DEVICE_TYPE):
+            # Note [mapped autocast]: `torch.autocast("cuda")` only turns on CUDA's autocast
+            # key; the script's tensors live on the remote device, so the same autocast is
+            # applied there, call by call, with the script's dtype.
+            with torch.autocast(DEVICE_TYPE, dtype=torch.get_autocast_dtype(self.source)):
+                return self.__torch_function__(func, types, args, kwargs)
         if func is torch.device:  # torch.device("cuda", 0) *is* the appliance's device
             return _target(func(*args, **kwargs), self.source, 0)
         if func is torch.Tensor.cuda:
@@ -56,6 +68,22 @@ class DeviceMap(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# What a CUDA script asks torch.cuda about its device, answered for the appliance.
+_CUDA_QUERIES = (
+    "is_available",
+    "device_count",
+    "current_device",
+    "synchronize",
+    "get_device_name",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "mem_get_info",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "is_bf16_supported",
+)
 _saved: dict[str, Any] = {}
 _active: list[str] = []
 
@@ -69,19 +97,10 @@ def install(source: str = "cuda") -> DeviceMap:
     """Enter the mapping for the calling thread and patch torch.cuda's queries."""
     register()
     if source == "cuda" and not _saved:
-        _saved.update(
-            is_available=torch.cuda.is_available,
-            device_count=torch.cuda.device_count,
-            current_device=torch.cuda.current_device,
-            synchronize=torch.cuda.synchronize,
-            get_device_name=torch.cuda.get_device_name,
-            module_cuda=torch.nn.Module.cuda,
-        )
-        torch.cuda.is_available = lambda: True
-        torch.cuda.device_count = lambda: 1
-        torch.cuda.current_device = lambda: 0
-        torch.cuda.get_device_name = lambda device=None: "Djinn remote_accelerator"
-        torch.cuda.synchronize = lambda device=None: None
+        _saved.update({name: getattr(torch.cuda, name) for name in _CUDA_QUERIES})
+        _saved["module_cuda"] = torch.nn.Module.cuda
+        for name in _CUDA_QUERIES:
+            setattr(torch.cuda, name, getattr(device_module, name))
         torch.nn.Module.cuda = lambda self, device=None: self.to(
             torch.device(DEVICE_TYPE, device if isinstance(device, int) else 0)
         )

@@ -104,6 +104,10 @@ class Session:
             except DjinnError:
                 return  # the next real call reports what happened
 
+    def memory_allocated(self) -> int:
+        """Bytes this session holds on the appliance now (tensors, KV caches)."""
+        return int(self._call(Kind.HEARTBEAT).body.get("bytes", 0))
+
     # -- tensors ---------------------------------------------------------------------------
     def put(self, tensor: torch.Tensor) -> RemoteTensor:
         """Copy ``tensor`` to the appliance; returns its remote handle."""

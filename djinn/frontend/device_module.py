@@ -1,0 +1,175 @@
+"""``torch.remote_accelerator``: the device module PyTorch asks about the remote device.
+
+PyTorch looks a backend's module up (``torch.get_device_module``) whenever it needs more
+than a kernel: ``torch.random.fork_rng`` and activation checkpointing save and restore its
+RNG state, autocast asks which dtypes it supports, ``torch.accelerator`` and
+``GradScaler`` query it. This module answers as a CUDA device would.
+
+Note [remote rng]: random ops on the remote device draw from the *local CPU generator*
+(Note [seeded ops] in ``lazy.py``): the client records its state with each random op and
+the worker restores it, so remote values equal local eager values under one seed. The
+device's RNG state is therefore the CPU generator's state, and seeding it seeds that.
+
+Memory figures are the appliance's accounting of this process's session (its handles
+and remote objects in the VMU's data segment), read from the stats document.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+_local = threading.local()
+_peak = 0
+_peak_lock = threading.Lock()
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _lazy_init() -> None:
+    pass
+
+
+def device_count() -> int:
+    return 1
+
+
+def current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+def set_device(device: Any) -> None:
+    index = device.index if isinstance(device, torch.device) else device
+    if index not in (None, 0):
+        raise ValueError(f"remote_accelerator:{index} does not exist (one device)")
+    _local.device = 0
+
+
+def get_device_name(device: Any = None) -> str:
+    return "Djinn remote_accelerator"
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    return (0, 0)
+
+
+def synchronize(device: Any = None) -> None:
+    """Run everything this thread captured so far (the remote twin of a stream sync)."""
+    from .trace import current, flush
+
+    flush(current())
+
+
+# -- RNG: Note [remote rng] -----------------------------------------------------------------
+def get_rng_state(device: Any = None) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state()]
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
+    torch.set_rng_state(new_state)
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    set_rng_state(new_states[0])
+
+
+def manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    manual_seed(seed)
+
+
+def seed() -> None:
+    torch.default_generator.seed()
+
+
+def seed_all() -> None:
+    seed()
+
+
+def initial_seed() -> int:
+    return torch.default_generator.initial_seed()
+
+
+# -- autocast --------------------------------------------------------------------------------
+def _is_in_bad_fork() -> bool:
+    return False  # no device state survives a fork: a child opens its own session
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+# -- memory: the appliance's figures ---------------------------------------------------------
+def _session_bytes() -> int:
+    global _peak
+    from .session import default_session
+
+    used = default_session().memory_allocated()
+    with _peak_lock:
+        _peak = max(_peak, used)
+    return used
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes this process's session holds on the appliance (tensors and KV caches)."""
+    from .trace import current, flush
+
+    flush(current())  # pending work allocates: count it as eager PyTorch would have
+    return _session_bytes()
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    memory_allocated(device)
+    return _peak
+
+
+def memory_reserved(device: Any = None) -> int:
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    return max_memory_allocated(device)
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    global _peak
+    with _peak_lock:
+        _peak = 0
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of the worker's device memory, as the appliance accounts it."""
+    from .session import default_session
+
+    session = default_session()
+    stats = session.client.stats()
+    devices = stats.get("vmu", {}).get("devices", [])
+    dev = next((d for d in devices if d.get("worker") == session.worker), None)
+    if dev is None:
+        return 0, 0
+    segments = [v for v in dev.values() if isinstance(v, dict) and "capacity" in v]
+    total = sum(s["capacity"] for s in segments)
+    return total - sum(s["used"] for s in segments), total
+
+
+def empty_cache() -> None:
+    pass
