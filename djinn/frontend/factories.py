@@ -99,9 +99,10 @@ def install() -> None:
         _library.fallback(fallback, "PrivateUse1")
         _aten_library = torch.library.Library("aten", "IMPL")
         _aten_library.impl("_to_copy", to_copy, "PrivateUse1")
-        from . import autocast, pinned
+        from . import autocast, pinned, serialization
 
         _libraries.extend(autocast.install())
         _libraries.extend(pinned.install())
+        serialization.install()
         _libraries.append(_aten_library)
         torch.nn.Module.to = module_to

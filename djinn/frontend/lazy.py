@@ -68,7 +68,17 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+        try:
+            return dispatch(func, args, kwargs or {})
+        except Exception as exc:
+            if torch._C._current_graph_task_id() == -1:
+                raise
+            # Note [errors in backward]: an exception leaving __torch_dispatch__ on the
+            # autograd engine's thread for this backend aborts the process ("terminate
+            # called without an active exception"). Inside backward() the op's outputs
+            # hold the error instead (Note [failed values]): backward() finishes, and
+            # the first read of a gradient raises it as a Python exception.
+            return _failed_outputs(func, args, kwargs or {}, exc)
 
     # -- reading values: these materialise -------------------------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -104,7 +114,9 @@ class LazyTensor(torch.Tensor):
         super().__setitem__(_local_index(index), value)
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise UnsupportedOp("a remote tensor cannot be pickled; call .cpu() first")
+        from .serialization import reduce
+
+        return reduce(self)
 
 
 def _local_index(index: Any) -> Any:
@@ -172,6 +184,8 @@ class _Args:
 
 def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     ref = x._ref
+    if isinstance(ref, trace_mod.Failed):
+        raise ref.error
     if isinstance(ref, Uninit):
         node = Node(
             torch.ops.aten.empty_strided.default,
@@ -346,6 +360,34 @@ def _mutates(func: Any) -> bool:
         )
         _MUTATES[func] = known
     return known
+
+
+def _failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any:
+    error = exc if getattr(exc, "_djinn_failed_value", False) else None
+    if error is None:
+        error = trace_mod.failed_error(f"{func._schema.name}.{func._overloadname}", exc)
+        error._djinn_failed_value = True  # type: ignore[attr-defined]
+    failed = trace_mod.Failed(error)
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return meta_mod.meta_tensor(*_spec_tuple(x))
+        if isinstance(x, torch.device):
+            return META
+        if type(x) in (list, tuple):
+            return type(x)(meta(v) for v in x)
+        return x
+
+    out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in kwargs.items()})
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return LazyTensor(spec_of(x), failed)
+        if type(x) in (list, tuple):
+            return type(x)(wrap(v) for v in x)
+        return x
+
+    return wrap(out)
 
 
 def _spec_tuple(t: torch.Tensor) -> tuple:
