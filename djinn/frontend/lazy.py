@@ -299,11 +299,12 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
     if not tensor_pos:
-        if not _mutates(func):
+        if not _mutates(func) and func._schema.returns:
             return spec  # a metadata-only answer (is_same_size, sizes...)
         # Note [effects without outputs]: `_foreach_add_(list, 1.0)` returns nothing and
-        # mutates its inputs. It is recorded like any op (program order keeps every later
-        # read correct); dropping it would be a silent wrong number.
+        # mutates its inputs; `_linalg_check_errors(info)` returns nothing and raises if
+        # `linalg.inv` met a singular matrix. Both are recorded like any op (program order
+        # keeps every later read correct); dropping one is a silent wrong number.
         node = Node(func, ref_args, ref_kwargs, trace, 0)
         node.module = hooks.module_path()
         trace.add(node)
@@ -419,7 +420,10 @@ def _advance_local_generator(func: Any, args: tuple, kwargs: dict) -> torch.Tens
 
     def scratch(x: Any) -> Any:
         if isinstance(x, LazyTensor):
-            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
+            # values every random op accepts (a probability, a mean, a rate), never
+            # uninitialised memory: bernoulli refuses p outside [0, 1]
+            t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
+            return t.fill_(0.5 if t.is_floating_point() or t.is_complex() else 1)
         if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
             return torch.device("cpu")
         if type(x) in (list, tuple):

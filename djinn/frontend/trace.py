@@ -199,12 +199,18 @@ class _Encoder:
         raise TypeError(ref)
 
     def tensor(self, t: torch.Tensor) -> dict[str, Any]:
+        desc, _ = to_wire(t)  # refuses what cannot be sent before anything is recorded
         k = self._inline_ids.get(id(t))
         if k is None:
             k = self._inline_ids[id(t)] = len(self.inline)
             self.inline.append(t)
-        desc, _ = to_wire(t)
         return {"$t": k, "desc": desc}
+
+    def rollback(self, mark: int) -> None:
+        """Forget the inline tensors added since ``len(self.inline)`` was ``mark``."""
+        for t in self.inline[mark:]:
+            self._inline_ids.pop(id(t), None)
+        del self.inline[mark:]
 
     def value(self, x: Any) -> Any:
         if isinstance(x, (Pending, RemoteTensor)):
@@ -262,9 +268,11 @@ def flush(
         encoded: list[dict[str, Any]] = []
         sent: list[Node] = []
         for n in nodes:
+            mark = len(enc.inline)
             try:
                 item = enc.node(n)
             except DjinnError as exc:
+                enc.rollback(mark)  # the failed node's inline tensors are not sent
                 _fail(n, exc if _is_dependency_error(exc, n) else failed_error(n.name, exc))
                 continue
             enc.index[id(n)] = len(encoded)
