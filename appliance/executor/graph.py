@@ -4,6 +4,13 @@ Only ops found in ``torch.ops.aten`` / ``torch.ops.prims`` run; names are checke
 a strict pattern before any attribute lookup, and constants are decoded from tagged JSON.
 Intermediates are dropped right after their last use so a long graph's stack stays as
 small as eager execution's.
+
+Note [op validation]: a node's op must be on the allowlist (``oppolicy``); its arguments
+must match the op's schema (``opargs``) and pass the op's own extra checks where its
+kernel trusts more than its meta kernel checks (``opchecks``); and where the op has a
+meta kernel it runs on meta replicas first (``metacheck``), which checks the arguments'
+consistency and says how many bytes the op would allocate, compared with what is left of
+the stack segment. Only then does the real kernel run.
 """
 
 from __future__ import annotations
@@ -14,12 +21,12 @@ from typing import Any
 
 import torch
 
-from djinn.errors import ExecutionError, InvalidArgument, UnsupportedOp
+from djinn.errors import ExecutionError, InvalidArgument, ResourceExhausted, UnsupportedOp
 from djinn.protocol.graph import LAYOUTS, MAX_DEPTH, MAX_NODES, MEMORY_FORMATS, parse_op_name
 from djinn.protocol.tensors import from_wire, parse_dtype
 
 from ..vmu.device import Segment
-from . import oppolicy
+from . import metacheck, opargs, opchecks, oppolicy
 
 _OP_CACHE: dict[str, Any] = {}
 
@@ -89,6 +96,7 @@ class GraphRun:
             kwargs = self._decode(node.get("kwargs", {}), i, 0)
             if not isinstance(args, list) or not isinstance(kwargs, dict):
                 raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
+            self._check(op, args, kwargs, i)
             try:
                 out = op(*args, **kwargs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
@@ -99,6 +107,23 @@ class GraphRun:
             for j in last_use.pop(i, ()):
                 self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
         return [self._ref(r, -1) for r in self.keep], [self._ref(r, -1) for r in self.fetch]
+
+    def _check(self, op: Any, args: list[Any], kwargs: dict[str, Any], i: int) -> None:
+        """Before the real kernel: arguments against the schema, then a meta run whose
+        output must fit in what is left of the stack (Note [op validation])."""
+        try:
+            opchecks.check(op, opargs.bind(op, args, kwargs, self.device))
+            need = metacheck.new_bytes(op, args, kwargs)
+        except metacheck.NoMetaKernel:
+            return
+        except (InvalidArgument, ExecutionError) as exc:
+            raise type(exc)(f"node {i}: {exc.message}") from None
+        free = self.stack.capacity - self.stack.used
+        if need > free:
+            raise ResourceExhausted(
+                f"{op._schema.name} (node {i}) would allocate {need} bytes; the stack "
+                f"segment has {free} of {self.stack.capacity} free"
+            )
 
     def _seed(self, k: Any) -> None:
         """Random ops carry the client generator's state so a CPU worker draws exactly the

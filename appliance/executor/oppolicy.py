@@ -1,11 +1,16 @@
 """Which aten/prims ops a client may run: the op graph is hostile input.
 
-Being in ``torch.ops.aten`` is not enough: a few aten ops touch the file system
-(``from_file``), skip bounds checks (``_reshape_alias``, the ``_unsafe_*`` family,
-``_index_put_impl_``) or rebind storage (``set_`` with a Storage). Those are refused by
-name, and so is any op taking a string argument other than the known enum-like ones
-(a string is how a path gets in). After each op, every tensor it returns must lie
-inside its own storage — defence in depth against kernels that do not check.
+An allowlist (``allowed_ops``): being in ``torch.ops.aten`` is not enough. ATen holds ops
+that touch the file system (``from_file``), skip bounds checks (``_reshape_alias``, the
+``_unsafe_*`` family, ``sparse_coo_tensor`` with unchecked indices), rebind storage
+(``set_``), or are TorchScript internals whose kernels crash on arguments their own
+schema admits (``to.prim_dtype(t, None, True, True)`` is a SIGSEGV). A denylist only
+ever names the ones someone already found; the allowlist names the ones the frontend
+sends, and every one of them is fuzzed. The old denylist stays as a second check, so
+a name added to the allowlist by mistake is still refused. Ops taking a string argument
+other than the known enum-like ones are refused too (a string is how a path gets in).
+After each op, every tensor it returns must lie inside its own storage: defence in
+depth against kernels that do not check.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any
 import torch
 
 from djinn.errors import ExecutionError, UnsupportedOp
+
+from .allowed_ops import RECORDED
 
 DENIED = frozenset(
     {
@@ -45,6 +52,7 @@ ALLOWED = frozenset({"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes", 
 SAFE_STRINGS = frozenset(
     {
         "reduce",
+        "api_name",  # _linalg_check_errors: only names the API in its error message
         "rounding_mode",
         "approximate",
         "padding",
@@ -64,7 +72,29 @@ SAFE_STRINGS = frozenset(
         "layout",
     }
 )
+# Families allowed whole, wherever the recorded list names one member: the optimizer
+# step ops of torch.optim (foreach and fused implementations) and GradScaler's.
+FAMILY_PREFIXES = ("_foreach_", "_fused_adam", "_fused_sgd", "_fused_adagrad", "_amp_")
 _checked: dict[Any, None] = {}
+
+
+def allowed(op: Any) -> bool:
+    """Whether ``op`` (an OpOverload) is on the allowlist."""
+    schema = op._schema
+    full = f"{schema.name}.{schema.overload_name or 'default'}"
+    if full in RECORDED:
+        return True
+    name = schema.name.split("::", 1)[-1]
+    if not schema.name.startswith("aten::"):
+        return False
+    if name.startswith(FAMILY_PREFIXES):
+        return True
+    # autograd's kernels for an allowed op: reflection_pad1d -> reflection_pad1d_backward
+    for suffix in ("_backward", "_backward_data"):
+        if name.endswith(suffix):
+            forward = name[: -len(suffix)]
+            return any(r.startswith(f"aten::{forward}.") for r in RECORDED)
+    return False
 
 
 def check(op: Any) -> None:
@@ -73,6 +103,8 @@ def check(op: Any) -> None:
         return
     schema = op._schema
     name = schema.name.split("::", 1)[-1]
+    if not allowed(op):
+        raise UnsupportedOp(f"{schema.name}.{schema.overload_name}: not an op the appliance runs")
     if name in DENIED or (name not in ALLOWED and any(part in name for part in DENIED_PARTS)):
         raise UnsupportedOp(f"{schema.name} is not allowed on the appliance")
     for arg in schema.arguments:
@@ -95,3 +127,23 @@ def check_bounds(value: Any, op_name: str) -> None:
         )
         if t.storage_offset() < 0 or (last + 1) * t.element_size() > t.untyped_storage().nbytes():
             raise ExecutionError(f"{op_name} produced a view outside its storage")
+
+
+def allowed_names() -> list[str]:
+    """Every op overload a client may run, as ``ns::op.overload`` (for the op fuzz and
+    the docs): the recorded list plus the families ``allowed`` computes."""
+    out = []
+    for full in torch._C._dispatch_get_all_op_names():
+        ns, _, rest = full.partition("::")
+        if ns not in ("aten", "prims"):
+            continue
+        name, _, overload = rest.partition(".")
+        op = getattr(getattr(getattr(torch.ops, ns), name, None), overload or "default", None)
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        try:
+            check(op)
+        except UnsupportedOp:
+            continue
+        out.append(f"{ns}::{name}.{overload or 'default'}")
+    return sorted(set(out))

@@ -1,0 +1,85 @@
+"""Running an op on meta tensors before the real kernel: shape checks and output size.
+
+Meta kernels are where PyTorch keeps an op's argument checking (the same ``TORCH_CHECK``s
+the real kernel does, often more, since structured kernels share them), and they cost
+microseconds whatever the sizes. So each node first runs on *replicas* of its tensor
+arguments on the meta device — same sizes, strides, offsets and storage sizes, and two
+arguments viewing one storage view one replica storage, so in-place and overlap checks
+see what the real kernel would. The result tells, before a byte is allocated:
+
+- whether the arguments are consistent (a meta error is the error the client gets);
+- how many bytes of *new* storage the op would create, plus any growth of an input's
+  storage (``out=`` resizing), which must fit in what is left of the stack segment. A
+  3 GiB op on a 2 GiB budget is refused here instead of after the allocator tried.
+
+Ops with no meta kernel (data-dependent output sizes: ``nonzero``, ``unique``, ``item``)
+skip this step and rely on the schema checks alone (``opargs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from djinn.errors import ExecutionError
+
+_META = torch.device("meta")
+
+
+class NoMetaKernel(Exception):
+    """The op cannot run on meta tensors; nothing is known about its output."""
+
+
+def new_bytes(op: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
+    """Bytes of storage ``op(*args, **kwargs)`` would allocate, from a meta run.
+
+    Raises EXECUTION_ERROR when the meta kernel rejects the arguments, NoMetaKernel when
+    there is none."""
+    storages: dict[int, torch.UntypedStorage] = {}  # real storage -> its meta replica
+    before: dict[int, int] = {}
+
+    def replica(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            real = x.untyped_storage()
+            st = storages.get(real._cdata)
+            if st is None:
+                st = storages[real._cdata] = torch.UntypedStorage(real.nbytes(), device=_META)
+            m = torch.empty(0, dtype=x.dtype, device=_META)
+            return m.set_(st, x.storage_offset(), x.size(), x.stride())
+        if isinstance(x, (list, tuple)):
+            return type(x)(replica(v) for v in x)
+        if isinstance(x, torch.device):
+            return _META
+        return x
+
+    margs = [replica(a) for a in args]
+    mkwargs = {k: replica(v) for k, v in kwargs.items()}
+    for st in storages.values():
+        before[st._cdata] = st.nbytes()
+    try:
+        out = op(*margs, **mkwargs)
+    except NotImplementedError:
+        raise NoMetaKernel(op) from None
+    except (RuntimeError, TypeError, ValueError, IndexError, AssertionError) as exc:
+        text = str(exc)
+        if "meta" in text.lower():  # "cannot be called on meta tensors": no meta story
+            raise NoMetaKernel(op) from None
+        raise ExecutionError(f"{op._schema.name}: {text.splitlines()[0][:500]}") from None
+    grown = sum(max(0, st.nbytes() - before[st._cdata]) for st in storages.values())
+    seen = set(before)
+    total = grown
+    for t in _tensors(out):
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes()
+    return total
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

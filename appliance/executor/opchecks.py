@@ -1,0 +1,110 @@
+"""Checks for allowed ops whose kernels trust an argument their meta kernel does not check.
+
+Schema checks (``opargs``) and the meta run (``metacheck``) catch most bad arguments.
+A few CPU kernels still index memory by a size they never compare with the tensor they
+index: batch norm reads ``running_mean[c]`` for every channel ``c`` of the input,
+whatever ``running_mean``'s length; ``_fft_c2r``'s ``normalization`` is cast to an enum
+unchecked; reflection padding's backward writes at offsets computed from a padding it
+trusts to be non-negative, with a gradient whose shape it never compares. Each such op
+gets its missing check here, keyed by op name (every overload), found by the op fuzz
+and the issue's repros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from djinn.errors import InvalidArgument
+
+Check = Callable[[str, dict[str, Any]], None]
+
+
+def _per_channel(op: str, a: dict[str, Any]) -> None:
+    x = a.get("input", a.get("self"))
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise InvalidArgument(f"{op}: input must be a tensor of at least 2 dimensions")
+    channels = x.shape[1]
+    for name in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd"):
+        t = a.get(name)
+        if isinstance(t, torch.Tensor) and (t.dim() != 1 or t.numel() != channels):
+            raise InvalidArgument(
+                f"{op}: {name} must be 1-D with one value per channel ({channels}), "
+                f"got shape {list(t.shape)}"
+            )
+    grad = a.get("grad_out")
+    if isinstance(grad, torch.Tensor) and grad.shape != x.shape:
+        raise InvalidArgument(f"{op}: grad_out must have the input's shape")
+
+
+def _fft(op: str, a: dict[str, Any]) -> None:
+    if a.get("normalization") not in (0, 1, 2):
+        raise InvalidArgument(f"{op}: normalization must be 0, 1 or 2")
+    x, dims = a.get("self"), a.get("dim")
+    if isinstance(x, torch.Tensor) and isinstance(dims, list):
+        wrapped = [d % x.dim() if x.dim() and -x.dim() <= d < x.dim() else None for d in dims]
+        if None in wrapped or len(set(wrapped)) != len(wrapped):
+            raise InvalidArgument(f"{op}: dim must name distinct dimensions of the input")
+    if "last_dim_size" in a and not 1 <= a["last_dim_size"] <= (1 << 31):
+        raise InvalidArgument(f"{op}: last_dim_size must be positive")
+
+
+def _padding(op: str, a: dict[str, Any]) -> None:
+    x, pad = a.get("self"), a.get("padding")
+    if not isinstance(pad, list) or any(type(p) is not int for p in pad):
+        raise InvalidArgument(f"{op}: padding must be a list of ints")
+    if "reflection" in op and any(p < 0 for p in pad):
+        raise InvalidArgument(f"{op}: reflection padding must be non-negative")
+    if "reflection" in op and isinstance(x, torch.Tensor):
+        for k, p in enumerate(pad):
+            d = x.dim() - 1 - k // 2
+            if d < 0 or p >= x.shape[d]:
+                raise InvalidArgument(f"{op}: reflection padding must be smaller than the input")
+    grad = a.get("grad_output")
+    if isinstance(grad, torch.Tensor) and isinstance(x, torch.Tensor):
+        want = list(x.shape)
+        for k in range(0, len(pad) - 1, 2):
+            d = x.dim() - 1 - k // 2
+            if d >= 0:
+                want[d] += pad[k] + pad[k + 1]
+        if list(grad.shape) != want:
+            raise InvalidArgument(f"{op}: grad_output must have the padded input's shape {want}")
+
+
+def _pdist(op: str, a: dict[str, Any]) -> None:
+    x = a.get("self")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InvalidArgument(f"{op}: input must be a 2-D tensor")
+    p = a.get("p", 2)
+    if not (isinstance(p, (int, float)) and 0 <= p < float("inf")):
+        raise InvalidArgument(f"{op}: p must be a non-negative finite number")
+
+
+CHECKS: dict[str, Check] = {
+    "aten::_pdist_forward": _pdist,
+    "aten::_pdist_backward": _pdist,
+    "aten::_native_batch_norm_legit": _per_channel,
+    "aten::_native_batch_norm_legit_no_training": _per_channel,
+    "aten::native_batch_norm": _per_channel,
+    "aten::_batch_norm_with_update": _per_channel,
+    "aten::native_batch_norm_backward": _per_channel,
+    "aten::batch_norm_backward": _per_channel,
+    "aten::_fft_c2r": _fft,
+    "aten::_fft_r2c": _fft,
+    "aten::_fft_c2c": _fft,
+    **{
+        f"aten::{kind}_pad{n}d{suffix}": _padding
+        for kind in ("reflection", "replication")
+        for n in (1, 2, 3)
+        for suffix in ("", "_backward")
+    },
+}
+
+
+def check(op: Any, named: dict[str, Any]) -> None:
+    """Run the extra check for ``op`` (if it has one) on its arguments by name."""
+    fn = CHECKS.get(op._schema.name)
+    if fn is not None:
+        fn(f"{op._schema.name}.{op._schema.overload_name or 'default'}", named)

@@ -1,0 +1,124 @@
+"""Issue 17 §2 (and §6's single huge op, §7's plain-string devices and sparse ops):
+no EXEC node may crash the worker, whatever its arguments.
+
+Each repro from the issue is sent to a live appliance by one session while a bystander
+session holds a tensor on the same worker. Each must come back as a typed error, and
+the bystander's tensor must still read back intact afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from djinn.errors import DjinnError
+from djinn.protocol.tensors import to_wire
+
+
+def _t(k: int, t: torch.Tensor) -> dict:
+    return {"$t": k, "desc": to_wire(t)[0]}
+
+
+X = torch.randn(2, 64, 4)
+C = torch.randn(4, 4, dtype=torch.complex64)
+G, S = torch.randn(1, 4, 3), torch.randn(1, 4, 8)
+# (name, node without its handle, inline tensors, the codes that are a right answer)
+CASES = [
+    ("to.prim_dtype", "aten::to.prim_dtype", ["H", None, True, True], [], "UNSUPPORTED_OP"),
+    ("to.dtype max", "aten::to.dtype", ["H", 2147483647], [], "UNSUPPORTED_OP"),
+    ("to.device", "aten::to.device", ["H", "meta", {"$dtype": "float32"}], [], "UNSUPPORTED_OP"),
+    (
+        "batch norm, one running_mean for 64 channels",
+        "aten::_native_batch_norm_legit.default",
+        [_t(0, X), None, None, _t(1, torch.zeros(1)), _t(2, torch.ones(1)), False, 0.1, 1e-5],
+        [X, torch.zeros(1), torch.ones(1)],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "fft normalization 7",
+        "aten::_fft_c2r.default",
+        [_t(0, C), [1], 7, 6],
+        [C],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "reflection pad backward, negative padding",
+        "aten::reflection_pad1d_backward.default",
+        [_t(0, G), _t(1, S), [-3, -2]],
+        [G, S],
+        "INVALID_ARGUMENT",
+    ),
+    ("dtype as a bare enum value", "aten::_to_copy.default", ["H"], [], None),
+    (
+        "sparse, unchecked indices",
+        "aten::sparse_coo_tensor.indices_size",
+        [_t(0, torch.tensor([[9]])), _t(1, torch.ones(1)), [2]],
+        [torch.tensor([[9]]), torch.ones(1)],
+        "UNSUPPORTED_OP",
+    ),
+    ("device as a plain string", "aten::zeros.default", [[4]], [], "INVALID_ARGUMENT"),
+    (
+        "4 GiB of zeros on a small stack",
+        "aten::zeros.default",
+        [[1 << 15, 1 << 15]],
+        [],
+        "RESOURCE_EXHAUSTED",
+    ),
+    (
+        "list too long for int[2]",
+        "aten::max_pool2d_with_indices.default",
+        ["H4", [2, 2, 2]],
+        [],
+        "INVALID_ARGUMENT",
+    ),
+]
+KWARGS = {
+    "dtype as a bare enum value": {"dtype": 2147483647},
+    "device as a plain string": {"device": "cuda:7"},
+}
+
+
+def test_crafted_exec_nodes_get_typed_errors_and_spare_the_bystander(fresh_appliance):
+    app = fresh_appliance(cpu_workers=1, cpu_worker_memory="1GiB")
+    wrong = []
+    with app.connect("unix") as by_client, by_client.session() as bystander:
+        kept = torch.arange(1000.0)
+        held = bystander.put(kept)
+        with app.connect("unix") as client, client.session() as s:
+            r3, r4 = s.put(torch.ones(3)), s.put(torch.ones(1, 1, 4, 4))  # held: not freed
+            h, h4 = r3.handle, r4.handle
+            for name, op, args, inline, code in CASES:
+                args = [{"$h": h} if a == "H" else {"$h": h4} if a == "H4" else a for a in args]
+                node = {"op": op, "args": args, "kwargs": KWARGS.get(name, {})}
+                try:
+                    s.execute([node], fetch=[{"$v": 0}], inline=inline)
+                except DjinnError as exc:
+                    accepted = (code,) if code else ("INVALID_ARGUMENT", "UNSUPPORTED_OP")
+                    if exc.code not in accepted:
+                        wrong.append(f"{name}: {exc.code} {exc.message[:100]}")
+                else:
+                    wrong.append(f"{name}: ran")
+        assert torch.equal(held.cpu(), kept)  # the worker survived every case
+    assert wrong == []
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda:7", "cpu"])
+def test_device_arguments_must_be_tagged(fresh_appliance, device):
+    """A plain string bypassed the $device mapping (§7): now it is refused, and the
+    tagged form still lands on the worker's device."""
+    app = fresh_appliance(cpu_workers=1)
+    with app.connect("unix") as client, client.session() as s:
+        with pytest.raises(DjinnError) as info:
+            s.execute([{"op": "aten::zeros.default", "args": [[2]], "kwargs": {"device": device}}])
+        assert info.value.code == "INVALID_ARGUMENT"
+        _, (out,) = s.execute(
+            [
+                {
+                    "op": "aten::zeros.default",
+                    "args": [[2]],
+                    "kwargs": {"device": {"$device": device}},
+                }
+            ],
+            fetch=[{"$v": 0}],
+        )
+        assert out.tolist() == [0.0, 0.0]
