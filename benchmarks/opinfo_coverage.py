@@ -1,16 +1,25 @@
 """Conformance of the capture frontend against PyTorch's OpInfo database.
 
-For every op in ``op_db`` that supports float32 on the CPU, run its sample inputs through
-LazyTensor on a real appliance and compare with local eager (same seed, so random ops are
-comparable too). An op passes when all its samples match. Failures are classified:
+For every op in ``op_db`` that supports a dtype on the CPU (float32, float16, bfloat16,
+int64, bool), run its sample inputs through LazyTensor on a real appliance and compare
+with local eager (same seed, so random ops are comparable too). An op passes when all its
+samples match. Failures are classified:
 
 - ``typed``: a DjinnError (UNSUPPORTED_OP, EXECUTION_ERROR...): the op is refused clearly;
-- ``error``: any other exception (a gap: should become typed);
+- ``error``: any other exception (a gap: should become typed), or a sample eager accepts
+  in a clean process but refuses after ``import djinn`` (djinn changed local PyTorch);
 - ``wrong``: a result that differs from eager. This must stay at zero.
 
-    python benchmarks/opinfo_coverage.py [--address unix:///...] [--limit N] [--json PATH]
+An op is *skipped* only when eager refuses every sample in a process that never imported
+djinn: ``opinfo_reference.py`` works that out in a subprocess first (issue 8 §4) and this
+run tries exactly the samples it accepted, in the same order, checked by fingerprint.
 
-With no address an embedded appliance is started. Prints a summary table and writes JSON.
+    python benchmarks/opinfo_coverage.py [--dtypes float32,float16,bfloat16,int64,bool]
+        [--address unix:///...] [--ops a,b] [--limit N] [--max-samples N]
+        [--reference PATH] [--json PATH]
+
+With no address an embedded appliance is started. Prints a table per dtype, the failures,
+the refused ops that cost the most, and the JSON summary.
 """
 
 from __future__ import annotations
@@ -18,15 +27,69 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
+from opinfo_reference import DTYPES, OP_SEED, call_eager, digest, iter_samples, select_ops
 
 R = "remote_accelerator:0"
+REFERENCE_SCRIPT = Path(__file__).resolve().with_name("opinfo_reference.py")
+OUTCOMES = ("pass", "typed", "error", "wrong", "skipped")
+
+# Ops whose outputs are uninitialised memory: only metadata is comparable.
+UNINITIALISED = {
+    "empty",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "empty_permuted",
+    "empty_strided",
+}
+
+
+def eager_reference(
+    dtypes: list[str], max_samples: int, ops: str = "", limit: int = 0, path: str = ""
+) -> dict[str, Any]:
+    """Which samples eager accepts, per dtype and op, from a process that never imported
+    djinn. ``path``: reuse that file when it was made for the same parameters, else
+    write it there; with no path a temporary file serves this run only."""
+    want = {"torch": torch.__version__, "max_samples": max_samples}
+    want_filter = {"ops": ops, "limit": limit}
+    if path and Path(path).exists():
+        doc = json.loads(Path(path).read_text())
+        if (
+            all(doc.get(k) == v for k, v in want.items())
+            and doc.get("filter") == want_filter
+            and set(dtypes) <= set(doc["ops"])
+            and not doc.get("djinn_imported", True)
+        ):
+            return doc
+    out = path or tempfile.mktemp(prefix="djinn-opinfo-ref-", suffix=".json")
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(REFERENCE_SCRIPT), "--dtypes", ",".join(dtypes)]
+    cmd += ["--max-samples", str(max_samples), "--ops", ops, "--limit", str(limit), "--out", out]
+    # a clean process: no backend autoloading, no djinn settings (it must not import djinn)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    try:
+        subprocess.run(cmd, check=True, env=env)
+        doc = json.loads(Path(out).read_text())
+    finally:
+        if not path:
+            Path(out).unlink(missing_ok=True)
+    if doc.get("djinn_imported", True):
+        raise RuntimeError("the eager reference process imported djinn")
+    return doc
 
 
 def _to_remote(x: Any) -> Any:
@@ -50,16 +113,21 @@ def _to_local(x: Any) -> Any:
     return x
 
 
+# float32 and wider: 1e-5 both ways; reduced precision: torch's defaults for the dtype
+_REDUCED = (torch.float16, torch.bfloat16, torch.complex32)
+
+
 def _compare(got: Any, want: Any) -> None:
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"expected a tensor, got {type(got).__name__}")
+        tol: dict[str, Any] = {} if want.dtype in _REDUCED else {"atol": 1e-5, "rtol": 1e-5}
         torch.testing.assert_close(
-            got, want, atol=1e-5, rtol=1e-5, equal_nan=True, check_device=False, check_stride=False
+            got, want, equal_nan=True, check_device=False, check_stride=False, **tol
         )
     elif isinstance(want, (list, tuple)):
-        if len(got) != len(want):
-            raise AssertionError(f"expected {len(want)} outputs, got {len(got)}")
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            raise AssertionError(f"expected {len(want)} outputs, got {got!r:.80}")
         for g, w in zip(got, want, strict=True):
             _compare(g, w)
     elif isinstance(want, float) and want != want:
@@ -67,28 +135,6 @@ def _compare(got: Any, want: Any) -> None:
             raise AssertionError(f"expected nan, got {got}")
     elif got != want:
         raise AssertionError(f"expected {want!r}, got {got!r}")
-
-
-# Ops whose outputs are uninitialised memory: only metadata is comparable.
-UNINITIALISED = {
-    "empty",
-    "empty_like",
-    "new_empty",
-    "new_empty_strided",
-    "empty_permuted",
-    "empty_strided",
-}
-
-
-def _clone_inputs(x: Any) -> Any:
-    """What a device transfer gives: views become compact tensors (as `.to()` copies)."""
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_clone_inputs(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _clone_inputs(v) for k, v in x.items()}
-    return x
 
 
 def _metadata(x: Any) -> Any:
@@ -101,111 +147,198 @@ def _metadata(x: Any) -> Any:
 
 def _call_remote(opinfo: Any, sample: Any) -> Any:
     rin, rargs, rkwargs = _to_remote((sample.input, sample.args, sample.kwargs))
-    torch.manual_seed(1234)
+    torch.manual_seed(OP_SEED)
     try:
         return _to_local(opinfo(rin, *rargs, **rkwargs))
     except RuntimeError as exc:
         if "to be on cpu" not in str(exc):
             raise
     # the op wants its other arguments on the CPU (as it would with CUDA): keep them local
-    torch.manual_seed(1234)
+    torch.manual_seed(OP_SEED)
     return _to_local(opinfo(_to_remote(sample.input), *sample.args, **sample.kwargs))
 
 
-def run_op(opinfo: Any, max_samples: int) -> tuple[str, str, int]:
-    """(outcome, detail, samples tried) for one OpInfo."""
-    from djinn.errors import DjinnError
-    from djinn.frontend import trace
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].name if frames else "?"
 
-    samples = opinfo.sample_inputs("cpu", torch.float32, requires_grad=False)
+
+def run_op(opinfo: Any, dtype: torch.dtype, ref: dict[str, Any]) -> tuple[str, str, int]:
+    """(outcome, detail, samples tried) for one OpInfo at one dtype, trying exactly the
+    samples ``ref`` (its entry in the eager reference) says a clean eager accepts."""
+    from djinn.errors import DjinnError
+
+    accepted = dict(zip(ref["accepted"], ref["digests"], strict=True))
+    if not accepted:
+        return "skipped", "eager refuses every sample in a clean process", 0
     tried = 0
-    for sample in samples:
-        if tried >= max_samples:
+    last = max(accepted)
+    for index, sample in iter_samples(opinfo, dtype):
+        if index > last:
             break
-        trace.current().nodes.clear()  # a failed sample must not poison the next one
-        torch.manual_seed(1234)
-        try:
-            cin, cargs, ckwargs = _clone_inputs((sample.input, sample.args, sample.kwargs))
-            want = opinfo(cin, *cargs, **ckwargs)
-        except Exception:
-            continue  # eager itself refuses this sample: not a test of Djinn
+        if index not in accepted:
+            continue
         tried += 1
+        if digest(sample) != accepted[index]:
+            return "error", f"sample {index} differs from the clean process's", tried
+        try:
+            want = call_eager(opinfo, sample)
+        except Exception as exc:
+            detail = f"eager refuses sample {index} after import djinn, not in a clean process"
+            return "error", f"{detail}: {type(exc).__name__}: {str(exc)[:120]}", tried
         try:
             got = _call_remote(opinfo, sample)
         except DjinnError as exc:
-            return "typed", f"{exc.code}: {exc.message[:160]}", tried
+            return "typed", f"{exc.code}: {exc.message[:200]}", tried
         except Exception as exc:
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            return "error", f"{type(exc).__name__}: {str(exc)[:160]} ({where.name})", tried
+            return "error", f"{type(exc).__name__}: {str(exc)[:160]} ({_where(exc)})", tried
         if opinfo.name in UNINITIALISED:
             got, want = _metadata(got), _metadata(want)
         try:
             _compare(got, want)
         except AssertionError as exc:
-            return "wrong", str(exc).splitlines()[0][:200], tried
-    if tried == 0:
-        return "skipped", "no sample eager accepts", 0
+            return "wrong", f"sample {index}: " + str(exc).splitlines()[0][:200], tried
+    if tried < len(accepted):
+        return "error", f"only {tried} of {len(accepted)} reference samples regenerated", tried
     return "pass", "", tried
+
+
+def run_dtype(name: str, reference: dict[str, Any], ops: str = "", limit: int = 0) -> list[dict]:
+    dtype = DTYPES[name]
+    refs = reference["ops"][name]
+    results = []
+    start = time.perf_counter()
+    selected = [o for o in select_ops(dtype, ops, limit) if o.full_name in refs]
+    for i, opinfo in enumerate(selected):
+        outcome, detail, tried = run_op(opinfo, dtype, refs[opinfo.full_name])
+        results.append(
+            {"op": opinfo.full_name, "outcome": outcome, "detail": detail, "samples": tried}
+        )
+        if (i + 1) % 100 == 0:
+            elapsed = time.perf_counter() - start
+            print(f"  {name}: {i + 1}/{len(selected)} ops, {elapsed:.0f}s", file=sys.stderr)
+    return results
+
+
+def summarise(results: list[dict], seconds: float = 0.0) -> dict[str, Any]:
+    counts = Counter(r["outcome"] for r in results)
+    tried = len(results) - counts["skipped"]
+    passed = counts["pass"]
+    return {
+        "ops": len(results),
+        "skipped": counts["skipped"],
+        "ops_tried": tried,
+        "ops_passed": passed,
+        "pass_rate": round(passed / tried, 4) if tried else 0.0,
+        "typed_failures": counts["typed"],
+        "untyped_errors": counts["error"],
+        "wrong_results": counts["wrong"],
+        "seconds": round(seconds, 1),
+    }
+
+
+_REFUSED = re.compile(r"(\w+::[\w.]*\w):? (.*)")
+
+
+def refused_ops(results_by_dtype: dict[str, list[dict]]) -> list[tuple[str, str, int, list[str]]]:
+    """(aten op, why, OpInfo failures it causes, dtypes) for UNSUPPORTED_OP failures,
+    costliest first. The op is the last one the message names (a dependent op's error
+    names the op that failed after its own name)."""
+    cost: Counter[tuple[str, str]] = Counter()
+    where: dict[tuple[str, str], set[str]] = {}
+    for name, results in results_by_dtype.items():
+        for r in results:
+            if r["outcome"] != "typed" or not r["detail"].startswith("UNSUPPORTED_OP: "):
+                continue
+            message = r["detail"].removeprefix("UNSUPPORTED_OP: ")
+            while (m := _REFUSED.match(message)) and _REFUSED.match(m.group(2)):
+                message = m.group(2)
+            m = _REFUSED.match(message)
+            key = (m.group(1), m.group(2)[:60]) if m else ("?", message[:60])
+            cost[key] += 1
+            where.setdefault(key, set()).add(name)
+    order = list(DTYPES).index
+    return [
+        (op, why, n, sorted(where[(op, why)], key=order)) for (op, why), n in cost.most_common()
+    ]
+
+
+def render(summaries: dict[str, dict], results_by_dtype: dict[str, list[dict]]) -> str:
+    out = []
+    for name, s in summaries.items():
+        out.append(f"\n### {name}\n")
+        out.append(
+            "| ops tried | passed | pass rate | typed failures | untyped errors | wrong results "
+            "| skipped (clean eager refuses) |"
+        )
+        out.append("|---|---|---|---|---|---|---|")
+        out.append(
+            f"| {s['ops_tried']} | {s['ops_passed']} | {100 * s['pass_rate']:.1f}% "
+            f"| {s['typed_failures']} | {s['untyped_errors']} | {s['wrong_results']} "
+            f"| {s['skipped']} |\n"
+        )
+        for r in results_by_dtype[name]:
+            if r["outcome"] not in ("pass", "skipped"):
+                out.append(f"- {r['outcome']:5s} {r['op']}: {r['detail']}")
+    refused = refused_ops(results_by_dtype)
+    if refused:
+        out.append("\n### Refused ops (UNSUPPORTED_OP), by OpInfo failures they cause\n")
+        out.append("| aten op | why | failures | dtypes |")
+        out.append("|---|---|---|---|")
+        out.extend(f"| {op} | {why} | {n} | {', '.join(d)} |" for op, why, n, d in refused)
+    return "\n".join(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default=os.environ.get("DJINN_ADDRESS"))
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
     parser.add_argument("--limit", type=int, default=0, help="only the first N ops (0: all)")
     parser.add_argument("--ops", default="", help="comma-separated op names to run")
     parser.add_argument("--max-samples", type=int, default=8)
+    parser.add_argument(
+        "--reference", default="", help="eager reference JSON to reuse or write (default: fresh)"
+    )
     parser.add_argument("--json", default="benchmarks/results/opinfo_coverage.json")
     args = parser.parse_args()
+    dtypes = args.dtypes.split(",")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        parser.error(f"unknown dtypes {unknown}; choose from {','.join(DTYPES)}")
     if args.address:
         os.environ["DJINN_ADDRESS"] = args.address
-    from torch.testing._internal.common_methods_invocations import op_db
 
-    import djinn  # noqa: F401 - registers the device
+    t0 = time.perf_counter()
+    reference = eager_reference(dtypes, args.max_samples, args.ops, args.limit, args.reference)
+    reference_s = time.perf_counter() - t0
+    print(f"  eager reference (clean process): {reference_s:.0f}s", file=sys.stderr)
 
-    ops = [o for o in op_db if torch.float32 in o.supported_dtypes("cpu")]
-    if args.ops:
-        wanted = set(args.ops.split(","))
-        ops = [o for o in ops if o.name in wanted or o.full_name in wanted]
-    if args.limit:
-        ops = ops[: args.limit]
-    results: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    for i, opinfo in enumerate(ops):
-        outcome, detail, tried = run_op(opinfo, args.max_samples)
-        results.append(
-            {"op": opinfo.full_name, "outcome": outcome, "detail": detail, "samples": tried}
-        )
-        if (i + 1) % 50 == 0:
-            print(f"  {i + 1}/{len(ops)} ops, {time.perf_counter() - start:.0f}s", file=sys.stderr)
-    counts: dict[str, int] = {}
-    for r in results:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    tried = len(results) - counts.get("skipped", 0)
-    passed = counts.get("pass", 0)
-    summary = {
-        "ops_tried": tried,
-        "ops_passed": passed,
-        "pass_rate": round(passed / tried, 4) if tried else 0.0,
-        "typed_failures": counts.get("typed", 0),
-        "untyped_errors": counts.get("error", 0),
-        "wrong_results": counts.get("wrong", 0),
-        "seconds": round(time.perf_counter() - start, 1),
+    import djinn  # noqa: F401 - registers the device; after the reference, never before
+
+    warnings.simplefilter("ignore")  # deprecations from the samples, thousands of them
+
+    results: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    for name in dtypes:
+        start = time.perf_counter()
+        results[name] = run_dtype(name, reference, args.ops, args.limit)
+        summaries[name] = summarise(results[name], time.perf_counter() - start)
+    print(render(summaries, results))
+    doc = {
+        "summary": summaries,
         "torch": torch.__version__,
+        "max_samples": args.max_samples,
+        "reference_seconds": round(reference_s, 1),
+        "refused_ops": [
+            {"op": o, "why": w, "failures": n, "dtypes": d} for o, w, n, d in refused_ops(results)
+        ],
+        "ops": results,
     }
-    print("\n| ops tried | passed | pass rate | typed failures | untyped errors | wrong results |")
-    print("|---|---|---|---|---|---|")
-    print(
-        f"| {tried} | {passed} | {100 * summary['pass_rate']:.1f}% | {summary['typed_failures']} "
-        f"| {summary['untyped_errors']} | {summary['wrong_results']} |\n"
-    )
-    for r in results:
-        if r["outcome"] not in ("pass", "skipped"):
-            print(f"- {r['outcome']:5s} {r['op']}: {r['detail']}")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"summary": summary, "ops": results}, indent=1))
-    print(json.dumps(summary))
+        path.write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"summary": summaries}))
     return 0
 
 
