@@ -29,6 +29,7 @@ RECORDED = frozenset(
         "aten::_linalg_slogdet.default",
         "aten::_linalg_solve_ex.default",
         "aten::_linalg_svd.default",
+        "aten::_linalg_check_errors.default",
         "aten::_log_softmax.default",
         "aten::_log_softmax_backward_data.default",
         "aten::_native_batch_norm_legit.default",

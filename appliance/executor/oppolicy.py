@@ -78,11 +78,16 @@ FAMILY_PREFIXES = ("_foreach_", "_fused_adam", "_fused_sgd", "_fused_adagrad", "
 _checked: dict[Any, None] = {}
 
 
+# The allowlist works by op (every overload of a recorded op: ``maximum.out`` shares
+# ``maximum``'s kernel and checks); overloads of other schemas (TorchScript's generic
+# ``add.t``) are still refused by the schema checks, which accept no such types.
+_PACKETS = frozenset(name.rsplit(".", 1)[0] for name in RECORDED)
+
+
 def allowed(op: Any) -> bool:
     """Whether ``op`` (an OpOverload) is on the allowlist."""
     schema = op._schema
-    full = f"{schema.name}.{schema.overload_name or 'default'}"
-    if full in RECORDED:
+    if schema.name in _PACKETS:
         return True
     name = schema.name.split("::", 1)[-1]
     if not schema.name.startswith("aten::"):
@@ -92,8 +97,7 @@ def allowed(op: Any) -> bool:
     # autograd's kernels for an allowed op: reflection_pad1d -> reflection_pad1d_backward
     for suffix in ("_backward", "_backward_data"):
         if name.endswith(suffix):
-            forward = name[: -len(suffix)]
-            return any(r.startswith(f"aten::{forward}.") for r in RECORDED)
+            return f"aten::{name[: -len(suffix)]}" in _PACKETS
     return False
 
 
