@@ -216,6 +216,8 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
 
     body = frame.body
     fp = body.get("fingerprint")
+    if not isinstance(fp, str):
+        raise InvalidArgument("fingerprint must be a string")
     if fp not in s.models:
         raise NotFound("this session has not registered that model")
     entry = w.models.get(fp)
