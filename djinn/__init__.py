@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from djinn.errors import DjinnError
-from djinn.frontend.device import register as _register_device
+from djinn.frontend.extension_points import register as _register_device
 
 # `device="remote_accelerator:0"` must work right after `import djinn` (cheap: no I/O).
 # Appliance processes import djinn too, but want none of the client's hooks.
@@ -38,7 +38,7 @@ _LAZY = {
     "RemoteTensor": ("djinn.runtime.remote", "RemoteTensor"),
     "capture": ("djinn.frontend.capture", "capture"),
     "analyze": ("djinn.semantics.analyze", "analyze"),
-    "device": ("djinn.frontend.device", "device"),
+    "device": ("djinn.frontend.extension_points", "device"),
     "from_pretrained": ("djinn.frontend.ghost", "from_pretrained"),
     "hook_transformers": ("djinn.frontend.ghost", "hook_transformers"),
 }

@@ -4,8 +4,7 @@ PyTorch ships autocast kernels for CPU, CUDA and a few others, but none for Priv
 ``torch.autocast("remote_accelerator")`` would make every op fail with "Could not run ...
 with arguments from the 'Autocastremote_accelerator' backend". ``policy`` is registered as
 kernels on the ``AutocastPrivateUse1`` key for each listed op, and every other op falls
-through (Note [autocast policy]). A Python *fallback* on that key cannot be used: PyTorch
-asserts (``func != nullptr`` in python_dispatch.cpp) when one is called.
+through (Note [autocast policy]).
 
 Note [autocast policy]: the op lists are CUDA's (``aten/src/ATen/autocast_mode.cpp``), so
 a script written for ``torch.autocast("cuda")`` computes what it would on a GPU: matmuls
@@ -180,11 +179,10 @@ def policy(op: Any, *args: Any, **kwargs: Any) -> Any:
         return op(*args, **kwargs)
 
 
-def install() -> list[torch.library.Library]:
-    """Register the policy; returns the libraries to keep alive (dropping one unregisters)."""
-    rest = torch.library.Library("_", "IMPL")
-    rest.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
-    listed = torch.library.Library("aten", "IMPL")
+def kernels() -> list[tuple[str, Any]]:
+    """(qualified op name, kernel) for every listed overload (registered on the
+    AutocastPrivateUse1 key by ``extension_points.py``; every other op falls through)."""
+    out = []
     for name in sorted(LOWER_PRECISION | FLOAT32 | PROMOTE):
         packet = getattr(torch.ops.aten, name, None)
         if packet is None:
@@ -193,9 +191,8 @@ def install() -> list[torch.library.Library]:
             op = getattr(packet, overload)
             if any(a.is_out for a in op._schema.arguments):
                 continue  # CUDA's autocast leaves out= variants alone too
-            qualified = name if overload == "default" else f"{name}.{overload}"
-            listed.impl(qualified, _kernel(op), "AutocastPrivateUse1")
-    return [rest, listed]
+            out.append((name if overload == "default" else f"{name}.{overload}", _kernel(op)))
+    return out
 
 
 def _kernel(op: Any) -> Any:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import hooks
-from .device import DEVICE_TYPE, register
+from .device import DEVICE_TYPE
+from .extension_points import FORWARD_HOOKS, register
 from .trace import AUTOGRAD_RECORDERS, Node, current
 
 FACTORIES = frozenset(
@@ -85,9 +85,9 @@ class capture:
         self.records.append(record(node, self._ids))
 
     def __enter__(self) -> capture:
-        # Module paths come from global forward hooks, installed only once someone records
-        # a graph: ordinary use of PyTorch in the process never pays for them.
-        hooks.install()
+        # Module paths come from global forward hooks, attached only while a block is
+        # open: ordinary use of PyTorch in the process never pays for them.
+        FORWARD_HOOKS.acquire()
         current().recorders.append(self)
         AUTOGRAD_RECORDERS.append(self)
         self._mode.__enter__()
@@ -95,6 +95,7 @@ class capture:
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
+        FORWARD_HOOKS.release()
         for recorders in (current().recorders, AUTOGRAD_RECORDERS):
             if self in recorders:
                 recorders.remove(self)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import device_module
-from .device import DEVICE_TYPE, register
+from .device import DEVICE_TYPE, pop_mapped, push_mapped
+from .extension_points import CUDA_QUERIES, register
 
 
 def _target(dev: Any, source: str, index_base: int) -> Any:
@@ -68,54 +68,20 @@ class DeviceMap(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# What a CUDA script asks torch.cuda about its device, answered for the appliance.
-_CUDA_QUERIES = (
-    "is_available",
-    "device_count",
-    "current_device",
-    "synchronize",
-    "get_device_name",
-    "memory_allocated",
-    "max_memory_allocated",
-    "memory_reserved",
-    "max_memory_reserved",
-    "mem_get_info",
-    "reset_peak_memory_stats",
-    "empty_cache",
-    "is_bf16_supported",
-)
-_saved: dict[str, Any] = {}
-_active: list[str] = []
-
-
-def active_source() -> str | None:
-    """The device type being mapped to the appliance, if `djinn run` installed one."""
-    return _active[-1] if _active else None
-
-
 def install(source: str = "cuda") -> DeviceMap:
-    """Enter the mapping for the calling thread and patch torch.cuda's queries."""
+    """Enter the mapping for the calling thread; for CUDA, answer torch.cuda's queries for
+    the appliance (Note [cuda queries]) until ``uninstall``."""
     register()
-    if source == "cuda" and not _saved:
-        _saved.update({name: getattr(torch.cuda, name) for name in _CUDA_QUERIES})
-        _saved["module_cuda"] = torch.nn.Module.cuda
-        for name in _CUDA_QUERIES:
-            setattr(torch.cuda, name, getattr(device_module, name))
-        torch.nn.Module.cuda = lambda self, device=None: self.to(
-            torch.device(DEVICE_TYPE, device if isinstance(device, int) else 0)
-        )
+    if source == "cuda":
+        CUDA_QUERIES.acquire()
     mode = DeviceMap(source)
     mode.__enter__()
-    _active.append(source)
+    push_mapped(source)
     return mode
 
 
 def uninstall(mode: DeviceMap) -> None:
     mode.__exit__(None, None, None)
-    if _active:
-        _active.pop()
-    if _saved:
-        torch.nn.Module.cuda = _saved.pop("module_cuda")
-        for name, fn in _saved.items():
-            setattr(torch.cuda, name, fn)
-        _saved.clear()
+    pop_mapped()
+    if mode.source == "cuda":
+        CUDA_QUERIES.release()

@@ -1,10 +1,11 @@
-"""Factories on the remote device: the PrivateUse1 fallback and ``torch.tensor``.
+"""The kernels behind the remote device: its PrivateUse1 fallback, CPU -> remote moves,
+and ``Module.to`` (registered by ``extension_points.py``).
 
-With the Python backend registered (Note [python backend] in ``device.py``), any aten op
+With the Python backend registered (Note [python backend]), any aten op
 that reaches the PrivateUse1 dispatch key without a LazyTensor argument lands in
 ``fallback``: ``torch.randn(..., device="remote_accelerator:0")`` arrives as
-``empty.memory_format`` followed by ``normal_`` on the result, ``Tensor.to(remote)`` as
-``empty_strided`` followed by ``copy_``. Empty allocations become ``Uninit``
+``empty.memory_format`` followed by ``normal_`` on the result. Empty allocations become
+``Uninit``
 LazyTensors; every other op is captured like any op on LazyTensors.
 
 Note [to_copy kernel]: ``torch.tensor(data, device=remote)`` builds the tensor on the CPU
@@ -22,16 +23,13 @@ import torch
 
 from djinn.errors import UnsupportedOp
 
-from .device import is_remote
+from . import lazy, meta, remote_module
+from .device import DEVICE_TYPE, is_remote, mapped_source
 
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
-_library: torch.library.Library | None = None
-_libraries: list[torch.library.Library] = []  # kept alive: dropping one unregisters it
 
 
 def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    from . import lazy, meta
-
     if op in _EMPTY:
         mkw = {k: (meta.META if isinstance(v, torch.device) else v) for k, v in kwargs.items()}
         m = op(*args, **mkw)
@@ -53,8 +51,6 @@ def to_copy(
 ) -> torch.Tensor:
     """A CPU tensor moved to the remote device (Note [to_copy kernel]): converted locally
     exactly as ``_to_copy`` would, then uploaded once into an allocation that holds it."""
-    from . import lazy
-
     if layout not in (None, torch.strided):
         raise UnsupportedOp(f"{layout} tensors cannot be sent to the appliance yet")
     same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
@@ -79,30 +75,12 @@ def module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     that sees a whole module being moved (each parameter reaches the dispatcher alone), and
     the model path must see the module. Any move that is not to the remote device goes to
     PyTorch's own ``Module.to`` unchanged (tests/unit/test_import_side_effects.py)."""
-    from . import devicemap, remote_module
-
     device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-    if device is not None and devicemap.active_source() == device.type:
-        device = torch.device("remote_accelerator", device.index or 0)
+    if device is not None and mapped_source() == device.type:
+        device = torch.device(DEVICE_TYPE, device.index or 0)
         args, kwargs = (device,), ({"dtype": dtype} if dtype is not None else {})
     if device is not None and is_remote(device) and remote_module.wants_model_path(self):
         if dtype is not None:
             _original_module_to(self, dtype=dtype)
         return remote_module.move(self, device)
     return _original_module_to(self, *args, **kwargs)
-
-
-def install() -> None:
-    global _library
-    if _library is None:
-        _library = torch.library.Library("_", "IMPL")
-        _library.fallback(fallback, "PrivateUse1")
-        _aten_library = torch.library.Library("aten", "IMPL")
-        _aten_library.impl("_to_copy", to_copy, "PrivateUse1")
-        from . import autocast, pinned, serialization
-
-        _libraries.extend(autocast.install())
-        _libraries.extend(pinned.install())
-        serialization.install()
-        _libraries.append(_aten_library)
-        torch.nn.Module.to = module_to

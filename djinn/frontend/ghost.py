@@ -10,34 +10,15 @@ the model's constructor makes them, then uploaded.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from djinn.errors import InvalidArgument
 
-from .device import DEVICE_TYPE, is_remote, register
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Register every new parameter on the meta device; buffers stay real (they are small
-    and often not in checkpoints)."""
-    original = torch.nn.Module.register_parameter
-
-    def register_parameter(module: torch.nn.Module, name: str, param: Any) -> None:
-        if param is not None and param.device.type != "meta":
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    torch.nn.Module.register_parameter = register_parameter
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
+from .device import DEVICE_TYPE, is_remote
+from .extension_points import parameters_on_meta, register
 
 
 def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:

@@ -1,4 +1,5 @@
-"""Module paths for captured ops, from global forward hooks.
+"""Module paths for captured ops, from global forward hooks (``extension_points.py``
+attaches them while a ``capture()`` block is open).
 
 Each thread keeps a stack of the modules whose ``forward`` is running; an op captured
 meanwhile is tagged with the dotted path (``GPT2Model.h.0.attn.c_attn``). Names are the
@@ -15,7 +16,6 @@ import torch
 
 _local = threading.local()
 _names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_installed = False
 
 
 def _stack() -> list[str]:
@@ -25,7 +25,7 @@ def _stack() -> list[str]:
     return stack
 
 
-def _pre(module: torch.nn.Module, _args: Any) -> None:
+def pre(module: torch.nn.Module, _args: Any) -> None:
     stack = _stack()
     name = _names.get(module)
     if name is None:
@@ -46,7 +46,7 @@ def _pre(module: torch.nn.Module, _args: Any) -> None:
     parents.append(module)
 
 
-def _post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+def post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
     stack = _stack()
     if stack:
         stack.pop()
@@ -56,11 +56,3 @@ def _post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
 def module_path() -> str:
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else ""
-
-
-def install() -> None:
-    global _installed
-    if not _installed:
-        torch.nn.modules.module.register_module_forward_pre_hook(_pre)
-        torch.nn.modules.module.register_module_forward_hook(_post, always_call=True)
-        _installed = True

@@ -25,7 +25,14 @@ from .device import DEVICE_TYPE
 from .meta import META, TensorSpec
 from .trace import Node, Pending, bind, current, flush
 
-REMOTE = torch.device(DEVICE_TYPE, 0)
+_REMOTE: list[torch.device] = []  # torch.device(DEVICE_TYPE, 0), once the backend has a name
+
+
+def _remote() -> torch.device:
+    if not _REMOTE:
+        _REMOTE.append(torch.device(DEVICE_TYPE, 0))
+    return _REMOTE[0]
+
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -56,7 +63,7 @@ class LazyTensor(torch.Tensor):
             strides=spec.stride,
             storage_offset=spec.offset,
             dtype=spec.dtype,
-            device=REMOTE,
+            device=_remote(),
             requires_grad=requires_grad,
             dispatch_sizes_strides_policy="sizes" if dynamic else None,
         )
@@ -114,9 +121,11 @@ class LazyTensor(torch.Tensor):
         super().__setitem__(_local_index(index), value)
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        from .serialization import reduce
-
-        return reduce(self)
+        # as a CUDA tensor pickles: its bytes, fetched, with its device recorded
+        # (serialization.py says how torch.load brings it back)
+        data = fetch(self).detach()
+        rebuild = torch._utils._rebuild_device_tensor_from_cpu_tensor
+        return rebuild, (data, self.dtype, str(self.device), self.requires_grad)
 
 
 def _local_index(index: Any) -> Any:
@@ -190,7 +199,7 @@ def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         node = Node(
             torch.ops.aten.empty_strided.default,
             [list(ref.spec.shape), list(ref.spec.stride)],
-            {"dtype": ref.spec.dtype, "device": REMOTE},
+            {"dtype": ref.spec.dtype, "device": _remote()},
             trace,
             1,
         )

@@ -9,8 +9,9 @@ shared-memory arena, and every upload is complete before ``.to()`` returns (so a
 ``non_blocking`` copy is as safe as a blocking one). The kernels below make a pinned
 tensor an ordinary CPU copy and remember it, so ``is_pinned()`` answers truthfully.
 
-They are registered only on a client where no other accelerator can pin memory (no CUDA):
-there PyTorch's own kernel can only raise, so nothing that worked changes.
+``extension_points.py`` registers them only on a client where no other accelerator can
+pin memory (no CUDA): there PyTorch's own kernel can only raise, so nothing that worked
+changes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _lock = threading.Lock()
 _pinned: dict[int, weakref.ref] = {}  # data_ptr -> the tensor pin_memory() returned
 
 
-def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
     out = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype)
     out.copy_(self)
     with _lock:
@@ -36,18 +37,9 @@ def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
     return out
 
 
-def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
     if not self.numel():
         return False
     with _lock:
         ref = _pinned.get(self.untyped_storage().data_ptr())
     return ref is not None and ref() is not None
-
-
-def install() -> list[torch.library.Library]:
-    if torch.cuda.is_available():
-        return []  # CUDA pins memory itself: leave PyTorch's kernels alone
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_pin_memory", _pin_memory, "CPU")
-    lib.impl("is_pinned", _is_pinned, "CPU")
-    return [lib]

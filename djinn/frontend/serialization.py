@@ -2,8 +2,9 @@
 
 Saving: a remote tensor pickles as its bytes, fetched to the client, with its device
 recorded (``torch._utils._rebuild_device_tensor_from_cpu_tensor``, which ``torch.load``'s
-weights-only unpickler allows). Loading without ``map_location`` puts it back on the
-remote device; ``map_location="cpu"`` keeps it local, as PyTorch does for CUDA tensors.
+weights-only unpickler allows; ``LazyTensor.__reduce_ex__``). Loading without
+``map_location`` puts it back on the remote device; ``map_location="cpu"`` keeps it
+local, as PyTorch does for CUDA tensors.
 
 Note [load to the remote device]: ``map_location`` acts on storages, and a remote
 tensor has none on the client. A location naming the remote device (or ``cuda`` under
@@ -18,37 +19,18 @@ from typing import Any
 
 import torch
 
-from .device import DEVICE_TYPE
+from .device import DEVICE_TYPE, mapped_source
 
 PRIORITY = 15  # before CUDA's deserializer (20): it would refuse "cuda" without a GPU
 
 
-def reduce(t: torch.Tensor) -> tuple[Any, tuple]:
-    from .lazy import fetch
-
-    data = fetch(t).detach()
-    return torch._utils._rebuild_device_tensor_from_cpu_tensor, (
-        data,
-        t.dtype,
-        str(t.device),
-        t.requires_grad,
-    )
-
-
-def _tag(obj: Any) -> None:
+def tag(obj: Any) -> None:
     return None  # remote tensors are saved as CPU bytes: no storage carries our tag
 
 
-def _deserialize(obj: Any, location: str) -> Any:
+def deserialize(obj: Any, location: str) -> Any:
     if location.startswith(DEVICE_TYPE):
         return obj
-    if location.startswith("cuda") and not torch.cuda._is_compiled():
-        from . import devicemap
-
-        if devicemap.active_source() == "cuda":
-            return obj
+    if location.startswith("cuda") and not torch.cuda._is_compiled() and mapped_source() == "cuda":
+        return obj
     return None  # not ours: the next package (CPU, CUDA...) decides
-
-
-def install() -> None:
-    torch.serialization.register_package(PRIORITY, _tag, _deserialize)

@@ -120,9 +120,8 @@ def _to_meta(x: Any) -> Any:
 
 
 def trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[SRG, AnalysisContext]:
-    from djinn.frontend import hooks
+    from djinn.frontend.extension_points import FORWARD_HOOKS
 
-    hooks.install()
     ctx = AnalysisContext(module_class=type(module).__name__)
     kwargs = dict(kwargs)
     for key in CACHE_KEYS:
@@ -143,7 +142,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[SRG, Anal
         if isinstance(t, torch.Tensor):
             sources[id(t)] = (f"in:{i}", "input")
     recorder = _Recorder(sources)
-    with torch.no_grad(), recorder:
+    with torch.no_grad(), FORWARD_HOOKS.held(), recorder:
         torch.func.functional_call(module, state, margs, mkwargs, strict=False)
     return recorder.graph, ctx
 

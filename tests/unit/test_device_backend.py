@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 import djinn  # noqa: F401 - registers the backend
-from djinn.frontend.device import DEVICE_TYPE, device, is_remote
+from djinn.frontend.device import DEVICE_TYPE, is_remote
+from djinn.frontend.extension_points import device
 from djinn.frontend.lazy import LazyTensor, Uninit
 
 

@@ -1,0 +1,280 @@
+"""Every place Djinn plugs into PyTorch, and nothing else.
+
+Each plug is an ``Attachment``: attached when its first holder acquires it, detached when
+its last holder releases it, so none outlives its use and each can be undone (the test
+``tests/unit/test_extension_points.py`` attaches and detaches every one and checks that
+PyTorch is as it was). Which holder, and so which scope, each one has:
+
+| attachment      | what it plugs in                                 | held by, scope        |
+|-----------------|--------------------------------------------------|-----------------------|
+| BACKEND         | the PrivateUse1 backend and its device module    | ``import djinn``      |
+| KERNELS         | PrivateUse1 fallback, ``_to_copy``, autocast,    | ``import djinn``      |
+|                 | pinned-memory kernels (dispatcher registrations) |                       |
+| MODULE_TO       | ``nn.Module.to``, for the model path             | ``import djinn``      |
+| SERIALIZATION   | a ``torch.serialization`` package                | ``import djinn``      |
+| FORWARD_HOOKS   | global module forward hooks (module paths)       | open ``capture()``    |
+| CUDA_QUERIES    | ``torch.cuda`` queries answered for the appliance| ``djinn run``         |
+| META_PARAMETERS | a parameter-registration hook (ghost loading)    | ``from_pretrained``   |
+
+Note [python backend]: ``rename_privateuse1_backend`` alone makes the device string
+legal, but a tensor subclass on that device *aborts the process* (a C++ error, no
+exception) as soon as autograd touches a leaf that requires grad, because PyTorch has no
+device guard for it. ``_setup_privateuseone_for_python_backend`` (experimental, private)
+also registers a Python device guard, hooks and a device module (``device_module.py``,
+what ``torch.remote_accelerator`` is), after which LazyTensors work through forward and
+``backward()``. PyTorch cannot unregister a backend, so BACKEND's detach only forgets
+it; a backend nobody dispatches to changes nothing for other devices.
+``tests/unit/test_device_backend.py`` pins the behaviour we rely on.
+
+Note [dispatcher kernels]: kernels registered through ``torch.library`` only act on
+tensors of the remote device (PrivateUse1, AutocastPrivateUse1), except the pinned-memory
+pair, which acts on CPU tensors and is registered only where PyTorch's own kernel could
+only raise (Note [pinned memory]). Dropping a ``Library`` unregisters its kernels.
+
+Note [cuda queries]: ``torch.cuda``'s query functions are module attributes, so answering
+them for the appliance is process-wide; it is held only by ``djinn run``, whose process
+is the mapped script.
+
+Note [meta parameters]: ghost loading builds a model whose parameters are on ``meta``
+while its buffers stay real; a global parameter-registration hook does that only on the
+thread inside ``parameters_on_meta()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import autocast, device_module, factories, hooks, pinned, serialization
+from .device import DEVICE_TYPE
+
+_lock = threading.RLock()
+
+
+class Attachment:
+    """One plug into PyTorch, reference-counted: attached while anyone holds it."""
+
+    def __init__(self, name: str, attach: Callable[[], Any], detach: Callable[[Any], None]) -> None:
+        self.name = name
+        self._attach = attach
+        self._detach = detach
+        self.holders = 0
+        self._state: Any = None
+
+    def acquire(self) -> None:
+        with _lock:
+            if self.holders == 0:
+                self._state = self._attach()
+            self.holders += 1
+
+    def release(self) -> None:
+        with _lock:
+            if self.holders == 0:
+                return
+            self.holders -= 1
+            if self.holders == 0:
+                self._detach(self._state)
+                self._state = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+# -- BACKEND: Note [python backend] ---------------------------------------------------------
+def _attach_backend() -> None:
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    name = torch._C._get_privateuse1_backend_name()
+    if name == "privateuseone":
+        _setup_privateuseone_for_python_backend(rename=DEVICE_TYPE, backend_module=device_module)
+    elif name != DEVICE_TYPE:
+        raise RuntimeError(
+            f"another PrivateUse1 backend is registered ({name}); Djinn cannot share it"
+        )
+
+
+# -- KERNELS: Note [dispatcher kernels] -----------------------------------------------------
+def _attach_kernels() -> list[torch.library.Library]:
+    libraries = []
+    lib = torch.library.Library("_", "IMPL")
+    lib.fallback(factories.fallback, "PrivateUse1")
+    libraries.append(lib)
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_to_copy", factories.to_copy, "PrivateUse1")  # Note [to_copy kernel]
+    libraries.append(lib)
+    # autocast: every op falls through, the listed ones get CUDA's casts. A Python
+    # *fallback* on this key makes PyTorch assert (func != nullptr, python_dispatch.cpp).
+    lib = torch.library.Library("_", "IMPL")
+    lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    libraries.append(lib)
+    lib = torch.library.Library("aten", "IMPL")
+    for qualified, kernel in autocast.kernels():
+        lib.impl(qualified, kernel, "AutocastPrivateUse1")
+    libraries.append(lib)
+    if not torch.cuda.is_available():  # Note [pinned memory]
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("_pin_memory", pinned.pin_memory, "CPU")
+        lib.impl("is_pinned", pinned.is_pinned, "CPU")
+        libraries.append(lib)
+    return libraries
+
+
+def _detach_kernels(libraries: list[torch.library.Library]) -> None:
+    for lib in reversed(libraries):
+        lib._destroy()
+
+
+# -- MODULE_TO: Note [module to] (factories.py) -----------------------------------------
+def _attach_module_to() -> Any:
+    original = torch.nn.Module.to
+    torch.nn.Module.to = factories.module_to
+    return original
+
+
+def _detach_module_to(original: Any) -> None:
+    torch.nn.Module.to = original
+
+
+# -- SERIALIZATION: Note [load to the remote device] (serialization.py) -------------------
+def _attach_serialization() -> tuple:
+    torch.serialization.register_package(
+        serialization.PRIORITY, serialization.tag, serialization.deserialize
+    )
+    return next(
+        entry
+        for entry in torch.serialization._package_registry
+        if entry[2] is serialization.deserialize
+    )
+
+
+def _detach_serialization(entry: tuple) -> None:
+    if entry in torch.serialization._package_registry:
+        torch.serialization._package_registry.remove(entry)
+
+
+# -- FORWARD_HOOKS: module paths for captured ops (hooks.py) --------------------------------
+def _attach_forward_hooks() -> list[Any]:
+    return [
+        torch.nn.modules.module.register_module_forward_pre_hook(hooks.pre),
+        torch.nn.modules.module.register_module_forward_hook(hooks.post, always_call=True),
+    ]
+
+
+def _detach_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+# -- CUDA_QUERIES: Note [cuda queries] ------------------------------------------------------
+CUDA_QUERIES_NAMES = (
+    "is_available",
+    "device_count",
+    "current_device",
+    "synchronize",
+    "get_device_name",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "mem_get_info",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "is_bf16_supported",
+)
+
+
+def _attach_cuda_queries() -> dict[str, Any]:
+    saved = {name: getattr(torch.cuda, name) for name in CUDA_QUERIES_NAMES}
+    saved["Module.cuda"] = torch.nn.Module.cuda
+    for name in CUDA_QUERIES_NAMES:
+        setattr(torch.cuda, name, getattr(device_module, name))
+    torch.nn.Module.cuda = _module_cuda
+    return saved
+
+
+def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+    return self.to(torch.device(DEVICE_TYPE, device if isinstance(device, int) else 0))
+
+
+def _detach_cuda_queries(saved: dict[str, Any]) -> None:
+    torch.nn.Module.cuda = saved.pop("Module.cuda")
+    for name, fn in saved.items():
+        setattr(torch.cuda, name, fn)
+
+
+# -- META_PARAMETERS: Note [meta parameters] ------------------------------------------------
+_meta_local = threading.local()
+
+
+def _to_meta(module: torch.nn.Module, name: str, param: Any) -> Any:
+    if not getattr(_meta_local, "depth", 0):
+        return None  # another thread, or no ghost build under way: PyTorch as usual
+    if param is not None and param.device.type != "meta":
+        return torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    return None
+
+
+def _attach_meta_parameters() -> Any:
+    return torch.nn.modules.module.register_module_parameter_registration_hook(_to_meta)
+
+
+BACKEND = Attachment("backend", _attach_backend, lambda _state: None)
+KERNELS = Attachment("kernels", _attach_kernels, _detach_kernels)
+MODULE_TO = Attachment("module_to", _attach_module_to, _detach_module_to)
+SERIALIZATION = Attachment("serialization", _attach_serialization, _detach_serialization)
+FORWARD_HOOKS = Attachment("forward_hooks", _attach_forward_hooks, _detach_hooks)
+CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_queries)
+META_PARAMETERS = Attachment(
+    "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
+)
+ALL = (BACKEND, KERNELS, MODULE_TO, SERIALIZATION, FORWARD_HOOKS, CUDA_QUERIES, META_PARAMETERS)
+_DEVICE = (BACKEND, KERNELS, MODULE_TO, SERIALIZATION)  # what `import djinn` holds
+_registered = False
+
+
+def register() -> None:
+    """Make ``remote_accelerator[:i]`` a legal device and route its work to Djinn (what
+    ``import djinn`` does, once per process)."""
+    global _registered
+    with _lock:
+        if not _registered:
+            for attachment in _DEVICE:
+                attachment.acquire()
+            _registered = True
+
+
+def unregister() -> None:
+    """Undo ``register()``: PyTorch behaves as before, remote tensors stop working."""
+    global _registered
+    with _lock:
+        if _registered:
+            for attachment in reversed(_DEVICE):
+                attachment.release()
+            _registered = False
+
+
+def device(index: int = 0) -> torch.device:
+    """``torch.device("remote_accelerator", index)``."""
+    register()
+    return torch.device(DEVICE_TYPE, index)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters created on this thread inside the block are on ``meta``; buffers stay
+    real (they are small and often not in checkpoints)."""
+    with META_PARAMETERS.held():
+        _meta_local.depth = getattr(_meta_local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _meta_local.depth -= 1

@@ -1,0 +1,100 @@
+"""Issue 15: every plug into PyTorch is reference-counted and undoable. Each test runs in
+a fresh process: attaching and detaching in the suite's own process would pull the
+remote device out from under the other tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_unregister_gives_pytorch_back_as_it_was():
+    out = _run(
+        """
+        import os
+        os.environ["DJINN_APPLIANCE_PROCESS"] = "1"  # import djinn without registering
+        import torch
+        from torch._C import _dispatch_has_kernel_for_dispatch_key as has
+        import djinn.frontend.extension_points as ep
+
+        before = (torch.nn.Module.to, len(torch.serialization._package_registry))
+        ep.register()
+        assert torch.nn.Module.to is not before[0]
+        assert has("aten::_to_copy", "PrivateUse1")
+        assert len(torch.serialization._package_registry) == before[1] + 1
+        ep.unregister()
+        assert torch.nn.Module.to is before[0]
+        assert not has("aten::_to_copy", "PrivateUse1")
+        assert not has("aten::mm", "AutocastPrivateUse1")
+        assert len(torch.serialization._package_registry) == before[1]
+        ep.register()  # and again: attachments come back
+        assert has("aten::_to_copy", "PrivateUse1")
+        print("ok")
+        """
+    )
+    assert out == "ok"
+
+
+def test_attachments_are_reference_counted():
+    out = _run(
+        """
+        import torch
+        import djinn
+        from djinn.frontend import extension_points as ep
+
+        hooks = torch.nn.modules.module._global_forward_pre_hooks
+        n = len(hooks)
+        with djinn.capture():
+            with djinn.capture():
+                assert len(hooks) == n + 1  # one attachment, two holders
+            assert len(hooks) == n + 1
+        assert len(hooks) == n  # detached with its last holder
+        cuda = torch.cuda.is_available
+        ep.CUDA_QUERIES.acquire()
+        assert torch.cuda.is_available() and torch.cuda.is_available is not cuda
+        ep.CUDA_QUERIES.release()
+        assert torch.cuda.is_available is cuda
+        print("ok")
+        """
+    )
+    assert out == "ok"
+
+
+def test_meta_parameters_are_scoped_to_the_building_thread():
+    out = _run(
+        """
+        import threading
+        import torch
+        from djinn.frontend.extension_points import parameters_on_meta
+
+        seen = []
+        started, done = threading.Event(), threading.Event()
+
+        def other():
+            started.wait()
+            seen.append(torch.nn.Linear(2, 2).weight.device.type)
+            done.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        with parameters_on_meta():
+            inside = torch.nn.Linear(2, 2)
+            started.set()
+            done.wait(30)
+        t.join()
+        print(inside.weight.device.type, seen[0], torch.nn.Linear(2, 2).weight.device.type)
+        """
+    )
+    assert out == "meta cpu cpu"
