@@ -33,6 +33,7 @@ def _remote() -> torch.device:
         _REMOTE.append(torch.device(DEVICE_TYPE, 0))
     return _REMOTE[0]
 
+
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _SEEDED = torch.Tag.nondeterministic_seeded
