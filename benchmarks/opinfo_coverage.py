@@ -62,7 +62,11 @@ def eager_reference(
     """Which samples eager accepts, per dtype and op, from a process that never imported
     djinn. ``path``: reuse that file when it was made for the same parameters, else
     write it there; with no path a temporary file serves this run only."""
-    want = {"torch": torch.__version__, "max_samples": max_samples}
+    want = {
+        "torch": torch.__version__,
+        "max_samples": max_samples,
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
+    }
     want_filter = {"ops": ops, "limit": limit}
     if path and Path(path).exists():
         doc = json.loads(Path(path).read_text())
@@ -180,7 +184,8 @@ def run_op(opinfo: Any, dtype: torch.dtype, ref: dict[str, Any]) -> tuple[str, s
             continue
         tried += 1
         if digest(sample) != accepted[index]:
-            return "error", f"sample {index} differs from the clean process's", tried
+            detail = f"sample {index} differs from the clean process's (PYTHONHASHSEED unpinned?)"
+            return "error", detail, tried
         try:
             want = call_eager(opinfo, sample)
         except Exception as exc:
@@ -237,26 +242,28 @@ def summarise(results: list[dict], seconds: float = 0.0) -> dict[str, Any]:
     }
 
 
-_REFUSED = re.compile(r"(\w+::[\w.]*\w):? (.*)")
+_OP_NAME = re.compile(r"(\w+::[\w.]*|aten\.[\w.]*):? ")
+
+
+def _refused(message: str) -> tuple[str, str]:
+    """(op, why) of an UNSUPPORTED_OP message: the last op it names (a dependent op's
+    error names the op that failed after its own name) and the text after it."""
+    op, why = "?", message
+    while m := _OP_NAME.match(why):
+        op, why = m.group(1).rstrip("."), why[m.end() :]
+    return op, why[:70]
 
 
 def refused_ops(results_by_dtype: dict[str, list[dict]]) -> list[tuple[str, str, int, list[str]]]:
-    """(aten op, why, OpInfo failures it causes, dtypes) for UNSUPPORTED_OP failures,
-    costliest first. The op is the last one the message names (a dependent op's error
-    names the op that failed after its own name)."""
+    """(op, why, OpInfo failures it causes, dtypes) for UNSUPPORTED_OP, costliest first."""
     cost: Counter[tuple[str, str]] = Counter()
     where: dict[tuple[str, str], set[str]] = {}
     for name, results in results_by_dtype.items():
         for r in results:
-            if r["outcome"] != "typed" or not r["detail"].startswith("UNSUPPORTED_OP: "):
-                continue
-            message = r["detail"].removeprefix("UNSUPPORTED_OP: ")
-            while (m := _REFUSED.match(message)) and _REFUSED.match(m.group(2)):
-                message = m.group(2)
-            m = _REFUSED.match(message)
-            key = (m.group(1), m.group(2)[:60]) if m else ("?", message[:60])
-            cost[key] += 1
-            where.setdefault(key, set()).add(name)
+            if r["outcome"] == "typed" and r["detail"].startswith("UNSUPPORTED_OP: "):
+                key = _refused(r["detail"].removeprefix("UNSUPPORTED_OP: "))
+                cost[key] += 1
+                where.setdefault(key, set()).add(name)
     order = list(DTYPES).index
     return [
         (op, why, n, sorted(where[(op, why)], key=order)) for (op, why), n in cost.most_common()
@@ -289,7 +296,17 @@ def render(summaries: dict[str, dict], results_by_dtype: dict[str, list[dict]]) 
     return "\n".join(out)
 
 
+def _pin_hash_seed() -> None:
+    """Run with ``PYTHONHASHSEED`` pinned (re-executing this script when it is not), so that
+    the reference process, which inherits it, draws the same samples (Note [deterministic
+    samples]: some ``sample_inputs`` iterate over sets of strings)."""
+    if os.environ.get("PYTHONHASHSEED", "random") == "random":
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 def main() -> int:
+    _pin_hash_seed()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default=os.environ.get("DJINN_ADDRESS"))
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
@@ -328,7 +345,11 @@ def main() -> int:
         "summary": summaries,
         "torch": torch.__version__,
         "max_samples": args.max_samples,
-        "reference_seconds": round(reference_s, 1),
+        "reference": {
+            "seconds": round(reference_s, 1),
+            "djinn_imported": reference["djinn_imported"],
+            "hash_seed": reference["hash_seed"],
+        },
         "refused_ops": [
             {"op": o, "why": w, "failures": n, "dtypes": d} for o, w, n, d in refused_ops(results)
         ],

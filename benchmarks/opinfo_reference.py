@@ -19,6 +19,9 @@ Note [deterministic samples]: both processes must draw the same samples. The CPU
 generator (and Python's and NumPy's) are seeded before ``sample_inputs`` and restored
 around every sample handed out, so the random draws of a sample never depend on what ran
 between samples (an eager call here, a remote call and djinn's own bookkeeping there).
+Both processes also need the same ``PYTHONHASHSEED``: some ``sample_inputs`` iterate over
+sets of strings (meshgrid's ``{'xy', 'ij'}``), whose order, and so which sample draws
+which random values, follows the string hash. ``opinfo_coverage.py`` pins it.
 
 This module must never import djinn, at module level or anywhere else; the coverage
 script imports it for ``iter_samples``, ``select_ops`` and ``digest``.
@@ -167,6 +170,7 @@ def build(dtypes: list[str], max_samples: int, names: str = "", limit: int = 0) 
         "sample_seed": SAMPLE_SEED,
         "op_seed": OP_SEED,
         "filter": {"ops": names, "limit": limit},
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
         "djinn_imported": any(m == "djinn" or m.startswith("djinn.") for m in sys.modules),
         "ops": ops,
     }
