@@ -71,7 +71,7 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     from djinn.protocol.fingerprint import model_fingerprint
 
     from . import weights
-    from .models import build, import_class, sanitize_config
+    from .models import build, check_build_size, import_class, sanitize_config
 
     body = frame.body
     fp = body.get("fingerprint")
@@ -125,6 +125,7 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
                 tensors = {n: s.tensor(h) for n, h in state.items()}
                 if model_fingerprint(class_path, config_json, tensors.items()) != fp:
                     raise InvalidArgument("fingerprint does not match the uploaded weights")
+            check_build_size(config, len(tensors))  # before any building work
             module = build(cls, config, tensors, w.device.torch_device)
             entry = w.models.add(fp, str(body.get("name", cls.__name__))[:128], module)
     finally:

@@ -81,13 +81,44 @@ def import_class(path: Any, allowlist: list[str]) -> type:
 _IMPLEMENTATIONS = {None, "eager", "sdpa"}
 
 
-def sanitize_config(config: dict[str, Any]) -> dict[str, Any]:
+def sanitize_config(config: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+    """Refuse configs that pick code: at any depth, since composite configs (a vision
+    encoder's, a text decoder's) are dicts inside the top-level one (issue 17 §7)."""
+    if not isinstance(config, dict):
+        raise AttributeError("config is not an object")
+    if depth > 8:
+        raise InvalidArgument("config nested too deeply")
     if config.get("auto_map") or config.get("trust_remote_code"):
         raise UnsupportedOp("configs with auto_map or remote code are not accepted")
     for key, value in config.items():
-        if key.endswith("_implementation") and value not in _IMPLEMENTATIONS:
+        if str(key).endswith("_implementation") and value not in _IMPLEMENTATIONS:
             raise UnsupportedOp(f"config {key}={value!r} is not accepted (eager or sdpa)")
+        if isinstance(value, dict):
+            sanitize_config(value, depth + 1)
     return config
+
+
+# Config keys that say how many times a block is built. Building happens on meta (no
+# memory), but each block is Python objects: n_layer=3000 took 17 s of the worker.
+_REPEATS = ("layer", "depth", "blocks")
+MAX_REPEATS = 1024
+
+
+def check_build_size(config: dict[str, Any], weights: int, depth: int = 0) -> None:
+    """Refuse, before building, a config that repeats a block more often than the weights
+    sent with it could fill: every layer of a model has at least one weight tensor."""
+    for key, value in config.items():
+        if isinstance(value, dict) and depth < 8:
+            check_build_size(value, weights, depth + 1)
+        elif (
+            type(value) is int
+            and any(word in str(key).lower() for word in _REPEATS)
+            and value > min(MAX_REPEATS, max(weights, 1))
+        ):
+            raise InvalidArgument(
+                f"config {key}={value} builds more layers than the {weights} weight "
+                f"tensors sent could fill (at most {MAX_REPEATS})"
+            )
 
 
 def build(cls: type, config: Any, state: dict[str, torch.Tensor], device: torch.device):

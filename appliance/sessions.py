@@ -21,6 +21,8 @@ import torch
 from djinn.errors import InvalidArgument, NotFound
 from djinn.transport.framing import FrameReader
 
+from .outbox import Outbox
+
 OPEN, EXPIRED, CLOSED = "open", "expired", "closed"
 
 
@@ -50,6 +52,7 @@ class WorkerSession:
     pending_release: list[int] = field(default_factory=list)
     # receive slabs of the frame being read, by segment: Note [receive slabs] (worker.py)
     frame_slabs: dict[int, int] = field(default_factory=dict)
+    frame_private: int = 0  # inline payload bytes of that frame, charged to the stack
     objects: dict[str, Any] = field(default_factory=dict)  # remote objects (KV caches...)
     object_ids: dict[int, str] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)  # fingerprints this session registered
@@ -57,6 +60,8 @@ class WorkerSession:
     data_bytes: int = 0
     requests: int = 0
     phase: str = "unknown"
+    outbox: Outbox = field(default_factory=Outbox)  # Note [slow readers] (outbox.py)
+    arena_bytes: int = 0  # arena slabs held (leases, handles, receive and reply slabs)
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()

@@ -39,7 +39,11 @@ log = logging.getLogger("djinn.appliance.supervisor")
 
 TICK_S = 0.1  # worker liveness and timer granularity: a dead worker is seen within this
 PREAUTH_TIMEOUT_S = 10.0  # a connection must send HELLO within this
-MAX_PREAUTH_CONNECTIONS = 256  # unauthenticated TCP connections at once; more are refused
+MAX_PREAUTH_CONNECTIONS = 256  # unauthenticated TCP connections at once (Note [pre-auth])
+MAX_PREAUTH_PER_ADDRESS = 16
+# The supervisor serves everyone from one thread: a client that does not read its reply
+# (a stats document, an error) gets this long, not framing's 30 s.
+WRITE_TIMEOUT_S = 2.0  # ... from one source address
 PREAUTH_BUFFER = 4096  # read buffer per connection: frames here are tiny
 ACCEPT_PAUSE_S = 0.5  # out of file descriptors: stop accepting for this long
 ACCEPT_BATCH = 64  # connections accepted per wake-up of a listening socket
@@ -57,6 +61,7 @@ class ClientConn:
     authenticated: bool = False
     accepted: float = field(default_factory=time.monotonic)
     waiting_open: tuple[int, float] | None = None  # (request id, deadline)
+    host: str = ""  # TCP source address (Note [pre-auth])
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -235,13 +240,8 @@ class Supervisor:
                     self.sel.unregister(listener)
             self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
             return False
-        if (
-            not via_unix
-            and sum(not (c.authenticated or c.via_unix) for c in self.conns.values())
-            >= MAX_PREAUTH_CONNECTIONS
-        ):
-            sock.close()  # a network flood gets nothing; local (uid-checked) peers still do
-            return True
+        if not via_unix:
+            self._admit_preauth(addr[0])
         sock.setblocking(False)
         if via_unix:
             pid, uid, _gid = listeners.peer_credentials(sock)
@@ -254,10 +254,31 @@ class Supervisor:
             peer = f"tcp:{addr[0]}:{addr[1]}"
         # No supervisor request carries a payload: refuse one on the header alone.
         reader = FrameReader(sock, authenticated=False, max_payload=0, buffer_size=PREAUTH_BUFFER)
-        conn = ClientConn(sock, reader, peer, via_unix)
+        conn = ClientConn(sock, reader, peer, via_unix, host="" if via_unix else addr[0])
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, ("conn", conn))
         return True
+
+    def _admit_preauth(self, host: str) -> None:
+        """Note [pre-auth]: connections that have not sent HELLO yet cost the appliance a
+        descriptor and a buffer, so they are capped, and the cap must not be a way to
+        lock real clients out. A new connection is always accepted; when its source
+        address already holds MAX_PREAUTH_PER_ADDRESS unauthenticated connections, or
+        all addresses together hold MAX_PREAUTH_CONNECTIONS, the *oldest* of them (of
+        that address first) makes room. A real client sends HELLO within milliseconds of
+        connecting and is authenticated long before it is the oldest; idle connections
+        age out first, and a flood from one address only ever evicts its own.
+        Authenticated and Unix (uid-checked) connections never count."""
+        waiting = [c for c in self.conns.values() if not (c.authenticated or c.via_unix)]
+        same = [c for c in waiting if c.host == host]
+        if len(same) >= MAX_PREAUTH_PER_ADDRESS:
+            pool = same
+        elif len(waiting) >= MAX_PREAUTH_CONNECTIONS:
+            pool = waiting
+        else:
+            return
+        oldest = min(pool, key=lambda c: c.accepted)
+        self._fail(oldest, 0, AuthFailed("no HELLO yet, and a newer connection needs the slot"))
 
     def _reject(self, sock: socket.socket, exc: DjinnError) -> None:
         with contextlib.suppress(OSError):
@@ -273,7 +294,7 @@ class Supervisor:
 
     def _fail(self, conn: ClientConn, rid: int, exc: DjinnError, *, close: bool = True) -> None:
         try:
-            send_buffers(conn.sock, [encode_error(rid, exc.code, exc.message)])
+            send_buffers(conn.sock, [encode_error(rid, exc.code, exc.message)], WRITE_TIMEOUT_S)
         except OSError:
             close = True
         conn.waiting_open = None
@@ -331,7 +352,7 @@ class Supervisor:
 
     def _reply(self, conn: ClientConn, rid: int, body: dict[str, Any]) -> None:
         try:
-            send_buffers(conn.sock, encode_frame(Kind.REPLY, rid, body))
+            send_buffers(conn.sock, encode_frame(Kind.REPLY, rid, body), WRITE_TIMEOUT_S)
         except OSError:
             self._close(conn)
 
@@ -390,8 +411,14 @@ class Supervisor:
             if msg.get("pinned"):
                 self.arena_pinned = True
             log.info("worker %d ready on %s (pid %s)", w.id, w.device_name, w.pid)
+        elif op == "stats_part":  # Note [stats in parts] (worker.py)
+            w.stats_parts.append(msg.get("sessions", []))
         elif op == "stats":
-            w.stats = msg
+            parts, w.stats_parts = w.stats_parts, []
+            if len(parts) == msg.get("parts", 0):
+                msg["sessions"] = [row for part in parts for row in part]
+                w.stats = msg
+            # else: a part was lost (the worker skipped a push): keep the previous stats
         elif op == "failed":
             w.last_error = str(msg.get("error", ""))[:500]
 

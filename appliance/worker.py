@@ -6,14 +6,15 @@ loop over the control channel and every session connection the supervisor hands 
 (passed as file descriptors, so requests then go client <-> worker with no relay).
 
 Single-threaded on purpose: one device executes one request at a time anyway, and the
-loop never blocks on a slow client except while writing a reply (bounded by
-``framing``'s write timeout).
+loop never blocks on a client: replies a slow reader does not take at once wait in the
+session's outbox and are continued from the loop (Note [slow readers], outbox.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import selectors
@@ -32,7 +33,7 @@ from djinn.errors import (
 )
 from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
 from djinn.transport.arena import ArenaMapping
-from djinn.transport.framing import FrameReader, PeerClosed, default_sink, send_buffers
+from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
 from . import control
 from .executor.device import open_device
@@ -47,6 +48,7 @@ log = logging.getLogger("djinn.appliance.worker")
 
 LOOP_TICK_S = 0.1  # lease sweep and stats push granularity
 STATS_PUSH_S = 0.1  # stats freshness when only byte counts changed
+STATS_PART_SESSIONS = 200  # session rows per stats datagram (Note [stats in parts])
 MAX_INLINE_FRAME = 256 << 20  # payload bytes one frame may make the worker buffer privately
 
 
@@ -93,10 +95,12 @@ class Worker:
         return 0
 
     def step(self) -> bool:
-        for key, _ in self.sel.select(LOOP_TICK_S):
+        for key, events in self.sel.select(LOOP_TICK_S):
             if key.data is None:
                 if not self.on_control():
                     return False
+            elif events & selectors.EVENT_WRITE:
+                self.on_writable(key.data)
             else:
                 self.serve(key.data)
         self.sweep()
@@ -154,6 +158,7 @@ class Worker:
 
     def end_session(self, s: WorkerSession, state: str) -> None:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
+        s.outbox.clear()  # drop reply bytes before the memory they view is freed
         self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
         if s.state == OPEN:
             for fp in s.models:
@@ -174,6 +179,12 @@ class Worker:
     def sweep(self) -> None:
         now = time.monotonic()
         for s in list(self.sessions.values()):
+            if s.outbox.stalled(now):
+                log.info("session %s: stopped reading its reply; closing it", s.id)
+                self.end_session(s, CLOSED)
+                continue
+            if s.outbox:
+                continue  # the client is reading a reply: it cannot heartbeat meanwhile
             if s.state == OPEN and now - self.busy_until > s.lease_s and s.expired(now):
                 log.info("session %s: lease expired after %.1fs", s.id, now - s.last_seen)
                 self.end_session(s, EXPIRED)
@@ -201,17 +212,26 @@ class Worker:
         private = sum(lengths)
         if private > MAX_INLINE_FRAME:
             raise FrameTooLarge(f"{private} inline payload bytes; send bulk tensors with PUT")
+        if private:
+            # Inline payload is worker memory for as long as the frame is being received
+            # (a client may send half of it and stop): the stack segment pays for it.
+            self.store.vmu["stack"].reserve(private)
+            s.frame_private = private
         return default_sink(header, body, lengths)
 
     def free_frame_slabs(self, s: WorkerSession) -> None:
-        """Give back the receive slabs of ``s``'s current frame that no handle adopted."""
+        """Give back the receive slabs of ``s``'s current frame that no handle adopted, and
+        the stack bytes its inline payload was charged."""
         for off in s.frame_slabs.values():
             self.store.slabs.free(off)
         s.frame_slabs.clear()
+        if s.frame_private:
+            self.store.vmu["stack"].release(s.frame_private)
+            s.frame_private = 0
 
     def serve(self, s: WorkerSession) -> None:
         s.touch()  # bytes arriving prove the client alive, even mid-way through a long upload
-        while s.sock.fileno() >= 0:
+        while s.sock.fileno() >= 0 and not s.outbox:  # replies go out in order first
             try:
                 frame = s.reader.poll()
             except PeerClosed:
@@ -290,16 +310,36 @@ class Worker:
             self.store.charge_objects(s)
 
     def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
-        try:
-            send_buffers(s.sock, encode_frame(Kind.REPLY, rid, body, segments))
-        except (PeerClosed, OSError):
-            self.end_session(s, CLOSED)
+        self.send(s, encode_frame(Kind.REPLY, rid, body, segments))
 
     def send_error(self, s: WorkerSession, rid: int, exc: DjinnError) -> None:
+        self.send(s, [encode_error(rid, exc.code, exc.message)])
+
+    def send(self, s: WorkerSession, buffers: list) -> None:
+        """Write what the socket takes now; the rest waits for the loop (Note [slow
+        readers])."""
+        if s.sock.fileno() < 0:
+            return
+        s.outbox.add(buffers)
         try:
-            send_buffers(s.sock, [encode_error(rid, exc.code, exc.message)])
-        except (PeerClosed, OSError):
+            done = s.outbox.flush(s.sock)
+        except OSError:
             self.end_session(s, CLOSED)
+            return
+        if not done:
+            self.sel.modify(s.sock, selectors.EVENT_WRITE, s)
+
+    def on_writable(self, s: WorkerSession) -> None:
+        try:
+            done = s.outbox.flush(s.sock)
+        except OSError:
+            self.end_session(s, CLOSED)
+            return
+        s.touch()
+        if done:
+            self.sel.modify(s.sock, selectors.EVENT_READ, s)
+            if s.reader.buffered():
+                self.serve(s)  # requests pipelined behind the reply are already here
 
     # -- stats and shutdown -------------------------------------------------------------
     def push_stats(self, force: bool = False) -> None:
@@ -310,18 +350,28 @@ class Worker:
             return
         self._last_push = now
         self._dirty = False
+        sessions = [s.stats(now) for s in self.sessions.values() if s.state == OPEN]
         msg = {
             "op": "stats",
-            "sessions": [s.stats(now) for s in self.sessions.values() if s.state == OPEN],
             "vmu": self.store.vmu.stats(),
             "arena": self.store.slabs.stats(),
             "requests": self.requests.snapshot(),
             "models": self.models.stats(),
         }
         try:
-            control.send(self.ctl, msg)
-        except OSError:
-            self.stopping = True
+            # Note [stats in parts]: one datagram holds at most ~200 KB (the socket's send
+            # buffer), about 800 sessions' rows. Rows go first in parts of
+            # STATS_PART_SESSIONS; the closing "stats" message tells how many to expect.
+            parts = range(0, len(sessions), STATS_PART_SESSIONS)
+            for i in parts:
+                rows = sessions[i : i + STATS_PART_SESSIONS]
+                control.send(self.ctl, {"op": "stats_part", "sessions": rows})
+            control.send(self.ctl, {**msg, "parts": len(parts)})
+        except OSError as exc:
+            if exc.errno in (errno.EMSGSIZE, errno.ENOBUFS, errno.EAGAIN):
+                log.warning("worker %s: stats not sent (%s)", self.id, exc)  # next push
+                return
+            self.stopping = True  # the supervisor is gone
 
     def drain(self) -> None:
         for s in list(self.sessions.values()):

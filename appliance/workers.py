@@ -37,6 +37,7 @@ class WorkerHandle:
     pid: int | None = None
     last_error: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
+    stats_parts: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def start(self) -> None:
         parent, child = control.pair()
@@ -59,6 +60,7 @@ class WorkerHandle:
         self.started_at = time.monotonic()
         self.restart_at = None
         self.stats = {}
+        self.stats_parts = []
         control.send(parent, self.init)
 
     def mark_dead(self, backoff_max: float) -> None:

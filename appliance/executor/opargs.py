@@ -56,6 +56,7 @@ class Param:
     kwarg_only: bool
     has_default: bool
     default: Any
+    aliased: bool = False  # Tensor(a) / Tensor(a!): a view or an in-place target
 
 
 @functools.cache
@@ -101,6 +102,7 @@ def _param(op_name: str, name: str, ty: Any, jit: Any) -> Param:
         jit.kwarg_only,
         has_default,
         jit.default_value if has_default else None,
+        jit.alias_info is not None,
     )
 
 
@@ -141,6 +143,8 @@ def _check(op_name: str, p: Param, value: Any, device: torch.device) -> None:
     if value is None and (p.optional or p.list_optional):
         return
     if not p.is_list:
+        if p.aliased and not isinstance(value, torch.Tensor):
+            raise InvalidArgument(f"{where} must be a tensor (it is written or viewed)")
         _CHECKS[p.base](where, value, device)
         return
     if p.base in ("int", "SymInt") and type(value) is int:

@@ -10,6 +10,11 @@ from djinn.errors import ConfigError, Unavailable
 from djinn.transport.framing import BUFFER_SIZE
 
 CONNECT_TIMEOUT_S = 10.0
+# Note [client timeouts]: a client socket never blocks forever. A reply that has not
+# progressed for this long (no byte arrived, or none could be sent) means the appliance
+# or the path to it is gone, and the call fails with WORKER_LOST instead of hanging. It
+# is long because one request may legitimately run for minutes on a busy worker.
+IO_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,9 @@ class Address:
     def __str__(self) -> str:
         return f"unix://{self.path}" if self.is_unix else f"tcp://{self.host}:{self.port}"
 
-    def open(self) -> socket.socket:
-        """A connected, blocking socket (TCP_NODELAY on)."""
+    def open(self, io_timeout: float = IO_TIMEOUT_S) -> socket.socket:
+        """A connected, blocking socket (TCP_NODELAY on) whose reads and writes give up
+        after ``io_timeout`` seconds without progress (Note [client timeouts])."""
         try:
             if self.is_unix:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -40,7 +46,7 @@ class Address:
                     sock.setsockopt(socket.SOL_SOCKET, opt, 4 * BUFFER_SIZE)
         except OSError as exc:
             raise Unavailable(f"cannot reach the appliance at {self}: {exc}") from None
-        sock.settimeout(None)
+        sock.settimeout(io_timeout)
         return sock
 
 

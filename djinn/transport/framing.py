@@ -9,6 +9,7 @@ client's tensor bytes land in an arena slab with no intermediate copy.
 
 from __future__ import annotations
 
+import selectors
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -206,8 +207,17 @@ class FrameReader:
         return True
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Write every buffer, in order, with as few syscalls as the kernel allows."""
+WRITE_TIMEOUT_S = 30.0  # a peer that takes no byte of a reply for this long is gone
+
+
+def send_buffers(
+    sock: socket.socket, buffers: Sequence[bytes | memoryview], timeout: float = WRITE_TIMEOUT_S
+) -> None:
+    """Write every buffer, in order, with as few syscalls as the kernel allows.
+
+    On a non-blocking socket this waits (``poll``, so any descriptor number works) up to
+    ``timeout`` for room each time the kernel's buffer is full; a socket with its own
+    timeout raises ``TimeoutError`` from ``sendmsg`` itself."""
     views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b))]
     while views:
         try:
@@ -215,7 +225,7 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
         except InterruptedError:
             continue
         except BlockingIOError:
-            _wait_writable(sock)
+            _wait_writable(sock, timeout)
             continue
         while sent:
             if sent >= len(views[0]):
@@ -226,9 +236,10 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
                 sent = 0
 
 
-def _wait_writable(sock: socket.socket, timeout: float = 30.0) -> None:
-    import select
-
-    _, writable, _ = select.select([], [sock], [], timeout)
-    if not writable:
-        raise PeerClosed("peer stopped reading for 30 s")
+def _wait_writable(sock: socket.socket, timeout: float = WRITE_TIMEOUT_S) -> None:
+    # select.select() refuses descriptors >= FD_SETSIZE (1024), which a busy appliance
+    # reaches; a selector (epoll/poll) has no such limit.
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_WRITE)
+        if not sel.select(timeout):
+            raise PeerClosed(f"peer stopped reading for {timeout:.0f} s")
