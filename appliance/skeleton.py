@@ -18,8 +18,7 @@ import torch
 from djinn.errors import InvalidArgument, NotFound, ResourceExhausted
 from djinn.protocol.graph import MAX_DEPTH
 from djinn.protocol.tensors import describe
-
-from .executor.graph import decode_constant, inline_tensor
+from djinn.protocol.values import decode_constant, inline_tensor
 
 if TYPE_CHECKING:
     from .sessions import WorkerSession

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from djinn.errors import ExecutionError, InvalidArgument, ResourceExhausted, UnsupportedOp
-from djinn.protocol.graph import LAYOUTS, MAX_DEPTH, MAX_NODES, MEMORY_FORMATS, parse_op_name
-from djinn.protocol.tensors import from_wire, parse_dtype
+from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
+from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
 from . import metacheck, opargs, opchecks, oppolicy
@@ -230,40 +230,6 @@ class GraphRun:
         if found:
             return value
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
-
-
-def decode_constant(x: dict[str, Any], device: torch.device) -> tuple[bool, Any]:
-    """A one-key tagged constant (``{"$dtype": ...}``...) -> (True, value); a plain dict
-    -> (False, None); an unknown ``$`` tag -> INVALID_ARGUMENT."""
-    if len(x) == 1:
-        ((tag, value),) = x.items()
-        if tag == "$dtype":
-            return True, parse_dtype(value)
-        if tag == "$device":
-            return True, device  # every device the client names is this worker's
-        if tag == "$mf" and value in MEMORY_FORMATS:
-            return True, getattr(torch, value)
-        if tag == "$layout" and value in LAYOUTS:
-            return True, getattr(torch, value)
-        if tag == "$float" and value in ("inf", "-inf", "nan"):
-            return True, float(value)
-        if tag == "$complex" and isinstance(value, list) and len(value) == 2:
-            return True, complex(float(value[0]), float(value[1]))
-    if any(isinstance(k, str) and k.startswith("$") for k in x):
-        raise InvalidArgument(f"unknown tagged constant {sorted(x)!r}")
-    return False, None
-
-
-def inline_tensor(x: dict[str, Any], segments: list[memoryview], device: torch.device) -> Any:
-    k = x["$t"]
-    if type(k) is not int or not 0 <= k < len(segments):
-        raise InvalidArgument(f"no payload segment {k!r}")
-    seg = segments[k]
-    raw = (
-        torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
-    )
-    t = from_wire(x.get("desc"), raw)
-    return t if x.get("host") is True else t.to(device)
 
 
 def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:

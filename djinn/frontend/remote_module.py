@@ -28,7 +28,8 @@ import torch
 
 from djinn.errors import InvalidArgument, UnsupportedOp
 from djinn.protocol.frames import Kind
-from djinn.protocol.tensors import dtype_name
+from djinn.protocol.tensors import to_wire
+from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
 from .device import is_remote
@@ -225,32 +226,24 @@ def move(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 def _encode(x: Any, inline: list[torch.Tensor]) -> Any:
     from .lazy import LazyTensor
 
-    if isinstance(x, LazyTensor):
-        return {"$h": _handle_of(x).handle}
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise UnsupportedOp(f"cannot send a {x.device} tensor to the appliance")
-        from djinn.protocol.tensors import to_wire
+    def leaf(v: Any) -> Any:
+        if isinstance(v, LazyTensor):
+            return {"$h": _handle_of(v).handle}
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "cpu":
+                raise UnsupportedOp(f"cannot send a {v.device} tensor to the appliance")
+            inline.append(v.detach())
+            return {"$t": len(inline) - 1, "desc": to_wire(v.detach())[0]}
+        if isinstance(v, RemoteObject):
+            return {"$o": v.oid}
+        if isinstance(v, RemoteTensor):
+            return {"$h": v.handle}
+        return NOT_A_CONSTANT
 
-        inline.append(x.detach())
-        return {"$t": len(inline) - 1, "desc": to_wire(x.detach())[0]}
-    if isinstance(x, RemoteObject):
-        return {"$o": x.oid}
-    if isinstance(x, RemoteTensor):
-        return {"$h": x.handle}
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, tuple):
-        return {"$tuple": [_encode(v, inline) for v in x]}
-    if isinstance(x, list):
-        return [_encode(v, inline) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _encode(v, inline) for k, v in x.items()}
-    if isinstance(x, torch.dtype):
-        return {"$dtype": dtype_name(x)}
-    if isinstance(x, torch.device):
-        return {"$device": str(x)}
-    raise InvalidArgument(f"cannot pass a {type(x).__name__} to a remote model")
+    try:
+        return encode(x, leaf, tuples=True)
+    except UnsupportedOp as exc:
+        raise InvalidArgument(f"cannot pass it to a remote model: {exc.message}") from None
 
 
 def _handle_of(x: Any) -> RemoteTensor:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import DjinnError, ExecutionError, UnsupportedOp
-from djinn.protocol.graph import encode_float
-from djinn.protocol.tensors import dtype_name, to_wire
+from djinn.errors import DjinnError, ExecutionError
+from djinn.protocol.tensors import to_wire
+from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
 if TYPE_CHECKING:
@@ -213,31 +213,16 @@ class _Encoder:
         del self.inline[mark:]
 
     def value(self, x: Any) -> Any:
+        return encode(x, self._leaf)
+
+    def _leaf(self, x: Any) -> Any:
         if isinstance(x, (Pending, RemoteTensor)):
             return self.ref(x)
-        if x is None or isinstance(x, (bool, int, str)):
-            return x
-        if isinstance(x, float):
-            return encode_float(x)
-        if isinstance(x, (list, tuple)):
-            return [self.value(v) for v in x]
         if isinstance(x, torch.Tensor):
             return self.tensor(x)
         if isinstance(x, HostTensor):
             return {**self.tensor(x.tensor), "host": True}
-        if isinstance(x, torch.dtype):
-            return {"$dtype": dtype_name(x)}
-        if isinstance(x, torch.device):
-            return {"$device": str(x)}
-        if isinstance(x, torch.memory_format):
-            return {"$mf": str(x).removeprefix("torch.")}
-        if isinstance(x, torch.layout):
-            return {"$layout": str(x).removeprefix("torch.")}
-        if isinstance(x, complex):
-            return {"$complex": [x.real, x.imag]}
-        if isinstance(x, dict):
-            return {k: self.value(v) for k, v in x.items()}
-        raise UnsupportedOp(f"cannot send a {type(x).__name__} argument to the appliance")
+        return NOT_A_CONSTANT
 
     def node(self, n: Node) -> dict[str, Any]:
         out: dict[str, Any] = {"op": n.name, "args": self.value(n.args)}
