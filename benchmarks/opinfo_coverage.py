@@ -10,6 +10,9 @@ samples match. Failures are classified:
   in a clean process but refuses after ``import djinn`` (djinn changed local PyTorch);
 - ``wrong``: a result that differs from eager. This must stay at zero.
 
+After a failure an unrelated op runs: if it fails, the failure *leaked* (issue 8 §2) and
+is reported with the op that caused it rather than charged to the next op.
+
 An op is *skipped* only when eager refuses every sample in a process that never imported
 djinn: ``opinfo_reference.py`` works that out in a subprocess first (issue 8 §4) and this
 run tries exactly the samples it accepted, in the same order, checked by fingerprint.
@@ -208,6 +211,17 @@ def run_op(opinfo: Any, dtype: torch.dtype, ref: dict[str, Any]) -> tuple[str, s
     return "pass", "", tried
 
 
+def leaked_failure() -> str:
+    """Issue 8 §2: a failure leaves every independent tensor usable. Run after an op
+    failed: an unrelated op that fails now got the failed op's leftovers. The failure it
+    raises (empty: none) is reported against the op that left them, and no later op pays."""
+    try:
+        got = (torch.ones(2, device=R) + 1).cpu()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return "" if torch.equal(got, torch.full((2,), 2.0)) else f"wrong value {got}"
+
+
 def run_dtype(name: str, reference: dict[str, Any], ops: str = "", limit: int = 0) -> list[dict]:
     dtype = DTYPES[name]
     refs = reference["ops"][name]
@@ -216,9 +230,10 @@ def run_dtype(name: str, reference: dict[str, Any], ops: str = "", limit: int = 
     selected = [o for o in select_ops(dtype, ops, limit) if o.full_name in refs]
     for i, opinfo in enumerate(selected):
         outcome, detail, tried = run_op(opinfo, dtype, refs[opinfo.full_name])
-        results.append(
-            {"op": opinfo.full_name, "outcome": outcome, "detail": detail, "samples": tried}
-        )
+        r = {"op": opinfo.full_name, "outcome": outcome, "detail": detail, "samples": tried}
+        if outcome in ("typed", "error", "wrong") and (leak := leaked_failure()):
+            r["leaked"] = leak
+        results.append(r)
         if (i + 1) % 100 == 0:
             elapsed = time.perf_counter() - start
             print(f"  {name}: {i + 1}/{len(selected)} ops, {elapsed:.0f}s", file=sys.stderr)
@@ -238,6 +253,7 @@ def summarise(results: list[dict], seconds: float = 0.0) -> dict[str, Any]:
         "typed_failures": counts["typed"],
         "untyped_errors": counts["error"],
         "wrong_results": counts["wrong"],
+        "leaking_failures": sum(1 for r in results if r.get("leaked")),
         "seconds": round(seconds, 1),
     }
 
@@ -276,17 +292,19 @@ def render(summaries: dict[str, dict], results_by_dtype: dict[str, list[dict]]) 
         out.append(f"\n### {name}\n")
         out.append(
             "| ops tried | passed | pass rate | typed failures | untyped errors | wrong results "
-            "| skipped (clean eager refuses) |"
+            "| failures leaking into the next op | skipped (clean eager refuses) |"
         )
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|")
         out.append(
             f"| {s['ops_tried']} | {s['ops_passed']} | {100 * s['pass_rate']:.1f}% "
             f"| {s['typed_failures']} | {s['untyped_errors']} | {s['wrong_results']} "
-            f"| {s['skipped']} |\n"
+            f"| {s['leaking_failures']} | {s['skipped']} |\n"
         )
         for r in results_by_dtype[name]:
             if r["outcome"] not in ("pass", "skipped"):
                 out.append(f"- {r['outcome']:5s} {r['op']}: {r['detail']}")
+                if r.get("leaked"):
+                    out.append(f"  - and the next unrelated op failed: {r['leaked']}")
     refused = refused_ops(results_by_dtype)
     if refused:
         out.append("\n### Refused ops (UNSUPPORTED_OP), by OpInfo failures they cause\n")

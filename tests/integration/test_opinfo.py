@@ -27,6 +27,10 @@ MAX_SAMPLES = 2
 # measured with 2 samples per op: 642/672 (95.5 %) on torch 2.13 CPU; never below the
 # 85 % this test started at
 FLOOR = 0.93
+# A known frontend defect, reported: an in-place op that changes a tensor's shape
+# (squeeze_, transpose_, resize_) is refused after it was recorded, so the next flush sends
+# it and an unrelated op fails. Any other failure that leaks into the next op fails here.
+KNOWN_LEAK = "changes the shape of a remote tensor in place"
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +61,9 @@ def test_opinfo_ops_match_eager_and_failures_are_typed(report):
     assert not by.get("wrong"), by["wrong"]  # never a silently wrong number
     assert not by.get("error"), by["error"]  # every failure is a typed DjinnError
     assert summary["pass_rate"] >= FLOOR, (summary, by.get("typed"))
+    # issue 8 §2: a failure leaves the next, unrelated op alone
+    leaks = [r for r in results if r.get("leaked") and KNOWN_LEAK not in r["detail"]]
+    assert not leaks, leaks
 
 
 def test_sample_generation_is_deterministic():
