@@ -71,7 +71,6 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     content hash, how the model's names map onto theirs, and the buffers the model builds
     (the appliance verifies all three). Nothing is loaded if the model is cached."""
     from djinn.protocol.fingerprint import model_fingerprint
-    from djinn.protocol.frames import Kind
 
     from . import remote_module
 
@@ -100,16 +99,16 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
         "config_json": config_json,
         "name": type(model).__name__,
     }
-    reply = session._call(Kind.REGISTER, body).body
+    reply = session.register_model(body)
     loaded = not reply["cached"]
     if loaded:
         handles = {}
         for name, r in zip(local, session.put_many(list(local.values())), strict=True):
             r._finalizer.detach()  # the appliance takes it over
             handles[name] = r.handle
-        reply = session._call(
-            Kind.REGISTER, {**body, "path": path, "name_map": name_map, "buffers": handles}
-        ).body
+        reply = session.register_model(
+            {**body, "path": path, "name_map": name_map, "buffers": handles}
+        )
     torch.nn.Module.to(model, "meta")
     info = {"fingerprint": fp, "uploaded": False, "loaded_on_appliance": loaded, **reply}
     model._djinn = remote_module._RemoteBinding(fp, session, device, info)

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from djinn.errors import InvalidArgument, UnsupportedOp
-from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
@@ -152,12 +151,12 @@ def register(module: torch.nn.Module, session: Any) -> dict[str, Any]:
         "config_json": _config_json(module),
         "name": type(module).__name__,
     }
-    reply = session._call(Kind.REGISTER, body).body
+    reply = session.register_model(body)
     uploaded = False
     if not reply["cached"]:
         # the appliance takes the uploaded handles over (or drops them if it refuses)
         handles = _upload(session, _state(module))
-        reply = session._call(Kind.REGISTER, {**body, "state": handles}).body
+        reply = session.register_model({**body, "state": handles})
         uploaded = True
     log.info(
         "registered %s (%s): %s",
@@ -327,5 +326,5 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     from djinn.protocol.tensors import to_wire
 
     segments = [memoryview(to_wire(t)[1].numpy()) for t in inline]
-    reply = binding.session._call(Kind.CALL, body, segments).body
+    reply = binding.session.call_model(body, segments)
     return _decode(reply["out"], binding.session)

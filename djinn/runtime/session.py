@@ -104,6 +104,16 @@ class Session:
             except DjinnError:
                 return  # the next real call reports what happened
 
+    # -- the model path (docs/protocol.md: REGISTER, CALL) -----------------------------------
+    def register_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Offer a model by fingerprint (REGISTER); the reply says whether the appliance
+        already has it (``cached``) or wants its weights in a second REGISTER."""
+        return self._call(Kind.REGISTER, body).body
+
+    def call_model(self, body: dict[str, Any], segments: Sequence = ()) -> dict[str, Any]:
+        """Call a registered model (CALL); ``segments`` carry the inline tensors."""
+        return self._call(Kind.CALL, body, segments).body
+
     def memory_allocated(self) -> int:
         """Bytes this session holds on the appliance now (tensors, KV caches)."""
         return int(self._call(Kind.HEARTBEAT).body.get("bytes", 0))
