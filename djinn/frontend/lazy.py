@@ -124,6 +124,9 @@ class LazyTensor(torch.Tensor):
     def __reduce_ex__(self, proto: Any) -> Any:
         # as a CUDA tensor pickles: its bytes, fetched, with its device recorded
         # (serialization.py says how torch.load brings it back)
+        if getattr(self, "_is_param", False):  # a Parameter stays one
+            data = LazyTensor(spec_of(self), self._ref)
+            return torch._utils._rebuild_parameter, (data, self.requires_grad, {})
         data = fetch(self).detach()
         rebuild = torch._utils._rebuild_device_tensor_from_cpu_tensor
         return rebuild, (data, self.dtype, str(self.device), self.requires_grad)

@@ -1,0 +1,117 @@
+"""``torch.remote_accelerator`` behaves as a CUDA device module would (issue 8 §3,
+issue 15 §2, §5, §6, §8): RNG state, memory figures from the appliance, autocast with
+CUDA's policy, pinned memory, save and load, and `djinn run`'s view of torch.cuda."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+R = "remote_accelerator:0"
+
+
+def test_fork_rng_restores_the_remote_generator(remote):
+    torch.manual_seed(3)
+    with torch.random.fork_rng(device_type="remote_accelerator"):
+        inside = torch.randn(5, device=R).cpu()
+    after = torch.randn(5, device=R).cpu()
+    torch.manual_seed(3)
+    assert torch.equal(inside, after)
+    assert torch.equal(torch.randn(5), inside)  # the same stream as local eager
+
+
+def test_rng_state_round_trips(remote):
+    mod = torch.remote_accelerator
+    state = mod.get_rng_state()
+    a = torch.rand(4, device=R).cpu()
+    mod.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device=R).cpu(), a)
+    mod.manual_seed(11)
+    b = torch.rand(4, device=R).cpu()
+    torch.manual_seed(11)
+    assert torch.equal(torch.rand(4), b)
+    assert mod.initial_seed() == 11
+
+
+def test_memory_figures_come_from_the_appliance(remote):
+    mod = torch.remote_accelerator
+    start = mod.memory_allocated()
+    big = torch.ones(1 << 18, device=R) * 2  # 1 MiB, kept remotely once run
+    held = mod.memory_allocated()
+    assert held - start >= 1 << 20
+    assert mod.max_memory_allocated() >= held
+    free, total = mod.mem_get_info()
+    assert 0 < free <= total
+    del big
+    assert mod.memory_allocated() < held
+
+
+def test_autocast_follows_cudas_policy(remote):
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    rx, rw = x.to(R), w.to(R)
+    with torch.autocast("remote_accelerator", dtype=torch.float16):
+        y = torch.nn.functional.linear(rx, rw)  # lower precision
+        s = torch.softmax(y, dim=-1)  # float32
+        z = rx + 1  # untouched
+    assert (y.dtype, s.dtype, z.dtype) == (torch.float16, torch.float32, torch.float32)
+    want = torch.nn.functional.linear(x.half(), w.half())
+    assert torch.equal(y.cpu(), want)
+    torch.testing.assert_close(s.cpu(), torch.softmax(want.float(), dim=-1))
+    with torch.autocast("remote_accelerator", dtype=torch.bfloat16):
+        assert (rx @ rw.t()).dtype == torch.bfloat16
+
+
+def test_pinned_memory_and_non_blocking_copies(remote):
+    t = torch.arange(12.0).reshape(3, 4)
+    pinned = t.pin_memory()
+    assert pinned.is_pinned() and not t.is_pinned()
+    moved = pinned.to(R, non_blocking=True)
+    pinned.fill_(-1)  # the copy was complete when .to() returned
+    assert torch.equal(moved.cpu(), t)
+
+
+def test_save_and_load_remote_tensors(remote, tmp_path):
+    t = torch.randn(3, 5)
+    r = t.to(R)
+    path = tmp_path / "t.pt"
+    torch.save({"x": r, "p": torch.nn.Parameter(r.clone())}, path)
+    back = torch.load(path)
+    assert back["x"].device.type == "remote_accelerator"
+    assert torch.equal(back["x"].cpu(), t)
+    local = torch.load(path, map_location="cpu")
+    assert local["x"].device.type == "cpu" and torch.equal(local["x"], t)
+    assert isinstance(local["p"], torch.nn.Parameter)
+
+
+def test_djinn_run_answers_torch_cuda_for_the_appliance(appliance, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            x = torch.randn(256, 256).cuda()
+            y = (x @ x).sum()
+            y.item()
+            with torch.autocast("cuda"):
+                h = x @ x
+            print(x.is_cuda, torch.cuda.is_available(), torch.cuda.device_count())
+            print(torch.cuda.memory_allocated() >= 256 * 256 * 4, h.dtype)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env["DJINN_ADDRESS"] = appliance.unix
+    done = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "1", "True", "torch.float16"]
