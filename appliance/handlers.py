@@ -167,7 +167,7 @@ def export(w: Worker, s: WorkerSession, tensors: list[torch.Tensor]) -> Reply:
         if s.via_unix and nbytes > w.inline_max:
             off = w.store.arena_offset(flat)
             if off is None:
-                off = w.store.slabs.alloc(nbytes)
+                off = w.store.slabs.alloc(nbytes, s.id)
                 s.pending_release.append(off)  # until the client lists it in "release"
                 w.store.slab_tensor(off, nbytes).copy_(flat)
             out.append({"desc": desc, "slab": off})

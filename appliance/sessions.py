@@ -61,7 +61,6 @@ class WorkerSession:
     requests: int = 0
     phase: str = "unknown"
     outbox: Outbox = field(default_factory=Outbox)  # Note [slow readers] (outbox.py)
-    arena_bytes: int = 0  # arena slabs held (leases, handles, receive and reply slabs)
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()

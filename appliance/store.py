@@ -7,6 +7,8 @@ is freed when the last handle viewing it is dropped.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from djinn.transport.arena import ArenaMapping
@@ -39,9 +41,11 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 class TensorStore:
-    def __init__(self, arena: ArenaMapping, base: int, size: int, vmu: DeviceVMU) -> None:
+    def __init__(
+        self, arena: ArenaMapping, base: int, size: int, vmu: DeviceVMU, **shares: Any
+    ) -> None:
         self.arena = arena
-        self.slabs = SlabAllocator(base, size)
+        self.slabs = SlabAllocator(base, size, **shares)  # Note [arena shares] (slabs.py)
         self.vmu = vmu
         self._arena_ptr = 0
         if arena.size:
@@ -49,7 +53,7 @@ class TensorStore:
 
     # -- arena slabs ------------------------------------------------------------------
     def lease(self, session: WorkerSession, nbytes: int) -> int:
-        off = self.slabs.alloc(nbytes)
+        off = self.slabs.alloc(nbytes, session.id)
         session.leases[off] = nbytes
         return off
 

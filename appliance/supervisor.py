@@ -125,6 +125,8 @@ class Supervisor:
                 "arena_base": i * share,
                 "arena_share": share,
                 "inline_max": cfg.inline_max_bytes,
+                "arena_session_max": cfg.arena_session_max,
+                "arena_reserve": cfg.arena_reserve,
                 "heartbeat_interval": cfg.heartbeat_interval,
                 "lease_s": cfg.heartbeat_interval * cfg.heartbeat_misses,
                 "cpu_worker_memory": cfg.cpu_worker_memory,
@@ -406,6 +408,7 @@ class Supervisor:
         op = msg.get("op")
         if op == "ready":
             w.ready = True
+            w.ready_at = time.monotonic()
             w.device_name = msg.get("device", w.device)
             w.pid = msg.get("pid", w.pid)
             if msg.get("pinned"):
@@ -425,7 +428,7 @@ class Supervisor:
     def _worker_died(self, w: WorkerHandle) -> None:
         if w.ctl is not None:
             self.sel.unregister(w.ctl)
-        w.mark_dead(self.cfg.restart_backoff_max)
+        w.mark_dead(self.cfg.restart_backoff_max, self.cfg.restart_backoff_reset)
 
     def stats(self) -> dict[str, Any]:
         assert self.arena is not None

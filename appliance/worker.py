@@ -65,7 +65,15 @@ class Worker:
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
         capacity = self.device.capacity(init["workers"])
         vmu = DeviceVMU(capacity, init["text_fraction"], init["data_fraction"])
-        self.store = TensorStore(self.arena, init["arena_base"], init["arena_share"], vmu)
+        self.store = TensorStore(
+            self.arena,
+            init["arena_base"],
+            init["arena_share"],
+            vmu,
+            session_max=init.get("arena_session_max", 1.0),
+            reserve=init.get("arena_reserve", 0.0),
+            sessions=lambda: sum(s.state == OPEN for s in self.sessions.values()),
+        )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
@@ -203,7 +211,7 @@ class Worker:
             targets = []
             for k, n in enumerate(lengths):
                 if n > self.inline_max:
-                    off = self.store.slabs.alloc(n)
+                    off = self.store.slabs.alloc(n, s.id)
                     s.frame_slabs[k] = off
                     targets.append(self.store.arena.slab(off, n))
                 else:

@@ -16,7 +16,6 @@ from . import control
 
 log = logging.getLogger("djinn.appliance.workers")
 
-QUICK_CRASH_S = 10.0  # a worker dying sooner than this counts towards crash-loop back-off
 FIRST_BACKOFF_S = 0.5
 
 
@@ -30,8 +29,10 @@ class WorkerHandle:
     ready: bool = False
     alive: bool = False
     restarts: int = 0
-    quick_crashes: int = 0
+    quick_crashes: int = 0  # deaths since it was last healthy (Note [crash-loop back-off])
+    backoff_s: float = 0.0  # the wait before the current restart
     started_at: float = 0.0
+    ready_at: float | None = None  # when it last reported ready (None: not since start)
     restart_at: float | None = None
     device_name: str = ""
     pid: int | None = None
@@ -58,13 +59,21 @@ class WorkerHandle:
         self.alive = True
         self.ready = False
         self.started_at = time.monotonic()
+        self.ready_at = None
         self.restart_at = None
         self.stats = {}
         self.stats_parts = []
         control.send(parent, self.init)
 
-    def mark_dead(self, backoff_max: float) -> None:
-        """Record the death and schedule a replacement (doubling the wait on crash loops)."""
+    def mark_dead(self, backoff_max: float, reset_after: float = 60.0) -> None:
+        """Record the death and schedule a replacement.
+
+        Note [crash-loop back-off]: each death of a worker that had not yet been healthy
+        (ready) for ``reset_after`` seconds doubles the wait before the next start, up to
+        ``backoff_max``; a worker that *was* healthy that long is forgiven its history,
+        and its replacement starts after the first, short wait. Without the reset, a
+        worker killed now and then (a bad request every half minute) climbed to the
+        maximum wait and stayed there."""
         if not self.alive:
             return
         self.alive = False
@@ -77,18 +86,19 @@ class WorkerHandle:
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None
-        lived = time.monotonic() - self.started_at
-        self.quick_crashes = self.quick_crashes + 1 if lived < QUICK_CRASH_S else 0
-        delay = min(backoff_max, FIRST_BACKOFF_S * 2 ** max(0, self.quick_crashes - 1))
-        self.restart_at = time.monotonic() + delay
+        now = time.monotonic()
+        healthy = self.ready_at is not None and now - self.ready_at >= reset_after
+        self.quick_crashes = 1 if healthy else self.quick_crashes + 1
+        self.backoff_s = min(backoff_max, FIRST_BACKOFF_S * 2 ** (self.quick_crashes - 1))
+        self.restart_at = now + self.backoff_s
         self.stats = {}
         log.warning(
             "worker %d (%s) died (%s) after %.1fs; restarting in %.1fs",
             self.id,
             self.device,
             self.last_error,
-            lived,
-            delay,
+            now - self.started_at,
+            self.backoff_s,
         )
 
     def session_count(self) -> int:
@@ -102,6 +112,7 @@ class WorkerHandle:
             "alive": self.alive,
             "ready": self.ready,
             "restarts": self.restarts,
+            "backoff_s": self.backoff_s,
             "sessions": self.session_count(),
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.alive else 0.0,
             "last_error": self.last_error,

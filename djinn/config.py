@@ -81,6 +81,20 @@ SETTINGS: tuple[Setting, ...] = (
         "bytes",
     ),
     Setting(
+        "arena_session_max",
+        0.5,
+        "Most of a worker's arena share one session may hold at once (fraction). "
+        "Over it, that session's PUT/ALLOC/fetch gets RESOURCE_EXHAUSTED; others don't.",
+        "float",
+    ),
+    Setting(
+        "arena_reserve",
+        0.25,
+        "Fraction of a worker's arena share kept for sessions under their fair share "
+        "(arena / open sessions): sessions beyond it cannot take these last bytes.",
+        "float",
+    ),
+    Setting(
         "inline_max_bytes",
         "64KiB",
         "Tensors up to this size travel inside the frame instead of through the arena.",
@@ -134,6 +148,13 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         "Longest wait before restarting a worker that "
         "keeps crashing (the wait doubles from 0.5 s per quick crash).",
+        "float",
+    ),
+    Setting(
+        "restart_backoff_reset",
+        60.0,
+        "Seconds a worker must stay healthy (ready) for its crash-loop back-off to be "
+        "forgiven: its next death restarts it after 0.5 s again.",
         "float",
     ),
     Setting(

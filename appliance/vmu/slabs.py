@@ -8,6 +8,7 @@ rarely more than a few hundred live at once, so a list beats anything cleverer.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 from djinn.errors import ResourceExhausted
 
@@ -15,17 +16,54 @@ ALIGN = 4096
 
 
 class SlabAllocator:
-    def __init__(self, base: int, capacity: int) -> None:
+    """Note [arena shares]: slabs allocated for a session carry its id, and a session may
+    hold at most ``session_max`` of the arena. Beyond its fair share (capacity divided
+    by the open sessions plus one yet to come) it may not take the last ``reserve``
+    bytes either: those are kept for sessions under their share. One session (or a few)
+    filling the arena thus gets RESOURCE_EXHAUSTED; the others keep room to PUT and fetch.
+    """
+
+    def __init__(
+        self,
+        base: int,
+        capacity: int,
+        session_max: float = 1.0,
+        reserve: float = 0.0,
+        sessions: Callable[[], int] = lambda: 1,
+    ) -> None:
         self.base = base
         self.capacity = capacity
         self._free: list[tuple[int, int]] = [(base, capacity)] if capacity else []
         self._live: dict[int, int] = {}
+        self._owner: dict[int, str] = {}
+        self.held: dict[str, int] = {}  # session id -> slab bytes it holds
+        self.session_max = int(capacity * session_max)
+        self.reserve = int(capacity * reserve)
+        self.sessions = sessions
         self.used = 0
         self.peak = 0
 
-    def alloc(self, nbytes: int) -> int:
-        """Offset of a new slab of at least ``nbytes``; RESOURCE_EXHAUSTED if none fits."""
+    def _check_share(self, owner: str, size: int) -> None:
+        held = self.held.get(owner, 0) + size
+        if held > self.session_max:
+            raise ResourceExhausted(
+                f"host arena: this session would hold {held} bytes, over its quota of "
+                f"{self.session_max} (arena_session_max); free handles first"
+            )
+        fair = self.capacity // (self.sessions() + 1)  # counting a session yet to come
+        if held > fair and self.capacity - self.used - size < self.reserve:
+            raise ResourceExhausted(
+                f"host arena: this session holds more than its fair share ({fair} bytes) "
+                f"and the last {self.reserve} bytes are kept for other sessions "
+                "(arena_reserve); free handles first"
+            )
+
+    def alloc(self, nbytes: int, owner: str | None = None) -> int:
+        """Offset of a new slab of at least ``nbytes`` for session ``owner``;
+        RESOURCE_EXHAUSTED if none fits or the session is over its share."""
         size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        if owner is not None:
+            self._check_share(owner, size)
         for i, (off, length) in enumerate(self._free):
             if length >= size:
                 if length == size:
@@ -33,6 +71,9 @@ class SlabAllocator:
                 else:
                     self._free[i] = (off + size, length - size)
                 self._live[off] = size
+                if owner is not None:
+                    self._owner[off] = owner
+                    self.held[owner] = self.held.get(owner, 0) + size
                 self.used += size
                 self.peak = max(self.peak, self.used)
                 return off
@@ -45,6 +86,13 @@ class SlabAllocator:
     def free(self, off: int) -> None:
         size = self._live.pop(off)
         self.used -= size
+        owner = self._owner.pop(off, None)
+        if owner is not None:
+            left = self.held[owner] - size
+            if left:
+                self.held[owner] = left
+            else:
+                del self.held[owner]
         i = bisect.bisect(self._free, (off, size))
         # merge with the following and preceding free ranges
         if i < len(self._free) and off + size == self._free[i][0]:
