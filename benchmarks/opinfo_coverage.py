@@ -80,9 +80,12 @@ def eager_reference(
             and not doc.get("djinn_imported", True)
         ):
             return doc
-    out = path or tempfile.mktemp(prefix="djinn-opinfo-ref-", suffix=".json")
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        out = path
+    else:
+        with tempfile.NamedTemporaryFile(prefix="djinn-opinfo-ref-", suffix=".json") as f:
+            out = f.name  # the reference writes it whole (os.replace) when done
     cmd = [sys.executable, str(REFERENCE_SCRIPT), "--dtypes", ",".join(dtypes)]
     cmd += ["--max-samples", str(max_samples), "--ops", ops, "--limit", str(limit), "--out", out]
     # a clean process: no backend autoloading, no djinn settings (it must not import djinn)
