@@ -133,19 +133,33 @@ def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         keep, fetch = run.run()
     finally:
         w.store.recharge(s)  # an op may have grown a handle's storage (out=, in place)
-    kept = []
+    kept: list[Any] = []
     try:
         for value in keep:
+            if value is None and run.failed is not None:
+                kept.append(None)  # its node never ran (Note [partial graphs])
+                continue
             if not isinstance(value, torch.Tensor):
                 raise InvalidArgument("only tensors can be kept as handles")
             kept.append({"handle": w.store.keep(s, value), **describe(value)})
     except BaseException:
         for item in kept:
-            w.store.drop(s, item["handle"])
+            if item is not None:
+                w.store.drop(s, item["handle"])
         raise
     body, segments = export(w, s, [v for v in fetch if isinstance(v, torch.Tensor)])
-    values = [None if isinstance(v, torch.Tensor) else _json_value(v) for v in fetch]
+    values = [
+        None
+        if isinstance(v, torch.Tensor)
+        else {"$failed": True}
+        if v is None and run.failed is not None
+        else _json_value(v)
+        for v in fetch
+    ]
     body.update(kept=kept, values=values)
+    if run.failed is not None:
+        node, exc = run.failed
+        body["failed"] = {"node": node, "code": exc.code, "message": exc.message}
     return body, segments
 
 

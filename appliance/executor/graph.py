@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from djinn.errors import ExecutionError, InvalidArgument, ResourceExhausted, UnsupportedOp
+from djinn.errors import (
+    DjinnError,
+    ExecutionError,
+    InvalidArgument,
+    ResourceExhausted,
+    UnsupportedOp,
+)
 from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
 from djinn.protocol.values import decode_constant, inline_tensor
 
@@ -67,6 +73,12 @@ class GraphRun:
         self.nodes = nodes
         self.keep = _ref_list(body, "keep")
         self.fetch = _ref_list(body, "fetch")
+        # Note [partial graphs]: with "partial", a failing node ends the run instead of
+        # failing the request: the nodes before it stay done (their effects happened,
+        # their values are kept and fetched), the rest never ran, and the reply says
+        # which node failed and why. The client runs the independent rest again.
+        self.partial = body.get("partial") is True
+        self.failed: tuple[int, DjinnError] | None = None
         self.lookup = lookup
         self.segments = segments
         self.device = device
@@ -87,26 +99,41 @@ class GraphRun:
     def _run(self) -> tuple[list[Any], list[Any]]:
         last_use = self._last_uses()
         for i, node in enumerate(self.nodes):
-            if not isinstance(node, dict):
-                raise InvalidArgument(f"node {i} is not an object")
-            op = resolve_op(node.get("op"))
-            if "rng" in node:
-                self._seed(node["rng"])
-            args = self._decode(node.get("args", []), i, 0)
-            kwargs = self._decode(node.get("kwargs", {}), i, 0)
-            if not isinstance(args, list) or not isinstance(kwargs, dict):
-                raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
-            self._check(op, args, kwargs, i)
             try:
-                out = op(*args, **kwargs)
-            except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-                raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
-            oppolicy.check_bounds(out, node.get("op"))
-            self.values[i] = out
-            self._account(out, +1)
-            for j in last_use.pop(i, ()):
-                self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
-        return [self._ref(r, -1) for r in self.keep], [self._ref(r, -1) for r in self.fetch]
+                self._node(i, node, last_use)
+            except DjinnError as exc:
+                if not self.partial:
+                    raise
+                self.failed = (i, exc)
+                break
+        return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
+
+    def _result(self, ref: dict[str, Any]) -> Any:
+        """A kept or fetched value; None for the output of a node that never ran."""
+        if self.failed is not None and "$v" in ref and ref["$v"] >= self.failed[0]:
+            return None
+        return self._ref(ref, -1)
+
+    def _node(self, i: int, node: Any, last_use: dict[int, list[int]]) -> None:
+        if not isinstance(node, dict):
+            raise InvalidArgument(f"node {i} is not an object")
+        op = resolve_op(node.get("op"))
+        if "rng" in node:
+            self._seed(node["rng"])
+        args = self._decode(node.get("args", []), i, 0)
+        kwargs = self._decode(node.get("kwargs", {}), i, 0)
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
+        self._check(op, args, kwargs, i)
+        try:
+            out = op(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
+        oppolicy.check_bounds(out, node.get("op"))
+        self.values[i] = out
+        self._account(out, +1)
+        for j in last_use.pop(i, ()):
+            self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
 
     def _check(self, op: Any, args: list[Any], kwargs: dict[str, Any], i: int) -> None:
         """Before the real kernel: arguments against the schema, then a meta run whose

@@ -170,6 +170,8 @@ def resolved(ref: Any) -> Any:
     value raises its error (Note [failed values])."""
     if isinstance(ref, Failed):
         raise ref.error
+    if isinstance(ref, RemoteTensor) and ref.failed is not None:
+        raise ref.failed
     if isinstance(ref, Pending) and ref.node.failed is not None:
         raise ref.node.failed
     if isinstance(ref, Pending) and ref.node.executed:
@@ -177,6 +179,8 @@ def resolved(ref: Any) -> Any:
         value = results[ref.index] if ref.index < len(results) else None
         if value is None:
             raise DjinnError(f"{ref.node.name}: its value was released before it was read")
+        if value.failed is not None:
+            raise value.failed
         return value
     return ref
 
@@ -239,10 +243,10 @@ def flush(
     """Run every pending node of ``trace``. Returns the values of the ``fetch`` refs and
     handles for the ``keep`` refs (outputs live LazyTensors hold are kept regardless).
 
-    A node that cannot be sent (or depends on one that failed) fails alone and the rest
-    run (Note [failed values]); if a requested ref is among the failed, its error is
-    raised after the others ran. If the appliance refuses the batch, every node in it
-    fails with the appliance's error, and that error is raised."""
+    Note [failed values] in practice: a node that cannot be sent, or that the appliance
+    refuses, fails alone, with everything computed from it (and what it would have
+    written into); every independent node runs, in program order. If a requested ref is
+    among the failed, its error is raised once the others ran."""
     from .session import default_session
 
     with trace.lock:
@@ -253,12 +257,14 @@ def flush(
         encoded: list[dict[str, Any]] = []
         sent: list[Node] = []
         for n in nodes:
+            if n.failed is not None:
+                continue  # failed while waiting (it wrote into what a failed op produced)
             mark = len(enc.inline)
             try:
                 item = enc.node(n)
             except DjinnError as exc:
                 enc.rollback(mark)  # the failed node's inline tensors are not sent
-                _fail(n, exc if _is_dependency_error(exc, n) else failed_error(n.name, exc))
+                _fail(n, exc if _is_dependency_error(exc) else failed_error(n.name, exc))
                 continue
             enc.index[id(n)] = len(encoded)
             encoded.append(item)
@@ -282,40 +288,117 @@ def flush(
             extra = [enc.ref(r) for r in keep]
         except DjinnError as exc:
             requested, fetch_refs, extra = exc, [], []
+            fetch, keep = [], []
         fetched: list[Any] = []
         kept: list[Any] = []
+        failure = None
         if encoded or fetch_refs or extra:
             try:
-                kept, fetched = default_session().execute(
+                kept, fetched, failure = default_session().run_graph(
                     encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline
                 )
-            except DjinnError as exc:
+            except DjinnError as exc:  # the request itself failed: nothing is known to run
                 for n in sent:
                     _fail(n, exc)
                 raise
-            finally:
-                for n in sent:
-                    n.executed = True
-                    n.results = [None] * n.nout
-                    n.args = n.kwargs = None  # let inputs go
-                    n.rng = None
+        ran = sent if failure is None else sent[: failure["node"]]
+        for n in ran:
+            n.executed = True
+            n.results = [None] * n.nout
+            n.args = n.kwargs = None  # let inputs go
+            n.rng = None
         for (n, k, alive), remote in zip(keep_targets, kept, strict=False):
-            n.results[k] = remote
-            for lz in alive:
-                lz._ref = remote
+            if remote is not None:
+                n.results[k] = remote
+                for lz in alive:
+                    lz._ref = remote
+        kept = kept[len(keep_targets) :]
+        if failure is not None:
+            fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
         if requested is not None:
             raise requested
-        return fetched, kept[len(keep_targets) :]
+        return fetched, kept
 
 
-def _is_dependency_error(exc: DjinnError, node: Node) -> bool:
-    """Whether ``exc`` is the failure of one of ``node``'s inputs (passed on as is)."""
+def _after_failure(
+    trace: Trace,
+    sent: list[Node],
+    failure: dict[str, Any],
+    fetch: list[Any],
+    keep: list[Any],
+    fetched: list[Any],
+    kept: list[Any],
+) -> tuple[list[Any], list[Any]]:
+    """The appliance ran ``sent`` up to the failed node (its Note [partial graphs]): fail
+    that node and what depends on it, put the independent rest back in front of the
+    trace, and run it with the requested values that did not run yet, or that a write
+    still to run could change. A failed op whose only effect was to raise (a check such
+    as ``_linalg_check_errors``) raises here, as it would have in eager PyTorch."""
+    from djinn.errors import error_from_wire
+    from djinn.runtime.session import NOT_RUN
+
+    error = error_from_wire(str(failure.get("code")), str(failure.get("message")))
+    error._djinn_failed_value = True  # type: ignore[attr-defined]
+    rest = sent[failure["node"] :]
+    raise_now = error if rest[0].nout == 0 else None
+    _fail(rest[0], error)
+    again = []
+    for n in rest[1:]:
+        if _depends_on_failure(n):
+            _fail(n, error)
+        else:
+            again.append(n)
+    trace.nodes = again + trace.nodes
+    writes = any(_writes(n) for n in again)
+    redo_f = [j for j, v in enumerate(fetched) if v is NOT_RUN or writes]
+    redo_k = [j for j, v in enumerate(kept) if v is None or writes]
+    more_f, more_k = flush(trace, [fetch[j] for j in redo_f], [keep[j] for j in redo_k])
+    fetched, kept = list(fetched), list(kept)
+    for j, v in zip(redo_f, more_f, strict=True):
+        fetched[j] = v
+    for j, v in zip(redo_k, more_k, strict=True):
+        kept[j] = v
+    for ref in (*fetch, *keep):
+        resolved(ref)  # a requested value an op failed to write into raises
+    if raise_now is not None:
+        raise raise_now
+    return fetched, kept
+
+
+def _writes(node: Node) -> bool:
+    schema = getattr(node.op, "_schema", None)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
+
+
+def _depends_on_failure(node: Node) -> bool:
+    def failed(x: Any) -> bool:
+        if isinstance(x, Pending):
+            return x.node.failed is not None
+        if isinstance(x, Failed):
+            return True
+        if isinstance(x, RemoteTensor):
+            return x.failed is not None
+        if isinstance(x, (list, tuple)):
+            return any(failed(v) for v in x)
+        if isinstance(x, dict):
+            return any(failed(v) for v in x.values())
+        return False
+
+    return failed(node.args) or failed(node.kwargs)
+
+
+def _is_dependency_error(exc: DjinnError) -> bool:
+    """Whether ``exc`` is the failure of one of a node's inputs (passed on as is)."""
     return getattr(exc, "_djinn_failed_value", False)
 
 
 def _fail(node: Node, error: DjinnError) -> None:
-    """Note [failed values]: the node's outputs hold ``error`` from now on."""
+    """Note [failed values]: the node's outputs, and the tensors it would have written
+    into, hold ``error`` from now on."""
     error._djinn_failed_value = True  # type: ignore[attr-defined]
+    _poison_writes(node, error)
     node.failed = error
     node.executed = True
     node.results = [None] * node.nout
@@ -327,3 +410,28 @@ def _fail(node: Node, error: DjinnError) -> None:
             lz = w()
             if lz is not None and isinstance(lz._ref, Pending) and lz._ref.node is node:
                 lz._ref = failed
+
+
+def _poison_writes(node: Node, error: DjinnError) -> None:
+    """An in-place or ``out=`` op that did not run leaves its targets without the value
+    the program computed: reading them must raise, never return the stale bytes."""
+    schema = getattr(node.op, "_schema", None)
+    if schema is None or node.args is None:
+        return
+    positional = list(node.args)
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only else None
+        if not arg.kwarg_only and i < len(positional):
+            value = positional[i]
+        for ref in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(ref, RemoteTensor):
+                ref.failed = error
+            elif isinstance(ref, Pending) and ref.node.failed is None and ref.node is not node:
+                if ref.node.executed:
+                    done = (ref.node.results or [None] * (ref.index + 1))[ref.index]
+                    if done is not None:
+                        done.failed = error
+                else:
+                    _fail(ref.node, error)

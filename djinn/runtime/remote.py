@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
 
 class RemoteTensor:
-    __slots__ = ("__weakref__", "_finalizer", "dtype", "handle", "session", "shape", "strides")
+    __slots__ = (
+        "__weakref__",
+        "_finalizer",
+        "dtype",
+        "failed",
+        "handle",
+        "session",
+        "shape",
+        "strides",
+    )
 
     def __init__(self, session: Session, handle: str, meta: dict[str, Any]) -> None:
         self.session = session
@@ -28,6 +37,10 @@ class RemoteTensor:
         self.dtype: torch.dtype = parse_dtype(meta["dtype"])
         self.shape = torch.Size(meta["shape"])
         self.strides = tuple(meta["strides"])
+        # set when an op that should have written into this tensor failed: its value is
+        # no longer what the program computed, and reading it raises this (the
+        # frontend's Note [failed values])
+        self.failed: Exception | None = None
         self._finalizer = weakref.finalize(self, session._free_later, handle)
 
     @property

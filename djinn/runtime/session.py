@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from .client import Client
 
 
+NOT_RUN = object()  # a fetched value whose node did not run (run_graph)
+
+
 def _u8(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
 
@@ -204,6 +207,34 @@ class Session:
         tensors = iter(out["tensors"])
         fetched = [next(tensors) if v is None else v for v in out["values"]]
         return kept, fetched
+
+    def run_graph(
+        self,
+        nodes: list[dict[str, Any]],
+        *,
+        keep: Sequence[dict[str, Any]] = (),
+        fetch: Sequence[dict[str, Any]] = (),
+        inline: Sequence[torch.Tensor] = (),
+    ) -> tuple[list[RemoteTensor | None], list[Any], dict[str, Any] | None]:
+        """Like ``execute``, but a failing node does not fail the request (the appliance's
+        Note [partial graphs]): returns (kept, fetched, failure). With a failure
+        ``{"node", "code", "message"}``, the nodes from the failed one on did not run:
+        their kept entries are None and their fetched entries ``NOT_RUN``."""
+        segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
+        frame = self._call(
+            Kind.EXEC,
+            {"nodes": nodes, "keep": list(keep), "fetch": list(fetch), "partial": True},
+            segments,
+            sink=self._sink,
+        )
+        out = self._unpack(frame)
+        kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
+        tensors = iter(out["tensors"])
+        fetched = [
+            NOT_RUN if isinstance(v, dict) else next(tensors) if v is None else v
+            for v in out["values"]
+        ]
+        return kept, fetched, out.get("failed")
 
     @staticmethod
     def _sink(_header: Any, _body: Any, lengths: list[int]) -> list[memoryview]:

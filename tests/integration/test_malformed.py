@@ -526,7 +526,7 @@ def test_malformed_frame_gets_its_error_code_and_the_appliance_keeps_serving(app
         else:
             assert head.request_id == RID  # a request-level error answers that request
             probe = Kind.HEARTBEAT if case.stage == SESSION else Kind.PING
-            assert request(sock, probe, rid=PROBE_RID) == {}
+            assert request(sock, probe, rid=PROBE_RID) in ({}, {"bytes": 0})  # still serving
     finally:
         sock.close()
     assert_appliance_serves(appliance)
