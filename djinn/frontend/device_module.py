@@ -173,3 +173,121 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 
 def empty_cache() -> None:
     pass
+
+
+# -- what CUDA scripts also touch: properties, device contexts, streams, events, NVTX --------
+class _Properties:
+    """What ``get_device_properties`` answers: the appliance's figures, CUDA's names."""
+
+    def __init__(self) -> None:
+        self.name = get_device_name()
+        self.total_memory = mem_get_info()[1]
+        self.major, self.minor = get_device_capability()
+        self.multi_processor_count = 0
+        self.is_integrated = False
+
+    def __repr__(self) -> str:
+        return f"_RemoteDeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
+
+
+def get_device_properties(device: Any = None) -> _Properties:
+    return _Properties()
+
+
+class device:  # named as torch.cuda.device
+    """``with torch.cuda.device(0):`` — there is one remote device: nothing to switch."""
+
+    def __init__(self, device: Any) -> None:
+        set_device(device)
+
+    def __enter__(self) -> device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Stream:
+    """The remote device runs a session's work in order: one stream. Synchronising it
+    runs what this thread captured (as a CUDA stream sync completes queued kernels)."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("remote_accelerator", 0)
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        synchronize()
+
+    def wait_stream(self, stream: Any) -> None:
+        pass  # one stream: everything is already ordered
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        synchronize()
+        return True
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def current_stream(device: Any = None) -> Stream:
+    return Stream()
+
+
+def default_stream(device: Any = None) -> Stream:
+    return Stream()
+
+
+def stream(s: Any) -> Stream:
+    return s if isinstance(s, Stream) else Stream()
+
+
+class Event:
+    """A timing event: ``record`` runs the work captured so far, then notes the time, so
+    ``elapsed_time`` measures the work between two events as seen from the client."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **kw: Any) -> None:
+        self.enable_timing = enable_timing
+        self._at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        import time
+
+        synchronize()
+        self._at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        synchronize()
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: Event) -> float:
+        if self._at is None or end._at is None:
+            raise RuntimeError("both events must be recorded before elapsed_time")
+        return (end._at - self._at) * 1000.0
+
+
+def nvtx_range_push(msg: str) -> int:
+    return 0
+
+
+def nvtx_range_pop() -> int:
+    return 0
+
+
+def nvtx_mark(msg: str) -> None:
+    pass

@@ -179,8 +179,12 @@ CUDA_QUERIES_NAMES = (
     "is_available",
     "device_count",
     "current_device",
+    "set_device",
     "synchronize",
     "get_device_name",
+    "get_device_capability",
+    "get_device_properties",
+    "device",
     "memory_allocated",
     "max_memory_allocated",
     "memory_reserved",
@@ -189,14 +193,33 @@ CUDA_QUERIES_NAMES = (
     "reset_peak_memory_stats",
     "empty_cache",
     "is_bf16_supported",
+    # torch.cuda.manual_seed* stay PyTorch's (queued no-ops without CUDA): remote random
+    # ops draw from the CPU generator (Note [remote rng]), so reseeding it here would make
+    # the script's CPU randomness differ from the same script run on the CPU
+    "initial_seed",
+    "get_rng_state",
+    "set_rng_state",
+    "get_rng_state_all",
+    "set_rng_state_all",
+    "Stream",
+    "Event",
+    "current_stream",
+    "default_stream",
+    "stream",
 )
+NVTX_NAMES = {"range_push": "nvtx_range_push", "range_pop": "nvtx_range_pop", "mark": "nvtx_mark"}
 
 
 def _attach_cuda_queries() -> dict[str, Any]:
+    import torch.cuda.nvtx as nvtx
+
     saved = {name: getattr(torch.cuda, name) for name in CUDA_QUERIES_NAMES}
     saved["Module.cuda"] = torch.nn.Module.cuda
     for name in CUDA_QUERIES_NAMES:
         setattr(torch.cuda, name, getattr(device_module, name))
+    for name, ours in NVTX_NAMES.items():
+        saved[f"nvtx.{name}"] = getattr(nvtx, name)
+        setattr(nvtx, name, getattr(device_module, ours))
     torch.nn.Module.cuda = _module_cuda
     return saved
 
@@ -206,9 +229,14 @@ def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
 
 
 def _detach_cuda_queries(saved: dict[str, Any]) -> None:
+    import torch.cuda.nvtx as nvtx
+
     torch.nn.Module.cuda = saved.pop("Module.cuda")
     for name, fn in saved.items():
-        setattr(torch.cuda, name, fn)
+        if name.startswith("nvtx."):
+            setattr(nvtx, name.removeprefix("nvtx."), fn)
+        else:
+            setattr(torch.cuda, name, fn)
 
 
 # -- META_PARAMETERS: Note [meta parameters] ------------------------------------------------

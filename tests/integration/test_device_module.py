@@ -115,3 +115,40 @@ def test_djinn_run_answers_torch_cuda_for_the_appliance(appliance, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True", "1", "True", "torch.float16"]
+
+
+def test_djinn_run_supports_what_cuda_scripts_also_touch(appliance, tmp_path):
+    """Events for timing, streams, device properties and contexts, NVTX ranges."""
+    script = tmp_path / "isms.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            torch.cuda.set_device(0)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            x = torch.randn(64, 64, device="cuda")
+            with torch.cuda.device(0), torch.cuda.stream(torch.cuda.current_stream()):
+                torch.cuda.nvtx.range_push("step")
+                start.record()
+                y = (x @ x).relu()
+                end.record()
+                torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            props = torch.cuda.get_device_properties(0)
+            state = torch.cuda.get_rng_state()
+            print(start.elapsed_time(end) >= 0, props.total_memory > 0, state.numel() > 0)
+            print(round(y.sum().item(), 3) == round((x.cpu() @ x.cpu()).relu().sum().item(), 3))
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env["DJINN_ADDRESS"] = appliance.unix
+    done = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "True", "True"]
