@@ -193,19 +193,9 @@ class Session:
 
         Returns (kept values as RemoteTensors, fetched values as tensors or numbers).
         ``inline`` tensors are referenced in the graph as ``{"$t": i, "desc": ...}`` (use
-        :func:`inline_ref`).
+        :func:`inline_ref`). A failing node fails the whole request.
         """
-        segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
-        frame = self._call(
-            Kind.EXEC,
-            {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
-            segments,
-            sink=self._sink,
-        )
-        out = self._unpack(frame)
-        kept = [RemoteTensor(self, k["handle"], k) for k in out["kept"]]
-        tensors = iter(out["tensors"])
-        fetched = [next(tensors) if v is None else v for v in out["values"]]
+        kept, fetched, _ = self._exec(nodes, keep, fetch, inline, partial=False)
         return kept, fetched
 
     def run_graph(
@@ -220,14 +210,16 @@ class Session:
         Note [partial graphs]): returns (kept, fetched, failure). With a failure
         ``{"node", "code", "message"}``, the nodes from the failed one on did not run:
         their kept entries are None and their fetched entries ``NOT_RUN``."""
+        return self._exec(nodes, keep, fetch, inline, partial=True)
+
+    def _exec(
+        self, nodes: Any, keep: Sequence, fetch: Sequence, inline: Sequence, *, partial: bool
+    ) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
-        frame = self._call(
-            Kind.EXEC,
-            {"nodes": nodes, "keep": list(keep), "fetch": list(fetch), "partial": True},
-            segments,
-            sink=self._sink,
-        )
-        out = self._unpack(frame)
+        body = {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)}
+        if partial:
+            body["partial"] = True
+        out = self._unpack(self._call(Kind.EXEC, body, segments, sink=self._sink))
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         tensors = iter(out["tensors"])
         fetched = [

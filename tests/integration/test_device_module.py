@@ -14,6 +14,20 @@ import torch
 R = "remote_accelerator:0"
 
 
+def _djinn_run(appliance, script) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    env["DJINN_ADDRESS"] = appliance.unix
+    done = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_fork_rng_restores_the_remote_generator(remote):
     torch.manual_seed(3)
     with torch.random.fork_rng(device_type="remote_accelerator"):
@@ -104,16 +118,7 @@ def test_djinn_run_answers_torch_cuda_for_the_appliance(appliance, tmp_path):
             """
         )
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
-    env["DJINN_ADDRESS"] = appliance.unix
-    done = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _djinn_run(appliance, script)
     assert done.stdout.split() == ["True", "True", "1", "True", "torch.float16"]
 
 
@@ -141,14 +146,5 @@ def test_djinn_run_supports_what_cuda_scripts_also_touch(appliance, tmp_path):
             """
         )
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
-    env["DJINN_ADDRESS"] = appliance.unix
-    done = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _djinn_run(appliance, script)
     assert done.stdout.split() == ["True", "True", "True", "True"]
