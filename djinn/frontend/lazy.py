@@ -322,6 +322,9 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         node.module = hooks.module_path()
         trace.add(node)
         return spec
+    for s in specs:  # refuse before recording: a refused op must leave nothing behind
+        if isinstance(s, TensorSpec):
+            _check_alias(s, flat, func)
     node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
@@ -408,19 +411,29 @@ def _spec_tuple(t: torch.Tensor) -> tuple:
     return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
+def _check_alias(s: TensorSpec, flat: list[Any], func: Any) -> None:
+    """An in-place op that would change a remote tensor's shape cannot be mirrored (a
+    wrapper's sizes are fixed): refused before anything is recorded."""
+    target = flat[s.alias] if s.alias is not None else None
+    if (
+        isinstance(target, LazyTensor)
+        and (tuple(target.shape), tuple(target.stride())) != (s.shape, s.stride)
+        and target._dyn is None
+    ):
+        raise UnsupportedOp(
+            f"{func._schema.name}.{func._overloadname} changes the shape of a remote tensor "
+            "in place; use the out-of-place op"
+        )
+
+
 def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
     if s.alias is not None:
         target = flat[s.alias]
         if isinstance(target, LazyTensor):
             if (tuple(target.shape), tuple(target.stride())) == (s.shape, s.stride):
                 return target  # in-place op or out=: the same tensor, mutated remotely
-            if target._dyn is not None:  # Note [resizable outputs]
-                target._dyn = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None)
-                return target
-            raise UnsupportedOp(
-                f"{node.name} changes the shape of a remote tensor in place; "
-                "use the out-of-place op"
-            )
+            target._dyn = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None)
+            return target  # Note [resizable outputs] (_check_alias refused the rest)
     return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
 
 

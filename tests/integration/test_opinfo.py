@@ -28,11 +28,6 @@ MAX_SAMPLES = 2
 # appliance's allowlist was being written; a few points below that, never below the 85 %
 # this test started at
 FLOOR = 0.95
-# A known frontend defect, reported and being fixed in djinn/frontend/trace.py: an in-place
-# op that changes a tensor's shape (squeeze_, transpose_, resize_) is refused after it was
-# recorded, so the next flush sends it and an unrelated op fails. Drop this once that lands;
-# any other failure that leaks into the next op fails here already.
-KNOWN_LEAK = "changes the shape of a remote tensor in place"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +59,7 @@ def test_opinfo_ops_match_eager_and_failures_are_typed(report):
     assert not by.get("error"), by["error"]  # every failure is a typed DjinnError
     assert summary["pass_rate"] >= FLOOR, (summary, by.get("typed"))
     # issue 8 §2: a failure leaves the next, unrelated op alone
-    leaks = [r for r in results if r.get("leaked") and KNOWN_LEAK not in r["detail"]]
+    leaks = [r for r in results if r.get("leaked")]
     assert not leaks, leaks
 
 
