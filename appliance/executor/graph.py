@@ -124,25 +124,27 @@ class GraphRun:
         kwargs = self._decode(node.get("kwargs", {}), i, 0)
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
-        self._check(op, args, kwargs, i)
+        meta = self._check(op, args, kwargs, i)
         try:
             out = op(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
+        out = _like_meta(out, meta)
         oppolicy.check_bounds(out, node.get("op"))
         self.values[i] = out
         self._account(out, +1)
         for j in last_use.pop(i, ()):
             self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
 
-    def _check(self, op: Any, args: list[Any], kwargs: dict[str, Any], i: int) -> None:
+    def _check(self, op: Any, args: list[Any], kwargs: dict[str, Any], i: int) -> Any:
         """Before the real kernel: arguments against the schema, then a meta run whose
-        output must fit in what is left of the stack (Note [op validation])."""
+        output must fit in what is left of the stack (Note [op validation]). Returns the
+        meta output (None when the op has no meta kernel)."""
         try:
             opchecks.check(op, opargs.bind(op, args, kwargs, self.device))
-            need = metacheck.new_bytes(op, args, kwargs)
+            need, meta = metacheck.meta_run(op, args, kwargs)
         except metacheck.NoMetaKernel:
-            return
+            return None
         except (InvalidArgument, ExecutionError) as exc:
             raise type(exc)(f"node {i}: {exc.message}") from None
         free = self.stack.capacity - self.stack.used
@@ -151,6 +153,7 @@ class GraphRun:
                 f"{op._schema.name} (node {i}) would allocate {need} bytes; the stack "
                 f"segment has {free} of {self.stack.capacity} free"
             )
+        return meta
 
     def _seed(self, k: Any) -> None:
         """Random ops carry the client generator's state so a CPU worker draws exactly the
@@ -257,6 +260,20 @@ class GraphRun:
         if found:
             return value
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
+
+
+def _like_meta(out: Any, meta: Any) -> Any:
+    """Note [meta dtypes]: the client knows a value's dtype from the op's meta kernel. A
+    CPU kernel sometimes answers in another one (``native_layer_norm`` of float16 gives
+    float16 statistics on the CPU, float32 on meta and CUDA): the value is cast to what
+    the client was told, so a tensor's bytes always match its dtype."""
+    if isinstance(out, torch.Tensor):
+        if isinstance(meta, torch.Tensor) and out.dtype != meta.dtype:
+            return out.to(meta.dtype)
+        return out
+    if isinstance(out, (tuple, list)) and isinstance(meta, (tuple, list)) and len(out) == len(meta):
+        return type(out)([_like_meta(o, m) for o, m in zip(out, meta, strict=True)])
+    return out
 
 
 def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:

@@ -36,6 +36,11 @@ def new_bytes(op: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
 
     Raises EXECUTION_ERROR when the meta kernel rejects the arguments, NoMetaKernel when
     there is none."""
+    return meta_run(op, args, kwargs)[0]
+
+
+def meta_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any]:
+    """(bytes ``op`` would allocate, its meta output), as ``new_bytes``."""
     storages: dict[int, torch.UntypedStorage] = {}  # real storage -> its meta replica
     before: dict[int, int] = {}
 
@@ -74,7 +79,7 @@ def new_bytes(op: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
         if st._cdata not in seen:
             seen.add(st._cdata)
             total += st.nbytes()
-    return total
+    return total, out
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
