@@ -83,8 +83,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "arena_session_max",
         0.5,
-        "Most of a worker's arena share one session may hold at once (fraction). "
-        "Over it, that session's PUT/ALLOC/fetch gets RESOURCE_EXHAUSTED; others don't.",
+        "Most of a worker's arena share one session may hold while others are open "
+        "(fraction). Over it, that session's PUT/ALLOC/fetch gets RESOURCE_EXHAUSTED; "
+        "others don't.",
         "float",
     ),
     Setting(

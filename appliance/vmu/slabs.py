@@ -45,7 +45,9 @@ class SlabAllocator:
 
     def _check_share(self, owner: str, size: int) -> None:
         held = self.held.get(owner, 0) + size
-        if held > self.session_max:
+        # the quota protects other sessions: a session alone on the worker is bounded by
+        # the reserve below only (a lone user may load a model over half the arena)
+        if held > self.session_max and self.sessions() > 1:
             raise ResourceExhausted(
                 f"host arena: this session would hold {held} bytes, over its quota of "
                 f"{self.session_max} (arena_session_max); free handles first"

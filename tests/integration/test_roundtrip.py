@@ -92,7 +92,10 @@ def test_a_freed_handle_is_gone(session):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("via", VIAS)
-def test_one_gib_round_trip(appliance, via):
+def test_one_gib_round_trip(fresh_appliance, via):
+    # its own appliance: on a shared one, other open sessions would cap this one at
+    # arena_session_max of the arena (issue 17 §4), which is the point of the cap
+    appliance = fresh_appliance(arena_bytes="1536MiB")
     t = torch.empty(1 << 28, dtype=torch.float32)
     t[::4096] = torch.arange(t[::4096].numel(), dtype=torch.float32)  # cheap, distinctive
     t[1::4096] = 7.0
