@@ -127,7 +127,7 @@ class GraphRun:
         meta = self._check(op, args, kwargs, i)
         try:
             out = op(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
             raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
         out = _like_meta(out, meta)
         oppolicy.check_bounds(out, node.get("op"))
