@@ -15,6 +15,24 @@ from .workers import WorkerHandle
 STATS_SCHEMA = 1
 
 
+def opening_row(session_id: str, peer: str) -> dict:
+    """A session's stats row between its hand-over to a worker and that worker's report."""
+    return {
+        "id": session_id,
+        "peer": peer,
+        "state": "opening",
+        "age_s": 0.0,
+        "last_heartbeat_s": 0.0,
+        "handles": 0,
+        "bytes": 0,
+        "arena_leases": 0,
+        "requests": 0,
+        "phase": "unknown",
+        "models": 0,
+        "objects": 0,
+    }
+
+
 def build(
     workers: list[WorkerHandle],
     arena: dict[str, Any],

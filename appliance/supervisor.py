@@ -375,7 +375,9 @@ class Supervisor:
             control.send(w.ctl, msg, [conn.sock.fileno()])
         except OSError:
             return False
-        w.stats.setdefault("sessions", []).append({"id": msg["session"], "peer": conn.peer})
+        # a full row until the worker's next report replaces it: readers of the stats
+        # document (djinn status, top) find every field of a session (issue 16 §1)
+        w.stats.setdefault("sessions", []).append(stats.opening_row(msg["session"], conn.peer))
         conn.waiting_open = None
         self._close(conn)  # the worker holds the only copy of the connection now
         return True
