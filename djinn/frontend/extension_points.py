@@ -8,9 +8,10 @@ PyTorch is as it was). Which holder, and so which scope, each one has:
 | attachment      | what it plugs in                                 | held by, scope        |
 |-----------------|--------------------------------------------------|-----------------------|
 | BACKEND         | the PrivateUse1 backend and its device module    | ``import djinn``      |
-| KERNELS         | PrivateUse1 fallback, ``_to_copy``, autocast,    | ``import djinn``      |
+| KERNELS         | PrivateUse1 fallback, ``_to_copy`` (which also   | ``import djinn``      |
+|                 | routes ``model.to`` to the model path: Note      |                       |
+|                 | [module to]), autocast,                          |                       |
 |                 | pinned-memory kernels (dispatcher registrations) |                       |
-| MODULE_TO       | ``nn.Module.to``, for the model path             | ``import djinn``      |
 | SERIALIZATION   | a ``torch.serialization`` package                | ``import djinn``      |
 | FORWARD_HOOKS   | global module forward hooks (module paths)       | open ``capture()``    |
 | CUDA_QUERIES    | ``torch.cuda`` queries answered for the appliance| ``djinn run``         |
@@ -133,17 +134,6 @@ def _detach_kernels(libraries: list[torch.library.Library]) -> None:
         lib._destroy()
 
 
-# -- MODULE_TO: Note [module to] (factories.py) -----------------------------------------
-def _attach_module_to() -> Any:
-    original = torch.nn.Module.to
-    torch.nn.Module.to = factories.module_to
-    return original
-
-
-def _detach_module_to(original: Any) -> None:
-    torch.nn.Module.to = original
-
-
 # -- SERIALIZATION: Note [load to the remote device] (serialization.py) -------------------
 def _attach_serialization() -> tuple:
     torch.serialization.register_package(
@@ -214,24 +204,17 @@ def _attach_cuda_queries() -> dict[str, Any]:
     import torch.cuda.nvtx as nvtx
 
     saved = {name: getattr(torch.cuda, name) for name in CUDA_QUERIES_NAMES}
-    saved["Module.cuda"] = torch.nn.Module.cuda
     for name in CUDA_QUERIES_NAMES:
         setattr(torch.cuda, name, getattr(device_module, name))
     for name, ours in NVTX_NAMES.items():
         saved[f"nvtx.{name}"] = getattr(nvtx, name)
         setattr(nvtx, name, getattr(device_module, ours))
-    torch.nn.Module.cuda = _module_cuda
     return saved
-
-
-def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
-    return self.to(torch.device(DEVICE_TYPE, device if isinstance(device, int) else 0))
 
 
 def _detach_cuda_queries(saved: dict[str, Any]) -> None:
     import torch.cuda.nvtx as nvtx
 
-    torch.nn.Module.cuda = saved.pop("Module.cuda")
     for name, fn in saved.items():
         if name.startswith("nvtx."):
             setattr(nvtx, name.removeprefix("nvtx."), fn)
@@ -257,15 +240,14 @@ def _attach_meta_parameters() -> Any:
 
 BACKEND = Attachment("backend", _attach_backend, lambda _state: None)
 KERNELS = Attachment("kernels", _attach_kernels, _detach_kernels)
-MODULE_TO = Attachment("module_to", _attach_module_to, _detach_module_to)
 SERIALIZATION = Attachment("serialization", _attach_serialization, _detach_serialization)
 FORWARD_HOOKS = Attachment("forward_hooks", _attach_forward_hooks, _detach_hooks)
 CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_queries)
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
-ALL = (BACKEND, KERNELS, MODULE_TO, SERIALIZATION, FORWARD_HOOKS, CUDA_QUERIES, META_PARAMETERS)
-_DEVICE = (BACKEND, KERNELS, MODULE_TO, SERIALIZATION)  # what `import djinn` holds
+ALL = (BACKEND, KERNELS, SERIALIZATION, FORWARD_HOOKS, CUDA_QUERIES, META_PARAMETERS)
+_DEVICE = (BACKEND, KERNELS, SERIALIZATION)  # what `import djinn` holds
 _registered = False
 
 

@@ -1,5 +1,5 @@
-"""The kernels behind the remote device: its PrivateUse1 fallback, CPU -> remote moves,
-and ``Module.to`` (registered by ``extension_points.py``).
+"""The kernels behind the remote device: its PrivateUse1 fallback and CPU -> remote moves,
+modules' included (registered by ``extension_points.py``).
 
 With the Python backend registered (Note [python backend]), any aten op
 that reaches the PrivateUse1 dispatch key without a LazyTensor argument lands in
@@ -17,6 +17,7 @@ so no torch function needs replacing: importing Djinn leaves local PyTorch untou
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from djinn.errors import UnsupportedOp
 
 from . import lazy, meta, remote_module
-from .device import DEVICE_TYPE, is_remote, mapped_source
+from .device import DEVICE_TYPE
 
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
 
@@ -53,6 +54,9 @@ def to_copy(
     exactly as ``_to_copy`` would, then uploaded once into an allocation that holds it."""
     if layout not in (None, torch.strided):
         raise UnsupportedOp(f"{layout} tensors cannot be sent to the appliance yet")
+    adopted = _model_path(x, dtype, device)
+    if adopted is not None:
+        return adopted
     same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
     # as is: the upload copies it anyway (eager semantics: later changes must not leak)
     local = (
@@ -63,24 +67,48 @@ def to_copy(
     return lazy.copy_into(dst, local)
 
 
-_original_module_to = torch.nn.Module.to
+# Note [module to]: `model.to(remote)` of an inference-mode transformers model takes the
+# model path (one registration by fingerprint, shared weights, KV caches kept remotely),
+# which must see the whole module. PyTorch has no hook that sees a module being moved:
+# ``Module.to`` hands each parameter to the dispatcher alone, and replacing ``Module.to``
+# (what Djinn once did) changes PyTorch for every program that imports Djinn. So the
+# ``_to_copy`` kernel, which only runs for moves *to the remote device*, asks the calling
+# thread's stack which module ``Module._apply`` is converting (the outermost one: children
+# are converted through their parent's ``_apply``). On the first tensor of a module that
+# wants the model path, the whole module is registered (all its tensors are still local
+# then: nothing has been converted yet) and its class becomes the remote one; every
+# tensor of it then converts to ``meta``, so the local copy holds no weight memory.
+# Local moves never reach this kernel, so local PyTorch is untouched.
+_APPLY = torch.nn.Module._apply.__code__
+_TO = torch.nn.Module.to.__code__
 
 
-def module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """`model.to(remote)`: inference-mode transformers models register on the model path
-    (one upload, shared weights, KV caches kept remotely); other modules move their
-    parameters as LazyTensors (the graph path).
+def _module_being_moved() -> tuple[torch.nn.Module, torch.dtype | None] | None:
+    """The module whose ``Module.to``/``cuda``/``_apply`` converts the tensor this kernel
+    was given, with the dtype its ``to`` asked for; None for a lone tensor's move."""
+    frame = sys._getframe(2)
+    module, dtype = None, None
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            module, dtype = frame.f_locals.get("self"), None
+        elif frame.f_code is _TO and module is not None and frame.f_locals.get("self") is module:
+            dtype = frame.f_locals.get("dtype")
+        frame = frame.f_back
+    return None if module is None else (module, dtype)
 
-    Note [module to]: the one PyTorch method Djinn still replaces. PyTorch offers no hook
-    that sees a whole module being moved (each parameter reaches the dispatcher alone), and
-    the model path must see the module. Any move that is not to the remote device goes to
-    PyTorch's own ``Module.to`` unchanged (tests/unit/test_import_side_effects.py)."""
-    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-    if device is not None and mapped_source() == device.type:
-        device = torch.device(DEVICE_TYPE, device.index or 0)
-        args, kwargs = (device,), ({"dtype": dtype} if dtype is not None else {})
-    if device is not None and is_remote(device) and remote_module.wants_model_path(self):
-        if dtype is not None:
-            _original_module_to(self, dtype=dtype)
-        return remote_module.move(self, device)
-    return _original_module_to(self, *args, **kwargs)
+
+def _model_path(x: torch.Tensor, dtype: torch.dtype | None, device: Any) -> torch.Tensor | None:
+    """What a module's tensor becomes when its module takes the model path (Note [module
+    to]); None when it keeps the graph path."""
+    moving = _module_being_moved()
+    if moving is None:
+        return None
+    module, module_dtype = moving
+    if getattr(module, "_djinn", None) is None:
+        if not remote_module.wants_model_path(module):
+            return None
+        index = device.index if isinstance(device, torch.device) else None
+        remote_module.adopt(module, torch.device(DEVICE_TYPE, index or 0), module_dtype)
+    elif not isinstance(module, remote_module.RemoteModelMixin):
+        return None
+    return torch.empty(x.shape, dtype=dtype or x.dtype, device="meta")

@@ -64,9 +64,15 @@ def wants_model_path(module: torch.nn.Module) -> bool:
     )
 
 
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _state(module: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, as ``module.to(dtype=dtype)`` would leave them."""
     state = dict(module.named_parameters(remove_duplicate=False))
     state.update(module.named_buffers(remove_duplicate=False))
+    if dtype is not None:  # Module.to casts floating and complex tensors only
+        state = {
+            k: v.to(dtype) if v.is_floating_point() or v.is_complex() else v
+            for k, v in state.items()
+        }
     return {k: v.detach() for k, v in state.items()}
 
 
@@ -74,13 +80,13 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def fingerprint(module: torch.nn.Module) -> str:
+def fingerprint(module: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> str:
     """Architecture (class + config) and every weight byte: identical models share it
     (the appliance recomputes it from what it receives before caching anything)."""
     from djinn.protocol.fingerprint import model_fingerprint
 
     return model_fingerprint(
-        _class_path(type(module)), _config_json(module), _state(module).items()
+        _class_path(type(module)), _config_json(module), (state or _state(module)).items()
     )
 
 
@@ -142,9 +148,13 @@ def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
     return handles
 
 
-def register(module: torch.nn.Module, session: Any) -> dict[str, Any]:
-    """Offer ``module`` to the appliance by fingerprint; upload the weights only if asked."""
-    fp = fingerprint(module)
+def register(
+    module: torch.nn.Module, session: Any, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Offer ``module`` (cast to ``dtype``) to the appliance by fingerprint; upload the
+    weights only if asked."""
+    state = _state(module, dtype)
+    fp = fingerprint(module, state)
     body = {
         "fingerprint": fp,
         "class": _class_path(type(module)),
@@ -155,7 +165,7 @@ def register(module: torch.nn.Module, session: Any) -> dict[str, Any]:
     uploaded = False
     if not reply["cached"]:
         # the appliance takes the uploaded handles over (or drops them if it refuses)
-        handles = _upload(session, _state(module))
+        handles = _upload(session, state)
         reply = session.register_model({**body, "state": handles})
         uploaded = True
     log.info(
@@ -210,15 +220,15 @@ def _remote_class(cls: type) -> type:
     return remote
 
 
-def move(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Register ``module`` and make its calls run on the appliance (Note [module to] in
+    factories.py: its tensors are being moved to ``meta`` by the ``Module.to`` under way)."""
     from .session import default_session
 
     session = default_session()
-    info = register(module, session)
-    torch.nn.Module.to(module, "meta")  # the weights live on the appliance now
+    info = register(module, session, dtype)
     module._djinn = _RemoteBinding(info["fingerprint"], session, device, info)
     module.__class__ = _remote_class(type(module))
-    return module
 
 
 # -- calls --------------------------------------------------------------------------------

@@ -337,3 +337,49 @@ def test_tied_weights_travel_once(monkeypatch):
     with torch.no_grad():
         want = _gpt2(seed=17)(torch.tensor([[1, 2, 3]])).logits
     assert (out.logits.cpu() - want).abs().max().item() <= 1e-5
+
+
+def test_a_dtype_given_with_the_move_registers_the_cast_model():
+    """``model.to(R, torch.float16)`` is ``model.half().to(R)`` (Note [module to]: the
+    model path reads the dtype of the move under way)."""
+    from djinn.frontend.remote_module import fingerprint
+
+    want_fp = fingerprint(_gpt2(seed=18).half())
+    model = _gpt2(seed=18).to(R, torch.float16)
+    assert model._djinn.fingerprint == want_fp
+    assert all(p.device.type == "meta" for p in model.parameters())  # no local copy
+    out = model(torch.tensor([[1, 2, 3]]))
+    assert out.logits.dtype == torch.float16
+    with torch.no_grad():
+        want = _gpt2(seed=18).half().float()(torch.tensor([[1, 2, 3]])).logits
+    assert (out.logits.cpu().float() - want).abs().max().item() < 5e-2
+
+
+def test_nn_module_to_is_pytorchs_own_and_still_reaches_the_model_path():
+    assert torch.nn.Module.to.__module__ == "torch.nn.modules.module"
+    model = torch.nn.Module.to(_gpt2(seed=19), R)  # even called unbound
+    assert model._djinn.info["fingerprint"]
+    assert isinstance(model(torch.tensor([[1]])).logits, LazyTensor)
+
+
+def test_a_refused_registration_leaves_the_model_local_and_usable(monkeypatch):
+    from djinn.errors import ResourceExhausted
+    from djinn.frontend.session import default_session
+
+    model = _gpt2(seed=20)
+    with torch.no_grad():
+        want = model(torch.tensor([[1, 2, 3]])).logits
+    session = default_session()
+
+    def refuse(body):
+        raise ResourceExhausted("text segment full (test)")
+
+    monkeypatch.setattr(session, "register_model", refuse)
+    with pytest.raises(ResourceExhausted):
+        model.to(R)
+    monkeypatch.undo()
+    assert getattr(model, "_djinn", None) is None
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([[1, 2, 3]])).logits, want)
+    assert model.to(R)._djinn.info["fingerprint"]  # and the next try goes through

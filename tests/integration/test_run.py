@@ -98,6 +98,35 @@ def test_script_really_ran_on_the_appliance(appliance, tmp_path):
     ]
 
 
+def test_model_cuda_of_a_transformers_model_takes_the_model_path(appliance, tmp_path):
+    """``model.cuda()`` and ``model.to("cuda")`` reach the model path through PyTorch's own
+    ``Module`` methods (Note [module to]); the logits are local CPU's."""
+    probe = tmp_path / "gpt2_cuda.py"
+    probe.write_text(
+        textwrap.dedent("""
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
+        models = [GPT2LMHeadModel(cfg).eval() for _ in range(2)]
+        local = [m(torch.tensor([[1, 2, 3]])).logits for m in models]
+        moved = [models[0].cuda(), models[1].to("cuda")]
+        for m, want in zip(moved, local):
+            got = m(torch.tensor([[1, 2, 3]]).cuda()).logits.cpu()
+            print(m._djinn.info["uploaded"], (got - want).abs().max().item() <= 1e-5)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(probe)],
+        env=_env(DJINN_ADDRESS=appliance.unix),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "True", "True"]
+
+
 def test_script_error_shows_the_scripts_traceback_not_djinns(appliance, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
