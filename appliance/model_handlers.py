@@ -213,6 +213,7 @@ def _check_generate(kwargs: dict[str, Any]) -> None:
 
 def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     """Run a registered model's forward (or an allowlisted method) on its worker."""
+    from . import callmemory
     from .skeleton import decode_args, encode_output
 
     body = frame.body
@@ -238,13 +239,28 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     if isinstance(hints, dict) and isinstance(hints.get("phase"), str):
         s.phase = hints["phase"][:32]
     fn = entry.module if method == "forward" else getattr(entry.module, method)
+    # Reserve what the call will add before it runs (issue 16 §4): the cache growth and
+    # outputs in data, generate()'s private cache in the stack. After the call the
+    # reservation gives way to the bytes actually held.
+    growth = callmemory.estimate(entry.module, method, args, kwargs)
+    data, stack = w.store.vmu["data"], w.store.vmu["stack"]
+    data.reserve(growth.data)
+    try:
+        stack.reserve(growth.stack)
+    except BaseException:
+        data.release(growth.data)
+        raise
     try:
         with torch.no_grad():
             out = fn(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
         raise ExecutionError(f"{entry.name}.{method}: {type(exc).__name__}: {exc}") from None
+    finally:
+        data.release(growth.data)
+        stack.release(growth.stack)
     entry.hits += 1
     kept: list[str] = []
+    objects_before = set(s.objects)
     try:
         skeleton = encode_output(out, s, w.store, kept, w.models.allowlist, entry.storages)
         w.store.charge_objects(s)  # the KV cache grew: charge it like any session data
@@ -257,5 +273,8 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     except BaseException:
         for h in kept:
             w.store.drop(s, h)
+        for oid in set(s.objects) - objects_before:  # a cache made by the refused call
+            s.object_ids.pop(id(s.objects.pop(oid)), None)
+        w.store.charge_objects(s)
         raise
     return {"out": skeleton}, []
