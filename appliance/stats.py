@@ -9,6 +9,7 @@ from typing import Any
 
 from djinn.protocol.frames import VERSION
 
+from .reqstats import percentiles
 from .vmu.device import SEGMENTS
 from .workers import WorkerHandle
 
@@ -39,6 +40,7 @@ def build(
     started: float,
     addresses: dict[str, str],
     supervisor_requests: list[dict[str, Any]] = (),
+    window_s: float = 60.0,
 ) -> dict[str, Any]:
     sessions, devices = [], []
     used = peak = 0
@@ -51,6 +53,8 @@ def build(
         peak += share.get("peak", 0)
         vmu = st.get("vmu") or {seg: {"capacity": 0, "used": 0, "peak": 0} for seg in SEGMENTS}
         devices.append({"worker": w.id, "device": w.device_name or w.device, **vmu})
+    requests = [{**r, "worker": w.id} for w in workers for r in w.stats.get("requests", [])]
+    requests += [{**r, "worker": "supervisor"} for r in supervisor_requests]
     return {
         "schema": STATS_SCHEMA,
         "appliance": {
@@ -58,6 +62,7 @@ def build(
             "protocol": VERSION,
             "uptime_s": round(time.time() - started, 3),
             "addresses": addresses,
+            "stats_window_s": window_s,
         },
         "workers": [w.describe() for w in workers],
         "sessions": sessions,
@@ -72,6 +77,19 @@ def build(
             "devices": devices,
         },
         "models": [{**m, "worker": w.id} for w in workers for m in w.stats.get("models", [])],
-        "requests": [{**r, "worker": w.id} for w in workers for r in w.stats.get("requests", [])]
-        + [{**r, "worker": "supervisor"} for r in supervisor_requests],
+        "requests": requests,
+        "latency": latency(requests, window_s),
+    }
+
+
+def latency(requests: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    """Request percentiles over the recent window (Note [recent window], reqstats.py), by
+    kind and over everything: what `djinn status` shows and what an alert should read."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for r in requests:
+        kinds.setdefault(r["kind"], []).append(r)
+    return {
+        "window_s": window_s,
+        "all": percentiles(requests),
+        "kinds": [{"kind": k, **percentiles(series)} for k, series in sorted(kinds.items())],
     }

@@ -79,7 +79,7 @@ class Supervisor:
         self.arena: HostArenaSegment | None = None
         self.workers: list[WorkerHandle] = []
         self._wake_r, self._wake_w = socket.socketpair()
-        self.requests = RequestStats()
+        self.requests = RequestStats(cfg.stats_window)
         self.latest_stats: dict[str, Any] | None = None  # read by the metrics thread
         self.metrics_server: Any = None
         self.accept_paused_until = 0.0
@@ -128,6 +128,7 @@ class Supervisor:
                 "arena_session_max": cfg.arena_session_max,
                 "arena_reserve": cfg.arena_reserve,
                 "heartbeat_interval": cfg.heartbeat_interval,
+                "stats_window": cfg.stats_window,
                 "lease_s": cfg.heartbeat_interval * cfg.heartbeat_misses,
                 "cpu_worker_memory": cfg.cpu_worker_memory,
                 "text_fraction": cfg.vmu_text_fraction,
@@ -440,7 +441,12 @@ class Supervisor:
             "pinned": getattr(self, "arena_pinned", False),
         }
         return stats.build(
-            self.workers, arena, self.started, self.addresses, self.requests.snapshot()
+            self.workers,
+            arena,
+            self.started,
+            self.addresses,
+            self.requests.snapshot(),
+            self.cfg.stats_window,
         )
 
     # -- shutdown -----------------------------------------------------------------------

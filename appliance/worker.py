@@ -80,7 +80,7 @@ class Worker:
         self.sessions: dict[int, WorkerSession] = {}
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
-        self.requests = RequestStats()
+        self.requests = RequestStats(init.get("stats_window", 60.0))
         self.stopping = False
         self.busy_until = 0.0  # Note [busy worker]
         self._dirty = True

@@ -9,12 +9,14 @@ table (``python -m djinn.config --markdown``) so the reference never drifts.
 from __future__ import annotations
 
 import os
-import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from djinn import config_rules as rules
+from djinn.config_rules import parse_bytes as parse_bytes  # part of this module's API
 from djinn.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -29,11 +31,43 @@ class Setting:
     default: Any
     help: str
     kind: str = "str"  # str | int | float | bool | bytes | path
+    low: float | None = None  # inclusive bounds for numbers and sizes
+    high: float | None = None
+    choices: tuple[str, ...] = ()  # the only values a text setting takes (lower case)
+    check: Callable[[Any], str | None] | None = None  # any other rule: a problem or None
+    shape: str = ""  # what the value looks like, where the type alone does not say
 
     @property
     def env(self) -> str:
         return "DJINN_" + self.key.upper()
 
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def accepts(self) -> str:
+        """What values the setting takes, in words (for --help and the reference)."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.shape:
+            return self.shape
+        words = rules.KIND_WORDS[self.kind]
+        show = rules.human_size if self.kind == "bytes" else (lambda v: f"{v:g}")
+        if self.low is not None and self.high is not None:
+            words += f", {show(self.low)} to {show(self.high)}"
+        elif self.low is not None:
+            words += f", at least {show(self.low)}"
+        elif self.high is not None:
+            words += f", at most {show(self.high)}"
+        if self.kind == "bytes" and str(self.default) == "auto":
+            words += ", or auto"
+        return words
+
+
+MIB = 1 << 20
+PORT = {"low": 0, "high": 65535}
+FRACTION = {"low": 0.0, "high": 1.0}
 
 SETTINGS: tuple[Setting, ...] = (
     # -- where the appliance is -----------------------------------------------------
@@ -42,12 +76,17 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "Appliance address for clients: unix:///path or tcp://host:port. "
         "Empty: use socket_path if an appliance listens there, else start an embedded one.",
+        check=rules.check_address,
+        shape="unix:///path, tcp://host:port, or empty",
     ),
     Setting(
         "socket_path",
         "/tmp/djinn-{uid}.sock",
-        "Unix socket of the appliance ({uid} is replaced by the user id). Created with mode 0600.",
+        "Unix socket of the appliance ({uid} is replaced by the user id). Created with "
+        "mode 0600. Empty: no Unix socket.",
         "path",
+        check=rules.check_socket_path,
+        shape="path of at most 107 bytes, or empty",
     ),
     Setting("tcp_enabled", True, "Listen on TCP as well as on the Unix socket.", "bool"),
     Setting(
@@ -55,8 +94,15 @@ SETTINGS: tuple[Setting, ...] = (
         "127.0.0.1",
         "TCP bind address. Anything but loopback exposes the "
         "appliance to the network: keep the token secret.",
+        check=rules.check_not_empty,
     ),
-    Setting("tcp_port", 7711, "TCP port (0 picks a free one; the readiness line shows it).", "int"),
+    Setting(
+        "tcp_port",
+        7711,
+        "TCP port (0 picks a free one; the readiness line shows it).",
+        "int",
+        **PORT,
+    ),
     Setting("token", "", "Shared secret TCP clients must present. Empty: read token_file."),
     Setting(
         "token_file",
@@ -71,14 +117,24 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         "GPUs to use: 'auto' (all NVML sees), 'none', or a list like "
         "'0,1'. One executor worker per GPU.",
+        check=rules.check_gpus,
+        shape="auto, none, or indices like 0,1",
     ),
-    Setting("cpu_workers", 1, "CPU executor workers started when no GPU is used.", "int"),
+    Setting(
+        "cpu_workers",
+        1,
+        "CPU executor workers started when no GPU is used.",
+        "int",
+        low=1,
+        high=256,
+    ),
     Setting(
         "arena_bytes",
         "1GiB",
         "Size of the shared-memory host arena (bulk tensor "
         "bytes; split evenly between workers). Reserved up front.",
         "bytes",
+        low=MIB,
     ),
     Setting(
         "arena_session_max",
@@ -87,6 +143,8 @@ SETTINGS: tuple[Setting, ...] = (
         "(fraction). Over it, that session's PUT/ALLOC/fetch gets RESOURCE_EXHAUSTED; "
         "others don't.",
         "float",
+        low=0.01,
+        high=1.0,
     ),
     Setting(
         "arena_reserve",
@@ -94,12 +152,16 @@ SETTINGS: tuple[Setting, ...] = (
         "Fraction of a worker's arena share kept for sessions under their fair share "
         "(arena / open sessions): sessions beyond it cannot take these last bytes.",
         "float",
+        low=0.0,
+        high=0.99,
     ),
     Setting(
         "inline_max_bytes",
         "64KiB",
         "Tensors up to this size travel inside the frame instead of through the arena.",
         "bytes",
+        low=0,
+        high=64 * MIB,
     ),
     Setting(
         "cpu_worker_memory",
@@ -107,14 +169,22 @@ SETTINGS: tuple[Setting, ...] = (
         "Memory a CPU worker's VMU may use (text + data + "
         "stack). 'auto': half of RAM divided between CPU workers.",
         "bytes",
+        low=16 * MIB,
     ),
-    Setting("vmu_text_fraction", 0.4, "Share of a device's memory for weights (text).", "float"),
+    Setting(
+        "vmu_text_fraction",
+        0.4,
+        "Share of a device's memory for weights (text). With vmu_data_fraction, less than 1.",
+        "float",
+        **FRACTION,
+    ),
     Setting(
         "vmu_data_fraction",
         0.4,
         "Share for session data: tensors and KV caches kept "
         "between calls (data). The rest is stack (activations during a call).",
         "float",
+        **FRACTION,
     ),
     Setting(
         "model_roots",
@@ -133,23 +203,44 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "model_methods",
         "generate",
-        "Methods besides forward that clients may call on a registered model (comma-separated).",
+        "Methods besides forward that clients may call on a registered model "
+        "(comma-separated; names starting with _ are refused).",
+        check=rules.check_methods,
+        shape="comma-separated method names",
     ),
     # -- sessions and lifecycle -----------------------------------------------------
-    Setting("heartbeat_interval", 1.0, "Seconds between client heartbeats.", "float"),
+    Setting(
+        "heartbeat_interval",
+        1.0,
+        "Seconds between client heartbeats.",
+        "float",
+        low=0.05,
+        high=3600.0,
+    ),
     Setting(
         "heartbeat_misses",
         3,
         "Missed heartbeats before a session's lease expires and its handles and slabs are freed.",
         "int",
+        low=1,
+        high=1000,
     ),
-    Setting("drain_timeout", 5.0, "Seconds SIGTERM waits for in-flight requests.", "float"),
+    Setting(
+        "drain_timeout",
+        5.0,
+        "Seconds SIGTERM waits for in-flight requests.",
+        "float",
+        low=0.0,
+        high=3600.0,
+    ),
     Setting(
         "restart_backoff_max",
         30.0,
         "Longest wait before restarting a worker that "
         "keeps crashing (the wait doubles from 0.5 s per quick crash).",
         "float",
+        low=0.5,
+        high=3600.0,
     ),
     Setting(
         "restart_backoff_reset",
@@ -157,12 +248,26 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds a worker must stay healthy (ready) for its crash-loop back-off to be "
         "forgiven: its next death restarts it after 0.5 s again.",
         "float",
+        low=0.0,
+        high=86400.0,
     ),
     Setting(
         "embedded_start_timeout",
         60.0,
         "Seconds a client waits for an embedded appliance to become ready.",
         "float",
+        low=1.0,
+        high=3600.0,
+    ),
+    # -- watching it ----------------------------------------------------------------
+    Setting(
+        "stats_window",
+        60.0,
+        "Seconds of recent requests the stats document's latency percentiles cover "
+        "(djinn status, djinn top); Prometheus histograms still count since start.",
+        "float",
+        low=1.0,
+        high=3600.0,
     ),
     Setting(
         "metrics_port",
@@ -170,52 +275,45 @@ SETTINGS: tuple[Setting, ...] = (
         "Prometheus endpoint port on metrics_host (0: no endpoint). "
         "Serves request counts and latency histograms, VMU gauges, sessions, restarts.",
         "int",
+        **PORT,
     ),
-    Setting("metrics_host", "127.0.0.1", "Bind address of the Prometheus endpoint."),
-    Setting("log_level", "warning", "Logging level for every Djinn component."),
+    Setting(
+        "metrics_host",
+        "127.0.0.1",
+        "Bind address of the Prometheus endpoint.",
+        check=rules.check_not_empty,
+    ),
+    Setting(
+        "log_level",
+        "warning",
+        "Logging level for every Djinn component.",
+        choices=("debug", "info", "warning", "error", "critical"),
+    ),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-
-def parse_bytes(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"size must be non-negative, got {value}")
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"not a size: {value!r} (try 512MiB, 2GiB, 1048576)")
-    unit = (m.group(2) or "").upper().replace("I", "").replace("B", "")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def _coerce(setting: Setting, value: Any) -> Any:
-    kind = setting.kind
+def _coerce(setting: Setting, value: Any, origin: str = "") -> Any:
+    """``value`` read as the setting's type and checked against its rules; a ConfigError
+    naming the setting, the value, where it came from and what is wrong otherwise."""
+    where = f" (from {origin})" if origin else ""
     try:
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if kind == "int":
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if kind == "bytes":
-            return "auto" if str(value) == "auto" else parse_bytes(value)
-        if kind == "path":
-            text = str(value).replace("{uid}", str(os.getuid()))
-            return str(Path(text).expanduser()) if text else ""
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{setting.key}: cannot use {value!r} as {kind}") from None
+        result = rules.to_kind(setting.kind, value)
+    except (TypeError, ValueError) as exc:
+        why = str(exc) if setting.kind != "int" else "expected an integer"
+        raise ConfigError(f"{setting.key} = {value!r}{where}: {why}") from None
+    if setting.choices:
+        result = result.strip().lower()
+        problem = None if result in setting.choices else f"must be {setting.accepts}"
+    elif setting.kind in ("int", "float", "bytes"):
+        problem = rules.in_range(result, setting.low, setting.high, setting.kind)
+    else:
+        problem = None
+    if problem is None and setting.check is not None:
+        problem = setting.check(result)
+    if problem is not None:
+        raise ConfigError(f"{setting.key} = {value!r}{where}: {problem}")
+    return result
 
 
 @dataclass
@@ -229,22 +327,46 @@ class Config:
         except KeyError:
             raise AttributeError(key) from None
 
-    def with_overrides(self, **overrides: Any) -> Config:
+    def with_overrides(self, *, origin: str = "", **overrides: Any) -> Config:
+        """These settings replaced (None: keep), as `djinn serve` flags give them."""
         values = dict(self.values)
         for key, value in overrides.items():
             if value is not None:
-                values[key] = _coerce(_setting(key), value)
+                setting = _setting(key, origin or "a flag")
+                values[key] = _coerce(setting, value, origin or setting.flag)
+        _check_together(values)
         return Config(values, self.source)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.values)
 
 
-def _setting(key: str) -> Setting:
+def _setting(key: str, origin: str = "") -> Setting:
     try:
         return _BY_KEY[key]
     except KeyError:
-        raise ConfigError(f"unknown setting {key!r}") from None
+        import difflib
+
+        where = f" in {origin}" if origin else ""
+        near = difflib.get_close_matches(key, _BY_KEY, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"unknown setting {key!r}{where}{hint}") from None
+
+
+def _check_together(values: dict[str, Any]) -> None:
+    problem = rules.check_together(values)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def parse_assignment(text: str) -> tuple[str, str]:
+    """``key=value`` (from ``--set``) as a pair; the key must be a setting."""
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r}: expected key=value")
+    _setting(key, "--set")
+    return key, value.strip()
 
 
 def find_config_file(path: str | os.PathLike | None = None) -> Path | None:
@@ -270,16 +392,20 @@ def load(path: str | os.PathLike | None = None, *, env: dict[str, str] | None = 
         try:
             data = tomllib.loads(file.read_text())
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{file}: {exc}") from None
+            raise ConfigError(f"{file}: not valid TOML: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc}") from None
         table = data.get("djinn", data)
+        where = str(file.absolute())  # which djinn.toml, when several could be meant
         for key, value in table.items():
             if isinstance(value, dict):
                 continue
-            values[key] = _coerce(_setting(key), value)
+            values[key] = _coerce(_setting(key, where), value, where)
         source = str(file)
     for s in SETTINGS:
         if s.env in env:
-            values[s.key] = _coerce(s, env[s.env])
+            values[s.key] = _coerce(s, env[s.env], s.env)
+    _check_together(values)
     return Config(values, source)
 
 
@@ -293,9 +419,9 @@ def read_token(cfg: Config) -> str:
 
 
 def markdown_table() -> str:
-    rows = ["| key | default | env | meaning |", "|---|---|---|---|"]
+    rows = ["| key | default | accepts | env | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
-        rows.append(f"| `{s.key}` | `{s.default!r}` | `{s.env}` | {s.help} |")
+        rows.append(f"| `{s.key}` | `{s.default!r}` | {s.accepts} | `{s.env}` | {s.help} |")
     return "\n".join(rows)
 
 

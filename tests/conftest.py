@@ -64,8 +64,9 @@ class Appliance:
         return self.stderr_path.read_text(errors="replace")
 
 
-def start_appliance(tmp: Path, **settings) -> Appliance:
-    """Start `djinn serve` with a private socket, an ephemeral TCP port and a token."""
+def start_appliance(tmp: Path, serve_args: tuple[str, ...] = (), **settings) -> Appliance:
+    """Start `djinn serve` with a private socket, an ephemeral TCP port and a token
+    (``serve_args``: flags after ``--config``)."""
     tmp.mkdir(parents=True, exist_ok=True)
     values = {
         "socket_path": str(tmp / "djinn.sock"),
@@ -86,7 +87,7 @@ def start_appliance(tmp: Path, **settings) -> Appliance:
     err = tmp / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg), *serve_args],
         stdout=subprocess.PIPE,
         stderr=err.open("w"),
         stdin=subprocess.DEVNULL,

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import typer
+
+from .flags import with_setting_flags
+
+EXIT_FAILED, EXIT_CONFIG = 1, 2
 
 app = typer.Typer(
     add_completion=False,
@@ -22,39 +27,43 @@ def _setup_logging(level: str) -> None:
     )
 
 
-@app.command()
+def _exit_for(command: str, exc: Exception) -> typer.Exit:
+    """One line on stderr for an error an operator can act on, and the exit code that
+    says which kind: 2 for configuration (as `djinn serve` documents), 1 for the rest."""
+    from djinn.errors import ConfigError
+
+    typer.echo(f"djinn {command}: {exc}", err=True)
+    return typer.Exit(EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED)
+
+
+SET_OPTION = typer.Option(None, "--set", metavar="KEY=VALUE", help="Set any setting (repeatable).")
+
+
+@app.command(
+    epilog="Every setting is also a flag (the Settings panel); `--set key=value` gives any "
+    "of them too. Precedence: defaults < djinn.toml < DJINN_* variables < --set < flags."
+)
+@with_setting_flags
 def serve(
     config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
-    socket_path: str | None = typer.Option(None, "--socket", help="Unix socket path."),
-    tcp_host: str | None = typer.Option(None, help="TCP bind address."),
-    tcp_port: int | None = typer.Option(None, help="TCP port (0: any free port)."),
-    no_tcp: bool = typer.Option(False, "--no-tcp", help="Listen on the Unix socket only."),
-    cpu_workers: int | None = typer.Option(None, help="CPU workers when no GPU is used."),
-    gpus: str | None = typer.Option(None, help="'auto', 'none' or a list like '0,1'."),
-    arena_bytes: str | None = typer.Option(None, help="Host arena size, e.g. 2GiB."),
-    log_level: str | None = typer.Option(None, help="debug, info, warning, error."),
+    assignments: list[str] | None = SET_OPTION,
     parent_pid: int | None = typer.Option(
         None, hidden=True, help="Exit when this process does (embedded)."
     ),
+    **settings: Any,
 ) -> None:
     """Run the appliance: a supervisor and one executor worker per device."""
     from djinn import config as config_mod
     from djinn.errors import DjinnError
 
     try:
-        cfg = config_mod.load(config).with_overrides(
-            socket_path=socket_path,
-            tcp_host=tcp_host,
-            tcp_port=tcp_port,
-            tcp_enabled=False if no_tcp else None,
-            cpu_workers=cpu_workers,
-            gpus=gpus,
-            arena_bytes=arena_bytes,
-            log_level=log_level,
-        )
+        cfg = config_mod.load(config)
+        pairs = [config_mod.parse_assignment(a) for a in assignments or ()]
+        for key, value in pairs:
+            cfg = cfg.with_overrides(origin=f"--set {key}", **{key: value})
+        cfg = cfg.with_overrides(**settings)
     except DjinnError as exc:
-        typer.echo(f"djinn serve: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _exit_for("serve", exc) from None
     _setup_logging(cfg.log_level)
     from djinn.appliance.supervisor import serve as run_supervisor
 
@@ -84,8 +93,7 @@ def status(
         with Client(target, token) as client:
             doc = client.stats()
     except DjinnError as exc:
-        typer.echo(f"djinn status: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise _exit_for("status", exc) from None
     if as_json:
         import json
 
@@ -103,11 +111,15 @@ def top(
 ) -> None:
     """Live view of workers, sessions, memory watermarks, models and requests."""
     from djinn import config as config_mod
+    from djinn.errors import DjinnError
 
-    cfg = config_mod.load(config)
-    target = address or cfg.address or f"unix://{cfg.socket_path}"
-    if token is None and target.startswith("tcp://"):
-        token = config_mod.read_token(cfg)
+    try:
+        cfg = config_mod.load(config)
+        target = address or cfg.address or f"unix://{cfg.socket_path}"
+        if token is None and target.startswith("tcp://"):
+            token = config_mod.read_token(cfg)
+    except DjinnError as exc:
+        raise _exit_for("top", exc) from None
     from djinn.tui.app import run_top
 
     run_top(target, token=token, refresh=refresh)
@@ -125,8 +137,12 @@ def run(
 ) -> None:
     """Run an unmodified script; its `cuda` work lands on the appliance."""
     from djinn import config as config_mod
+    from djinn.errors import DjinnError
 
-    _setup_logging(config_mod.load().log_level)
+    try:  # the script's own clients read the same file: say what is wrong before it runs
+        _setup_logging(config_mod.load().log_level)
+    except DjinnError as exc:
+        raise _exit_for("run", exc) from None
     from .run import run_script
 
     raise typer.Exit(run_script(script, list(ctx.args), device_map))
@@ -163,7 +179,13 @@ def plugins(
 
 
 def main() -> None:
-    app()
+    from djinn.errors import DjinnError
+
+    try:
+        app()
+    except DjinnError as exc:  # whatever a command did not expect: still one line
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        raise SystemExit(_exit_for(command, exc).exit_code) from None
 
 
 if __name__ == "__main__":

@@ -81,3 +81,110 @@ def test_operations_doc_holds_the_generated_settings_table():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     body = doc.split("<!-- settings:begin -->\n", 1)[1].split("\n<!-- settings:end -->", 1)[0]
     assert body == config.markdown_table(), "regenerate with: python -m djinn.config"
+
+
+# One bad value (or more) per setting, as an operator could type it in djinn.toml; the
+# last test below fails when a setting is added without a row here.
+BAD_VALUES = {
+    "address": ["http://host:1", "tcp://host", "tcp://host:99999"],
+    "socket_path": ["/tmp/" + "s" * 120 + ".sock", ["a"]],
+    "tcp_enabled": ["maybe", 2],
+    "tcp_host": ["", ["127.0.0.1"]],
+    "tcp_port": [99999, -1, "http", 80.5, True],
+    "token": [["a", "b"]],
+    "token_file": [["f"]],
+    "gpus": ["abc", "0,0", "-1", ["0"]],
+    "cpu_workers": [0, -2, 1000, "many"],
+    "arena_bytes": ["lots", "1KiB", 0, -5],
+    "arena_session_max": [0, 1.5, "half"],
+    "arena_reserve": [-0.1, 1.0],
+    "inline_max_bytes": ["1GiB", "big"],
+    "cpu_worker_memory": ["1MiB", "plenty"],
+    "vmu_text_fraction": [-0.1, 1.5, "nan"],
+    "vmu_data_fraction": [2, "inf"],
+    "model_roots": [["/a"]],
+    "model_allowlist": [["transformers."]],
+    "model_methods": ["__reduce__", "_private", "not a name"],
+    "heartbeat_interval": [-1, 0, "fast"],
+    "heartbeat_misses": [0, 2.5],
+    "drain_timeout": [-1],
+    "restart_backoff_max": [0, -3],
+    "restart_backoff_reset": [-1],
+    "embedded_start_timeout": [0],
+    "stats_window": [0, 100000],
+    "metrics_port": [70000, -1],
+    "metrics_host": [""],
+    "log_level": ["verbose", 3],
+}
+
+
+def _toml(key: str, value) -> str:
+    import json
+
+    return f"{key} = {json.dumps(value)}\n"  # JSON scalars and arrays are TOML too
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [(k, v) for k, values in BAD_VALUES.items() for v in values]
+)
+def test_a_bad_value_in_the_file_is_one_line_naming_setting_and_file(tmp_path, key, value):
+    f = tmp_path / "djinn.toml"
+    f.write_text(_toml(key, value))
+    with pytest.raises(ConfigError) as info:
+        config.load(f, env={})
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith(f"[CONFIG_ERROR] {key} = ") and str(f) in text
+
+
+@pytest.mark.parametrize(
+    "key", sorted(k for k, vs in BAD_VALUES.items() if any(not isinstance(v, list) for v in vs))
+)
+def test_a_bad_value_in_the_environment_or_a_flag_names_where_it_came_from(key):
+    value = next(v for v in BAD_VALUES[key] if not isinstance(v, list))
+    env_value = str(value).lower() if isinstance(value, bool) else str(value)
+    setting = {s.key: s for s in config.SETTINGS}[key]
+    with pytest.raises(ConfigError, match=setting.env):
+        config.load(env={setting.env: env_value})
+    with pytest.raises(ConfigError, match=setting.flag):
+        config.load(env={}).with_overrides(**{key: env_value})
+
+
+def test_every_setting_has_a_bad_value_in_the_table():
+    assert sorted(BAD_VALUES) == sorted(s.key for s in config.SETTINGS)
+
+
+def test_vmu_fractions_that_leave_no_stack_fail_at_load(tmp_path):
+    f = tmp_path / "djinn.toml"
+    f.write_text("vmu_text_fraction = 0.6\nvmu_data_fraction = 0.5\n")
+    with pytest.raises(ConfigError, match="less than 1"):
+        config.load(f, env={})
+    with pytest.raises(ConfigError, match="less than 1"):
+        config.load(env={}).with_overrides(vmu_text_fraction=0.7)
+
+
+def test_edge_values_in_range_load(tmp_path):
+    f = tmp_path / "djinn.toml"
+    f.write_text(
+        'tcp_port = 65535\nmetrics_port = 0\ngpus = "0,1"\nlog_level = "DEBUG"\n'
+        'arena_bytes = "1MiB"\nheartbeat_misses = 1\ncpu_worker_memory = "auto"\n'
+        'address = "tcp://example.org:7711"\nmodel_methods = "generate, score"\n'
+    )
+    cfg = config.load(f, env={})
+    assert (cfg.tcp_port, cfg.gpus, cfg.log_level) == (65535, "0,1", "debug")
+    assert cfg.arena_bytes == 1 << 20
+
+
+def test_an_unknown_setting_suggests_the_nearest_one(tmp_path):
+    f = tmp_path / "djinn.toml"
+    f.write_text("tcp_prot = 1\n")
+    with pytest.raises(ConfigError, match="did you mean tcp_port"):
+        config.load(f, env={})
+
+
+def test_set_assignments_parse_and_name_unknown_keys():
+    assert config.parse_assignment("tcp-port=8000") == ("tcp_port", "8000")
+    with pytest.raises(ConfigError, match="key=value"):
+        config.parse_assignment("tcp_port")
+    with pytest.raises(ConfigError, match="nope"):
+        config.parse_assignment("nope=1")
