@@ -24,6 +24,7 @@ from djinn.protocol.frames import Frame
 from djinn.protocol.tensors import describe
 
 from .sessions import WorkerSession
+from .uploads import Parked
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -58,7 +59,7 @@ def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
 MAX_CONFIG_JSON = 1 << 20
 
 
-def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply | Parked:
     """Register a model under a fingerprint the worker *verifies* before caching it.
 
     Phase 1 (no weights named): attach to the cached model, or answer that weights are
@@ -94,6 +95,9 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
             except (orjson.JSONDecodeError, AttributeError):
                 raise InvalidArgument("config_json is not a JSON object") from None
             if state is None and path is None:
+                if w.uploads.busy(fp, s.id):  # Note [one upload per fingerprint]
+                    return w.uploads.park(fp, s, frame)
+                w.uploads.begin(fp, s.id)
                 return {"cached": False}, []
             class_path = body["class"]
             if path is not None:
@@ -132,6 +136,8 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         for handle in named:  # uploaded weights leave the session, whatever happened
             if isinstance(handle, str):
                 w.store.drop(s, handle)
+        if named or path is not None:  # this session's upload is over: waiters go again
+            w.requeue(w.uploads.finish(fp, s.id))
     w.models.attach(entry, s.id)
     s.models.add(fp)
     return {"cached": True, "bytes": entry.nbytes, "sessions": len(entry.sessions)}, []

@@ -13,6 +13,7 @@ session's outbox and are continued from the loop (Note [slow readers], outbox.py
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import errno
 import logging
@@ -42,6 +43,7 @@ from .models import ModelCache
 from .reqstats import RequestStats
 from .sessions import CLOSED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
+from .uploads import PARKED, UPLOADING_KINDS, Uploads
 from .vmu.device import DeviceVMU
 
 log = logging.getLogger("djinn.appliance.worker")
@@ -76,6 +78,8 @@ class Worker:
         )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
+        self.uploads = Uploads()  # Note [one upload per fingerprint] (uploads.py)
+        self.ready: collections.deque[tuple[WorkerSession, Frame]] = collections.deque()
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
         self.sessions: dict[int, WorkerSession] = {}
         self.sel = selectors.DefaultSelector()
@@ -111,6 +115,10 @@ class Worker:
                 self.on_writable(key.data)
             else:
                 self.serve(key.data)
+        while self.ready:  # parked requests whose wait is over
+            s, frame = self.ready.popleft()
+            if s.state == OPEN and s.sock.fileno() >= 0:
+                self.dispatch(s, frame)
         self.sweep()
         self.push_stats()
         return True
@@ -167,6 +175,7 @@ class Worker:
     def end_session(self, s: WorkerSession, state: str) -> None:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
         s.outbox.clear()  # drop reply bytes before the memory they view is freed
+        self.requeue(self.uploads.abandon(s.id))
         self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
         if s.state == OPEN:
             for fp in s.models:
@@ -184,8 +193,13 @@ class Worker:
         self._dirty = True
         self.push_stats(force=True)
 
+    def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
+        self.ready.extend(parked)
+
     def sweep(self) -> None:
         now = time.monotonic()
+        if self.uploads.by_fp:
+            self.requeue(self.uploads.abandon("", now))  # past UPLOAD_WAIT_S
         for s in list(self.sessions.values()):
             if s.outbox.stalled(now):
                 log.info("session %s: stopped reading its reply; closing it", s.id)
@@ -193,6 +207,9 @@ class Worker:
                 continue
             if s.outbox:
                 continue  # the client is reading a reply: it cannot heartbeat meanwhile
+            if self.uploads.by_fp and self.uploads.waiting(s.id):
+                s.touch()  # it waits on another session's upload, not dead
+                continue
             if s.state == OPEN and now - self.busy_until > s.lease_s and s.expired(now):
                 log.info("session %s: lease expired after %.1fs", s.id, now - s.last_seen)
                 self.end_session(s, EXPIRED)
@@ -283,7 +300,12 @@ class Worker:
             handler = HANDLERS.get(frame.kind)
             if handler is None:
                 raise ProtocolError(f"{frame.kind.name} is not a session request")
-            body, segments = handler(self, s, frame)
+            if self.uploads.by_fp and frame.kind.name not in UPLOADING_KINDS:
+                self.requeue(self.uploads.abandon(s.id))  # it moved on: not uploading
+            result = handler(self, s, frame)
+            if result is PARKED:
+                return  # answered when dispatched again (Note [one upload per fingerprint])
+            body, segments = result
             self._dirty = True
             self.reply(s, rid, body, segments)
         except DjinnError as exc:
