@@ -73,10 +73,12 @@ class RequestStats:
         entry[1] += seconds
         entry[2][bisect.bisect_left(BUCKETS, seconds)] += 1
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Totals since start per (kind, outcome), each with its ``recent`` part."""
+    def snapshot(self, roll: bool = True) -> list[dict[str, Any]]:
+        """Totals since start per (kind, outcome), each with its ``recent`` part.
+        ``roll=False`` only reads: for a thread other than the one that records."""
         now = self._clock()
-        self._roll(now)
+        if roll:
+            self._roll(now)
         since, base = self._ring[0]
         out = []
         for key, (c, s, b) in sorted(self._series.items()):

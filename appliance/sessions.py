@@ -2,10 +2,10 @@
 
 A session is pinned to one worker and lives on the connection the supervisor handed
 over. It ends in one of three ways, and each frees everything it holds:
-closed by the client, its connection dropped (the client died), or its lease ran out
-(no request or heartbeat for ``interval * misses`` seconds). An expired session keeps a
-tombstone on its connection so later calls get SESSION_EXPIRED instead of a fresh,
-empty session.
+closed by the client, its connection dropped (the client died), its lease ran out
+(no request or heartbeat for ``interval * misses`` seconds), or an operator ended it
+(KILL_SESSION). An expired or ended session keeps a tombstone on its connection so later
+calls get SESSION_EXPIRED or SESSION_ENDED instead of a fresh, empty session.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from djinn.transport.framing import FrameReader
 
 from .outbox import Outbox
 
-OPEN, EXPIRED, CLOSED = "open", "expired", "closed"
+OPEN, EXPIRED, CLOSED, ENDED = "open", "expired", "closed", "ended"
 
 
 @dataclass
@@ -60,6 +60,7 @@ class WorkerSession:
     data_bytes: int = 0
     requests: int = 0
     phase: str = "unknown"
+    end_reason: str = ""  # ENDED: who ended the session and when, told to its client
     outbox: Outbox = field(default_factory=Outbox)  # Note [slow readers] (outbox.py)
 
     def touch(self) -> None:

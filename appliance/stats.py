@@ -16,13 +16,14 @@ from .workers import WorkerHandle
 STATS_SCHEMA = 1
 
 
-def opening_row(session_id: str, peer: str) -> dict:
-    """A session's stats row between its hand-over to a worker and that worker's report."""
+def opening_row(session_id: str, peer: str, age_s: float = 0.0) -> dict:
+    """A session's stats row between its hand-over to a worker and that worker's report
+    (which waits for the request a busy worker is running: Note [busy stats])."""
     return {
         "id": session_id,
         "peer": peer,
         "state": "opening",
-        "age_s": 0.0,
+        "age_s": round(age_s, 3),
         "last_heartbeat_s": 0.0,
         "handles": 0,
         "bytes": 0,
@@ -44,10 +45,15 @@ def build(
 ) -> dict[str, Any]:
     sessions, devices = [], []
     used = peak = 0
+    now = time.monotonic()
     for w in workers:
         st = w.stats
         for s in st.get("sessions", []):
             sessions.append({**s, "worker": w.id})
+        reported = {s.get("id") for s in st.get("sessions", [])}
+        for sid, (_, peer, since) in list(w.opening.items()):
+            if sid not in reported:
+                sessions.append({**opening_row(sid, peer, now - since), "worker": w.id})
         share = st.get("arena", {})
         used += share.get("used", 0)
         peak += share.get("peak", 0)

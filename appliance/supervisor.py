@@ -343,7 +343,8 @@ class Supervisor:
         elif frame.kind == Kind.PING:
             self._reply(conn, rid, {})
         elif frame.kind == Kind.KILL_SESSION:
-            self._reply(conn, rid, {"killed": self._kill_session(frame.body.get("session"))})
+            killed = self._kill_session(frame.body.get("session"), conn.peer)
+            self._reply(conn, rid, {"killed": killed})
         elif frame.kind == Kind.SESSION_OPEN:
             if conn.reader.buffered():
                 raise ProtocolError("bytes pipelined after SESSION_OPEN; wait for its reply")
@@ -376,23 +377,31 @@ class Supervisor:
             control.send(w.ctl, msg, [conn.sock.fileno()])
         except OSError:
             return False
-        # a full row until the worker's next report replaces it: readers of the stats
-        # document (djinn status, top) find every field of a session (issue 16 §1)
-        w.stats.setdefault("sessions", []).append(stats.opening_row(msg["session"], conn.peer))
+        # a full row until the worker reports the session: readers of the stats document
+        # (djinn status, top) find every field of it, also while the worker is busy
+        w.handed_over(msg["session"], conn.peer)
         conn.waiting_open = None
         self._close(conn)  # the worker holds the only copy of the connection now
         return True
 
-    def _kill_session(self, session: Any) -> bool:
+    def _kill_session(self, session: Any, by: str) -> bool:
+        """End a session for an operator (``by``: their connection's peer). Its client is
+        told SESSION_ENDED with who and when (issue 16 §3)."""
+        at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         for w in self.workers:
-            if w.ctl is not None and any(
-                s.get("id") == session for s in w.stats.get("sessions", [])
+            if w.ctl is not None and (
+                session in w.opening
+                or any(s.get("id") == session for s in w.stats.get("sessions", []))
             ):
                 try:
-                    control.send(w.ctl, {"op": "kill", "session": session})
+                    control.send(w.ctl, {"op": "kill", "session": session, "by": by, "at": at})
                 except OSError:  # the worker just died: its sessions are gone anyway
                     return False
-                w.stats["sessions"] = [s for s in w.stats["sessions"] if s.get("id") != session]
+                log.warning("session %s ended by operator %s", session, by)
+                w.opening.pop(session, None)
+                w.stats["sessions"] = [
+                    s for s in w.stats.get("sessions", []) if s.get("id") != session
+                ]
                 return True
         return False
 
@@ -423,7 +432,7 @@ class Supervisor:
             parts, w.stats_parts = w.stats_parts, []
             if len(parts) == msg.get("parts", 0):
                 msg["sessions"] = [row for part in parts for row in part]
-                w.stats = msg
+                w.reported(msg)
             # else: a part was lost (the worker skipped a push): keep the previous stats
         elif op == "failed":
             w.last_error = str(msg.get("error", ""))[:500]

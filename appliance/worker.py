@@ -30,6 +30,7 @@ from djinn.errors import (
     FrameTooLarge,
     InternalError,
     ProtocolError,
+    SessionEnded,
     SessionExpired,
 )
 from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
@@ -37,13 +38,15 @@ from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
 from . import control
+from .busy import BusyTracker
 from .executor.device import open_device
 from .handlers import HANDLERS
 from .models import ModelCache
 from .reqstats import RequestStats
-from .sessions import CLOSED, EXPIRED, OPEN, WorkerSession
+from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
+from .utilisation import Utilisation
 from .vmu.device import DeviceVMU
 
 log = logging.getLogger("djinn.appliance.worker")
@@ -89,6 +92,9 @@ class Worker:
         self.busy_until = 0.0  # Note [busy worker]
         self._dirty = True
         self._last_push = 0.0
+        self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
+        self.utilisation = Utilisation(init["device"])
+        self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -97,6 +103,7 @@ class Worker:
             {"op": "ready", "pid": os.getpid(), "device": self.device.name, "pinned": self.pinned},
         )
         self.push_stats(force=True)
+        self.busy.start()  # Note [busy stats] (busy.py)
         while not self.stopping:
             try:
                 if not self.step():
@@ -139,8 +146,8 @@ class Worker:
             self.adopt(msg, fds[0])
         elif op == "kill":
             for s in list(self.sessions.values()):
-                if s.id == msg.get("session"):
-                    self.end_session(s, CLOSED)
+                if s.id == msg.get("session") and s.state == OPEN:
+                    self.end_by_operator(s, str(msg.get("by", "")), str(msg.get("at", "")))
         elif op == "drain":
             self.stopping = True
         for fd in fds[1:]:
@@ -169,6 +176,7 @@ class Worker:
         if session.via_unix:
             reply["arena"] = {"name": self.arena.name, "size": self.arena.size}
         self.reply(session, msg["request_id"], reply, [])
+        self.adopted += 1
         self._dirty = True
         self.push_stats(force=True)
 
@@ -192,6 +200,18 @@ class Worker:
             s.sock.close()
         self._dirty = True
         self.push_stats(force=True)
+
+    def end_by_operator(self, s: WorkerSession, by: str, at: str) -> None:
+        """KILL_SESSION from `djinn top` or an operator's client: free everything, and
+        keep a tombstone that tells the client who ended its session and when, so it
+        does not blame a worker that is fine (issue 16 §3)."""
+        s.end_reason = (
+            f"session {s.id} was ended by an operator ({by or 'unknown'}) at {at}; "
+            "its handles were freed. Open a new session."
+        )
+        log.warning("session %s (%s) ended by operator %s", s.id, s.peer, by or "unknown")
+        # a reply already half on the wire cannot be followed by a clean error frame
+        self.end_session(s, CLOSED if s.outbox else ENDED)
 
     def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
         self.ready.extend(parked)
@@ -277,14 +297,17 @@ class Worker:
         rid = frame.request_id
         started = time.perf_counter()
         outcome = "ok"
+        self.busy.current = (s.id, frame.kind.name, time.monotonic())  # Note [busy stats]
         try:
             if frame.error is not None:
                 raise frame.error
-            if s.state == EXPIRED:
+            if s.state != OPEN:  # a tombstone: EXPIRED or ENDED
                 if frame.kind == Kind.SESSION_CLOSE:
                     self.reply(s, rid, {"closed": True}, [])
                     self.end_session(s, CLOSED)
                     return
+                if s.state == ENDED:
+                    raise SessionEnded(s.end_reason)
                 raise SessionExpired(
                     f"session {s.id} expired after {self.lease_s:.1f}s "
                     "without a heartbeat; its handles were freed"
@@ -316,6 +339,7 @@ class Worker:
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
+            self.busy.current = None
             self.free_frame_slabs(s)
             elapsed = time.perf_counter() - started
             self.requests.record(frame.kind.name, outcome, elapsed)
@@ -378,15 +402,23 @@ class Worker:
         # dirty: at most every STATS_PUSH_S; clean: once a second (ages and heartbeats move)
         if not force and since < (STATS_PUSH_S if self._dirty else 1.0):
             return
+        with self.busy.lock:  # Note [busy stats]: the busy thread may push too
+            self._send_stats(now)
+
+    def _send_stats(self, now: float, serving_thread: bool = True) -> None:
         self._last_push = now
         self._dirty = False
-        sessions = [s.stats(now) for s in self.sessions.values() if s.state == OPEN]
+        sessions = [s.stats(now) for s in list(self.sessions.values()) if s.state == OPEN]
         msg = {
             "op": "stats",
             "vmu": self.store.vmu.stats(),
             "arena": self.store.slabs.stats(),
-            "requests": self.requests.snapshot(),
+            # only the serving thread moves the window's ring (Note [recent window])
+            "requests": self.requests.snapshot(roll=serving_thread),
             "models": self.models.stats(),
+            "busy": self.busy.describe(now),
+            "utilisation": self.utilisation.sample(),
+            "adopted": self.adopted,
         }
         try:
             # Note [stats in parts]: one datagram holds at most ~200 KB (the socket's send
@@ -404,6 +436,7 @@ class Worker:
             self.stopping = True  # the supervisor is gone
 
     def drain(self) -> None:
+        self.busy.stop()
         for s in list(self.sessions.values()):
             self.end_session(s, CLOSED)
         self.arena.close()

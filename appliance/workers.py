@@ -39,6 +39,11 @@ class WorkerHandle:
     last_error: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     stats_parts: list[list[dict[str, Any]]] = field(default_factory=list)
+    stats_at: float | None = None  # when the last full report arrived (monotonic)
+    # Sessions handed over but not yet in a report, by id: (hand-over number, peer, when).
+    # A busy worker reads its control channel only after the request it is running.
+    opening: dict[str, tuple[int, str, float]] = field(default_factory=dict)
+    handed: int = 0  # sessions handed to this process; the worker counts them as "adopted"
 
     def start(self) -> None:
         parent, child = control.pair()
@@ -63,6 +68,9 @@ class WorkerHandle:
         self.restart_at = None
         self.stats = {}
         self.stats_parts = []
+        self.stats_at = None
+        self.opening.clear()
+        self.handed = 0
         control.send(parent, self.init)
 
     def mark_dead(self, backoff_max: float, reset_after: float = 60.0) -> None:
@@ -92,6 +100,7 @@ class WorkerHandle:
         self.backoff_s = min(backoff_max, FIRST_BACKOFF_S * 2 ** (self.quick_crashes - 1))
         self.restart_at = now + self.backoff_s
         self.stats = {}
+        self.opening.clear()  # those sessions died with it (their clients see SESSION_LOST)
         log.warning(
             "worker %d (%s) died (%s) after %.1fs; restarting in %.1fs",
             self.id,
@@ -101,10 +110,24 @@ class WorkerHandle:
             self.backoff_s,
         )
 
+    def handed_over(self, session: str, peer: str) -> None:
+        self.handed += 1
+        self.opening[session] = (self.handed, peer, time.monotonic())
+
+    def reported(self, msg: dict[str, Any]) -> None:
+        """A full stats report arrived: sessions it has adopted are no longer opening."""
+        self.stats = msg
+        self.stats_at = time.monotonic()
+        adopted = int(msg.get("adopted", 0))
+        for sid in [sid for sid, (n, _, _) in self.opening.items() if n <= adopted]:
+            del self.opening[sid]
+
     def session_count(self) -> int:
-        return len(self.stats.get("sessions", []))
+        return len(self.stats.get("sessions", [])) + len(self.opening)
 
     def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        util = self.stats.get("utilisation") or {}
         return {
             "id": self.id,
             "device": self.device_name or self.device,
@@ -116,4 +139,9 @@ class WorkerHandle:
             "sessions": self.session_count(),
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.alive else 0.0,
             "last_error": self.last_error,
+            # Note [busy stats] (busy.py): what a busy worker runs, and how old its report is
+            "busy": self.stats.get("busy"),
+            "stats_age_s": None if self.stats_at is None else round(now - self.stats_at, 3),
+            "utilisation": util.get("percent"),
+            "utilisation_source": util.get("source"),
         }

@@ -57,6 +57,13 @@ class SessionExpired(DjinnError):
     code = "SESSION_EXPIRED"
 
 
+class SessionEnded(DjinnError):
+    """An operator ended the session (djinn top, KILL_SESSION); its handles were freed.
+    The message says who and when. Open a new session."""
+
+    code = "SESSION_ENDED"
+
+
 class SessionLost(DjinnError):
     """The session's worker died; its handles are gone. Open a new session."""
 

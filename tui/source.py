@@ -1,7 +1,9 @@
 """Where `djinn top` gets its numbers: the appliance's stats API, polled.
 
 The TUI talks to the appliance only through `Client.stats()` and `Client.kill_session()`
-(DESIGN.md §4). `StatsSource` owns one control connection, opened lazily; any transport or
+(DESIGN.md §4); even device utilisation comes from the document, measured by each worker
+on the appliance's host (appliance/utilisation.py), so it is right from any machine.
+`StatsSource` owns one control connection, opened lazily; any transport or
 protocol failure closes it and marks the source disconnected, and the next poll simply
 tries to connect again, so the dashboard recovers by itself when an appliance comes back
 at the same address. Calls block (socket I/O): the app runs them off the UI thread.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -71,46 +72,6 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-class GpuUtilisation:
-    """GPU busy % from NVML, for workers on *this* host.
-
-    The stats document has no utilisation (the supervisor never touches CUDA, and workers
-    do not report it), so the TUI asks NVML itself. That is only meaningful when the
-    appliance runs on the same machine, i.e. for a unix:// address. `cuda:N` is taken as
-    NVML index N, which holds when CUDA_VISIBLE_DEVICES is unset and CUDA enumerates in
-    PCI order (CUDA_DEVICE_ORDER=PCI_BUS_ID), as the appliance's `gpus` setting assumes.
-    """
-
-    def __init__(self) -> None:
-        self._nvml: Any = None
-        self._unavailable = False
-
-    def percent(self, device: str) -> int | None:
-        m = re.match(r"cuda:(\d+)", device)
-        if m is None or self._unavailable:
-            return None
-        if self._nvml is None:
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-            except Exception:  # no library, no driver: a CPU host, show "-" forever
-                self._unavailable = True
-                return None
-            self._nvml = pynvml
-        try:
-            handle = self._nvml.nvmlDeviceGetHandleByIndex(int(m.group(1)))
-            return int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception:  # that index is not ours to see, or the query is unsupported
-            return None
-
-    def close(self) -> None:
-        if self._nvml is not None:
-            with contextlib.suppress(Exception):
-                self._nvml.nvmlShutdown()
-            self._nvml = None
-
-
 class StatsSource:
     """Polls `Client.stats()`; reconnects on the next poll after any failure."""
 
@@ -122,7 +83,6 @@ class StatsSource:
         # poll() runs on a worker thread and kill_session() on another; one control
         # connection carries one request at a time, so they take turns.
         self._lock = threading.Lock()
-        self._gpu = GpuUtilisation() if address.startswith("unix://") else None
 
     @property
     def connected(self) -> bool:
@@ -148,10 +108,6 @@ class StatsSource:
             except (DjinnError, OSError) as exc:
                 self._drop(exc)
                 return None
-        if self._gpu is not None:
-            for w in doc.get("workers", []):
-                if "utilisation" not in w:
-                    w["utilisation"] = self._gpu.percent(str(w.get("device", "")))
         return doc
 
     def kill_session(self, session_id: str) -> bool:
@@ -172,5 +128,3 @@ class StatsSource:
                     self._client = None
             finally:
                 self._lock.release()
-        if self._gpu is not None:
-            self._gpu.close()

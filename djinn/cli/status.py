@@ -1,8 +1,15 @@
-"""Plain-text rendering of the stats document for `djinn status`."""
+"""Plain-text rendering of the stats document for `djinn status`.
+
+It must never crash: it is what an operator runs when something is already wrong, and
+the document may come from an older or newer appliance, or hold a worker that has not
+reported yet. Every field is read with a default, and a missing one prints as "-".
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+STALE_REPORT_S = 2.0  # a live worker's stats older than this are called out
 
 
 def human_bytes(n: float) -> str:
@@ -13,66 +20,139 @@ def human_bytes(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _secs(value: Any, fmt: str = ".0f") -> str:
+    n = _num(value)
+    return "-" if n is None else f"{n:{fmt}}s"
+
+
+def _latency(value: Any) -> str:
+    n = _num(value)
+    if n is None:
+        return "-"
+    return f"{n * 1e6:.0f}µs" if n < 1e-3 else f"{n * 1e3:g}ms" if n < 1 else f"{n:g}s"
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    if not rows:
+        return ["(none)"]
     cells = [headers, *[[str(c) for c in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*r) for r in cells[1:]]
-    return out or ["(none)"]
+    return out + [fmt.format(*r) for r in cells[1:]]
 
 
-def _usage(seg: dict[str, int]) -> str:
-    cap = seg.get("capacity", 0)
-    pct = f" ({100 * seg.get('used', 0) / cap:.0f}%)" if cap else ""
-    return (
-        f"{human_bytes(seg.get('used', 0))} / {human_bytes(cap)}{pct}, "
-        f"peak {human_bytes(seg.get('peak', 0))}"
-    )
+def _usage(seg: dict[str, Any]) -> str:
+    cap = _num(seg.get("capacity")) or 0
+    used, peak = _num(seg.get("used")) or 0, _num(seg.get("peak")) or 0
+    pct = f" ({100 * used / cap:.0f}%)" if cap else ""
+    return f"{human_bytes(used)} / {human_bytes(cap)}{pct}, peak {human_bytes(peak)}"
+
+
+def worker_state(w: dict[str, Any]) -> str:
+    """What a worker is doing, in the words an operator needs: busy with what, for how
+    long; restarting; or silent (its last report is old)."""
+    if not w.get("alive", True):
+        why = w.get("last_error") or "exited"
+        return f"DOWN ({why}), restart in {_secs(w.get('backoff_s'), '.1f')}"
+    if not w.get("ready", True):
+        return "starting"
+    busy = w.get("busy")
+    if isinstance(busy, dict):
+        return (
+            f"busy {_secs(busy.get('for_s'), '.1f')} "
+            f"({busy.get('kind', '?')}, session {busy.get('session', '?')})"
+        )
+    age = _num(w.get("stats_age_s"))
+    if age is not None and age > STALE_REPORT_S:
+        return f"no report for {age:.1f}s"
+    return "idle"
+
+
+def _utilisation(w: dict[str, Any]) -> str:
+    pct = _num(w.get("utilisation"))
+    if pct is None:
+        return "-"
+    source = w.get("utilisation_source") or ""
+    return f"{pct:.0f}% cpu" if source == "process_cpu" else f"{pct:.0f}%"
 
 
 def render(doc: dict[str, Any]) -> str:
-    app = doc["appliance"]
-    addrs = ", ".join(app.get("addresses", {}).values())
-    lines = [f"Djinn appliance pid {app['pid']}  up {app['uptime_s']:.0f}s  {addrs}", ""]
-    lines.append("Workers")
+    app = doc.get("appliance") or {}
+    addrs = ", ".join(str(a) for a in (app.get("addresses") or {}).values())
+    lines = [f"Djinn appliance pid {app.get('pid', '?')}  up {_secs(app.get('uptime_s'))}  {addrs}"]
+    lines += ["", "Workers"]
     lines += _table(
-        ["id", "device", "pid", "alive", "restarts", "sessions"],
+        ["id", "device", "pid", "state", "util", "restarts", "sessions"],
         [
             [
-                w["id"],
-                w["device"],
-                w["pid"],
-                "yes" if w["alive"] else "NO",
-                w["restarts"],
-                w["sessions"],
+                w.get("id", "?"),
+                w.get("device", "?"),
+                w.get("pid", "-"),
+                worker_state(w),
+                _utilisation(w),
+                w.get("restarts", 0),
+                w.get("sessions", 0),
             ]
-            for w in doc["workers"]
+            for w in doc.get("workers") or []
         ],
     )
     lines += ["", "Sessions"]
-    if doc["sessions"]:
+    lines += _table(
+        [
+            "id",
+            "worker",
+            "peer",
+            "state",
+            "phase",
+            "age",
+            "last beat",
+            "requests",
+            "handles",
+            "bytes",
+        ],
+        [
+            [
+                s.get("id", "?"),
+                s.get("worker", "?"),
+                s.get("peer", "?"),
+                s.get("state", "-"),
+                s.get("phase", "-"),
+                _secs(s.get("age_s")),
+                _secs(s.get("last_heartbeat_s"), ".1f"),
+                s.get("requests", "-"),
+                s.get("handles", "-"),
+                human_bytes(_num(s.get("bytes")) or 0),
+            ]
+            for s in doc.get("sessions") or []
+        ],
+    )
+    vmu = doc.get("vmu") or {}
+    lines += ["", "Memory", f"host arena  {_usage(vmu.get('host_arena') or {})}"]
+    for dev in vmu.get("devices") or []:
+        for seg in ("text", "data", "stack"):
+            lines.append(f"worker {dev.get('worker', '?')} {seg:<5} {_usage(dev.get(seg) or {})}")
+    latency = doc.get("latency")
+    if isinstance(latency, dict):
+        lines += ["", f"Requests (last {_secs(latency.get('window_s'))})"]
         lines += _table(
-            ["id", "worker", "peer", "age", "last beat", "handles", "bytes"],
+            ["kind", "count", "errors", "p50", "p90", "p99"],
             [
                 [
-                    s["id"],
-                    s["worker"],
-                    s["peer"],
-                    f"{s['age_s']:.0f}s",
-                    f"{s['last_heartbeat_s']:.1f}s",
-                    s["handles"],
-                    human_bytes(s["bytes"]),
+                    k.get("kind", "?"),
+                    k.get("count", 0),
+                    k.get("errors", 0),
+                    _latency(k.get("p50_s")),
+                    _latency(k.get("p90_s")),
+                    _latency(k.get("p99_s")),
                 ]
-                for s in doc["sessions"]
+                for k in latency.get("kinds") or []
+                if k.get("count")
             ],
         )
-    else:
-        lines.append("(none)")
-    vmu = doc["vmu"]
-    lines += ["", "Memory", f"host arena  {_usage(vmu['host_arena'])}"]
-    for dev in vmu["devices"]:
-        for seg in ("text", "data", "stack"):
-            lines.append(f"worker {dev['worker']} {seg:<5} {_usage(dev[seg])}")
-    lines += ["", f"Models: {len(doc.get('models', []))} registered"]
+    lines += ["", f"Models: {len(doc.get('models') or [])} registered"]
     return "\n".join(lines)

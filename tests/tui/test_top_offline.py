@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import threading
-import types
 from typing import Any
 
 import pytest
 from textual.pilot import Pilot
 
 from djinn.tui.app import DjinnTop
-from djinn.tui.source import GpuUtilisation
 from djinn.tui.widgets.confirm import ConfirmScreen
 from djinn.tui.widgets.requests import TOTAL, RateTracker
 from djinn.tui.widgets.table import SortableTable
@@ -201,27 +198,19 @@ def test_rate_is_the_count_difference_over_the_appliance_uptime_difference():
     assert tracker.update(restarted, {TOTAL: 3}) == {}  # a new appliance: new baseline
 
 
-def test_gpu_utilisation_reads_nvml_for_cuda_workers_only(monkeypatch):
-    seen: list[int] = []
+def test_worker_rows_show_the_utilisation_the_workers_report():
+    """issue 16 §7: from the document, whatever host `djinn top` runs on; a CPU worker's
+    figure is its process's CPU share and says so."""
+    from djinn.tui.widgets.rows import worker_rows
 
-    def handle(index: int) -> int:
-        seen.append(index)
-        return index
-
-    fake = types.SimpleNamespace(
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetHandleByIndex=handle,
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=40 + h),
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    gpu = GpuUtilisation()
-    assert gpu.percent("cuda:1 (NVIDIA H100 80GB HBM3)") == 41
-    assert gpu.percent("cpu:0") is None
-    assert seen == [1]
-
-    def broken() -> None:
-        raise RuntimeError("NVML Shared Library Not Found")
-
-    monkeypatch.setattr(fake, "nvmlInit", broken)
-    assert GpuUtilisation().percent("cuda:0") is None  # no driver: "-", never a crash
+    doc = {
+        "workers": [
+            {"id": 0, "alive": True, "utilisation": 41, "utilisation_source": "nvml"},
+            {"id": 1, "alive": True, "utilisation": 73.4, "utilisation_source": "process_cpu"},
+            {"id": 2, "alive": True, "utilisation": None, "utilisation_source": "process_cpu"},
+            {"id": 3, "alive": True, "busy": {"session": "a", "kind": "EXEC", "for_s": 7.2}},
+        ]
+    }
+    rows = worker_rows(doc)
+    assert [rows[k][-1].plain for k in "012"] == ["41%", "73% cpu", "-"]
+    assert rows["3"][3].plain == "busy 7s"

@@ -5,7 +5,8 @@ buckets per kind and outcome). A rate needs two samples: `RateTracker` keeps the
 totals and divides the difference by the appliance's own uptime difference, so the rate
 is independent of how late a poll was answered (and deterministic under test).
 Latency quantiles come from the buckets via the appliance's `quantile` helper, over the
-whole life of each worker.
+recent window each series carries (Note [recent window], appliance/reqstats.py: the
+last `stats_window` seconds), so a slow spell shows now, not diluted by the whole uptime.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from djinn.appliance.reqstats import quantile
+from djinn.appliance.reqstats import quantile, recent
 
 from .table import Cell, Column, Rows
 
@@ -81,7 +82,8 @@ def request_rows(groups: dict[str, list[dict[str, Any]]], rates: dict[str, float
     for worker, series in groups.items():
         count = sum(int(s.get("count", 0)) for s in series)
         errors = sum(int(s.get("count", 0)) for s in series if s.get("outcome") != "ok")
-        p50, p99 = quantile(series, 0.5), quantile(series, 0.99)
+        window = [recent(s) for s in series]
+        p50, p99 = quantile(window, 0.5), quantile(window, 0.99)
         rate = rates.get(worker)
         rows[worker] = [
             Cell(worker, int(worker) if worker.isdigit() else worker),
@@ -96,7 +98,7 @@ def request_rows(groups: dict[str, list[dict[str, Any]]], rates: dict[str, float
 
 def summary(groups: dict[str, list[dict[str, Any]]], rates: dict[str, float | None]) -> str:
     """One line for the panel title: total rate and latency over every worker."""
-    everything = [s for series in groups.values() for s in series]
+    everything = [recent(s) for series in groups.values() for s in series]
     total = rates.get(TOTAL)
     return (
         f"{fmt_rate(total)} req/s  p50 {fmt_latency(quantile(everything, 0.5))}"

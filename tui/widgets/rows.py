@@ -89,11 +89,14 @@ def worker_rows(doc: dict[str, Any]) -> Rows:
             alive = "NO"
         elif not w.get("ready", True):
             alive = "starting"
+        elif isinstance(w.get("busy"), dict):  # Note [busy stats] (appliance/busy.py)
+            alive = f"busy {_num(w['busy'].get('for_s')) or 0:.0f}s"
         else:
             alive = "yes"
-        # "utilisation" is filled by the source from NVML for same-host CUDA workers (the
-        # document does not carry it); anything else shows "-".
+        # Each worker measures its own device (appliance/utilisation.py): NVML on a GPU;
+        # on a CPU worker its process's share of the CPUs, labelled "cpu".
         util = _num(w.get("utilisation"))
+        label = " cpu" if w.get("utilisation_source") == "process_cpu" else ""
         rows[str(w.get("id"))] = [
             Cell(str(w.get("id", "?")), w.get("id")),
             Cell(str(w.get("device", "?"))),
@@ -101,7 +104,7 @@ def worker_rows(doc: dict[str, Any]) -> Rows:
             Cell(alive),
             _int_cell(w.get("restarts")),
             _int_cell(w.get("sessions")),
-            Cell("-" if util is None else f"{util:.0f}%", util, numeric=True),
+            Cell("-" if util is None else f"{util:.0f}%{label}", util, numeric=True),
         ]
     return rows
 
