@@ -84,6 +84,11 @@ def _stage(w: Worker, s: WorkerSession, frame: Frame, item: Any) -> tuple[torch.
 
 def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     items = _list(frame.body, "tensors", 4096)
+    # Note [staged uploads]: weights a session uploads for REGISTER stay in their arena
+    # slabs (the host tier) until the model is built from them, so they never compete
+    # with session data for device memory. A session is uploading between a REGISTER
+    # answered cached:false and its second REGISTER (Note [one upload per fingerprint]).
+    weights = w.uploads.uploading(s.id)
     staged: list[tuple[torch.Tensor, int | None]] = []
     handles: list[str] = []
     try:
@@ -91,12 +96,12 @@ def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
             staged.append(_stage(w, s, frame, item))
         while staged:
             t, slab = staged[0]
-            if slab is not None and not w.device.adopts_host_memory:
+            if slab is not None and not w.device.adopts_host_memory and not weights:
                 t = w.device.from_host(t)  # DMA from the pinned arena, then give it back
                 w.store.slabs.free(slab)
                 staged[0] = (t, None)
                 slab = None
-            handles.append(w.store.keep(s, t, slab=slab))
+            handles.append(w.store.keep(s, t, slab=slab, host=weights))
             staged.pop(0)
     except BaseException:
         for h in handles:

@@ -42,8 +42,7 @@ def handle_load(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
             "content_hash": weights.content_hash(directory),
             "names": weights.tensor_names(directory),
         }, []
-    data = w.store.vmu["data"]
-    tensors = weights.load(directory, w.device.torch_device, data.capacity - data.used)
+    tensors = weights.load(directory, w.device.torch_device, w.store.vmu.make_room)
     out, kept = [], []
     try:
         for name, t in tensors.items():
@@ -72,7 +71,7 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply | Parked
     from djinn.protocol.fingerprint import model_fingerprint
 
     from . import weights
-    from .models import build, check_build_size, import_class, sanitize_config
+    from .models import build, check_build_size, import_class, sanitize_config, unique_bytes
 
     body = frame.body
     fp = body.get("fingerprint")
@@ -116,8 +115,8 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply | Parked
                 )
                 if expected != fp:
                     raise InvalidArgument("fingerprint does not match these files and buffers")
-                data = w.store.vmu["data"]
-                files = weights.load(directory, torch.device("cpu"), data.capacity - data.used)
+                # read into host memory: only the built model takes device memory
+                files = weights.load(directory, torch.device("cpu"), w.store.vmu.capacity)
                 try:
                     tensors = {n: files[f] for n, f in name_map.items()}
                 except (KeyError, TypeError):
@@ -130,7 +129,12 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply | Parked
                 if model_fingerprint(class_path, config_json, tensors.items()) != fp:
                     raise InvalidArgument("fingerprint does not match the uploaded weights")
             check_build_size(config, len(tensors))  # before any building work
-            module = build(cls, config, tensors, w.device.torch_device)
+            # the weights' device copies are charged before they are made (issue 16 §4)
+            w.models.text.reserve(unique_bytes(tensors.values()))
+            try:
+                module = build(cls, config, tensors, w.device.torch_device)
+            finally:
+                w.models.text.release(unique_bytes(tensors.values()))
             entry = w.models.add(fp, str(body.get("name", cls.__name__))[:128], module)
     finally:
         for handle in named:  # uploaded weights leave the session, whatever happened
@@ -270,11 +274,11 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     try:
         skeleton = encode_output(out, s, w.store, kept, w.models.allowlist, entry.storages)
         w.store.charge_objects(s)  # the KV cache grew: charge it like any session data
-        data = w.store.vmu["data"]
-        if data.used > data.capacity:
+        vmu = w.store.vmu
+        if vmu.used > vmu.capacity:  # the estimate fell short (Note [one device budget])
             raise ResourceExhausted(
-                f"session data (handles and KV caches) exceeds the data segment "
-                f"({data.used} of {data.capacity} bytes); free objects or handles"
+                f"session data (handles and KV caches) overflows device memory by "
+                f"{vmu.used - vmu.capacity} bytes; free objects or handles"
             )
     except BaseException:
         for h in kept:

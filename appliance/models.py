@@ -158,6 +158,14 @@ def build(cls: type, config: Any, state: dict[str, torch.Tensor], device: torch.
     return module.eval()
 
 
+def unique_bytes(tensors: Any) -> int:
+    """Bytes of distinct tensors (tied weights count once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
 class ModelCache:
     def __init__(self, text: Segment, allowlist: list[str]) -> None:
         self.text = text

@@ -33,6 +33,7 @@ class StorageRef:
     nbytes: int
     refs: int = 0
     slab: int | None = None  # arena offset when the bytes live in the host arena
+    host: bool = False  # staged weights: charged to the arena only, not the device budget
 
 
 @dataclass

@@ -70,17 +70,22 @@ class TensorStore:
         return off if 0 <= off < self.arena.size else None
 
     # -- handles ------------------------------------------------------------------------
-    def keep(self, session: WorkerSession, t: torch.Tensor, slab: int | None = None) -> str:
-        """Give ``t`` a handle in ``session``; reserve its storage in the data segment."""
+    def keep(
+        self, session: WorkerSession, t: torch.Tensor, slab: int | None = None, host: bool = False
+    ) -> str:
+        """Give ``t`` a handle in ``session``; reserve its storage in the data segment, or
+        with ``host`` (weights staged in their arena slab for REGISTER) in the arena only."""
         key = storage_key(t)
         if not key[1] and slab is not None:
             self.slabs.free(slab)  # nothing to keep in it: a zero-byte tensor owns no slab
             slab = None
+        host = host and slab is not None
         ref = session.storages.get(key[0]) if key[1] else None
         if ref is None:
-            self.vmu["data"].reserve(key[1])
-            session.data_bytes += key[1]
-            ref = StorageRef(key[1], slab=slab)
+            if not host:
+                self.vmu["data"].reserve(key[1])
+                session.data_bytes += key[1]
+            ref = StorageRef(key[1], slab=slab, host=host)
             if key[1]:
                 session.storages[key[0]] = ref
         ref.refs += 1
@@ -100,9 +105,7 @@ class TensorStore:
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
         delta = total - session.object_bytes
-        seg = self.vmu["data"]
-        seg.used = max(0, seg.used + delta)
-        seg.peak = max(seg.peak, seg.used)
+        self.vmu["data"].grow(delta)
         session.data_bytes += delta
         session.object_bytes = total
         return total
@@ -117,9 +120,7 @@ class TensorStore:
             now = t.untyped_storage().nbytes()
             if now > ref.nbytes:
                 grow = now - ref.nbytes
-                seg = self.vmu["data"]
-                seg.used += grow
-                seg.peak = max(seg.peak, seg.used)
+                self.vmu["data"].grow(grow)
                 session.data_bytes += grow
                 ref.nbytes = now
 
@@ -133,8 +134,9 @@ class TensorStore:
         ref.refs -= 1
         if ref.refs == 0:
             del session.storages[entry[1]]
-            self.vmu["data"].release(ref.nbytes)
-            session.data_bytes -= ref.nbytes
+            if not ref.host:
+                self.vmu["data"].release(ref.nbytes)
+                session.data_bytes -= ref.nbytes
             if ref.slab is not None:
                 self.slabs.free(ref.slab)
 

@@ -50,6 +50,9 @@ class Uploads:
         up = self.by_fp.get(fp)
         return up is not None and up.uploader != session_id
 
+    def uploading(self, session_id: str) -> bool:
+        return any(up.uploader == session_id for up in self.by_fp.values())
+
     def begin(self, fp: str, session_id: str) -> None:
         up = self.by_fp.get(fp)
         if up is None:

@@ -3,14 +3,15 @@
 Only ``*.safetensors`` files in a directory under an allowlisted root (``model_roots``)
 are read: safetensors holds raw tensors and a JSON header, nothing executable. The
 directory is resolved (``..`` and symlinks followed) *before* it is compared with the
-roots, so neither can reach outside them. Sizes are checked against the device's data
-segment before a byte is loaded.
+roots, so neither can reach outside them. Sizes are checked against the room the device
+budget has (after eviction) before a byte is loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,11 +76,17 @@ def tensor_names(directory: Path) -> list[str]:
     return sorted(names)
 
 
-def load(directory: Path, device: torch.device, room: int) -> dict[str, torch.Tensor]:
+def load(
+    directory: Path, device: torch.device, room: int | Callable[[int], int]
+) -> dict[str, torch.Tensor]:
+    """The files' tensors on ``device``; ``room`` is the bytes free for them, or a
+    function making room for ``n`` bytes and returning what is free (the device VMU's)."""
     from safetensors.torch import load_file
 
     files = safetensors_files(directory)
     total = sum(f.stat().st_size for f in files)
+    if callable(room):
+        room = room(total)
     if total > room:
         raise ResourceExhausted(
             f"weights of {total >> 20} MiB do not fit the {room >> 20} MiB free for them"

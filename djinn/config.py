@@ -173,16 +173,17 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "vmu_text_fraction",
-        0.4,
-        "Share of a device's memory for weights (text). With vmu_data_fraction, less than 1.",
+        0.0,
+        "Optional cap on the share of a device's memory weights (text) may hold; 0: no cap. "
+        "Text, data and stack share one budget (issue 9); with vmu_data_fraction, less than 1.",
         "float",
         **FRACTION,
     ),
     Setting(
         "vmu_data_fraction",
-        0.4,
-        "Share for session data: tensors and KV caches kept "
-        "between calls (data). The rest is stack (activations during a call).",
+        0.0,
+        "Optional cap on the share for session data (tensors and KV caches kept between "
+        "calls); 0: no cap. These two were fixed splits once (0.4 / 0.4, the rest stack).",
         "float",
         **FRACTION,
     ),

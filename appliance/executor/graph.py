@@ -147,11 +147,11 @@ class GraphRun:
             return None
         except (InvalidArgument, ExecutionError) as exc:
             raise type(exc)(f"node {i}: {exc.message}") from None
-        free = self.stack.capacity - self.stack.used
+        free = self.stack.vmu.make_room(need)  # Note [one device budget] (vmu/device.py)
         if need > free:
             raise ResourceExhausted(
-                f"{op._schema.name} (node {i}) would allocate {need} bytes; the stack "
-                f"segment has {free} of {self.stack.capacity} free"
+                f"{op._schema.name} (node {i}) would allocate {need} bytes; the device "
+                f"has {free} of {self.stack.capacity} free after eviction"
             )
         return meta
 

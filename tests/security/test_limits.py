@@ -148,7 +148,8 @@ def test_fifteen_hundred_sessions_keep_the_worker_alive(fresh_appliance):
 
 def test_inline_frame_buffers_are_charged(fresh_appliance):
     """Partial inline frames made the worker hold private memory nobody counted."""
-    app = fresh_appliance(cpu_workers=1, cpu_worker_memory="256MiB")  # stack: ~51 MiB
+    # one device budget (Note [one device budget]): 64 MiB holds one 40 MiB frame, not two
+    app = fresh_appliance(cpu_workers=1, cpu_worker_memory="64MiB")
     first, second = _session(app), _session(app)
     body = {"nodes": [], "keep": [], "fetch": []}
     head = encode_frame(Kind.EXEC, 5, body, [b"\0" * (40 * MIB)])

@@ -160,7 +160,7 @@ def test_vmu_fractions_that_leave_no_stack_fail_at_load(tmp_path):
     with pytest.raises(ConfigError, match="less than 1"):
         config.load(f, env={})
     with pytest.raises(ConfigError, match="less than 1"):
-        config.load(env={}).with_overrides(vmu_text_fraction=0.7)
+        config.load(env={}).with_overrides(vmu_text_fraction=0.7, vmu_data_fraction=0.4)
 
 
 def test_edge_values_in_range_load(tmp_path):
