@@ -44,6 +44,27 @@ class StatsCollector:
         yield up
         yield restarts
 
+        # Measured by each worker on this host (appliance/utilisation.py): a GPU's NVML
+        # rate, or a CPU worker's process CPU share (source="process_cpu").
+        util = GaugeMetricFamily(
+            "djinn_worker_utilisation_percent",
+            "Device utilisation the worker measured (source: nvml or process_cpu)",
+            labels=["worker", "device", "source"],
+        )
+        busy = GaugeMetricFamily(
+            "djinn_worker_busy_seconds",
+            "How long the worker's current request has run (0: idle); Note [busy stats]",
+            labels=["worker"],
+        )
+        for w in doc["workers"]:
+            if isinstance(w.get("utilisation"), (int, float)):
+                source = str(w.get("utilisation_source") or "")
+                util.add_metric([str(w["id"]), str(w["device"]), source], w["utilisation"])
+            running = w.get("busy") if isinstance(w.get("busy"), dict) else {}
+            busy.add_metric([str(w["id"])], float(running.get("for_s", 0.0)))
+        yield util
+        yield busy
+
         sessions = GaugeMetricFamily("djinn_sessions", "Open sessions", labels=["worker"])
         per_worker: dict[str, int] = {str(w["id"]): 0 for w in doc["workers"]}
         for s in doc["sessions"]:

@@ -82,3 +82,9 @@ def test_metrics_endpoint_reports_requests_memory_sessions_and_workers(fresh_app
         del keep
     text = wait_for(lambda: _value(t := _scrape(url), "djinn_sessions", worker="0") == 0 and t)
     assert _value(text, "djinn_worker_restarts_total", worker="0") == 0
+    # issue 16 §7: the worker's own measure, labelled with what it measures
+    # (a CPU worker's first figure needs a second of samples)
+    text = wait_for(lambda: "djinn_worker_utilisation_percent{" in (t := _scrape(url)) and t)
+    line = next(x for x in text.splitlines() if x.startswith("djinn_worker_utilisation_percent{"))
+    assert 'device="cpu:0' in line and 'source="process_cpu"' in line
+    assert _value(text, "djinn_worker_busy_seconds", worker="0") == 0.0
