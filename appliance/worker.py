@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from typing import Any
 
 from djinn.errors import (
@@ -41,6 +42,7 @@ from . import control
 from .busy import BusyTracker
 from .executor.device import open_device
 from .handlers import HANDLERS
+from .memtrim import trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
 from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
@@ -92,6 +94,7 @@ class Worker:
         self.busy_until = 0.0  # Note [busy worker]
         self._dirty = True
         self._last_push = 0.0
+        self._trim_due = False  # Note [heap trim] (memtrim.py)
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
@@ -114,7 +117,11 @@ class Worker:
         return 0
 
     def step(self) -> bool:
-        for key, events in self.sel.select(LOOP_TICK_S):
+        ready = self.sel.select(LOOP_TICK_S)
+        if not ready and self._trim_due:  # idle after sessions ended: Note [heap trim]
+            self._trim_due = False
+            trim_heap()
+        for key, events in ready:
             if key.data is None:
                 if not self.on_control():
                     return False
@@ -162,7 +169,13 @@ class Worker:
         session = WorkerSession(
             msg["session"], msg["peer"], sock, reader, msg["via_unix"], self.lease_s
         )
-        reader.sink = lambda h, b, lengths: self.sink(session, h, b, lengths)
+        # Note [no session cycles]: the reader must not hold its session strongly. A
+        # cycle (session -> reader -> sink -> session) outlives the session's end until a
+        # full garbage collection, and with it the reader's buffer and everything the
+        # session referenced: worker RSS crept up with session churn
+        # (benchmarks/soak.py). Freed by reference counting, it is gone at once.
+        ref = weakref.ref(session)
+        reader.sink = lambda h, b, lengths: self.sink(ref(), h, b, lengths)
         self.sessions[sock.fileno()] = session
         self.sel.register(sock, selectors.EVENT_READ, session)
         reply = {
@@ -192,6 +205,7 @@ class Worker:
             self.store.free_objects(s)
             self.store.free_session(s)
         s.state = state
+        self._trim_due = True
         if state == CLOSED:
             fd = s.sock.fileno()
             if fd in self.sessions:
