@@ -128,8 +128,6 @@ def check_address(value: str) -> str | None:
         parse_address(value)
     except ConfigError as exc:
         return exc.message
-    except ValueError as exc:  # urlsplit: a port out of range
-        return f"not an address ({exc}); use unix:///path or tcp://host:port"
     return None
 
 

@@ -106,16 +106,18 @@ def status(
 def top(
     address: str | None = typer.Option(None, help="unix:///path or tcp://host:port."),
     token: str | None = typer.Option(None, help="Token for a TCP address."),
-    refresh: float = typer.Option(1.0, help="Seconds between stats polls."),
+    refresh: float = typer.Option(1.0, min=0.1, help="Seconds between stats polls."),
     config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
 ) -> None:
     """Live view of workers, sessions, memory watermarks, models and requests."""
     from djinn import config as config_mod
     from djinn.errors import DjinnError
+    from djinn.transport.address import parse_address
 
     try:
         cfg = config_mod.load(config)
         target = address or cfg.address or f"unix://{cfg.socket_path}"
+        parse_address(target)  # a typo is a one-line error here, not a dashboard of it
         if token is None and target.startswith("tcp://"):
             token = config_mod.read_token(cfg)
     except DjinnError as exc:

@@ -58,7 +58,11 @@ def parse_address(text: str) -> Address:
             raise ConfigError(f"{text!r}: a unix address needs a path (unix:///tmp/djinn.sock)")
         return Address("unix", path=path)
     if parts.scheme == "tcp":
-        if not parts.hostname or parts.port is None:
+        try:
+            port = parts.port
+        except ValueError as exc:  # urlsplit: not a number, or out of range
+            raise ConfigError(f"{text!r}: {exc} (tcp://host:7711)") from None
+        if not parts.hostname or port is None:
             raise ConfigError(f"{text!r}: a tcp address needs host and port (tcp://host:7711)")
-        return Address("tcp", host=parts.hostname, port=parts.port)
+        return Address("tcp", host=parts.hostname, port=port)
     raise ConfigError(f"{text!r}: address must start with unix:// or tcp://")

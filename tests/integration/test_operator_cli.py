@@ -98,3 +98,10 @@ def test_serve_flags_and_set_assignments_reach_the_appliance(tmp_path):
         assert app.stats()["appliance"]["stats_window_s"] == 7.0
     finally:
         app.stop()
+
+
+@pytest.mark.parametrize("command", ["status", "top"])
+@pytest.mark.parametrize("address", ["foo", "tcp://127.0.0.1:99999", "tcp://host"])
+def test_a_bad_address_flag_is_one_line_and_exit_2(command, address):
+    done = _djinn(command, "--address", address)
+    _one_config_error_line(done, f"djinn {command}:", repr(address))
