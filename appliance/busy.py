@@ -36,6 +36,7 @@ class BusyTracker:
         self._push = push
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="djinn-busy-stats", daemon=True)
+        self._failures = 0  # logged in full once, then counted: no log line every 0.1 s
 
     def start(self) -> None:
         self._thread.start()
@@ -62,6 +63,8 @@ class BusyTracker:
             except RuntimeError:  # a dict changed size under us: the next tick retries
                 pass
             except Exception:  # never let a stats push take the worker down
-                log.exception("stats push while busy failed")
+                self._failures += 1
+                if self._failures == 1:
+                    log.exception("stats push while busy failed (logged once)")
             finally:
                 self.lock.release()
