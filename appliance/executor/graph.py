@@ -142,7 +142,7 @@ class GraphRun:
         meta output (None when the op has no meta kernel)."""
         try:
             opchecks.check(op, opargs.bind(op, args, kwargs, self.device))
-            need, meta = metacheck.meta_run(op, args, kwargs)
+            need, meta = metacheck.checked_run(op, args, kwargs)  # Note [meta signatures]
         except metacheck.NoMetaKernel:
             return None
         except (InvalidArgument, ExecutionError) as exc:

@@ -14,10 +14,20 @@ see what the real kernel would. The result tells, before a byte is allocated:
 
 Ops with no meta kernel (data-dependent output sizes: ``nonzero``, ``unique``, ``item``)
 skip this step and rely on the schema checks alone (``opargs``).
+
+Note [meta signatures]: a meta run costs 0.3 to 2 ms of Python in PyTorch's reference
+kernels, more than most real CPU kernels it guards: profiled on a GPT-2 forward on the
+graph path, it was two thirds of the worker's time. Its outcome depends only on what the
+replicas are built from (each tensor's dtype, sizes, strides, offset, storage size, and
+which arguments share a storage) and on the other arguments' values. ``checked_run``
+keys a bounded LRU of outcomes by exactly that signature, so a repeated step (the next
+forward, the next training step, any session's) reuses the verdict PyTorch gave for the
+same arguments. A refusal is not cached: it costs its sender, not the others.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -95,3 +105,66 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+# -- Note [meta signatures] ------------------------------------------------------------
+CACHE_ENTRIES = 16384  # outcomes kept: meta outputs hold no memory, keys a few hundred bytes
+_NO_META = object()
+_cache: OrderedDict[tuple, Any] = OrderedDict()
+_SCALARS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
+            torch.memory_format)  # fmt: skip
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def signature(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple:
+    """Everything a meta run of ``op`` sees, as a hashable key (Note [meta signatures])."""
+    storages: dict[int, int] = {}
+
+    def sig(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            shared = storages.setdefault(st._cdata, len(storages))
+            return (x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), st.nbytes(), shared)
+        if isinstance(x, (list, tuple)):
+            return (type(x) is list, tuple(sig(v) for v in x))
+        if x is None:
+            return None
+        if isinstance(x, _SCALARS):
+            return (type(x), x)  # 1, 1.0 and True are different arguments
+        raise _Unkeyable
+
+    return (op, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()))
+
+
+def checked_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any]:
+    """``meta_run``, reusing the outcome for a signature seen before."""
+    try:
+        key = signature(op, args, kwargs)
+        hit = _cache.get(key)
+    except (_Unkeyable, TypeError):  # an unhashable value: nothing to reuse
+        return meta_run(op, args, kwargs)
+    if hit is not None:
+        _cache.move_to_end(key)
+        if hit is _NO_META:
+            raise NoMetaKernel(op)
+        return hit
+    try:
+        outcome = meta_run(op, args, kwargs)
+    except NoMetaKernel:
+        _remember(key, _NO_META)
+        raise
+    _remember(key, outcome)
+    return outcome
+
+
+def _remember(key: tuple, outcome: Any) -> None:
+    _cache[key] = outcome
+    if len(_cache) > CACHE_ENTRIES:
+        _cache.popitem(last=False)
+
+
+def cache_size() -> int:
+    return len(_cache)

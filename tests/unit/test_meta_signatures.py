@@ -1,0 +1,80 @@
+"""Note [meta signatures]: the worker's meta check reuses the verdict for arguments it has
+seen, and only for arguments that would give the same verdict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from djinn.appliance.executor import metacheck
+from djinn.errors import ExecutionError
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    calls: list[object] = []
+    real = metacheck.meta_run
+
+    def counting(op, args, kwargs):
+        calls.append(op)
+        return real(op, args, kwargs)
+
+    monkeypatch.setattr(metacheck, "meta_run", counting)
+    monkeypatch.setattr(metacheck, "_cache", type(metacheck._cache)())
+    return calls
+
+
+def test_a_repeated_signature_reuses_the_verdict(runs):
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    first = metacheck.checked_run(aten.mm.default, [a, b], {})
+    again = metacheck.checked_run(aten.mm.default, [torch.randn(4, 8), torch.randn(8, 3)], {})
+    assert len(runs) == 1
+    assert first[0] == again[0] == 4 * 3 * 4
+    assert again[1].shape == (4, 3) and again[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda a: [a.t().contiguous().t(), 2.0],  # other strides
+        lambda a: [a.double(), 2.0],  # other dtype
+        lambda a: [a[1:], 2.0],  # other offset and sizes
+        lambda a: [a, 2],  # an int, not a float
+        lambda a: [a, 3.0],  # another value
+    ],
+)
+def test_anything_the_meta_kernel_sees_is_part_of_the_signature(runs, other):
+    a = torch.randn(4, 4)
+    metacheck.checked_run(aten.mul.Tensor, [a, 2.0], {})
+    metacheck.checked_run(aten.mul.Tensor, other(torch.randn(4, 4)), {})
+    assert len(runs) == 2
+
+
+def test_shared_storage_is_part_of_the_signature(runs):
+    # the same views, once of three storages and once of one: the in-place and overlap
+    # checks of the kernel see different arguments, so the verdict is not reused
+    x, y, z = torch.randn(8), torch.randn(8), torch.randn(8)
+    metacheck.checked_run(aten.add.out, [x[:4], y[2:6]], {"out": z[1:5]})
+    base = torch.randn(8)
+    try:
+        metacheck.checked_run(aten.add.out, [base[:4], base[2:6]], {"out": base[1:5]})
+    except ExecutionError:
+        pass  # whether PyTorch refuses the overlap is its business; it was asked
+    assert len(runs) == 2
+
+
+def test_a_refusal_is_not_cached(runs):
+    for _ in range(2):
+        with pytest.raises(ExecutionError):
+            metacheck.checked_run(aten.mm.default, [torch.randn(2, 3), torch.randn(4, 5)], {})
+    assert len(runs) == 2
+    assert metacheck.cache_size() == 0
+
+
+def test_the_cache_is_bounded(runs, monkeypatch):
+    monkeypatch.setattr(metacheck, "CACHE_ENTRIES", 3)
+    for n in range(1, 6):
+        metacheck.checked_run(aten.neg.default, [torch.randn(n)], {})
+    assert metacheck.cache_size() == 3
