@@ -223,8 +223,7 @@ def _check_generate(kwargs: dict[str, Any]) -> None:
 
 def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     """Run a registered model's forward (or an allowlisted method) on its worker."""
-    from . import callmemory
-    from .skeleton import decode_args, encode_output
+    from .skeleton import decode_args, object_refs
 
     body = frame.body
     fp = body.get("fingerprint")
@@ -248,6 +247,21 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     hints = body.get("hints")
     if isinstance(hints, dict) and isinstance(hints.get("phase"), str):
         s.phase = hints["phase"][:32]
+    # Make the call's working set resident and keep it so (issue 9 §2): the model and
+    # the KV caches it was given are pinned, and swapped back in if they were out.
+    w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
+    try:
+        return _run_call(w, s, entry, method, args, kwargs)
+    finally:
+        w.memory.finish(s)
+
+
+def _run_call(
+    w: Worker, s: WorkerSession, entry: Any, method: str, args: list, kwargs: dict
+) -> Reply:
+    from . import callmemory
+    from .skeleton import encode_output
+
     fn = entry.module if method == "forward" else getattr(entry.module, method)
     # Reserve what the call will add before it runs (issue 16 §4): the cache growth and
     # outputs in data, generate()'s private cache in the stack. After the call the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +172,9 @@ class ModelCache:
         self.text = text
         self.allowlist = allowlist
         self.entries: dict[str, ModelEntry] = {}
+        # set by the memory manager: forgets a freed model's host copy and says whether
+        # its weights were on the host (then the text segment no longer holds them)
+        self.on_free: Callable[[str], bool] = lambda fp: False
 
     def get(self, fingerprint: Any) -> ModelEntry:
         entry = self.entries.get(fingerprint) if isinstance(fingerprint, str) else None
@@ -203,7 +207,8 @@ class ModelCache:
         entry.sessions.discard(session_id)
         if not entry.sessions:  # the last user is gone: the weights go with it
             del self.entries[fingerprint]
-            self.text.release(entry.nbytes)
+            if not self.on_free(fingerprint):
+                self.text.release(entry.nbytes)
             log.info("model %s freed", entry.name)
 
     def stats(self) -> list[dict[str, Any]]:

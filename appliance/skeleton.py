@@ -54,6 +54,23 @@ def decode_args(
     return {k: decode_args(v, s, segments, device, depth + 1) for k, v in x.items()}
 
 
+def object_refs(x: Any, depth: int = 0) -> set[str]:
+    """Ids of the remote objects (KV caches) that raw call arguments name."""
+    found: set[str] = set()
+    if depth > MAX_DEPTH:
+        return found
+    if isinstance(x, list):
+        for v in x:
+            found |= object_refs(v, depth + 1)
+    elif isinstance(x, dict):
+        if isinstance(x.get("$o"), str):
+            found.add(x["$o"])
+        else:
+            for v in x.values():
+                found |= object_refs(v, depth + 1)
+    return found
+
+
 def _class_path(obj: Any) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"

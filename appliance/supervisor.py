@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import selectors
 import signal
@@ -133,6 +134,9 @@ class Supervisor:
                 "cpu_worker_memory": cfg.cpu_worker_memory,
                 "text_fraction": cfg.vmu_text_fraction,
                 "data_fraction": cfg.vmu_data_fraction,
+                "memory_policy": cfg.memory_policy,
+                "session_device_max": cfg.session_device_max,
+                "session_host_max": cfg.session_host_max,
                 "log_level": cfg.log_level,
                 "model_roots": cfg.model_roots,
                 "model_allowlist": cfg.model_allowlist,
@@ -336,6 +340,7 @@ class Supervisor:
                 raise AuthFailed("wrong or missing token (set DJINN_TOKEN or token_file)")
             conn.authenticated = True
             conn.reader.authenticated = True
+            conn.extra["hello"] = _said_hello(frame.body)
             self._reply(conn, rid, {"protocol": VERSION, "server": "djinn", "pid": os.getpid()})
             return
         if frame.kind == Kind.STATS:
@@ -343,7 +348,7 @@ class Supervisor:
         elif frame.kind == Kind.PING:
             self._reply(conn, rid, {})
         elif frame.kind == Kind.KILL_SESSION:
-            killed = self._kill_session(frame.body.get("session"), conn.peer)
+            killed = self._kill_session(frame.body.get("session"), _operator(conn))
             self._reply(conn, rid, {"killed": killed})
         elif frame.kind == Kind.SESSION_OPEN:
             if conn.reader.buffered():
@@ -488,6 +493,29 @@ class Supervisor:
         if self.arena is not None:
             self.arena.unlink()
         signal.set_wakeup_fd(-1)
+
+
+def _said_hello(body: dict[str, Any]) -> str:
+    """What a client says it is in HELLO (name, pid), printable and short: only ever
+    shown to people, next to what the kernel or the socket says (_operator)."""
+    name = "".join(c for c in str(body.get("client", ""))[:32] if c.isprintable())
+    pid = body.get("pid")
+    return f"{name or 'client'} pid {pid}" if type(pid) is int else (name or "")
+
+
+def _operator(conn: ClientConn) -> str:
+    """Who ended a session, as far as the appliance knows (issue 16 §3): a Unix peer's
+    pid and uid come from the kernel (SO_PEERCRED), with the user's name; a TCP peer is
+    its address. What the client said in HELLO follows, marked as its own claim."""
+    who = conn.peer
+    m = re.search(r"uid=(\d+)", conn.peer) if conn.via_unix else None
+    if m is not None:
+        import pwd
+
+        with contextlib.suppress(KeyError):
+            who += f" user {pwd.getpwuid(int(m.group(1))).pw_name}"
+    hello = conn.extra.get("hello")
+    return f"{who}, says {hello}" if hello else who
 
 
 def _raise_fd_limit() -> None:

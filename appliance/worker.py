@@ -35,6 +35,7 @@ from djinn.errors import (
     SessionExpired,
 )
 from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
+from djinn.semantics.registry import default_registry
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
@@ -45,11 +46,13 @@ from .handlers import HANDLERS
 from .memtrim import trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
+from .residency import MemoryManager
 from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
 from .utilisation import Utilisation
 from .vmu.device import DeviceVMU
+from .vmu.tiers import TierMover
 
 log = logging.getLogger("djinn.appliance.worker")
 
@@ -71,6 +74,7 @@ class Worker:
         self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
         capacity = self.device.capacity(init["workers"])
+        # Note [one device budget]: the fractions are optional caps now (0: none)
         vmu = DeviceVMU(capacity, init["text_fraction"], init["data_fraction"])
         self.store = TensorStore(
             self.arena,
@@ -83,6 +87,7 @@ class Worker:
         )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
+        self.memory = self._memory_manager(init.get("memory_policy", "semantic"))
         self.uploads = Uploads()  # Note [one upload per fingerprint] (uploads.py)
         self.ready: collections.deque[tuple[WorkerSession, Frame]] = collections.deque()
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
@@ -98,6 +103,25 @@ class Worker:
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
+
+    def _memory_manager(self, policy_name: str) -> MemoryManager:
+        """Note [one device budget]: the memory policy ('off': nothing moves) decides what
+        the manager swaps to the arena when the device budget runs short."""
+        policy = None
+        if policy_name != "off":
+            policy = default_registry().memory_policy(policy_name)
+            if policy is None:
+                log.warning("memory policy %r did not load: nothing will be evicted", policy_name)
+        mover = TierMover(self.device.torch_device, self.store.slabs, self.store.slab_tensor)
+        memory = MemoryManager(
+            self.store,
+            self.models,
+            lambda: [s for s in self.sessions.values() if s.state == OPEN],
+            mover,
+            policy,
+        )
+        self.models.on_free = memory.forget_model
+        return memory
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -203,6 +227,7 @@ class Worker:
                 self.models.detach(fp, s.id)
             s.models.clear()
             self.store.free_objects(s)
+            self.memory.forget_session(s)  # and their host copies
             self.store.free_session(s)
         s.state = state
         self._trim_due = True
@@ -376,6 +401,7 @@ class Worker:
                 if obj is not None:
                     s.object_ids.pop(id(obj), None)
             self.store.charge_objects(s)
+            self.memory.forget_objects(s)  # swapped-out caches among them
 
     def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
         self.send(s, encode_frame(Kind.REPLY, rid, body, segments))
@@ -422,14 +448,22 @@ class Worker:
     def _send_stats(self, now: float, serving_thread: bool = True) -> None:
         self._last_push = now
         self._dirty = False
-        sessions = [s.stats(now) for s in list(self.sessions.values()) if s.state == OPEN]
+        sessions = [
+            {**s.stats(now), **self.memory.session_stats(s.id)}  # device and host tiers
+            for s in list(self.sessions.values())
+            if s.state == OPEN
+        ]
         msg = {
             "op": "stats",
             "vmu": self.store.vmu.stats(),
             "arena": self.store.slabs.stats(),
             # only the serving thread moves the window's ring (Note [recent window])
             "requests": self.requests.snapshot(roll=serving_thread),
-            "models": self.models.stats(),
+            "models": [
+                {**e.stats(), **self.memory.model_stats(e.fingerprint, e.nbytes)}
+                for e in self.models.entries.values()
+            ],
+            "memory": self.memory.stats(),
             "busy": self.busy.describe(now),
             "utilisation": self.utilisation.sample(),
             "adopted": self.adopted,

@@ -188,6 +188,31 @@ SETTINGS: tuple[Setting, ...] = (
         **FRACTION,
     ),
     Setting(
+        "memory_policy",
+        "semantic",
+        "What leaves device memory when it runs short (issue 9): a plugin of the "
+        "djinn.memory_policies group (built in: semantic, lru), or 'off' (nothing is "
+        "swapped: a request that does not fit is refused).",
+        check=rules.check_memory_policy,
+        shape="semantic, lru, another installed policy, or off",
+    ),
+    Setting(
+        "session_device_max",
+        "0",
+        "Most device memory one session may hold (its tensors and resident KV caches); "
+        "0: no quota. Over it: QUOTA_EXCEEDED.",
+        "bytes",
+        low=0,
+    ),
+    Setting(
+        "session_host_max",
+        "0",
+        "Most host-arena memory one session may hold (its arena slabs and its KV caches "
+        "swapped out to the host); 0: no quota. Over it: QUOTA_EXCEEDED.",
+        "bytes",
+        low=0,
+    ),
+    Setting(
         "model_roots",
         "~/.cache/djinn/models",
         "Directories the appliance may load "

@@ -149,6 +149,16 @@ def check_methods(value: str) -> str | None:
     return None
 
 
+def check_memory_policy(value: str) -> str | None:
+    """'off' or an installed plugin of djinn.memory_policies (read from metadata only)."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="djinn.memory_policies")}
+    if value == "off" or value in names:
+        return None
+    return f"no memory policy {value!r} (installed: {', '.join(sorted(names)) or 'none'}, off)"
+
+
 def check_together(values: dict[str, Any]) -> str | None:
     """Problems that only a combination of settings has."""
     text, data = values["vmu_text_fraction"], values["vmu_data_fraction"]

@@ -88,6 +88,13 @@ class ResourceExhausted(DjinnError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class QuotaExceeded(ResourceExhausted):
+    """This session would hold more device or host memory than its quota
+    (session_device_max, session_host_max); other sessions are unaffected."""
+
+    code = "QUOTA_EXCEEDED"
+
+
 class InvalidArgument(DjinnError):
     """A well-formed request with a value the appliance cannot accept."""
 

@@ -16,12 +16,17 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from .memory import MemoryPolicy
 from .protocols import CostModel, PatternPlugin
 
 log = logging.getLogger("djinn.semantics.registry")
 
-GROUPS = {"patterns": "djinn.patterns", "cost_models": "djinn.cost_models"}
-_PROTOCOLS = {"patterns": PatternPlugin, "cost_models": CostModel}
+GROUPS = {
+    "patterns": "djinn.patterns",
+    "cost_models": "djinn.cost_models",
+    "memory_policies": "djinn.memory_policies",
+}
+_PROTOCOLS = {"patterns": PatternPlugin, "cost_models": CostModel, "memory_policies": MemoryPolicy}
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,10 @@ class Registry:
 
     def cost_models(self) -> list[CostModel]:
         return self.load("cost_models")
+
+    def memory_policy(self, name: str) -> MemoryPolicy | None:
+        """The memory policy called ``name`` (None for 'off', or if it failed to load)."""
+        return next((p for p in self.load("memory_policies") if p.name == name), None)
 
 
 _default: Registry | None = None

@@ -1,0 +1,110 @@
+"""Oversubscription (issue 9 §2, §6): models and KV caches adding up to more than a
+worker's memory take turns on the device, swapped through the host arena by the memory
+policy; every result equals eager PyTorch, under each built-in policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import wait_for
+
+transformers = pytest.importorskip("transformers")
+POLICIES = ["semantic", "lru"]
+MEMORY = "24MiB"  # one ~14.6 MB model fits, two do not
+
+
+def _gpt2(seed: int):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _call(session, fp: str, ids: torch.Tensor, past: str | None = None, free=()):
+    """One forward on the appliance: (logits fetched to the CPU, the KV cache's id).
+    ``free``: remote objects (caches) the session no longer needs."""
+    from djinn.protocol.tensors import to_wire
+    from djinn.runtime.remote import RemoteTensor
+
+    desc, flat = to_wire(ids)
+    kwargs: dict = {"use_cache": True}
+    if past is not None:
+        kwargs["past_key_values"] = {"$o": past}
+    body = {"fingerprint": fp, "args": [{"$t": 0, "desc": desc}], "kwargs": kwargs}
+    if free:
+        body["free_objects"] = list(free)
+    fields = session.call_model(body, [flat.numpy()])["out"]["fields"]
+    logits = fields["logits"]
+    return RemoteTensor(session, logits["$h"], logits).cpu(), fields["past_key_values"]["$o"]
+
+
+def _memory_row(client, fp: str) -> dict:
+    return next(m for m in client.stats()["models"] if fp.startswith(m["fingerprint"]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_models_over_device_memory_take_turns_and_match_eager(fresh_appliance, policy):
+    from djinn.frontend import remote_module
+
+    app = fresh_appliance(cpu_worker_memory=MEMORY, memory_policy=policy)
+    models = [_gpt2(0), _gpt2(1)]
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with app.connect() as client, client.session() as s:
+        fps = [remote_module.register(m, s)["fingerprint"] for m in models]
+        for _round in range(2):
+            for fp, model in zip(fps, models, strict=True):
+                got, _ = _call(s, fp, ids)
+                with torch.no_grad():
+                    want = model(ids).logits
+                assert (got - want).abs().max().item() <= 1e-5
+        rows = wait_for(lambda: [_memory_row(client, fp) for fp in fps])
+        assert all(r["swaps_in"] >= 1 and r["swaps_out"] >= 1 for r in rows), rows
+        st = client.stats()
+        mem = st["memory"][0]
+        assert mem["policy"] == policy and mem["swaps_in"] >= 2
+        vmu = st["vmu"]["devices"][0]
+        assert vmu["peak"] <= vmu["capacity"]
+        # exactly one of the two is on the device, the other waits on the host
+        assert sorted(r["host_bytes"] > 0 for r in rows) == [False, True]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_decode_interrupted_by_evictions_gives_identical_tokens(fresh_appliance, policy):
+    """Between every decode step another session runs a long prefill on another model;
+    both cannot share the device, so the first model *and its KV cache* are swapped out
+    and back every step, and the tokens are those of an undisturbed local decode."""
+    from djinn.frontend import remote_module
+
+    app = fresh_appliance(cpu_worker_memory=MEMORY, memory_policy=policy)
+    mine, theirs = _gpt2(2), _gpt2(3)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 1000, (1, 400))  # a 3.3 MB cache
+    long = torch.randint(0, 1000, (1, 700))  # theirs: 14.6 MB weights + 8.4 MB cache, logits
+    with app.connect() as client, client.session() as s, client.session() as other:
+        fp = remote_module.register(mine, s)["fingerprint"]
+        other_fp = remote_module.register(theirs, other)["fingerprint"]
+        logits, cache = _call(s, fp, prompt)
+        tokens, their_cache = [], []
+        for _ in range(6):
+            nxt = logits[:, -1:].argmax(-1)
+            tokens.append(int(nxt))
+            _, c = _call(other, other_fp, long, free=their_cache)  # evicts mine
+            their_cache = [c]
+            logits, cache = _call(s, fp, nxt, past=cache)
+        sessions = {r["id"]: r for r in client.stats()["sessions"]}
+        assert sessions[s.id]["swaps_in"] >= 1, sessions[s.id]  # the KV cache did travel
+    with torch.no_grad():
+        want = mine.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert tokens == want[0, prompt.shape[1] :].tolist()
+
+
+def test_with_the_policy_off_a_model_that_does_not_fit_is_refused(fresh_appliance):
+    from djinn.errors import ResourceExhausted
+    from djinn.frontend import remote_module
+
+    app = fresh_appliance(cpu_worker_memory=MEMORY, memory_policy="off")
+    with app.connect() as client, client.session() as s:
+        remote_module.register(_gpt2(4), s)
+        with pytest.raises(ResourceExhausted, match="short"):
+            remote_module.register(_gpt2(5), s)
+        assert client.stats()["memory"][0]["policy"] == "off"
