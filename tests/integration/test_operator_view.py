@@ -112,6 +112,7 @@ def test_a_session_ended_by_an_operator_is_told_who_and_when(fresh_appliance):
             assert code == "SESSION_ENDED", message
             assert "ended by an operator" in message
             assert f"unix:pid={os.getpid()}" in message  # who: the operator's connection
+            assert "says djinn-python" in message  # and what its client said it was
             assert "UTC" in message  # when
         assert "ended by operator" in app.log()
     finally:
