@@ -268,6 +268,7 @@ def _run_call(
     # reservation gives way to the bytes actually held.
     growth = callmemory.estimate(entry.module, method, args, kwargs)
     data, stack = w.store.vmu["data"], w.store.vmu["stack"]
+    w.store.check_quota(s, growth.data)  # issue 9 §4: the cache would grow past the quota
     data.reserve(growth.data)
     try:
         stack.reserve(growth.stack)
@@ -288,6 +289,7 @@ def _run_call(
     try:
         skeleton = encode_output(out, s, w.store, kept, w.models.allowlist, entry.storages)
         w.store.charge_objects(s)  # the KV cache grew: charge it like any session data
+        w.store.check_quota(s, 0)  # the estimate fell short and the session is over
         vmu = w.store.vmu
         if vmu.used > vmu.capacity:  # the estimate fell short (Note [one device budget])
             raise ResourceExhausted(

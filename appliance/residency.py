@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from djinn.errors import ResourceExhausted
+from djinn.errors import QuotaExceeded, ResourceExhausted
 from djinn.semantics.memory import KV_CACHE, WEIGHTS, MemoryPolicy, MemoryView, UnitFacts
 
 from .store import _tensors_in
@@ -214,7 +214,9 @@ class MemoryManager:
         else:
             _, sid, oid = key.split(":", 2)
             s = next(x for x in self.sessions() if x.id == sid)
-            copies = self.mover.out(self._kv_storages(s, s.objects[oid]))
+            storages = self._kv_storages(s, s.objects[oid])
+            self._check_host_quota(sid, sum(st.nbytes() for st in storages))
+            copies = self.mover.out(storages)
             self.kv_out[(sid, oid)] = copies
             self.store.charge_objects(s)  # the cache's storages now hold 0 bytes
             moved = sum(c.nbytes for c in copies)
@@ -227,6 +229,17 @@ class MemoryManager:
             c.bytes_out += moved
         log.info("swapped out %s: %d bytes", key[:40], moved)
         return before - self.store.vmu.used
+
+    def _check_host_quota(self, session_id: str, nbytes: int) -> None:
+        """A session at its host quota keeps its caches on the device (issue 9 §4)."""
+        slabs = self.store.slabs
+        held = slabs.held.get(session_id, 0) + self._act(session_id).host_bytes
+        if slabs.host_max and held + nbytes > slabs.host_max:
+            raise QuotaExceeded(f"session {session_id}: host quota full")
+
+    def host_elsewhere(self, session_id: str) -> int:
+        act = self.activity.get(session_id)
+        return act.host_bytes if act is not None else 0
 
     # -- a call's working set -----------------------------------------------------------
     def prepare(self, s: WorkerSession, entry: ModelEntry, oids: set[str]) -> None:

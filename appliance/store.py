@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from djinn.errors import QuotaExceeded
 from djinn.transport.arena import ArenaMapping
 
 from .sessions import StorageRef, WorkerSession, new_handle
@@ -47,6 +48,7 @@ class TensorStore:
         self.arena = arena
         self.slabs = SlabAllocator(base, size, **shares)  # Note [arena shares] (slabs.py)
         self.vmu = vmu
+        self.device_max = 0  # session_device_max (issue 9 §4); 0: no quota
         self._arena_ptr = 0
         if arena.size:
             self._arena_ptr = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
@@ -83,6 +85,7 @@ class TensorStore:
         ref = session.storages.get(key[0]) if key[1] else None
         if ref is None:
             if not host:
+                self.check_quota(session, key[1])
                 self.vmu["data"].reserve(key[1])
                 session.data_bytes += key[1]
             ref = StorageRef(key[1], slab=slab, host=host)
@@ -92,6 +95,15 @@ class TensorStore:
         handle = new_handle()
         session.handles[handle] = (t, key[0])
         return handle
+
+    def check_quota(self, session: WorkerSession, nbytes: int) -> None:
+        """Refuse ``nbytes`` more device memory for a session at its quota."""
+        if self.device_max and session.data_bytes + nbytes > self.device_max:
+            raise QuotaExceeded(
+                f"device memory: this session would hold {session.data_bytes + nbytes} "
+                f"bytes, over its quota of {self.device_max} (session_device_max); "
+                "free handles or KV caches first"
+            )
 
     def charge_objects(self, session: WorkerSession) -> int:
         """Re-measure the tensors remote objects hold (a KV cache grows every decode step)

@@ -87,7 +87,7 @@ class Worker:
         )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
-        self.memory = self._memory_manager(init.get("memory_policy", "semantic"))
+        self.memory = self._memory_manager(init)
         self.uploads = Uploads()  # Note [one upload per fingerprint] (uploads.py)
         self.ready: collections.deque[tuple[WorkerSession, Frame]] = collections.deque()
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
@@ -104,10 +104,10 @@ class Worker:
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
 
-    def _memory_manager(self, policy_name: str) -> MemoryManager:
+    def _memory_manager(self, init: dict[str, Any]) -> MemoryManager:
         """Note [one device budget]: the memory policy ('off': nothing moves) decides what
         the manager swaps to the arena when the device budget runs short."""
-        policy = None
+        policy, policy_name = None, init.get("memory_policy", "semantic")
         if policy_name != "off":
             policy = default_registry().memory_policy(policy_name)
             if policy is None:
@@ -121,6 +121,10 @@ class Worker:
             policy,
         )
         self.models.on_free = memory.forget_model
+        # per-session quotas (issue 9 §4)
+        self.store.device_max = int(init.get("session_device_max") or 0)
+        self.store.slabs.host_max = int(init.get("session_host_max") or 0)
+        self.store.slabs.host_elsewhere = memory.host_elsewhere
         return memory
 
     # -- main loop ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
-from djinn.errors import ResourceExhausted
+from djinn.errors import QuotaExceeded, ResourceExhausted
 
 ALIGN = 4096
 
@@ -42,9 +42,19 @@ class SlabAllocator:
         self.sessions = sessions
         self.used = 0
         self.peak = 0
+        # issue 9 §4: a hard per-session quota (session_host_max; 0: none) over its slabs
+        # and what else it holds in the host tier (its KV caches swapped out)
+        self.host_max = 0
+        self.host_elsewhere: Callable[[str], int] = lambda owner: 0
 
     def _check_share(self, owner: str, size: int) -> None:
         held = self.held.get(owner, 0) + size
+        if self.host_max and held + self.host_elsewhere(owner) > self.host_max:
+            raise QuotaExceeded(
+                f"host memory: this session would hold {held + self.host_elsewhere(owner)} "
+                f"bytes in the host tier, over its quota of {self.host_max} "
+                "(session_host_max); free handles or KV caches first"
+            )
         # the quota protects other sessions: a session alone on the worker is bounded by
         # the reserve below only (a lone user may load a model over half the arena)
         if held > self.session_max and self.sessions() > 1:

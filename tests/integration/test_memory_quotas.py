@@ -1,0 +1,33 @@
+"""Per-session quotas (issue 9 §4): a session over its device or host quota gets
+QUOTA_EXCEEDED (a RESOURCE_EXHAUSTED), and other sessions keep working."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+MIB = 1 << 20
+
+
+def test_a_session_over_its_device_quota_is_refused_and_others_are_not(fresh_appliance):
+    from djinn.errors import QuotaExceeded, ResourceExhausted
+
+    app = fresh_appliance(session_device_max="2MiB", inline_max_bytes="4MiB")
+    big = torch.ones(MIB // 4 * 3)  # 3 MiB, sent inline: lives on the device, not the arena
+    with app.connect("tcp") as client, client.session() as greedy, client.session() as fair:
+        kept = greedy.put(torch.ones(MIB // 4))  # 1 MiB: within the quota
+        with pytest.raises(QuotaExceeded, match="session_device_max") as info:
+            greedy.put(big[: MIB // 2])  # 2 MiB more: over it
+        assert isinstance(info.value, ResourceExhausted)  # old clients still catch it
+        assert torch.equal(fair.put(torch.ones(MIB // 4)).cpu(), torch.ones(MIB // 4))
+        assert torch.equal(kept.cpu(), torch.ones(MIB // 4))  # nothing was lost
+
+
+def test_a_session_over_its_host_quota_is_refused(fresh_appliance):
+    from djinn.errors import QuotaExceeded
+
+    app = fresh_appliance(session_host_max="2MiB")
+    with app.connect() as client, client.session() as s, client.session() as other:
+        with pytest.raises(QuotaExceeded, match="session_host_max"):
+            s.put(torch.ones(MIB))  # 4 MiB through the arena
+        assert other.put(torch.ones(MIB // 8)).cpu().sum().item() == MIB // 8
