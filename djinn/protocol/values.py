@@ -49,6 +49,11 @@ def encode(x: Any, leaf: Callable[[Any], Any], *, tuples: bool = False) -> Any:
     """JSON for ``x``. ``leaf(x)`` encodes what only the caller knows (tensors, handles,
     pending values) or returns ``NOT_A_CONSTANT``; ``tuples`` keeps tuples apart from
     lists (model calls) instead of sending both as lists (op arguments)."""
+    kind = type(x)
+    if kind is int or kind is bool or kind is str or x is None:  # most arguments: as is
+        return x
+    if kind is list:  # shapes, dims, tensor lists: no leaf is a list
+        return [encode(v, leaf, tuples=tuples) for v in x]
     done = leaf(x)
     if done is not NOT_A_CONSTANT:
         return done
