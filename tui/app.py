@@ -146,7 +146,9 @@ class DjinnTop(App[None]):
         rates = self._rates.update(doc, request_totals(groups))
         requests = self.query_one("#requests", SortableTable)
         requests.set_rows(request_rows(groups, rates))
-        requests.border_title = f"Requests: {summary(groups, rates)}"
+        window = doc.get("appliance", {}).get("stats_window_s")
+        label = f"Requests (latency: last {window:g}s)" if window else "Requests"
+        requests.border_title = f"{label}: {summary(groups, rates)}"
         self._show_memory(doc)
         self.query_one("#sessions", SortableTable).set_rows(session_rows(doc))
         self.query_one("#models", SortableTable).set_rows(model_rows(doc))

@@ -214,3 +214,17 @@ def test_worker_rows_show_the_utilisation_the_workers_report():
     rows = worker_rows(doc)
     assert [rows[k][-1].plain for k in "012"] == ["41%", "73% cpu", "-"]
     assert rows["3"][3].plain == "busy 7s"
+
+
+def test_request_latency_is_labelled_with_the_appliances_window():
+    """issue 16 §8: percentiles cover the last stats_window seconds, and top says so."""
+    windowed = copy.deepcopy(FIRST)
+    windowed["appliance"]["stats_window_s"] = 60.0
+    app = DjinnTop("unix:///x", refresh=3600, source=FakeSource([windowed]))
+
+    async def scenario(pilot: Pilot) -> None:
+        await first_poll(pilot)
+        title = str(app.query_one("#requests", SortableTable).border_title)
+        assert title.startswith("Requests (latency: last 60s): ")
+
+    run(app, scenario)
