@@ -3,6 +3,9 @@
 Measures, in one run on one appliance:
 - capture cost: µs per captured op while tracing a GPT-2 forward into LazyTensors with no
   execution (cold: first time each op signature is seen; warm: cached meta inference);
+- its floor: the same forward through a bare wrapper subclass whose ``__torch_dispatch__``
+  only builds its outputs (recorded on a first pass, replayed after): what any lazy
+  tensor pays in PyTorch's dispatcher and Python, with no trace, no inference, no graph;
 - end to end: remote forward (capture + ship + execute + fetch logits) against local eager.
 
     python benchmarks/capture.py [--layers 12] [--tokens 64] [--repeat 5] [--json PATH]
@@ -22,6 +25,62 @@ import time
 
 import torch
 from _common import save_json
+
+
+class Bare(torch.Tensor):
+    """The floor: a wrapper subclass whose ``__torch_dispatch__`` only builds its outputs.
+
+    The first forward runs each op on meta tensors and records what it returned; later
+    forwards replay those records in order, so an op costs the dispatcher, one Python
+    call and the output wrappers, and nothing else (no shape inference, no trace)."""
+
+    record: list[object] = []
+    replay: list[object] | None = None
+    calls = 0
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> Bare:
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(),
+            dtype=like.dtype, device=like.device,
+        )  # fmt: skip
+        out.elem = like
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if Bare.replay is not None:
+            out = Bare.replay[Bare.calls]
+            Bare.calls += 1
+            if type(out) is tuple:
+                return tuple(Bare(t) if isinstance(t, torch.Tensor) else t for t in out)
+            return Bare(out) if isinstance(out, torch.Tensor) else out
+        Bare.calls += 1
+        unwrap = lambda x: x.elem if isinstance(x, Bare) else x  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))  # fmt: skip
+        Bare.record.append(tuple(out) if isinstance(out, list) else out)
+        wrap = lambda x: Bare(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return torch.utils._pytree.tree_map(wrap, out)
+
+
+def bare_forward_s(model: torch.nn.Module, ids: torch.Tensor, repeat: int) -> tuple[float, int]:
+    """Median seconds of a replayed forward through ``Bare`` tensors, and ops per forward."""
+    meta_model = copy.deepcopy(model).to("meta")
+    params = {n: Bare(t) for n, t in meta_model.state_dict(keep_vars=True).items()}
+    bare_ids = Bare(ids.to("meta"))
+    samples = []
+    with torch.no_grad():
+        Bare.record, Bare.replay, Bare.calls = [], None, 0
+        torch.func.functional_call(meta_model, params, (bare_ids,))  # records
+        Bare.replay = Bare.record
+        for _ in range(repeat):
+            Bare.calls = 0
+            start = time.perf_counter()
+            torch.func.functional_call(meta_model, params, (bare_ids,))
+            samples.append(time.perf_counter() - start)
+    Bare.replay = None
+    return statistics.median(samples), Bare.calls
 
 
 def main() -> int:
@@ -69,6 +128,7 @@ def main() -> int:
     cold_s, n_ops = capture_only()
     warm = [capture_only()[0] for _ in range(args.repeat)]
     warm_s = statistics.median(warm)
+    floor_s, floor_ops = bare_forward_s(local, ids, args.repeat)
 
     def timed(fn) -> float:
         samples = []
@@ -92,6 +152,10 @@ def main() -> int:
         "capture_us_per_op_cold": round(cold_s / n_ops * 1e6, 2),
         "capture_us_per_op_warm": round(warm_s / n_ops * 1e6, 2),
         "capture_ms_per_forward_warm": round(warm_s * 1e3, 2),
+        "floor_ops_per_forward": floor_ops,
+        "floor_us_per_op": round(floor_s / floor_ops * 1e6, 2),
+        "floor_ms_per_forward": round(floor_s * 1e3, 2),
+        "capture_over_floor_per_forward": round(warm_s / floor_s, 2),
         "local_eager_ms": round(local_s * 1e3, 2),
         "remote_ms": round(remote_s * 1e3, 2),
         "remote_over_local": round(remote_s / local_s, 3),
@@ -105,6 +169,11 @@ def main() -> int:
     print(f"| capture, cold (µs/op) | {result['capture_us_per_op_cold']} |")
     print(f"| capture, warm (µs/op) | {result['capture_us_per_op_warm']} (target ≤ 20) |")
     print(f"| capture per forward, warm (ms) | {result['capture_ms_per_forward_warm']} |")
+    print(
+        f"| floor: bare dispatch (µs/op, ms/forward, ops) | {result['floor_us_per_op']}, "
+        f"{result['floor_ms_per_forward']}, {floor_ops} |"
+    )
+    print(f"| warm capture / floor, per forward | {result['capture_over_floor_per_forward']} |")
     print(f"| local eager forward (ms) | {result['local_eager_ms']} |")
     print(f"| remote forward incl. capture + fetch (ms) | {result['remote_ms']} |")
     print(f"| remote / local | {result['remote_over_local']} |")
