@@ -18,6 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
+from . import memory_metrics
 from .reqstats import BUCKETS
 
 log = logging.getLogger("djinn.appliance.metrics")
@@ -97,6 +98,7 @@ class StatsCollector:
                 buckets.append((_le(bound), cumulative))
             hist.add_metric([str(r["worker"]), r["kind"], r["outcome"]], buckets, r["sum_s"])
         yield hist
+        yield from memory_metrics.collect(doc)  # tiers, swaps, evictions (issue 9 §5)
 
 
 def _le(bound: float) -> str:

@@ -94,6 +94,7 @@ class MemoryManager:
         self.activity: dict[str, Activity] = {}
         self.total = Counters()
         self.swap_failures = 0
+        self.host_peak = 0  # most bytes the host tier held (sampled at swaps and stats)
         if policy is not None:
             store.vmu.reclaim = self.reclaim
 
@@ -173,8 +174,8 @@ class MemoryManager:
             return 0
         now = time.monotonic()
         units = self._candidates(now)
-        if not units:
-            return 0
+        if sum(u.bytes for u in units) < need:
+            return 0  # evicting everything would not do: keep it all (the call may wait)
         vmu = self.store.vmu
         view = MemoryView(
             need,
@@ -227,6 +228,7 @@ class MemoryManager:
             c.swaps_out += 1
             c.evictions += 1
             c.bytes_out += moved
+        self.host_peak = max(self.host_peak, self.host_bytes())
         log.info("swapped out %s: %d bytes", key[:40], moved)
         return before - self.store.vmu.used
 
@@ -329,11 +331,20 @@ class MemoryManager:
             return {"host_bytes": 0, **Counters().as_dict()}
         return {"host_bytes": act.host_bytes, **act.counters.as_dict()}
 
+    def host_bytes(self) -> int:
+        return sum(c.nbytes for v in self.model_out.values() for c in v) + sum(
+            c.nbytes for v in self.kv_out.values() for c in v
+        )
+
     def stats(self) -> dict[str, Any]:
+        host = self.host_bytes()
+        self.host_peak = max(self.host_peak, host)
         return {
             "policy": self.policy.name if self.policy is not None else "off",
-            "host_bytes": sum(c.nbytes for v in self.model_out.values() for c in v)
-            + sum(c.nbytes for v in self.kv_out.values() for c in v),
+            "host_bytes": host,
+            "host_peak": self.host_peak,
             "swap_failures": self.swap_failures,
+            "swap_in_s": round(self.mover.seconds_in, 6),
+            "swap_out_s": round(self.mover.seconds_out, 6),
             **self.total.as_dict(),
         }

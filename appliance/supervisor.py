@@ -135,6 +135,7 @@ class Supervisor:
                 "text_fraction": cfg.vmu_text_fraction,
                 "data_fraction": cfg.vmu_data_fraction,
                 "memory_policy": cfg.memory_policy,
+                "admission_timeout": cfg.admission_timeout,
                 "session_device_max": cfg.session_device_max,
                 "session_host_max": cfg.session_host_max,
                 "log_level": cfg.log_level,

@@ -31,6 +31,7 @@ from djinn.errors import (
     FrameTooLarge,
     InternalError,
     ProtocolError,
+    ResourceExhausted,
     SessionEnded,
     SessionExpired,
 )
@@ -40,6 +41,7 @@ from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
 from . import control
+from .admission import AdmissionQueue
 from .busy import BusyTracker
 from .executor.device import open_device
 from .handlers import HANDLERS
@@ -51,7 +53,7 @@ from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
 from .utilisation import Utilisation
-from .vmu.device import DeviceVMU
+from .vmu.device import DeviceShort, DeviceVMU
 from .vmu.tiers import TierMover
 
 log = logging.getLogger("djinn.appliance.worker")
@@ -88,6 +90,8 @@ class Worker:
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
         self.memory = self._memory_manager(init)
+        # Note [admission queue] (admission.py)
+        self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
         self.uploads = Uploads()  # Note [one upload per fingerprint] (uploads.py)
         self.ready: collections.deque[tuple[WorkerSession, Frame]] = collections.deque()
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
@@ -157,6 +161,8 @@ class Worker:
                 self.on_writable(key.data)
             else:
                 self.serve(key.data)
+        if self.admission.queue:
+            self.admit()
         while self.ready:  # parked requests whose wait is over
             s, frame = self.ready.popleft()
             if s.state == OPEN and s.sock.fileno() >= 0:
@@ -225,6 +231,7 @@ class Worker:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
         s.outbox.clear()  # drop reply bytes before the memory they view is freed
         self.requeue(self.uploads.abandon(s.id))
+        self.admission.forget(s.id)
         self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
         if s.state == OPEN:
             for fp in s.models:
@@ -256,6 +263,23 @@ class Worker:
         # a reply already half on the wire cannot be followed by a clean error frame
         self.end_session(s, CLOSED if s.outbox else ENDED)
 
+    def admit(self) -> None:
+        """Note [admission queue]: answer the requests whose deadline passed, and try
+        again those that memory freed since their last attempt may let in."""
+        now = time.monotonic()
+        for w in self.admission.expired(now):
+            self.send_error(
+                w.session,
+                w.frame.request_id,
+                ResourceExhausted(
+                    f"waited {now - w.since:.1f} s in the admission queue and is still short "
+                    f"by {w.short} bytes: {w.message}"
+                ),
+            )
+        for w in self.admission.ready(self.store.vmu.used):
+            if w.session.state == OPEN and w.session.sock.fileno() >= 0:
+                self.dispatch(w.session, w.frame)
+
     def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
         self.ready.extend(parked)
 
@@ -270,7 +294,7 @@ class Worker:
                 continue
             if s.outbox:
                 continue  # the client is reading a reply: it cannot heartbeat meanwhile
-            if self.uploads.by_fp and self.uploads.waiting(s.id):
+            if self.admission.waiting(s.id) or (self.uploads.by_fp and self.uploads.waiting(s.id)):
                 s.touch()  # it waits on another session's upload, not dead
                 continue
             if s.state == OPEN and now - self.busy_until > s.lease_s and s.expired(now):
@@ -372,10 +396,19 @@ class Worker:
             if result is PARKED:
                 return  # answered when dispatched again (Note [one upload per fingerprint])
             body, segments = result
+            self.admission.ran(frame)
             self._dirty = True
             self.reply(s, rid, body, segments)
+        except DeviceShort as exc:
+            if self.admission.park(s, frame, exc, self.store.vmu.used):
+                outcome = "parked"  # answered when it fits or its deadline passes
+                return
+            outcome = exc.code
+            self.admission.ran(frame)
+            self.send_error(s, rid, exc)
         except DjinnError as exc:
             outcome = exc.code
+            self.admission.ran(frame)
             self.send_error(s, rid, exc)
         except Exception as exc:  # a bug must cost one request, never the worker
             outcome = InternalError.code
@@ -467,7 +500,7 @@ class Worker:
                 {**e.stats(), **self.memory.model_stats(e.fingerprint, e.nbytes)}
                 for e in self.models.entries.values()
             ],
-            "memory": self.memory.stats(),
+            "memory": {**self.memory.stats(), "admission": self.admission.stats(now)},
             "busy": self.busy.describe(now),
             "utilisation": self.utilisation.sample(),
             "adopted": self.adopted,

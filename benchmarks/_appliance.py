@@ -66,9 +66,9 @@ def toml_value(value: object) -> str:
 
 
 @contextlib.contextmanager
-def appliance(workdir: Path, arena_bytes: int, gpus: str) -> Iterator[Appliance]:
-    """``djinn serve`` with a private socket, an ephemeral TCP port and a fresh token;
-    stopped with SIGTERM on the way out, whatever happens."""
+def appliance(workdir: Path, arena_bytes: int, gpus: str, **extra: object) -> Iterator[Appliance]:
+    """``djinn serve`` with a private socket, an ephemeral TCP port and a fresh token
+    (and ``extra`` settings); stopped with SIGTERM on the way out, whatever happens."""
     token = "bench-" + secrets.token_hex(16)
     settings: dict[str, object] = {
         "socket_path": str(workdir / "djinn.sock"),
@@ -82,6 +82,7 @@ def appliance(workdir: Path, arena_bytes: int, gpus: str) -> Iterator[Appliance]
         "heartbeat_interval": 1.0,
         "heartbeat_misses": 30,
         "log_level": "warning",
+        **extra,
     }
     config = workdir / "djinn.toml"
     config.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items()))

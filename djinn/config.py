@@ -197,6 +197,16 @@ SETTINGS: tuple[Setting, ...] = (
         shape="semantic, lru, another installed policy, or off",
     ),
     Setting(
+        "admission_timeout",
+        10.0,
+        "Seconds a model call or op graph that does not fit even after eviction waits for "
+        "memory to be freed before RESOURCE_EXHAUSTED (a call may ask for less with "
+        "admission_s); 0: refuse at once.",
+        "float",
+        low=0.0,
+        high=600.0,
+    ),
+    Setting(
         "session_device_max",
         "0",
         "Most device memory one session may hold (its tensors and resident KV caches); "

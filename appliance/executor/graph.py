@@ -25,13 +25,12 @@ from djinn.errors import (
     DjinnError,
     ExecutionError,
     InvalidArgument,
-    ResourceExhausted,
     UnsupportedOp,
 )
 from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
 from djinn.protocol.values import decode_constant, inline_tensor
 
-from ..vmu.device import Segment
+from ..vmu.device import DeviceShort, Segment
 from . import metacheck, opargs, opchecks, oppolicy
 
 _OP_CACHE: dict[str, Any] = {}
@@ -149,9 +148,10 @@ class GraphRun:
             raise type(exc)(f"node {i}: {exc.message}") from None
         free = self.stack.vmu.make_room(need)  # Note [one device budget] (vmu/device.py)
         if need > free:
-            raise ResourceExhausted(
+            raise DeviceShort(
                 f"{op._schema.name} (node {i}) would allocate {need} bytes; the device "
-                f"has {free} of {self.stack.capacity} free after eviction"
+                f"has {free} of {self.stack.capacity} free after eviction",
+                need - free,
             )
         return meta
 

@@ -21,6 +21,17 @@ from collections.abc import Callable
 from djinn.errors import ResourceExhausted
 
 SEGMENTS = ("text", "data", "stack")
+
+
+class DeviceShort(ResourceExhausted):
+    """Device memory is short even after eviction; what is left cannot move now, but may
+    be freed soon (such a request may wait: Note [admission queue], admission.py)."""
+
+    def __init__(self, message: str, short: int) -> None:
+        super().__init__(message)
+        self.short = short
+
+
 _WHAT = {"text": "weights", "data": "session data", "stack": "activations"}
 
 
@@ -103,10 +114,11 @@ class DeviceVMU:
         self.make_room(nbytes)
         short = self.used + nbytes - self.capacity
         if short > 0:
-            raise ResourceExhausted(
+            raise DeviceShort(
                 f"device memory full: {nbytes} bytes requested for {_WHAT[seg.name]}, "
                 f"{short} bytes short of {self.capacity} after eviction (what cannot move: "
-                "session handles and activations); free handles or KV caches"
+                "session handles and activations); free handles or KV caches",
+                short,
             )
         seg.used += nbytes
         seg.peak = max(seg.peak, seg.used)

@@ -17,6 +17,7 @@ a copy may still read it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class TierMover:
         self._side = torch.cuda.Stream(device) if self.cuda else None
         self.bytes_out = 0
         self.bytes_in = 0
+        self.seconds_out = 0.0  # time spent copying, for swap throughput in the stats
+        self.seconds_in = 0.0
 
     def out(self, storages: list[torch.UntypedStorage]) -> list[HostCopy]:
         """Copy ``storages`` to the host and free them on the device. All or nothing: a
@@ -72,9 +75,11 @@ class TierMover:
             for c in copies:
                 self.slabs.free(c.offset)
             raise
+        started = time.perf_counter()
         self._copy(
             [(self.slab_tensor(c.offset, c.nbytes), _bytes_of(c.storage, c.nbytes)) for c in copies]
         )
+        self.seconds_out += time.perf_counter() - started
         for c in copies:
             c.storage.resize_(0)
             self.bytes_out += c.nbytes
@@ -82,11 +87,13 @@ class TierMover:
 
     def back(self, copies: list[HostCopy]) -> None:
         """Give each storage its bytes again and free the slabs."""
+        started = time.perf_counter()
         pairs = []
         for c in copies:
             c.storage.resize_(c.nbytes)
             pairs.append((_bytes_of(c.storage, c.nbytes), self.slab_tensor(c.offset, c.nbytes)))
         self._copy(pairs)
+        self.seconds_in += time.perf_counter() - started
         for c in copies:
             self.slabs.free(c.offset)
             self.bytes_in += c.nbytes

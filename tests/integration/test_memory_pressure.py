@@ -20,7 +20,7 @@ def _gpt2(seed: int):
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-def _call(session, fp: str, ids: torch.Tensor, past: str | None = None, free=()):
+def _call(session, fp: str, ids: torch.Tensor, past: str | None = None, free=(), **extra):
     """One forward on the appliance: (logits fetched to the CPU, the KV cache's id).
     ``free``: remote objects (caches) the session no longer needs."""
     from djinn.protocol.tensors import to_wire
@@ -33,6 +33,7 @@ def _call(session, fp: str, ids: torch.Tensor, past: str | None = None, free=())
     body = {"fingerprint": fp, "args": [{"$t": 0, "desc": desc}], "kwargs": kwargs}
     if free:
         body["free_objects"] = list(free)
+    body.update(extra)
     fields = session.call_model(body, [flat.numpy()])["out"]["fields"]
     logits = fields["logits"]
     return RemoteTensor(session, logits["$h"], logits).cpu(), fields["past_key_values"]["$o"]
@@ -108,3 +109,33 @@ def test_with_the_policy_off_a_model_that_does_not_fit_is_refused(fresh_applianc
         with pytest.raises(ResourceExhausted, match="short"):
             remote_module.register(_gpt2(5), s)
         assert client.stats()["memory"][0]["policy"] == "off"
+
+
+def test_swaps_and_tiers_show_in_prometheus(fresh_appliance):
+    """The same counters as the stats document, on the metrics endpoint (issue 9 §5)."""
+    import re
+    import urllib.request
+
+    from djinn.frontend import remote_module
+    from tests.integration.test_metrics import _free_port, _value
+
+    app = fresh_appliance(cpu_worker_memory=MEMORY, metrics_port=_free_port())
+    url = "http://" + re.search(r"metrics=(\S+)", app.readiness).group(1)
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+    ids = torch.tensor([[1, 2, 3]])
+    with app.connect() as client, client.session() as s:
+        fps = [remote_module.register(_gpt2(seed), s)["fingerprint"] for seed in (6, 7)]
+        for fp in (*fps, *fps):
+            _call(s, fp, ids)
+        text = wait_for(
+            lambda: _value(t := scrape(), "djinn_memory_events_total", event="swaps_in") >= 2 and t
+        )
+        assert _value(text, "djinn_memory_events_total", policy="semantic", event="evictions") >= 2
+        assert _value(text, "djinn_memory_moved_bytes_total", direction="in") > 0
+        hosts = [_value(text, "djinn_model_bytes", model=fp[:12], tier="host") for fp in fps]
+        assert sorted(h > 0 for h in hosts) == [False, True]  # one waits on the host
+        assert _value(text, "djinn_session_bytes", session=s.id, tier="device") > 0

@@ -103,6 +103,7 @@ BAD_VALUES = {
     "vmu_text_fraction": [-0.1, 1.5, "nan"],
     "vmu_data_fraction": [2, "inf"],
     "memory_policy": ["fifo", "", ["lru"]],
+    "admission_timeout": [-1, 601, "soon"],
     "session_device_max": ["lots", -1],
     "session_host_max": ["some", -5],
     "model_roots": [["/a"]],
