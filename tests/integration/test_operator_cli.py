@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -15,7 +16,10 @@ EXIT_CONFIG = 2
 
 
 def _djinn(*args: str, cwd=None, **env: str) -> subprocess.CompletedProcess:
+    """Run `djinn`, by default in an empty directory: no ./djinn.toml but the test's own."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    if cwd is None:
+        cwd = tempfile.mkdtemp(prefix="djinn-cli-")
     return subprocess.run(
         [sys.executable, "-m", "djinn.cli.main", *args],
         capture_output=True,

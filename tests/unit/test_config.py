@@ -8,6 +8,14 @@ from djinn import config
 from djinn.errors import ConfigError
 
 
+@pytest.fixture(autouse=True)
+def _no_local_config(tmp_path, monkeypatch):
+    """load() with no path reads ./djinn.toml and $DJINN_CONFIG: these tests must not
+    depend on the directory they run in (the repository's djinn.toml is tested apart)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DJINN_CONFIG", raising=False)
+
+
 def test_defaults_then_file_then_environment(tmp_path):
     f = tmp_path / "djinn.toml"
     f.write_text('arena_bytes = "2GiB"\ncpu_workers = 3\nheartbeat_interval = 2.5\n')
