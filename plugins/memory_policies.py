@@ -34,7 +34,10 @@ class SemanticPolicy:
     3. weights of models no call is using, least shared first (one swap-in per session
        using them), then least recently used: keep the most shared;
     4. KV caches of sessions in the middle of a burst (a decode loop): their next step
-       is milliseconds away, so they go last.
+       is milliseconds away, so they go last, and among them the one that ran *most*
+       recently first: the worker serves waiting steps in turn, so the session that just
+       had its turn is the one whose next step comes last (LRU picks the next in line
+       and thrashes a round-robin of more caches than fit).
     """
 
     name = "semantic"
@@ -51,7 +54,7 @@ class SemanticPolicy:
             if u.session_idle_s > BETWEEN_BURSTS * gap:
                 left = u.think_s - u.session_idle_s if u.think_s > 0 else 0.0
                 return (1, -left, -u.session_idle_s)
-            return (3, -u.session_idle_s)
+            return (3, u.session_idle_s)
         if u.kind == WEIGHTS:
             return (2, u.sessions, -u.idle_s)
         return (2, 0, -u.idle_s)

@@ -16,7 +16,7 @@ def _view(*units: UnitFacts) -> MemoryView:
     )
 
 
-def _kv(key: str, idle: float, think: float = 1.0, gap: float = 0.01) -> UnitFacts:
+def _kv(key: str, idle: float, think: float = 1.0, gap: float = 0.005) -> UnitFacts:
     return UnitFacts(key, KV_CACHE, 4 * MB, 1, idle, "llm_decode", idle, think, gap)
 
 
@@ -47,3 +47,12 @@ def test_semantic_keeps_the_most_shared_weights_and_mid_burst_caches():
     order = SemanticPolicy().victims(_view(busy, shared, private))
     assert order == ["private", "shared", "busy"]
     assert LruPolicy().victims(_view(busy, shared, private))[0] == "shared"
+
+
+def test_semantic_evicts_the_decode_loop_whose_turn_comes_last():
+    # three sessions mid-burst take turns on the worker: "just_ran" had its step a
+    # moment ago, so its next one is the furthest away; LRU evicts "next_up" instead
+    just_ran, next_up = _kv("just_ran", idle=0.002), _kv("next_up", idle=0.008)
+    view = _view(next_up, just_ran)
+    assert SemanticPolicy().victims(view)[0] == "just_ran"
+    assert LruPolicy().victims(view)[0] == "next_up"
