@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import djinn
+from djinn.appliance import stats
 from djinn.cli.status import render
 from tests.conftest import wait_for
 
@@ -36,6 +38,11 @@ def _busy_client(app, stop_file) -> subprocess.Popen:
     )
     assert proc.stdout.readline().strip() == "running"
     return proc
+
+
+def _open_one(app) -> bool:
+    with app.connect() as client, client.session() as s:
+        return bool(s.id)
 
 
 def test_a_busy_worker_keeps_reporting_what_it_runs_and_status_shows_it(fresh_appliance, tmp_path):
@@ -67,6 +74,18 @@ def test_a_busy_worker_keeps_reporting_what_it_runs_and_status_shows_it(fresh_ap
         )
         assert done.returncode == 0, done.stderr
         assert "Sessions" in done.stdout and "phase" in done.stdout
+        # the repro: a second client connects while the worker is busy; every
+        # document read meanwhile has whole session rows and renders
+        opened: list = []
+        opener = threading.Thread(target=lambda: opened.append(_open_one(app)), daemon=True)
+        opener.start()
+        while opener.is_alive():
+            doc = app.stats()
+            for row in doc["sessions"]:
+                assert row.keys() >= stats.opening_row("x", "y").keys(), row
+            assert "Sessions" in render(doc)
+            opener.join(0.05)
+        assert opened == [True]
         # §7: the worker measures its own utilisation and says how
         worker = wait_for(lambda: (w := app.stats()["workers"][0])["utilisation"] and w, timeout=30)
         assert worker["utilisation_source"] == "process_cpu"
