@@ -139,3 +139,40 @@ def test_swaps_and_tiers_show_in_prometheus(fresh_appliance):
         hosts = [_value(text, "djinn_model_bytes", model=fp[:12], tier="host") for fp in fps]
         assert sorted(h > 0 for h in hosts) == [False, True]  # one waits on the host
         assert _value(text, "djinn_session_bytes", session=s.id, tier="device") > 0
+
+
+def test_a_training_loop_under_pressure_matches_one_without(fresh_appliance, monkeypatch):
+    """Graph-path training whose activations do not fit beside an idle registered model:
+    the model is swapped out to make room (session tensors never move), and the trained
+    parameters equal a local run's (issue 9 §6)."""
+    from djinn.frontend import remote_module, session
+
+    app = fresh_appliance(cpu_worker_memory=MEMORY)
+    monkeypatch.setenv("DJINN_ADDRESS", app.unix)
+    session.reset()
+
+    def train(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)
+        ).to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        x, y = torch.randn(2048, 64), torch.randn(2048, 1)  # 4 MiB per activation
+        for _ in range(3):
+            opt.zero_grad()
+            loss = ((net(x.to(device)) - y.to(device)) ** 2).mean()
+            loss.backward()
+            opt.step()
+        return [p.detach().cpu() for p in net.parameters()]
+
+    try:
+        with app.connect() as client, client.session() as idle:
+            fp = remote_module.register(_gpt2(10), idle)["fingerprint"]  # 14.6 MB, idle
+            remote = train("remote_accelerator:0")
+            row = wait_for(lambda: (r := _memory_row(client, fp))["swaps_out"] >= 1 and r)
+            assert row["host_bytes"] > 0  # it made room for the activations
+    finally:
+        session.reset()
+    local = train("cpu")
+    for got, want in zip(remote, local, strict=True):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
