@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from djinn.appliance.executor import opargs
 from djinn.appliance.executor.graph import GraphRun, resolve_op
 from djinn.appliance.executor.oppolicy import allowed_names
-from djinn.appliance.vmu.device import Segment
+from djinn.appliance.vmu.device import DeviceVMU
 from djinn.errors import DjinnError
 from djinn.protocol.tensors import to_wire
 
@@ -133,9 +133,8 @@ def run_one(node: dict[str, Any], inline: list[torch.Tensor]) -> str | None:
     """Run one node; None if it ended well (value or typed error), else what went wrong."""
     segments = [memoryview(to_wire(t)[1].numpy()) for t in inline]
     body = {"nodes": [node], "keep": [], "fetch": [{"$v": 0}]}
-    run = GraphRun(
-        body, lambda h: torch.zeros(1), segments, torch.device("cpu"), Segment("s", STACK_BYTES)
-    )
+    stack = DeviceVMU(STACK_BYTES)["stack"]
+    run = GraphRun(body, lambda h: torch.zeros(1), segments, torch.device("cpu"), stack)
     try:
         run.run()
     except DjinnError:

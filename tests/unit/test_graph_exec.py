@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from djinn.appliance.executor.graph import GraphRun, resolve_op
-from djinn.appliance.vmu.device import Segment
+from djinn.appliance.vmu.device import DeviceVMU
 from djinn.errors import ExecutionError, InvalidArgument, NotFound, ResourceExhausted, UnsupportedOp
 
 HANDLES = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, 3)}
@@ -20,7 +20,7 @@ def _lookup(h: str) -> torch.Tensor:
 
 
 def run(nodes, keep=(), fetch=(), stack_capacity=1 << 30):
-    stack = Segment("stack", stack_capacity)
+    stack = DeviceVMU(stack_capacity)["stack"]
     g = GraphRun(
         {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)},
         _lookup,
