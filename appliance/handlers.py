@@ -7,6 +7,7 @@ no handler leaves a half-done change behind (a failing multi-tensor PUT keeps no
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,13 +130,15 @@ def handle_get(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     return export(w, s, tensors)
 
 
-def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, None, Reply]:
+    """EXEC one op at a time (the worker's scheduler may run other requests between two
+    ops: Note [threading model] in scheduler.py)."""
     run = GraphRun(
         frame.body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"]
     )
     run.input_storages = lambda: list(s.storages)
     try:
-        keep, fetch = run.run()
+        keep, fetch = yield from run.steps()
     finally:
         w.store.recharge(s)  # an op may have grown a handle's storage (out=, in place)
     kept: list[Any] = []
@@ -166,6 +169,15 @@ def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         node, exc = run.failed
         body["failed"] = {"node": node, "code": exc.code, "message": exc.message}
     return body, segments
+
+
+def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
+    steps = exec_steps(w, s, frame)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _json_value(v: Any) -> Any:
@@ -210,3 +222,5 @@ HANDLERS = {
     Kind.REGISTER: handle_register,
     Kind.CALL: handle_call,
 }
+# Requests that can be preempted between steps (Note [threading model] in scheduler.py).
+STEPPED = {Kind.EXEC: exec_steps}

@@ -85,6 +85,8 @@ def build(
         "models": [{**m, "worker": w.id} for w in workers for m in w.stats.get("models", [])],
         # per worker: memory policy, bytes in the host tier, swaps, evictions (issue 9 §5)
         "memory": [{**w.stats.get("memory", {}), "worker": w.id} for w in workers],
+        # per worker: scheduling policy, queue, slices and preemptions (issue 10)
+        "scheduler": [{**w.stats.get("scheduler", {}), "worker": w.id} for w in workers],
         "requests": requests,
         "latency": latency(requests, window_s),
     }

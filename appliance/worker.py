@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from djinn.errors import (
@@ -44,11 +45,12 @@ from . import control
 from .admission import AdmissionQueue
 from .busy import BusyTracker
 from .executor.device import open_device
-from .handlers import HANDLERS
+from .handlers import HANDLERS, STEPPED
 from .memtrim import trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
 from .residency import MemoryManager
+from .scheduler import Scheduler, Work, parse_weights, work_facts
 from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
@@ -104,6 +106,7 @@ class Worker:
         self._dirty = True
         self._last_push = 0.0
         self._trim_due = False  # Note [heap trim] (memtrim.py)
+        self.scheduler = self._scheduler(init)  # Note [threading model] (scheduler.py)
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
@@ -149,8 +152,9 @@ class Worker:
         return 0
 
     def step(self) -> bool:
-        ready = self.sel.select(LOOP_TICK_S)
-        if not ready and self._trim_due:  # idle after sessions ended: Note [heap trim]
+        # with work scheduled, only look at the sockets between two slices of it
+        ready = self.sel.select(0 if self.scheduler else LOOP_TICK_S)
+        if not ready and not self.scheduler and self._trim_due:  # Note [heap trim]
             self._trim_due = False
             trim_heap()
         for key, events in ready:
@@ -159,8 +163,15 @@ class Worker:
                     return False
             elif events & selectors.EVENT_WRITE:
                 self.on_writable(key.data)
-            else:
+            elif not self.scheduler.has(key.data):  # one request per session at a time
                 self.serve(key.data)
+        if self.scheduler:
+            work = self.scheduler.run_slice(self._work_steps, self._work_done)
+            if work is not None and work.ran_s > self.lease_s / 4:
+                # Note [busy worker], slice by slice: while a long request is under way
+                # heartbeats are read between its slices, but late (a slice is one op, and
+                # an op can take seconds): nobody's lease runs out until it is over.
+                self.busy_until = time.monotonic()
         if self.admission.queue:
             self.admit()
         while self.ready:  # parked requests whose wait is over
@@ -230,6 +241,14 @@ class Worker:
     def end_session(self, s: WorkerSession, state: str) -> None:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
         s.outbox.clear()  # drop reply bytes before the memory they view is freed
+        cancelled = self.scheduler.cancel(s)  # a half-run graph gives back what it held
+        if cancelled is not None and state != CLOSED:  # its client waits for the answer
+            gone: DjinnError = (
+                SessionEnded(s.end_reason)
+                if state == ENDED
+                else SessionExpired(f"session {s.id} expired; its handles were freed")
+            )
+            self.send_error(s, cancelled.frame.request_id, gone)
         self.requeue(self.uploads.abandon(s.id))
         self.admission.forget(s.id)
         self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
@@ -294,6 +313,9 @@ class Worker:
                 continue
             if s.outbox:
                 continue  # the client is reading a reply: it cannot heartbeat meanwhile
+            if self.scheduler.has(s):
+                s.touch()  # its request waits for the device: we are not reading it
+                continue
             if self.admission.waiting(s.id) or (self.uploads.by_fp and self.uploads.waiting(s.id)):
                 s.touch()  # it waits on another session's upload, not dead
                 continue
@@ -343,7 +365,8 @@ class Worker:
 
     def serve(self, s: WorkerSession) -> None:
         s.touch()  # bytes arriving prove the client alive, even mid-way through a long upload
-        while s.sock.fileno() >= 0 and not s.outbox:  # replies go out in order first
+        # replies go out in order first, and a session has one request scheduled at most
+        while s.sock.fileno() >= 0 and not s.outbox and not self.scheduler.has(s):
             try:
                 frame = s.reader.poll()
             except PeerClosed:
@@ -356,11 +379,25 @@ class Worker:
                 return
             if frame is None:
                 return
-            self.dispatch(s, frame)
+            self.scheduler.submit(s, frame, work_facts(s, frame))
             if not s.reader.buffered():
                 return  # nothing pipelined: skip a recv that would only say EAGAIN
 
     def dispatch(self, s: WorkerSession, frame: Frame) -> None:
+        """Run a request to its end (parked requests whose wait is over)."""
+        for _ in self.dispatch_steps(s, frame):
+            pass
+
+    def _work_steps(self, work: Work) -> Iterator[None]:
+        return self.dispatch_steps(work.session, work.frame)
+
+    def _work_done(self, work: Work) -> None:
+        s = work.session
+        if s.state != CLOSED and s.sock.fileno() >= 0 and not s.outbox and s.reader.buffered():
+            self.serve(s)  # requests pipelined behind this one are already here
+
+    def dispatch_steps(self, s: WorkerSession, frame: Frame) -> Iterator[None]:
+        """Handle one request; a stepped one (EXEC) yields between its ops."""
         rid = frame.request_id
         started = time.perf_counter()
         outcome = "ok"
@@ -392,7 +429,11 @@ class Worker:
                 raise ProtocolError(f"{frame.kind.name} is not a session request")
             if self.uploads.by_fp and frame.kind.name not in UPLOADING_KINDS:
                 self.requeue(self.uploads.abandon(s.id))  # it moved on: not uploading
-            result = handler(self, s, frame)
+            stepped = STEPPED.get(frame.kind)
+            if stepped is not None:
+                result = yield from self._resumed(stepped(self, s, frame))
+            else:
+                result = handler(self, s, frame)
             if result is PARKED:
                 return  # answered when dispatched again (Note [one upload per fingerprint])
             body, segments = result
@@ -410,6 +451,9 @@ class Worker:
             outcome = exc.code
             self.admission.ran(frame)
             self.send_error(s, rid, exc)
+        except GeneratorExit:  # its session ended while it waited (Scheduler.cancel)
+            outcome = "cancelled"
+            raise
         except Exception as exc:  # a bug must cost one request, never the worker
             outcome = InternalError.code
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
@@ -424,6 +468,34 @@ class Worker:
                 # Note [busy worker]: while one request ran, no other session's heartbeat
                 # could be read. Nobody's lease runs out for time the worker was busy.
                 self.busy_until = time.monotonic()
+
+    def _resumed(self, steps: Iterator[None]) -> Iterator[None]:
+        """Pass ``steps``' yields on; after each, this request is what the worker runs
+        again (Note [busy stats])."""
+        busy = self.busy.current
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value
+                yield
+                self.busy.current = busy
+        finally:
+            steps.close()  # closed early (its session ended): its finally blocks run now
+
+    def _scheduler(self, init: dict[str, Any]) -> Scheduler:
+        name = init.get("scheduler", "semantic")
+        policy = default_registry().scheduler(name)
+        if policy is None:
+            log.warning("scheduler %r did not load: requests run in arrival order", name)
+        return Scheduler(
+            policy,
+            slice_s=float(init.get("scheduler_slice_ms", 5.0)) / 1e3,
+            small_graph_nodes=int(init.get("scheduler_small_graph", 64)),
+            max_wait_s=float(init.get("scheduler_max_wait_ms", 500.0)) / 1e3,
+            weights=parse_weights(str(init.get("scheduler_weights", ""))),
+        )
 
     def free_piggybacked(self, s: WorkerSession, handles: Any, objects: Any = None) -> None:
         """Handles and remote objects the client's garbage collector released, sent along
@@ -503,6 +575,7 @@ class Worker:
             "memory": {**self.memory.stats(), "admission": self.admission.stats(now)},
             "busy": self.busy.describe(now),
             "utilisation": self.utilisation.sample(),
+            "scheduler": self.scheduler.stats(),  # issue 10: what it decided
             "adopted": self.adopted,
         }
         try:

@@ -223,6 +223,52 @@ SETTINGS: tuple[Setting, ...] = (
         low=0,
     ),
     Setting(
+        "scheduler",
+        "semantic",
+        "What runs next on a worker (issue 10): a plugin of the djinn.schedulers group "
+        "(built in: semantic, which puts decode steps and small graphs ahead of prefills "
+        "and training steps and shares the rest fairly; fifo, arrival order).",
+        check=rules.check_scheduler,
+        shape="semantic, fifo or another installed scheduler",
+    ),
+    Setting(
+        "scheduler_slice_ms",
+        5.0,
+        "How long a worker runs one request before it reads its sockets and lets the "
+        "scheduler choose again; a graph is set aside between two ops, a single op runs "
+        "to its end.",
+        "float",
+        low=0.1,
+        high=10_000.0,
+    ),
+    Setting(
+        "scheduler_small_graph",
+        64,
+        "A graph of at most this many ops is interactive work for the semantic scheduler "
+        "(an eager op, a sampling step); longer ones are throughput work.",
+        "int",
+        low=1,
+        high=1_000_000,
+    ),
+    Setting(
+        "scheduler_max_wait_ms",
+        500.0,
+        "Ageing: a request waiting longer than this is treated as interactive, so "
+        "throughput work never starves.",
+        "float",
+        low=1.0,
+        high=3_600_000.0,
+    ),
+    Setting(
+        "scheduler_weights",
+        "",
+        "Fair-share weights of tenants, as tenant=weight pairs separated by commas: "
+        "uid:1000=2 (a Unix user), host:10.0.0.7=0.5 (a TCP client's address). "
+        "Tenants not listed weigh 1.",
+        check=rules.check_weights,
+        shape="tenant=weight, ... (uid:N or host:ADDR, weights > 0)",
+    ),
+    Setting(
         "model_roots",
         "~/.cache/djinn/models",
         "Directories the appliance may load "

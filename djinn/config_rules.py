@@ -159,6 +159,30 @@ def check_memory_policy(value: str) -> str | None:
     return f"no memory policy {value!r} (installed: {', '.join(sorted(names)) or 'none'}, off)"
 
 
+def check_scheduler(value: str) -> str | None:
+    """An installed plugin of djinn.schedulers (read from metadata only)."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="djinn.schedulers")}
+    if value in names:
+        return None
+    return f"no scheduler {value!r} (installed: {', '.join(sorted(names)) or 'none'})"
+
+
+def check_weights(value: str) -> str | None:
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        tenant, eq, weight = part.rpartition("=")
+        if not eq or not re.fullmatch(r"(uid:\d+|host:\S+)", tenant.strip()):
+            return f"{part!r} is not tenant=weight (tenant: uid:N or host:ADDR)"
+        try:
+            w = float(weight)
+        except ValueError:
+            return f"{part!r}: the weight is not a number"
+        if not (w > 0 and math.isfinite(w)):
+            return f"{part!r}: the weight must be a positive number"
+    return None
+
+
 def check_together(values: dict[str, Any]) -> str | None:
     """Problems that only a combination of settings has."""
     text, data = values["vmu_text_fraction"], values["vmu_data_fraction"]

@@ -16,7 +16,7 @@ the stack segment. Only then does the real kernel run.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from djinn.errors import (
     DjinnError,
     ExecutionError,
     InvalidArgument,
+    ResourceExhausted,
     UnsupportedOp,
 )
 from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
@@ -78,6 +79,11 @@ class GraphRun:
         # which node failed and why. The client runs the independent rest again.
         self.partial = body.get("partial") is True
         self.failed: tuple[int, DjinnError] | None = None
+        # Note [rerunnable graphs]: whether an op that ran wrote into a tensor (an in-place
+        # or out= op). Until one has, running the request again from its first node is the
+        # same as running it once, so a request short of memory may wait in the admission
+        # queue and run again; after one has, it must not (a += 1 would happen twice).
+        self.wrote = False
         self.lookup = lookup
         self.segments = segments
         self.device = device
@@ -88,24 +94,34 @@ class GraphRun:
         self.input_storages: Callable[[], list[int]] = lambda: []
 
     def run(self) -> tuple[list[Any], list[Any]]:
+        steps = self.steps()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def steps(self) -> Generator[None, None, tuple[list[Any], list[Any]]]:
+        """``run`` one op at a time: yields after each node, so the worker's scheduler can
+        run another request between two ops and resume this one later (Note [threading
+        model] in scheduler.py). Closing it early gives back its stack bytes."""
         try:
-            return self._run()
+            last_use = self._last_uses()
+            for i, node in enumerate(self.nodes):
+                if i:
+                    yield  # between two ops, never after the last: a finished run replies
+                try:
+                    self._node(i, node, last_use)
+                except DjinnError as exc:
+                    if not self.partial:
+                        raise
+                    self.failed = (i, exc)
+                    break
+            return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
         finally:
             for nbytes, _refs in self._stack_refs.values():
                 self.stack.release(nbytes)
             self._stack_refs.clear()
-
-    def _run(self) -> tuple[list[Any], list[Any]]:
-        last_use = self._last_uses()
-        for i, node in enumerate(self.nodes):
-            try:
-                self._node(i, node, last_use)
-            except DjinnError as exc:
-                if not self.partial:
-                    raise
-                self.failed = (i, exc)
-                break
-        return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
 
     def _result(self, ref: dict[str, Any]) -> Any:
         """A kept or fetched value; None for the output of a node that never ran."""
@@ -124,6 +140,7 @@ class GraphRun:
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
         meta = self._check(op, args, kwargs, i)
+        self.wrote = self.wrote or _writes(op)
         try:
             out = op(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
@@ -148,11 +165,13 @@ class GraphRun:
             raise type(exc)(f"node {i}: {exc.message}") from None
         free = self.stack.vmu.make_room(need)  # Note [one device budget] (vmu/device.py)
         if need > free:
-            raise DeviceShort(
+            text = (
                 f"{op._schema.name} (node {i}) would allocate {need} bytes; the device "
-                f"has {free} of {self.stack.capacity} free after eviction",
-                need - free,
+                f"has {free} of {self.stack.capacity} free after eviction"
             )
+            if self.wrote:  # Note [rerunnable graphs]: cannot wait and run again
+                raise ResourceExhausted(text + " (not queued: earlier ops wrote in place)")
+            raise DeviceShort(text, need - free)
         return meta
 
     def _seed(self, k: Any) -> None:
@@ -286,3 +305,16 @@ def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:
     ):
         raise InvalidArgument(f"{key} must be a list of {{'$v': n}} / {{'$h': id}} references")
     return refs
+
+
+_WRITES: dict[Any, bool] = {}
+
+
+def _writes(op: Any) -> bool:
+    """Whether ``op`` writes into one of its arguments (``Tensor(a!)`` in its schema)."""
+    known = _WRITES.get(op)
+    if known is None:
+        known = _WRITES[op] = any(
+            a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments
+        )
+    return known

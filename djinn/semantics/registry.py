@@ -18,6 +18,7 @@ from typing import Any
 
 from .memory import MemoryPolicy
 from .protocols import CostModel, PatternPlugin
+from .scheduling import SchedulerPolicy
 
 log = logging.getLogger("djinn.semantics.registry")
 
@@ -25,8 +26,14 @@ GROUPS = {
     "patterns": "djinn.patterns",
     "cost_models": "djinn.cost_models",
     "memory_policies": "djinn.memory_policies",
+    "schedulers": "djinn.schedulers",
 }
-_PROTOCOLS = {"patterns": PatternPlugin, "cost_models": CostModel, "memory_policies": MemoryPolicy}
+_PROTOCOLS = {
+    "patterns": PatternPlugin,
+    "cost_models": CostModel,
+    "memory_policies": MemoryPolicy,
+    "schedulers": SchedulerPolicy,
+}
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,10 @@ class Registry:
     def memory_policy(self, name: str) -> MemoryPolicy | None:
         """The memory policy called ``name`` (None for 'off', or if it failed to load)."""
         return next((p for p in self.load("memory_policies") if p.name == name), None)
+
+    def scheduler(self, name: str) -> SchedulerPolicy | None:
+        """The scheduling policy called ``name`` (None if it failed to load)."""
+        return next((p for p in self.load("schedulers") if p.name == name), None)
 
 
 _default: Registry | None = None

@@ -1,0 +1,285 @@
+"""The worker's scheduler: which session's request runs next, one slice at a time.
+
+Note [threading model]: a worker is one thread, and that thread is the one place that
+touches the device. Its loop alternates two things: reading (every socket with bytes,
+non-blocking; a frame's payload lands in its buffers as it arrives, so a slow or huge
+upload is read a piece per turn and never holds anything up) and running one slice of
+scheduled work. A request that was read completely goes to the scheduler, not straight
+to its handler; while a session has a request in the scheduler, the worker reads no
+further frame of that session, so a session's requests run and are answered in order,
+and one session can never queue more than one. A slice runs the request the policy
+chooses until it finishes or ``slice_s`` has passed; a graph (EXEC) is a generator that
+yields between ops, so the next slice may be another session's request while the graph
+waits, holding its values, to be resumed exactly where it stopped (preemption at op
+boundaries: the ops run in the same order on the same values, so results are
+identical). Other requests (puts, gets, model calls) run whole within one slice. No
+lock is needed anywhere: nothing runs concurrently, only interleaved at op boundaries.
+A single op still runs to its end (a 2-second matmul holds the loop for 2 seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from djinn.semantics.scheduling import SchedulerPolicy, SchedulingView, WorkFacts
+
+log = logging.getLogger("djinn.appliance.scheduler")
+
+USAGE_HALF_LIFE_S = 10.0  # fair shares look at recent execution time, decayed
+
+
+class Work:
+    """One request in the scheduler."""
+
+    __slots__ = ("arrived", "facts", "frame", "key", "ran_s", "session", "steps")
+
+    def __init__(self, key: int, session: Any, frame: Any, facts: dict, arrived: float) -> None:
+        self.key = key
+        self.session = session
+        self.frame = frame
+        self.facts = facts  # what the policy sees of it, besides times and usage
+        self.arrived = arrived
+        self.ran_s = 0.0
+        self.steps: Iterator[None] | None = None
+
+
+class Usage:
+    """Exponentially decayed execution seconds per key (tenant or session)."""
+
+    def __init__(self, half_life_s: float = USAGE_HALF_LIFE_S) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._values: dict[str, tuple[float, float]] = {}  # key -> (value, at)
+
+    def add(self, key: str, seconds: float, now: float) -> None:
+        self._values[key] = (self.get(key, now) + seconds, now)
+
+    def get(self, key: str, now: float) -> float:
+        value, at = self._values.get(key, (0.0, now))
+        return value * math.exp(-self._rate * max(0.0, now - at))
+
+    def forget(self, key: str) -> None:
+        self._values.pop(key, None)
+
+
+def tenant_of(peer: str) -> str:
+    """Whose session this is, from the peer the supervisor recorded: the Unix user (the
+    kernel's uid) or the TCP client's address."""
+    if peer.startswith("unix:"):
+        uid = peer.partition("uid=")[2].split(",")[0]
+        return f"uid:{uid}"
+    if peer.startswith("tcp:"):
+        return f"host:{peer[4:].rpartition(':')[0]}"
+    return peer
+
+
+def work_facts(session: Any, frame: Any) -> dict[str, Any]:
+    """What a policy may know of a request before it runs: its kind, and for a graph its
+    size, for a model call its method, phase hint and input positions."""
+    body = frame.body if isinstance(frame.body, dict) else {}
+    facts: dict[str, Any] = {"kind": frame.kind.name, "phase": session.phase}
+    if frame.kind.name == "EXEC":
+        nodes = body.get("nodes")
+        facts["nodes"] = len(nodes) if isinstance(nodes, list) else 0
+    elif frame.kind.name == "CALL":
+        method = body.get("method")
+        facts["method"] = method if isinstance(method, str) else ""
+        hints = body.get("hints")
+        if isinstance(hints, dict) and isinstance(hints.get("phase"), str):
+            facts["phase"] = hints["phase"][:32]
+        facts["tokens"] = _positions(session, body)
+    return facts
+
+
+def _positions(session: Any, body: dict[str, Any]) -> int:
+    """Input positions of a model call (``input_ids``' elements), 0 if not told."""
+    kwargs = body.get("kwargs")
+    args = body.get("args")
+    ids = kwargs.get("input_ids") if isinstance(kwargs, dict) else None
+    if ids is None and isinstance(args, list) and args:
+        ids = args[0]
+    if not isinstance(ids, dict):
+        return 0
+    desc = ids.get("desc")
+    if isinstance(desc, dict) and isinstance(desc.get("shape"), list):
+        return math.prod(n for n in desc["shape"] if type(n) is int)
+    handle = ids.get("$h")
+    held = session.handles.get(handle) if isinstance(handle, str) else None
+    return int(held[0].numel()) if held is not None else 0
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"uid:1000=2, host:10.0.0.7=0.5"`` -> {tenant: weight} (checked at config load)."""
+    weights: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        tenant, _, weight = part.rpartition("=")
+        weights[tenant.strip()] = float(weight)
+    return weights
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: SchedulerPolicy | None,
+        *,
+        slice_s: float = 0.005,
+        small_graph_nodes: int = 64,
+        max_wait_s: float = 0.5,
+        weights: dict[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.slice_s = slice_s
+        self.small_graph_nodes = small_graph_nodes
+        self.max_wait_s = max_wait_s
+        self.weights = weights or {}
+        self.clock = clock
+        self._items: dict[int, Work] = {}
+        self._by_session: dict[str, Work] = {}
+        self._next_key = 0
+        self._running: int | None = None  # unfinished work that ran the last slice
+        self._executing: Work | None = None
+        self._tenants = Usage()
+        self._sessions = Usage()
+        self._policy_failed = False
+        self.slices = 0
+        self.preemptions = 0
+        self.completed = 0
+        self.longest_slice_s = 0.0  # a single op runs to its end: how long that was at most
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def has(self, session: Any) -> bool:
+        return session.id in self._by_session
+
+    def submit(self, session: Any, frame: Any, facts: dict[str, Any]) -> None:
+        """Queue ``frame`` of ``session`` (the worker submits one per session at a time)."""
+        if session.id in self._by_session:
+            raise RuntimeError(f"session {session.id} already has a request scheduled")
+        work = Work(self._next_key, session, frame, facts, self.clock())
+        self._next_key += 1
+        self._items[work.key] = work
+        self._by_session[session.id] = work
+
+    def cancel(self, session: Any) -> Work | None:
+        """The session ended: drop its request, closing a half-run graph (its ``finally``
+        blocks give back what it held), and return it (its client still waits for an
+        answer). The request running right now ends by itself: None."""
+        work = self._by_session.get(session.id)
+        self._sessions.forget(session.id)
+        if work is None or work is self._executing:
+            return None
+        self._remove(work)
+        if work.steps is not None:
+            work.steps.close()
+        return work
+
+    def run_slice(
+        self, start: Callable[[Work], Iterator[None]], done: Callable[[Work], None]
+    ) -> Work | None:
+        """Run the chosen request for one slice and return it; ``start(work)`` makes its
+        generator, ``done(work)`` is called once it has finished and left the scheduler."""
+        if not self._items:
+            return None
+        now = self.clock()
+        work = self._choose(now)
+        if self._running is not None and self._running in self._items and work.key != self._running:
+            self.preemptions += 1
+        if work.steps is None:
+            work.steps = start(work)
+        finished = False
+        self._executing = work
+        began = self.clock()
+        deadline = began + self.slice_s
+        try:
+            while True:
+                next(work.steps)
+                if self.clock() >= deadline:
+                    break
+        except StopIteration:
+            finished = True
+        except BaseException:
+            finished = True
+            raise
+        finally:
+            self._executing = None
+            self.slices += 1
+            end = self.clock()
+            ran = end - began
+            self.longest_slice_s = max(self.longest_slice_s, ran)
+            work.ran_s += ran
+            tenant = tenant_of(work.session.peer)
+            self._tenants.add(tenant, ran, end)
+            self._sessions.add(work.session.id, ran, end)
+            if finished:
+                self._remove(work)
+                self.completed += 1
+        if finished:
+            self._running = None
+            done(work)
+        else:
+            self._running = work.key
+        return work
+
+    def _remove(self, work: Work) -> None:
+        self._items.pop(work.key, None)
+        if self._by_session.get(work.session.id) is work:
+            del self._by_session[work.session.id]
+        if self._running == work.key:
+            self._running = None
+
+    def _choose(self, now: float) -> Work:
+        if len(self._items) == 1:
+            return next(iter(self._items.values()))
+        view = SchedulingView(
+            items=tuple(self._facts(w, now) for w in self._items.values()),
+            running=self._running if self._running in self._items else None,
+            small_graph_nodes=self.small_graph_nodes,
+            max_wait_s=self.max_wait_s,
+        )
+        try:
+            work = self._items.get(self.policy.choose(view)) if self.policy else None
+        except Exception:  # a plugin's bug must not stop the worker: fall back to arrival
+            if not self._policy_failed:
+                log.exception("scheduling policy %r failed; using arrival order", self.policy)
+                self._policy_failed = True
+            work = None
+        if work is None:
+            work = min(self._items.values(), key=lambda w: w.arrived)
+        return work
+
+    def _facts(self, work: Work, now: float) -> WorkFacts:
+        tenant = tenant_of(work.session.peer)
+        weight = self.weights.get(tenant, 1.0)
+        return WorkFacts(
+            key=work.key,
+            session=work.session.id,
+            tenant=tenant,
+            arrived_s=work.arrived,
+            waited_s=now - work.arrived,
+            ran_s=work.ran_s,
+            weight=weight,
+            tenant_used_s=self._tenants.get(tenant, now) / weight,
+            session_used_s=self._sessions.get(work.session.id, now) / weight,
+            **work.facts,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        now = self.clock()
+        waits = sorted(now - w.arrived for w in self._items.values())
+        return {
+            "policy": getattr(self.policy, "name", "arrival") if self.policy else "arrival",
+            "queued": len(self._items),
+            "oldest_wait_s": round(waits[-1], 4) if waits else 0.0,
+            "slices": self.slices,
+            "preemptions": self.preemptions,
+            "completed": self.completed,
+            "longest_slice_s": round(self.longest_slice_s, 4),
+        }

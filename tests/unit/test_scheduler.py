@@ -1,0 +1,203 @@
+"""The worker's scheduler and the built-in policies (issue 10), on a fake clock.
+
+Each mechanism runs under every built-in policy (DESIGN.md §10): per-session order, slices,
+preemption and cancellation are the scheduler's and must hold whatever the policy picks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from djinn.appliance.scheduler import Scheduler, parse_weights, tenant_of, work_facts
+from djinn.plugins.schedulers import FifoScheduler, SemanticScheduler
+from djinn.protocol.frames import Kind
+from djinn.semantics.scheduling import SchedulerPolicy, SchedulingView, WorkFacts
+
+POLICIES = [SemanticScheduler(), FifoScheduler()]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FakeSession:
+    id: str
+    peer: str = "unix:pid=1,uid=1000"
+    phase: str = "unknown"
+    handles: dict = field(default_factory=dict)
+
+
+def frame(kind: Kind, **body):
+    return SimpleNamespace(kind=kind, body=body)
+
+
+def graph(clock: Clock, log: list, name: str, ops: int, op_s: float = 0.001):
+    """A request that takes ``ops`` steps of ``op_s`` each, logging each step."""
+
+    def steps():
+        for i in range(ops):
+            if i:
+                yield  # between steps, as GraphRun.steps does
+            clock.now += op_s
+            log.append((name, i))
+
+    return steps()
+
+
+def run_all(sched: Scheduler, gens: dict, done: list, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if not sched:
+            return
+        sched.run_slice(lambda w: gens[w.session.id], lambda w: done.append(w.session.id))
+    if limit > 1:
+        raise AssertionError("work never finished")
+
+
+def submit(sched: Scheduler, s: FakeSession, kind: Kind, **body) -> None:
+    f = frame(kind, **body)
+    sched.submit(s, f, work_facts(s, f))
+
+
+def test_policies_satisfy_the_contract():
+    for policy in POLICIES:
+        assert isinstance(policy, SchedulerPolicy)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_every_request_finishes_and_a_session_has_one_at_a_time(policy):
+    clock, log, done = Clock(), [], []
+    sched = Scheduler(policy, slice_s=0.003, clock=clock)
+    sessions = [FakeSession(f"s{i}") for i in range(4)]
+    gens = {s.id: graph(clock, log, s.id, ops=10 * (i + 1)) for i, s in enumerate(sessions)}
+    for s in sessions:
+        submit(sched, s, Kind.EXEC, nodes=[{}] * 10)
+    with pytest.raises(RuntimeError):
+        submit(sched, sessions[0], Kind.EXEC, nodes=[])
+    run_all(sched, gens, done)
+    assert sorted(done) == sorted(s.id for s in sessions)
+    for s in sessions:  # each graph's steps ran in order, none twice
+        mine = [i for name, i in log if name == s.id]
+        assert mine == list(range(len(mine)))
+
+
+def test_semantic_preempts_a_long_graph_for_a_decode_step_fifo_does_not():
+    for policy, first in ((SemanticScheduler(), "decode"), (FifoScheduler(), "train")):
+        clock, log, done = Clock(), [], []
+        sched = Scheduler(policy, slice_s=0.005, clock=clock)
+        train, chat = FakeSession("train"), FakeSession("decode")
+        gens = {
+            "train": graph(clock, log, "train", ops=500),
+            "decode": graph(clock, log, "decode", 3),
+        }
+        submit(sched, train, Kind.EXEC, nodes=[{}] * 500)
+        run_all(sched, gens, done, limit=1)
+        submit(sched, chat, Kind.CALL, method="forward", hints={"phase": "decode"})
+        run_all(sched, gens, done)
+        assert done[0] == first, policy.name
+        assert (sched.preemptions > 0) == (policy.name == "semantic")
+
+
+def test_weighted_fair_shares_between_tenants():
+    clock, log, done = Clock(), [], []
+    weights = parse_weights("uid:1=2, uid:2=1")
+    sched = Scheduler(SemanticScheduler(), slice_s=0.01, clock=clock, weights=weights)
+    a, b = FakeSession("a", "unix:pid=5,uid=1"), FakeSession("b", "unix:pid=6,uid=2")
+    gens = {s.id: graph(clock, log, s.id, ops=5000) for s in (a, b)}
+    for s in (a, b):
+        submit(sched, s, Kind.EXEC, nodes=[{}] * 5000)
+    for _ in range(300):  # 3 s of device time, well inside both graphs
+        sched.run_slice(lambda w: gens[w.session.id], lambda w: done.append(w.session.id))
+    ran_a = sum(1 for name, _ in log if name == "a")
+    ran_b = sum(1 for name, _ in log if name == "b")
+    assert ran_a / (ran_a + ran_b) == pytest.approx(2 / 3, abs=0.05)
+
+
+def test_ageing_lets_throughput_work_through_a_stream_of_interactive_work():
+    clock, log, done = Clock(), [], []
+    sched = Scheduler(SemanticScheduler(), slice_s=0.005, max_wait_s=0.2, clock=clock)
+    big = FakeSession("big")
+    gens = {"big": graph(clock, log, "big", ops=5)}
+    submit(sched, big, Kind.EXEC, nodes=[{}] * 500)
+    k = 0
+    while "big" not in done:
+        k += 1
+        assert k < 1000, "the big graph starved"
+        s = FakeSession(f"chat{k}", peer=f"unix:pid={k},uid={k}")  # fresh tenants: no usage
+        gens[s.id] = graph(clock, log, s.id, ops=2, op_s=0.004)
+        submit(sched, s, Kind.CALL, method="forward", hints={"phase": "decode"})
+        sched.run_slice(lambda w: gens[w.session.id], lambda w: done.append(w.session.id))
+    assert clock.now < 1.0
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_cancelling_a_session_closes_its_half_run_graph(policy):
+    clock, log, done = Clock(), [], []
+    closed = []
+
+    def steps():
+        try:
+            for i in range(100):
+                clock.now += 0.001
+                log.append(i)
+                yield
+        finally:
+            closed.append(True)
+
+    sched = Scheduler(policy, slice_s=0.005, clock=clock)
+    s = FakeSession("s")
+    submit(sched, s, Kind.EXEC, nodes=[{}] * 100)
+    sched.run_slice(lambda w: steps(), lambda w: done.append(w))
+    assert sched.has(s) and 0 < len(log) < 100
+    sched.cancel(s)
+    assert closed == [True] and not sched and not sched.has(s) and done == []
+
+
+def test_a_failing_policy_falls_back_to_arrival_order():
+    class Broken:
+        name = "broken"
+
+        def choose(self, view: SchedulingView) -> int:
+            raise ValueError("bug")
+
+    clock, log, done = Clock(), [], []
+    sched = Scheduler(Broken(), clock=clock)
+    sessions = [FakeSession("x"), FakeSession("y")]
+    gens = {s.id: graph(clock, log, s.id, 2) for s in sessions}
+    for s in sessions:
+        clock.now += 0.001
+        submit(sched, s, Kind.EXEC, nodes=[])
+    run_all(sched, gens, done)
+    assert done == ["x", "y"]
+
+
+def test_what_policies_see_of_a_request():
+    s = FakeSession("s", peer="tcp:10.0.0.7:5555", phase="prefill")
+    facts = work_facts(
+        s, frame(Kind.CALL, method="forward", args=[{"$t": 0, "desc": {"shape": [2, 3]}}])
+    )
+    assert facts == {"kind": "CALL", "phase": "prefill", "method": "forward", "tokens": 6}
+    assert work_facts(s, frame(Kind.EXEC, nodes=[{}, {}]))["nodes"] == 2
+    assert tenant_of(s.peer) == "host:10.0.0.7"
+    assert tenant_of("unix:pid=3,uid=1000") == "uid:1000"
+
+
+def test_semantic_classes():
+    sem = SemanticScheduler()
+    view = SchedulingView(items=(), running=None, small_graph_nodes=64, max_wait_s=0.5)
+
+    def cls(**kw) -> int:
+        return sem._class(WorkFacts(key=0, session="s", tenant="t", **kw), view)
+
+    assert cls(kind="EXEC", nodes=10) == 0 and cls(kind="EXEC", nodes=1000) == 1
+    assert cls(kind="CALL", phase="decode") == 0 and cls(kind="CALL", tokens=1) == 0
+    assert cls(kind="CALL", tokens=512) == 1 and cls(kind="CALL", method="generate") == 1
+    assert cls(kind="PUT") == 0 and cls(kind="REGISTER") == 1
+    assert cls(kind="EXEC", nodes=1000, waited_s=0.6) == 0  # aged
