@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
-from . import memory_metrics
+from . import memory_metrics, scheduler_metrics
 from .reqstats import BUCKETS
 
 log = logging.getLogger("djinn.appliance.metrics")
@@ -99,6 +99,7 @@ class StatsCollector:
             hist.add_metric([str(r["worker"]), r["kind"], r["outcome"]], buckets, r["sum_s"])
         yield hist
         yield from memory_metrics.collect(doc)  # tiers, swaps, evictions (issue 9 §5)
+        yield from scheduler_metrics.collect(doc)  # queue, preemptions (issue 10)
 
 
 def _le(bound: float) -> str:

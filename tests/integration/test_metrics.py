@@ -88,3 +88,9 @@ def test_metrics_endpoint_reports_requests_memory_sessions_and_workers(fresh_app
     line = next(x for x in text.splitlines() if x.startswith("djinn_worker_utilisation_percent{"))
     assert 'device="cpu:0' in line and 'source="process_cpu"' in line
     assert _value(text, "djinn_worker_busy_seconds", worker="0") == 0.0
+    # issue 10: what the scheduler did (every request above went through it)
+    completed = _value(
+        text, "djinn_scheduler_events_total", worker="0", policy="semantic", event="completed"
+    )
+    assert completed >= 10
+    assert _value(text, "djinn_scheduler_queued", worker="0", policy="semantic") == 0
