@@ -136,6 +136,23 @@ def render(doc: dict[str, Any]) -> str:
     for dev in vmu.get("devices") or []:
         for seg in ("text", "data", "stack"):
             lines.append(f"worker {dev.get('worker', '?')} {seg:<5} {_usage(dev.get(seg) or {})}")
+    sched = [r for r in doc.get("scheduler") or [] if isinstance(r, dict)]
+    if sched:  # issue 10: what each worker's scheduler decided
+        lines += ["", "Scheduling"]
+        lines += _table(
+            ["worker", "policy", "queued", "oldest wait", "preemptions", "longest slice"],
+            [
+                [
+                    r.get("worker", "?"),
+                    r.get("policy", "-"),
+                    r.get("queued", "-"),
+                    _latency(r.get("oldest_wait_s")),
+                    r.get("preemptions", "-"),
+                    _latency(r.get("longest_slice_s")),
+                ]
+                for r in sched
+            ],
+        )
     latency = doc.get("latency")
     if isinstance(latency, dict):
         lines += ["", f"Requests (last {_secs(latency.get('window_s'))})"]

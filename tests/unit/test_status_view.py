@@ -44,6 +44,7 @@ def test_a_session_closed_before_any_report_does_not_stay_opening():
         {"workers": [{"alive": False}], "sessions": [{"id": "a", "age_s": None}]},
         {"latency": {"kinds": [{"kind": "EXEC", "count": 3}]}},
         {"workers": [{"busy": {}}], "sessions": None, "vmu": None, "models": None},
+        {"scheduler": [{}, None, {"worker": 0, "queued": None}]},
     ],
 )
 def test_status_renders_partial_or_unexpected_documents(doc):
@@ -56,6 +57,14 @@ def test_the_status_table_has_the_phase_and_state_columns():
     header = next(line for line in text.splitlines() if line.startswith("id "))
     assert "phase" in header and "state" in header
     assert "llm_decode" in text
+
+
+def test_status_shows_each_workers_scheduler():
+    row = {"worker": 0, "policy": "semantic", "queued": 2, "oldest_wait_s": 0.0125,
+           "preemptions": 7, "longest_slice_s": 0.5}  # fmt: skip
+    text = render({"scheduler": [row]})
+    line = next(x for x in text.splitlines() if x.startswith("0 "))
+    assert line.split()[:3] == ["0", "semantic", "2"] and "12.5ms" in line and "500ms" in line
 
 
 @pytest.mark.parametrize(
