@@ -20,6 +20,7 @@ WORKER_COLUMNS = [
     Column("alive", "alive"),
     Column("restarts", "restarts", numeric=True),
     Column("sessions", "sessions", numeric=True),
+    Column("memory", "memory policy, queue"),
     Column("util", "util", numeric=True),
 ]
 
@@ -31,6 +32,8 @@ SESSION_COLUMNS = [
     Column("beat", "last beat", numeric=True),
     Column("handles", "handles", numeric=True),
     Column("bytes", "bytes", numeric=True),
+    Column("host", "on host", numeric=True),
+    Column("swaps", "swaps in/out", numeric=True),
     Column("phase", "phase"),
 ]
 
@@ -38,6 +41,9 @@ MODEL_COLUMNS = [
     Column("name", "name"),
     Column("fingerprint", "fingerprint"),
     Column("bytes", "bytes", numeric=True),
+    Column("host", "on host", numeric=True),
+    Column("swaps", "swaps in/out", numeric=True),
+    Column("evictions", "evictions", numeric=True),
     Column("users", "users", numeric=True),
     Column("hits", "hits", numeric=True),
 ]
@@ -82,8 +88,30 @@ def _count(value: Any) -> Any:
     return len(value) if isinstance(value, (list, tuple)) else value
 
 
+def _swaps_cell(row: dict[str, Any]) -> Cell:
+    """Swaps in/out between device and host (issue 9 §5), sorted by their sum."""
+    ins, outs = _num(row.get("swaps_in")), _num(row.get("swaps_out"))
+    if ins is None and outs is None:
+        return Cell("-", None, numeric=True)
+    ins, outs = int(ins or 0), int(outs or 0)
+    return Cell(f"{ins}/{outs}", ins + outs, numeric=True)
+
+
+def _memory_cell(m: dict[str, Any] | None) -> Cell:
+    """The worker's memory policy and its admission queue (Note [admission queue])."""
+    if not m:
+        return Cell("-")
+    queue = m.get("admission") or {}
+    waiting = int(_num(queue.get("waiting")) or 0)
+    text = f"{m.get('policy', '?')}, {waiting} waiting"
+    if waiting:
+        text += f" ({_num(queue.get('oldest_s')) or 0:.1f}s)"
+    return Cell(text, waiting)
+
+
 def worker_rows(doc: dict[str, Any]) -> Rows:
     rows: Rows = {}
+    memory = {str(m.get("worker")): m for m in doc.get("memory", []) if isinstance(m, dict)}
     for w in doc.get("workers", []):
         if not w.get("alive", False):
             alive = "NO"
@@ -104,6 +132,7 @@ def worker_rows(doc: dict[str, Any]) -> Rows:
             Cell(alive),
             _int_cell(w.get("restarts")),
             _int_cell(w.get("sessions")),
+            _memory_cell(memory.get(str(w.get("id")))),
             Cell("-" if util is None else f"{util:.0f}%{label}", util, numeric=True),
         ]
     return rows
@@ -121,6 +150,8 @@ def session_rows(doc: dict[str, Any]) -> Rows:
             _age_cell(s.get("last_heartbeat_s")),
             _int_cell(s.get("handles")),
             _bytes_cell(s.get("bytes")),
+            _bytes_cell(s.get("host_bytes")),
+            _swaps_cell(s),
             Cell(str(s.get("phase", "-"))),
         ]
     return rows
@@ -135,6 +166,9 @@ def model_rows(doc: dict[str, Any]) -> Rows:
             Cell(str(m.get("name", "?"))),
             Cell(fingerprint[:16] or "-"),
             _bytes_cell(m.get("bytes")),
+            _bytes_cell(m.get("host_bytes")),
+            _swaps_cell(m),
+            _int_cell(m.get("evictions")),
             _int_cell(_count(m.get("users", m.get("sessions")))),
             _int_cell(m.get("hits")),
         ]
