@@ -60,7 +60,9 @@ def _race(app, small_kind: str) -> tuple[list[str], torch.Tensor, dict]:
         t.start()
         wait_for(
             lambda: any(
-                (wk.get("busy") or {}).get("session") == big.id for wk in app.stats()["workers"]
+                (wk.get("busy") or {}).get("session") == big.id
+                and (wk.get("busy") or {}).get("kind") == "EXEC"
+                for wk in app.stats()["workers"]
             ),
             timeout=30,
             interval=0.01,
@@ -119,7 +121,9 @@ def test_a_session_ended_while_its_graph_waits_gives_everything_back(fresh_appli
         t.start()
         wait_for(
             lambda: any(
-                (wk.get("busy") or {}).get("session") == big.id for wk in app.stats()["workers"]
+                (wk.get("busy") or {}).get("session") == big.id
+                and (wk.get("busy") or {}).get("kind") == "EXEC"
+                for wk in app.stats()["workers"]
             ),
             timeout=30,
             interval=0.01,
