@@ -41,6 +41,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _djinn_run(appliance, script: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
+        env=_env(DJINN_ADDRESS=appliance.unix),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.fixture
 def scripts(tmp_path: Path) -> tuple[Path, Path]:
     cuda = tmp_path / "train_cuda.py"
@@ -82,13 +92,7 @@ def test_script_really_ran_on_the_appliance(appliance, tmp_path):
         print(type(x).__name__)
     """)
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(probe)],
-        env=_env(DJINN_ADDRESS=appliance.unix),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _djinn_run(appliance, probe)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [
         "remote_accelerator",
@@ -116,13 +120,7 @@ def test_model_cuda_of_a_transformers_model_takes_the_model_path(appliance, tmp_
             print(m._djinn.info["uploaded"], (got - want).abs().max().item() <= 1e-5)
     """)
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(probe)],
-        env=_env(DJINN_ADDRESS=appliance.unix),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _djinn_run(appliance, probe)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "True", "True"]
 

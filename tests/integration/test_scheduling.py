@@ -36,46 +36,53 @@ def _local_chain(w: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _start_long_graph(app, big, h, done: dict) -> threading.Thread:
+    """Run the long graph in a thread and return once the worker runs it (busy with this
+    session's EXEC, not an earlier put). Its result (or error) lands in ``done``, and
+    "big" joins ``done["order"]`` when it is answered."""
+
+    def run() -> None:
+        try:
+            _, (y,) = big.execute(_chain_nodes(h.handle), fetch=[{"$v": 2 * CHAIN - 1}])
+            done["y"] = y
+            done.setdefault("order", []).append("big")
+        except BaseException as exc:  # the caller looks
+            done["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(
+        lambda: any(
+            (wk.get("busy") or {}).get("session") == big.id
+            and (wk.get("busy") or {}).get("kind") == "EXEC"
+            for wk in app.stats()["workers"]
+        ),
+        timeout=30,
+        interval=0.01,
+    )
+    return t
+
+
 def _race(app, small_kind: str) -> tuple[list[str], torch.Tensor, dict]:
     """Start the long graph, wait until the worker runs it, send the small request;
     return the order in which the two were answered, the graph's result and the
     scheduler's counters."""
     w = torch.randn(N, N, generator=torch.Generator().manual_seed(0)) / N**0.5
     order: list[str] = []
-    out: dict[str, torch.Tensor] = {}
-    errors: list[BaseException] = []
+    done: dict = {"order": order}  # the graph's thread adds "big" when it is answered
     with app.connect() as c1, c1.session() as big, app.connect() as c2, c2.session() as small:
         h = big.put(w)
         x = small.put(torch.ones(4))
-
-        def run_big() -> None:
-            try:
-                _, (y,) = big.execute(_chain_nodes(h.handle), fetch=[{"$v": 2 * CHAIN - 1}])
-                out["y"] = y
-                order.append("big")
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        t = threading.Thread(target=run_big)
-        t.start()
-        wait_for(
-            lambda: any(
-                (wk.get("busy") or {}).get("session") == big.id
-                and (wk.get("busy") or {}).get("kind") == "EXEC"
-                for wk in app.stats()["workers"]
-            ),
-            timeout=30,
-            interval=0.01,
-        )
+        t = _start_long_graph(app, big, h, done)
         if small_kind == "exec":
             small.execute([{"op": "aten::add.Tensor", "args": [{"$h": x.handle}, 1.0]}])
         else:
             small._call(Kind.HEARTBEAT, {})
         order.append("small")
         t.join(120)
-        assert not errors, errors
+        assert "error" not in done, done
         sched = app.stats()["scheduler"][0]
-    return order, out["y"], sched
+    return order, done["y"], sched
 
 
 @pytest.mark.parametrize("small_kind", ["exec", "heartbeat"])
@@ -107,30 +114,13 @@ def test_a_session_ended_while_its_graph_waits_gives_everything_back(fresh_appli
 
     app = fresh_appliance(scheduler="semantic", scheduler_slice_ms=2.0)
     w = torch.randn(N, N) / N**0.5
-    errors: list[BaseException] = []
+    done: dict = {}
     with app.connect() as c1, c1.session() as big, app.connect() as admin:
         h = big.put(w)
-
-        def run_big() -> None:
-            try:
-                big.execute(_chain_nodes(h.handle), fetch=[{"$v": 2 * CHAIN - 1}])
-            except BaseException as exc:
-                errors.append(exc)
-
-        t = threading.Thread(target=run_big)
-        t.start()
-        wait_for(
-            lambda: any(
-                (wk.get("busy") or {}).get("session") == big.id
-                and (wk.get("busy") or {}).get("kind") == "EXEC"
-                for wk in app.stats()["workers"]
-            ),
-            timeout=30,
-            interval=0.01,
-        )
+        t = _start_long_graph(app, big, h, done)
         assert admin.kill_session(big.id)
         t.join(120)
-    assert len(errors) == 1 and isinstance(errors[0], SessionEnded)
+    assert isinstance(done.get("error"), SessionEnded), done
     with app.connect() as c2, c2.session() as s:
         assert torch.equal(s.put(torch.arange(5.0)).cpu(), torch.arange(5.0))
     dev = wait_for(
