@@ -41,7 +41,7 @@ from djinn.semantics.registry import default_registry
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
-from . import control
+from . import control, prewarm
 from .admission import AdmissionQueue
 from .busy import BusyTracker
 from .executor.device import open_device
@@ -91,6 +91,7 @@ class Worker:
         )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
+        self.prewarm = prewarm.modules_for(allowlist)  # Note [prewarm]: once ready
         self.memory = self._memory_manager(init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
@@ -142,6 +143,7 @@ class Worker:
         )
         self.push_stats(force=True)
         self.busy.start()  # Note [busy stats] (busy.py)
+        prewarm.start(self.prewarm)
         while not self.stopping:
             try:
                 if not self.step():
