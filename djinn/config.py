@@ -341,6 +341,15 @@ SETTINGS: tuple[Setting, ...] = (
         low=1.0,
         high=3600.0,
     ),
+    Setting(
+        "fallback",
+        "error",
+        "What a client does when the appliance it is configured to use (address, "
+        "DJINN_ADDRESS) cannot be reached: error (UNAVAILABLE, saying how to start or "
+        "reach one) or local (start an embedded appliance on this machine, on its CPU or "
+        "its own GPU, with one warning).",
+        choices=("error", "local"),
+    ),
     # -- watching it ----------------------------------------------------------------
     Setting(
         "stats_window",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Any
 
 from djinn import config as config_mod
@@ -103,4 +104,26 @@ def connect(address: str | None = None, *, token: str | None = None) -> Client:
     target = resolve_address(address, cfg)
     if token is None and target.startswith("tcp://"):
         token = config_mod.read_token(cfg)
-    return Client(target, token)
+    try:
+        return Client(target, token)
+    except Unavailable as exc:
+        if address is not None:
+            raise  # the caller named this appliance: no other will do
+        if cfg.fallback != "local":
+            raise Unavailable(
+                f"{exc.message}. Start one with `djinn serve`, point DJINN_ADDRESS (or "
+                "address in djinn.toml) at a running one, or unset it to have an embedded "
+                'one started for this program; fallback = "local" does that when the '
+                "configured one is unreachable."
+            ) from None
+    # Capability interlock (issue 12 §4): the program runs on this machine instead
+    warnings.warn(
+        f"djinn: the appliance at {target} cannot be reached; running on this machine "
+        "(fallback = local)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    from .embedded import embedded_address
+
+    found = config_mod.find_config_file()
+    return Client(embedded_address(cfg.embedded_start_timeout, str(found) if found else None))

@@ -128,6 +128,7 @@ BAD_VALUES = {
     "restart_backoff_max": [0, -3],
     "restart_backoff_reset": [-1],
     "embedded_start_timeout": [0],
+    "fallback": ["remote", "", ["local"]],
     "stats_window": [0, 100000],
     "metrics_port": [70000, -1],
     "metrics_host": [""],
