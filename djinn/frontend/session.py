@@ -12,18 +12,31 @@ _session: Any = None
 
 
 def default_session() -> Any:
+    """The session remote tensors use. Note [session after loss]: a session whose worker
+    or appliance went away, or that the appliance ended (an operator) or expired, is
+    replaced for new work: tensors it held keep raising their typed error (SESSION_LOST,
+    SESSION_ENDED...), but the program's next tensors go to a new session, on a new
+    connection if the appliance itself restarted, instead of failing forever."""
     global _client, _session
     session = _session
-    if session is not None and not session._closed.is_set():
+    if session is not None and session.usable:
         return session
     with _lock:
-        if _session is None or _session._closed.is_set():
+        if _session is None or not _session.usable:
+            from djinn.errors import DjinnError
             from djinn.runtime.client import connect
 
+            if _session is not None:
+                _session.close()
             if _client is None:
                 _client = connect()
                 atexit.register(_close)
-            _session = _client.session()
+            try:
+                _session = _client.session()
+            except DjinnError:  # the connection is gone too: the appliance restarted
+                _client.close()
+                _client = connect()
+                _session = _client.session()
         return _session
 
 

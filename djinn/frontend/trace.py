@@ -186,7 +186,8 @@ def resolved(ref: Any) -> Any:
 
 
 class _Encoder:
-    def __init__(self, nodes: list[Node]) -> None:
+    def __init__(self, nodes: list[Node], session: Any = None) -> None:
+        self.session = session  # where the graph goes: handles must live there
         self.index = {id(n): i for i, n in enumerate(nodes)}
         self.inline: list[torch.Tensor] = []
         self._inline_ids: dict[int, int] = {}
@@ -199,6 +200,8 @@ class _Encoder:
                 raise DjinnError(f"{ref.node.name}: captured in another trace that was not run")
             return {"$v": i, "i": ref.index} if ref.node.multi else {"$v": i}
         if isinstance(ref, RemoteTensor):
+            if self.session is not None and ref.session is not self.session:
+                raise _elsewhere(ref)
             return {"$h": ref.handle}
         raise TypeError(ref)
 
@@ -237,6 +240,20 @@ class _Encoder:
         return out
 
 
+def _elsewhere(ref: RemoteTensor) -> DjinnError:
+    """A tensor of a session other than the one the graph goes to: Note [session after
+    loss] (session.py), its session is gone and new work went to a new one."""
+    from djinn.errors import InvalidArgument, SessionLost
+
+    old = ref.session
+    if getattr(old, "usable", True):
+        return InvalidArgument("a tensor of another session cannot join this graph")
+    if old._gone is not None:  # ended by an operator, or expired: say so, as it said
+        return type(old._gone)(f"this tensor's session is gone: {old._gone.message}")
+    why = old._lost or "it was closed"
+    return SessionLost(f"this tensor was held by session {old.id}, which is gone ({why})")
+
+
 def flush(
     trace: Trace, fetch: list[Any] = (), keep: list[Any] = ()
 ) -> tuple[list[Any], list[RemoteTensor]]:
@@ -253,7 +270,7 @@ def flush(
         nodes, trace.nodes = trace.nodes, []
         if not nodes and not fetch and not keep:
             return [], []
-        enc = _Encoder([])
+        enc = _Encoder([], default_session())
         encoded: list[dict[str, Any]] = []
         sent: list[Node] = []
         for n in nodes:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import DjinnError, SessionLost, WorkerLost
+from djinn.errors import DjinnError, SessionEnded, SessionExpired, SessionLost, WorkerLost
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import from_wire, to_wire, validate
 
@@ -41,6 +41,7 @@ class Session:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._lost: str | None = None
+        self._gone: DjinnError | None = None  # the SESSION_ENDED / _EXPIRED that said why
         self.channel = Channel(client.address, self._lost_error)
         self.channel.hello(client.token)
         info = self.channel.call(Kind.SESSION_OPEN, {"client": "python"}).body
@@ -86,7 +87,17 @@ class Session:
             if self._pending_free_objects:
                 body["free_objects"], self._pending_free_objects = self._pending_free_objects, []
         self._last_call = time.monotonic()
-        return self.channel.call(kind, body, segments, **kw)
+        try:
+            return self.channel.call(kind, body, segments, **kw)
+        except (SessionEnded, SessionExpired) as exc:
+            self._gone = exc  # the appliance freed it: nothing more will work
+            raise
+
+    @property
+    def usable(self) -> bool:
+        """False once the session is closed, lost with its worker or appliance, or ended
+        or expired on the appliance: new work needs a new session."""
+        return not self._closed.is_set() and self._lost is None and self._gone is None
 
     def _free_later(self, handle: str) -> None:
         if not self._closed.is_set():

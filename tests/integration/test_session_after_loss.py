@@ -1,0 +1,69 @@
+"""Note [session after loss] (frontend/session.py): when the default session is lost (its
+appliance restarted) or ended by an operator, the tensors it held raise their typed error
+and the program's new tensors go to a new session instead of failing forever (issue 12 §5:
+an appliance restart costs the program one clear error per lost tensor)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PROBE = textwrap.dedent("""
+    import os, sys, tempfile
+    from pathlib import Path
+    sys.path.insert(0, {repo!r})
+    import torch
+    from tests.conftest import start_appliance
+
+    tmp = Path(tempfile.mkdtemp())
+    app = start_appliance(tmp / "a")
+    os.environ["DJINN_ADDRESS"] = app.unix
+    import djinn
+    from djinn.frontend.session import default_session
+
+    x = torch.ones(3, device="remote_accelerator:0") * 2
+    print("before", x.cpu().tolist())
+    if sys.argv[1] == "restart":
+        app.stop()
+        app = start_appliance(tmp / "a")  # the same socket path
+    else:
+        with app.connect() as admin:
+            print("killed", admin.kill_session(default_session().id))
+    for name, work in (("old", lambda: (x + 1).cpu()), ("read", lambda: x.cpu())):
+        try:
+            print(name, work().tolist())
+        except Exception as exc:
+            print(name, type(exc).__name__)
+    y = torch.ones(3, device="remote_accelerator:0") * 3
+    print("new", y.cpu().tolist())
+    app.stop()
+""")
+
+
+def _probe(tmp_path: Path, how: str) -> list[str]:
+    repo = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE.format(repo=repo))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    out = subprocess.run(
+        [sys.executable, str(script), how], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_after_an_appliance_restart_new_tensors_work_and_old_ones_say_why(tmp_path):
+    lines = _probe(tmp_path, "restart")
+    assert lines[0] == "before [2.0, 2.0, 2.0]"
+    assert lines[1:3] == ["old SessionLost", "read SessionLost"]
+    assert lines[3] == "new [3.0, 3.0, 3.0]"
+
+
+def test_after_an_operator_ends_the_session_new_tensors_get_a_new_one(tmp_path):
+    lines = _probe(tmp_path, "kill")
+    assert lines[:2] == ["before [2.0, 2.0, 2.0]", "killed True"]
+    assert lines[2:4] == ["old SessionEnded", "read SessionEnded"]
+    assert lines[4] == "new [3.0, 3.0, 3.0]"
