@@ -73,6 +73,7 @@ class DeviceVMU:
         self.capacity = capacity
         caps = {"text": int(capacity * text_cap), "data": int(capacity * data_cap), "stack": 0}
         self.segments = {name: Segment(self, name, caps[name]) for name in SEGMENTS}
+        self._views = tuple(self.segments.values())  # `used` runs for every op: no dict walk
         self.peak = 0
         # set by the memory manager: frees at least n bytes of the budget if it can
         self.reclaim: Callable[[int], int] | None = None
@@ -82,7 +83,8 @@ class DeviceVMU:
 
     @property
     def used(self) -> int:
-        return sum(seg.used for seg in self.segments.values())
+        text, data, stack = self._views
+        return text.used + data.used + stack.used
 
     def free(self) -> int:
         return max(0, self.capacity - self.used)
