@@ -101,9 +101,13 @@ def call(session: Any, fp: str, ids: torch.Tensor, past: str | None) -> tuple[in
 
 
 def memcpy_gbps(nbytes: int = 64 * MiB, rounds: int = 5) -> float:
+    """The best of torch's copy_ and a plain memcpy (numpy) into a warm buffer."""
+    import numpy as np
+
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)
     best = min(_timed(lambda: dst.copy_(src)) for _ in range(rounds))
+    best = min(best, *(_timed(lambda: np.copyto(dst.numpy(), src.numpy())) for _ in range(rounds)))
     return nbytes / best / 1e9
 
 
