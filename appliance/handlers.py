@@ -132,10 +132,14 @@ def handle_get(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
 
 def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, None, Reply]:
     """EXEC one op at a time (the worker's scheduler may run other requests between two
-    ops: Note [threading model] in scheduler.py)."""
-    run = GraphRun(
-        frame.body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"]
-    )
+    ops: Note [threading model] in scheduler.py). A graph may come as a template's
+    fingerprint, or ask to be kept as one (Note [graph templates])."""
+    body, kept_as = frame.body, None
+    if "graph" in body:
+        body = w.graphs.expand(body)
+    elif body.get("cache") is True:
+        kept_as = w.graphs.keep(body)
+    run = GraphRun(body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"])
     run.input_storages = lambda: list(s.storages)
     try:
         keep, fetch = yield from run.steps()
@@ -165,6 +169,8 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
         for v in fetch
     ]
     body.update(kept=kept, values=values)
+    if kept_as is not None:
+        body["graph"] = kept_as  # send it by this fingerprint from now on
     if run.failed is not None:
         node, exc = run.failed
         body["failed"] = {"node": node, "code": exc.code, "message": exc.message}

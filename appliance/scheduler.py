@@ -76,14 +76,17 @@ def tenant_of(peer: str) -> str:
     return peer
 
 
-def work_facts(session: Any, frame: Any) -> dict[str, Any]:
+def work_facts(
+    session: Any, frame: Any, template_size: Callable[[Any], int] = lambda fp: 0
+) -> dict[str, Any]:
     """What a policy may know of a request before it runs: its kind, and for a graph its
-    size, for a model call its method, phase hint and input positions."""
+    size (a graph sent by template: the template's, never what the client says), for a
+    model call its method, phase hint and input positions."""
     body = frame.body if isinstance(frame.body, dict) else {}
     facts: dict[str, Any] = {"kind": frame.kind.name, "phase": session.phase}
     if frame.kind.name == "EXEC":
         nodes = body.get("nodes")
-        facts["nodes"] = len(nodes) if isinstance(nodes, list) else 0
+        facts["nodes"] = len(nodes) if isinstance(nodes, list) else template_size(body.get("graph"))
     elif frame.kind.name == "CALL":
         method = body.get("method")
         facts["method"] = method if isinstance(method, str) else ""

@@ -45,6 +45,7 @@ from . import control, prewarm
 from .admission import AdmissionQueue
 from .busy import BusyTracker
 from .executor.device import open_device
+from .graphs import GraphTemplates
 from .handlers import HANDLERS, STEPPED
 from .memtrim import trim_heap
 from .models import ModelCache
@@ -108,6 +109,7 @@ class Worker:
         self._last_push = 0.0
         self._trim_due = False  # Note [heap trim] (memtrim.py)
         self.scheduler = self._scheduler(init)  # Note [threading model] (scheduler.py)
+        self.graphs = GraphTemplates()  # Note [graph templates]
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
@@ -381,7 +383,7 @@ class Worker:
                 return
             if frame is None:
                 return
-            self.scheduler.submit(s, frame, work_facts(s, frame))
+            self.scheduler.submit(s, frame, work_facts(s, frame, self.graphs.size_of))
             if not s.reader.buffered():
                 return  # nothing pipelined: skip a recv that would only say EAGAIN
 
@@ -577,7 +579,7 @@ class Worker:
             "memory": {**self.memory.stats(), "admission": self.admission.stats(now)},
             "busy": self.busy.describe(now),
             "utilisation": self.utilisation.sample(),
-            "scheduler": self.scheduler.stats(),  # issue 10: what it decided
+            "scheduler": {**self.scheduler.stats(), "graph_templates": self.graphs.stats()},
             "adopted": self.adopted,
         }
         try:

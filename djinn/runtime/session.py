@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import DjinnError, SessionEnded, SessionExpired, SessionLost, WorkerLost
+from djinn.errors import (
+    DjinnError,
+    NotFound,
+    SessionEnded,
+    SessionExpired,
+    SessionLost,
+    WorkerLost,
+)
+from djinn.protocol import templates
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import from_wire, to_wire, validate
 
@@ -31,6 +39,9 @@ if TYPE_CHECKING:
 
 
 NOT_RUN = object()  # a fetched value whose node did not run (run_graph)
+# Graphs this long or longer go by template once the appliance keeps them (Note [graph
+# templates]); shorter ones cost less to send whole than to template.
+TEMPLATE_MIN_NODES = 16
 
 
 def _u8(n: int) -> torch.Tensor:
@@ -42,6 +53,7 @@ class Session:
         self.client = client
         self._lost: str | None = None
         self._gone: DjinnError | None = None  # the SESSION_ENDED / _EXPIRED that said why
+        self._graphs: set[str] = set()  # templates the appliance keeps for us (by fingerprint)
         self.channel = Channel(client.address, self._lost_error)
         self.channel.hello(client.token)
         info = self.channel.call(Kind.SESSION_OPEN, {"client": "python"}).body
@@ -230,7 +242,7 @@ class Session:
         body = {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)}
         if partial:
             body["partial"] = True
-        out = self._unpack(self._call(Kind.EXEC, body, segments, sink=self._sink))
+        out = self._exec_body(body, segments)
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         tensors = iter(out["tensors"])
         fetched = [
@@ -238,6 +250,29 @@ class Session:
             for v in out["values"]
         ]
         return kept, fetched, out.get("failed")
+
+    def _exec_body(self, body: dict[str, Any], segments: list) -> dict[str, Any]:
+        """EXEC ``body``: a graph the appliance keeps goes by fingerprint (Note [graph
+        templates] in djinn/protocol/templates.py), a new one whole, asking it to keep it."""
+        if len(body["nodes"]) < TEMPLATE_MIN_NODES:
+            return self._unpack(self._call(Kind.EXEC, body, segments, sink=self._sink))
+        tpl, inputs, scalars = templates.template(body)
+        fp = templates.fingerprint(tpl)
+        if fp in self._graphs:
+            short = {"graph": fp, "inputs": inputs, "scalars": scalars}
+            if body.get("partial"):
+                short["partial"] = True
+            try:
+                return self._unpack(self._call(Kind.EXEC, short, segments, sink=self._sink))
+            except NotFound as exc:
+                if "graph template" not in exc.message:
+                    raise
+                self._graphs.discard(fp)  # the appliance let it go: send it whole again
+        whole = {**body, "cache": True}
+        out = self._unpack(self._call(Kind.EXEC, whole, segments, sink=self._sink))
+        if out.get("graph") == fp:
+            self._graphs.add(fp)
+        return out
 
     @staticmethod
     def _sink(_header: Any, _body: Any, lengths: list[int]) -> list[memoryview]:

@@ -1,0 +1,85 @@
+"""Graph templates (pure): an op graph with its handles and floating-point scalars taken
+out, so that a repeated graph travels as a fingerprint plus what changed.
+
+Note [graph templates]: a training step or a model forward sends the same graph again
+and again with other tensors and, for optimizers, other scalars (a learning rate, bias
+corrections). Its *template* is the graph with every ``{"$h": handle}`` replaced by
+``{"$in": j}`` (the j-th distinct handle) and every float by ``{"$s": k}``; everything
+else (ops, integer arguments such as shapes and dims, inline tensors' descriptions,
+node references) is its structure. The fingerprint is a hash of the template. The
+client sends a graph whole the first time, asking the appliance to keep it; the
+appliance computes the template and fingerprint itself from what it received (a client
+cannot make it keep something else under a fingerprint) and says which. A repeat then
+sends ``{"graph": fingerprint, "inputs": [...], "scalars": [...]}``: its bytes do not
+grow with the number of ops. The appliance puts the values back in and runs the graph
+exactly as if it had been sent whole, every check included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from djinn.errors import InvalidArgument
+
+PARTS = ("nodes", "keep", "fetch")
+
+
+def template(body: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[float]]:
+    """(template, inputs, scalars) of a graph body's nodes, keep and fetch."""
+    inputs: dict[str, int] = {}
+    scalars: list[float] = []
+
+    def walk(x: Any) -> Any:
+        kind = type(x)
+        if kind is list:
+            return [walk(v) for v in x]
+        if kind is dict:
+            handle = x.get("$h")
+            if isinstance(handle, str) and len(x) == 1:
+                return {"$in": inputs.setdefault(handle, len(inputs))}
+            if "$in" in x or "$s" in x:  # a template's own tags: a graph cannot hold them
+                raise InvalidArgument("$in and $s are reserved for graph templates")
+            return {k: walk(v) for k, v in x.items()}
+        if kind is float:
+            scalars.append(x)
+            return {"$s": len(scalars) - 1}
+        return x
+
+    tpl = {part: walk(body.get(part, [])) for part in PARTS}
+    return tpl, list(inputs), scalars
+
+
+def fingerprint(tpl: dict[str, Any]) -> str:
+    text = json.dumps(tpl, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def instantiate(tpl: dict[str, Any], inputs: Any, scalars: Any) -> dict[str, Any]:
+    """The graph body ``tpl`` stands for, with ``inputs`` and ``scalars`` put back;
+    INVALID_ARGUMENT if they do not fit it."""
+    if not isinstance(inputs, list) or not all(isinstance(h, str) for h in inputs):
+        raise InvalidArgument("inputs must be a list of handles")
+    if not isinstance(scalars, list) or not all(type(v) is float for v in scalars):
+        raise InvalidArgument("scalars must be a list of floats")
+
+    def walk(x: Any) -> Any:
+        kind = type(x)
+        if kind is list:
+            return [walk(v) for v in x]
+        if kind is dict:
+            if len(x) == 1 and "$in" in x:
+                return {"$h": _slot(inputs, x["$in"], "input")}
+            if len(x) == 1 and "$s" in x:
+                return _slot(scalars, x["$s"], "scalar")
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    return {part: walk(tpl[part]) for part in PARTS}
+
+
+def _slot(values: list, k: Any, what: str) -> Any:
+    if type(k) is not int or not 0 <= k < len(values):
+        raise InvalidArgument(f"the graph names {what} {k!r}; {len(values)} were sent")
+    return values[k]

@@ -1,0 +1,89 @@
+"""Note [graph templates] end to end: a graph sent again goes by fingerprint, its bytes
+do not grow with its ops, and its results are eager's; a template the worker let go is
+sent whole again, transparently."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from djinn.frontend.session import default_session
+from djinn.protocol.frames import Kind
+
+R = "remote_accelerator:0"
+
+
+def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = torch.tanh(x * x + x)  # no float arguments: no scalars to send
+    return x
+
+
+def _sent(fn) -> tuple[int, torch.Tensor]:
+    """Bytes ``fn`` sends (handles freed earlier, which ride along with the next request,
+    are sent first)."""
+    session = default_session()
+    gc.collect()
+    session._call(Kind.HEARTBEAT)
+    channel = session.channel
+    before = channel.bytes_sent
+    out = fn()
+    return channel.bytes_sent - before, out
+
+
+def test_a_repeated_graph_costs_the_same_bytes_whatever_its_length(remote):
+    x = torch.randn(64) / 8
+    xr = x.to(R)
+    xr.cpu()  # the upload goes in a graph of its own
+    sizes = {}
+    for n in (20, 200):
+        whole, first = _sent(lambda n=n: _chain(xr, n).cpu())
+        again, second = _sent(lambda n=n: _chain(xr, n).cpu())
+        assert torch.equal(first, second) and torch.equal(first, _chain(x, n))
+        sizes[n] = (whole, again)
+    assert sizes[200][0] > 5 * sizes[20][0]  # sent whole: grows with the ops
+    assert sizes[200][1] == sizes[20][1]  # by fingerprint: constant
+    assert sizes[200][1] < sizes[20][0]
+
+
+def test_scalars_travel_with_the_fingerprint(remote):
+    x = torch.randn(32)
+    xr = x.to(R)
+
+    def step(lr: float) -> torch.Tensor:
+        y = xr
+        for _ in range(20):
+            y = y * lr + 0.5
+        return y.cpu()
+
+    for lr in (0.1, 0.2, 0.3):  # one template, three scalars
+        want = x
+        for _ in range(20):
+            want = want * lr + 0.5
+        assert torch.equal(step(lr), want)
+
+
+def test_a_template_the_appliance_does_not_have_is_sent_whole(remote, monkeypatch):
+    """The client believes the appliance keeps a template it never kept (as after a
+    worker let it go): the appliance answers NOT_FOUND and the graph goes whole."""
+    from djinn.protocol import templates
+
+    session = default_session()
+    real_call = session._call
+
+    def kept_nothing(kind, body=None, segments=(), **kw):
+        if body and body.get("cache"):
+            body = {k: v for k, v in body.items() if k != "cache"}
+            reply = real_call(kind, body, segments, **kw)
+            reply.body["graph"] = templates.fingerprint(templates.template(body)[0])
+            return reply
+        return real_call(kind, body, segments, **kw)
+
+    x = torch.randn(16)
+    xr = x.to(R)
+    monkeypatch.setattr(session, "_call", kept_nothing)
+    assert torch.equal(_chain(xr, 37).cpu(), _chain(x, 37))
+    monkeypatch.undo()
+    assert torch.equal(_chain(xr, 37).cpu(), _chain(x, 37))  # by fingerprint: NOT_FOUND
+    assert torch.equal(_chain(xr, 37).cpu(), _chain(x, 37))  # kept for real this time

@@ -1,0 +1,56 @@
+"""Note [graph templates]: a graph's template takes out exactly its handles and floats."""
+
+from __future__ import annotations
+
+import pytest
+
+from djinn.errors import InvalidArgument
+from djinn.protocol.templates import fingerprint, instantiate, template
+
+
+def _graph(h1: str, h2: str, alpha: float, dim: int = 1) -> dict:
+    return {
+        "nodes": [
+            {
+                "op": "aten::add.Tensor",
+                "args": [{"$h": h1}, {"$h": h2}],
+                "kwargs": {"alpha": alpha},
+            },
+            {"op": "aten::sum.dim_IntList", "args": [{"$v": 0}, [dim]]},
+            {"op": "aten::mul.Tensor", "args": [{"$v": 1}, {"$h": h1}]},
+        ],
+        "keep": [{"$v": 0}],
+        "fetch": [{"$v": 2}, {"$h": h2}],
+    }
+
+
+def test_template_round_trip():
+    body = _graph("a", "b", 0.5)
+    tpl, inputs, scalars = template(body)
+    assert inputs == ["a", "b"] and scalars == [0.5]
+    assert instantiate(tpl, inputs, scalars) == body
+
+
+def test_same_structure_same_fingerprint_other_structure_another():
+    fp = fingerprint(template(_graph("a", "b", 0.5))[0])
+    assert fingerprint(template(_graph("x", "y", 2.0))[0]) == fp  # other tensors, scalars
+    assert fingerprint(template(_graph("a", "a", 0.5))[0]) != fp  # one tensor twice
+    assert fingerprint(template(_graph("a", "b", 0.5, dim=0))[0]) != fp  # another dim
+
+
+@pytest.mark.parametrize(
+    ("inputs", "scalars"),
+    [(["a"], [0.5]), (["a", "b"], []), (["a", 3], [0.5]), (["a", "b"], [1]), ("ab", [0.5])],
+)
+def test_values_that_do_not_fit_the_template_are_refused(inputs, scalars):
+    tpl, _, _ = template(_graph("a", "b", 0.5))
+    with pytest.raises(InvalidArgument):
+        instantiate(tpl, inputs, scalars)
+
+
+@pytest.mark.parametrize("tag", ["$in", "$s"])
+def test_a_graph_cannot_hold_a_templates_own_tags(tag):
+    body = _graph("a", "b", 0.5)
+    body["nodes"][0]["args"][1] = {tag: 0}
+    with pytest.raises(InvalidArgument):
+        template(body)
