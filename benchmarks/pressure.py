@@ -21,8 +21,8 @@ uses GPT-2 small's width and 12 layers. Timings mean little on a shared machine;
 ratios (policy against policy, swap-in against memcpy, switch against load) are taken in
 the same run.
 
-    python benchmarks/pressure.py            # ~3 minutes on 2 cores
-    python benchmarks/pressure.py --quick    # smoke run, ~1 minute
+    python benchmarks/pressure.py            # 5-8 minutes on 2 shared cores
+    python benchmarks/pressure.py --quick    # smoke run, ~2 minutes
 """
 
 from __future__ import annotations
