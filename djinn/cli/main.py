@@ -156,8 +156,8 @@ def plugins(
         False, "--check", help="Also import each plugin and report the ones that fail."
     ),
 ) -> None:
-    """List the pattern and cost-model plugins (from package metadata, nothing imported)."""
-    from djinn.semantics.registry import default_registry, list_plugins
+    """List the plugins of every group (from package metadata, nothing imported)."""
+    from djinn.semantics.registry import GROUPS, default_registry, list_plugins
 
     found = list_plugins()
     broken: dict[str, str] = {}
@@ -167,8 +167,8 @@ def plugins(
         registry = default_registry()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            registry.patterns()
-            registry.cost_models()
+            for kind in GROUPS:  # every group: patterns, cost models, policies, schedulers
+                registry.load(kind)
         broken = registry.broken
     if not found:
         typer.echo("no plugins registered")

@@ -54,6 +54,8 @@ def site(tmp_path: Path) -> Path:
         """
         [djinn.patterns]
         broken = broken_djinn_plugin:Nope
+        [djinn.schedulers]
+        broken_scheduler = broken_djinn_plugin:Nope
     """,
         """
         raise ImportError("this plugin is broken on purpose")
@@ -140,6 +142,9 @@ def test_cli_lists_plugins_and_check_reports_the_broken_one(site):
     assert checked.returncode == 1
     assert "BROKEN: ImportError: this plugin is broken on purpose" in checked.stdout
     assert "llm" in checked.stdout and "ok" in checked.stdout
+    # every group is imported, not only patterns and cost models
+    line = next(x for x in checked.stdout.splitlines() if "broken_scheduler" in x)
+    assert "BROKEN" in line
 
 
 def test_every_builtin_is_registered_through_entry_points():
@@ -154,4 +159,7 @@ def test_every_builtin_is_registered_through_entry_points():
         "recommendation",
         "fusion",
         "roofline",
+        "semantic",
+        "lru",
+        "fifo",
     }
