@@ -23,6 +23,7 @@ from djinn.protocol.tensors import describe, from_wire, to_wire, validate
 from .executor.graph import GraphRun
 from .model_handlers import handle_call, handle_load, handle_register
 from .sessions import WorkerSession
+from .vmu.device import DeviceShort
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -154,10 +155,14 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
             if not isinstance(value, torch.Tensor):
                 raise InvalidArgument("only tensors can be kept as handles")
             kept.append({"handle": w.store.keep(s, value), **describe(value)})
-    except BaseException:
+    except BaseException as exc:
         for item in kept:
             if item is not None:
                 w.store.drop(s, item["handle"])
+        if isinstance(exc, DeviceShort) and run.wrote:  # Note [rerunnable graphs]
+            raise ResourceExhausted(
+                f"{exc.message} (not queued: the graph wrote in place)"
+            ) from None
         raise
     body, segments = export(w, s, [v for v in fetch if isinstance(v, torch.Tensor)])
     values = [

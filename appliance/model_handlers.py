@@ -25,6 +25,7 @@ from djinn.protocol.tensors import describe
 
 from .sessions import WorkerSession
 from .uploads import Parked
+from .vmu.device import DeviceShort
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -249,8 +250,8 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         s.phase = hints["phase"][:32]
     # Make the call's working set resident and keep it so (issue 9 §2): the model and
     # the KV caches it was given are pinned, and swapped back in if they were out.
-    w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
-    try:
+    try:  # a prepare that fails must unpin too, or others cannot evict what it pinned
+        w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
         return _run_call(w, s, entry, method, args, kwargs)
     finally:
         w.memory.finish(s)
@@ -275,10 +276,12 @@ def _run_call(
     except BaseException:
         data.release(growth.data)
         raise
+    lengths = _cache_lengths([args, kwargs])  # Note [calls run once]
     try:
         with torch.no_grad():
             out = fn(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+        _crop(lengths)
         raise ExecutionError(f"{entry.name}.{method}: {type(exc).__name__}: {exc}") from None
     finally:
         data.release(growth.data)
@@ -296,11 +299,47 @@ def _run_call(
                 f"session data (handles and KV caches) overflows device memory by "
                 f"{vmu.used - vmu.capacity} bytes; free objects or handles"
             )
-    except BaseException:
+    except BaseException as exc:
         for h in kept:
             w.store.drop(s, h)
         for oid in set(s.objects) - objects_before:  # a cache made by the refused call
             s.object_ids.pop(id(s.objects.pop(oid)), None)
+        _crop(lengths)  # and the caches it was given are as they were before it
         w.store.charge_objects(s)
+        w.memory.forget_objects(s)  # a host copy of the cache it made goes too
+        if isinstance(exc, DeviceShort):  # the model ran: it must not be queued to run again
+            raise ResourceExhausted(f"{exc.message} (after the call ran: not queued)") from None
         raise
     return {"out": skeleton}, []
+
+
+# Note [calls run once]: a model call grows the KV caches it is given in place, before its
+# outputs are charged. If the call is refused after that (its outputs do not fit, a quota),
+# the caches are cropped back to their lengths before it, so a client that retries does
+# not apply the step twice; and the refusal is never DEVICE_SHORT, which would queue the
+# call (Note [admission queue]) and run it again on the caches it already grew.
+def _cache_lengths(values: Any) -> list[tuple[Any, int]]:
+    found: list[tuple[Any, int]] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif callable(getattr(x, "crop", None)) and callable(getattr(x, "get_seq_length", None)):
+            found.append((x, int(x.get_seq_length())))
+
+    visit(values)
+    return found
+
+
+def _crop(lengths: list[tuple[Any, int]]) -> None:
+    for cache, n in lengths:
+        extra = cache.get_seq_length() - n
+        if extra > 0:
+            try:  # transformers 5: a negative crop removes that many tokens
+                cache.crop(-extra)
+            except (ValueError, TypeError):  # caches that take the length to keep
+                cache.crop(n)

@@ -389,7 +389,7 @@ class Worker:
 
     def dispatch(self, s: WorkerSession, frame: Frame) -> None:
         """Run a request to its end (parked requests whose wait is over)."""
-        for _ in self.dispatch_steps(s, frame):
+        for _ in self.dispatch_steps(s, frame, fresh=False):
             pass
 
     def _work_steps(self, work: Work) -> Iterator[None]:
@@ -400,8 +400,11 @@ class Worker:
         if s.state != CLOSED and s.sock.fileno() >= 0 and not s.outbox and s.reader.buffered():
             self.serve(s)  # requests pipelined behind this one are already here
 
-    def dispatch_steps(self, s: WorkerSession, frame: Frame) -> Iterator[None]:
-        """Handle one request; a stepped one (EXEC) yields between its ops."""
+    def dispatch_steps(self, s: WorkerSession, frame: Frame, fresh: bool = True) -> Iterator[None]:
+        """Handle one request; a stepped one (EXEC) yields between its ops. ``fresh``: the
+        frame was just read, so the session's receive slabs are its own; a parked request
+        dispatched again is not fresh, and meanwhile the session may be receiving another
+        frame into slabs that must not be freed here (Note [receive slabs])."""
         rid = frame.request_id
         started = time.perf_counter()
         outcome = "ok"
@@ -464,7 +467,8 @@ class Worker:
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
             self.busy.current = None
-            self.free_frame_slabs(s)
+            if fresh:
+                self.free_frame_slabs(s)
             elapsed = time.perf_counter() - started
             self.requests.record(frame.kind.name, outcome, elapsed)
             s.touch()  # the client could not heartbeat while we worked: count from now

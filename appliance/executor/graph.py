@@ -200,7 +200,13 @@ class GraphRun:
             if ref is None:
                 if delta < 0 or not storage.nbytes() or ptr in self._input_ptrs():
                     continue
-                self.stack.reserve(storage.nbytes())
+                try:
+                    self.stack.reserve(storage.nbytes())
+                except DeviceShort as exc:  # charged after the op ran (no meta kernel)
+                    if self.wrote:  # Note [rerunnable graphs]: cannot wait and run again
+                        text = f"{exc.message} (not queued: earlier ops wrote in place)"
+                        raise ResourceExhausted(text) from None
+                    raise
                 self._stack_refs[ptr] = [storage.nbytes(), 1]
             elif delta > 0 or ref[1] > 1:
                 ref[1] += delta

@@ -40,3 +40,24 @@ def test_a_graph_that_wrote_nothing_yet_waits_and_runs_once(fresh_appliance):
         s.execute(nodes)  # parked until the hog leaves, then run from its first op
         freer.join()
         assert torch.equal(h.cpu(), torch.ones(4))
+
+
+def test_an_op_charged_after_it_ran_does_not_requeue_a_graph_that_wrote(fresh_appliance):
+    """``nonzero`` has no meta kernel: its output is charged after it ran. A graph whose
+    earlier op wrote in place must not be queued and run again from there either."""
+    app = fresh_appliance(cpu_worker_memory="16MiB", admission_timeout=30.0)
+    with app.connect() as client, client.session() as s:
+        hog = client.session()
+        h = s.put(torch.zeros(4))
+        big = s.put(torch.ones(MIB))  # nonzero() of it: 8 MiB of int64
+        hog.put(torch.ones(2 * MIB))  # 8 MiB that never moves
+        freer = threading.Timer(1.5, hog.close)
+        freer.start()
+        nodes = [
+            {"op": "aten::add_.Scalar", "args": [{"$h": h.handle}, 1.0]},
+            {"op": "aten::nonzero.default", "args": [{"$h": big.handle}]},
+        ]
+        with pytest.raises(ResourceExhausted, match="not queued"):
+            s.execute(nodes)
+        freer.join()
+        assert torch.equal(h.cpu(), torch.ones(4))
