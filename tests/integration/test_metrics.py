@@ -57,6 +57,7 @@ def test_metrics_endpoint_reports_requests_memory_sessions_and_workers(fresh_app
                 >= puts_before + 5
                 and _value(text, "djinn_sessions", worker="0") == 1
                 and _value(text, "djinn_vmu_bytes", segment="host_arena", measure="used") > 0
+                and _value(text, "djinn_request_seconds_count", kind="FREE", outcome="NOT_FOUND")
                 and text
             )
 

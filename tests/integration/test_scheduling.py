@@ -99,8 +99,9 @@ def test_semantic_answers_a_small_request_before_a_long_graph_with_identical_res
 
 def test_fifo_runs_requests_in_arrival_order(fresh_appliance):
     app = fresh_appliance(scheduler="fifo", scheduler_slice_ms=2.0)
-    order, y, sched = _race(app, "exec")
-    assert order == ["big", "small"]
+    _order, y, sched = _race(app, "exec")
+    # which client thread notices its reply first is up to the OS once both are answered;
+    # that the worker never set the graph aside is not (the order itself: test_scheduler)
     assert sched["policy"] == "fifo" and sched["preemptions"] == 0
     w = torch.randn(N, N, generator=torch.Generator().manual_seed(0)) / N**0.5
     assert torch.equal(y, _local_chain(w))
