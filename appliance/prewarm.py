@@ -27,20 +27,28 @@ def modules_for(allowlist: list[str]) -> tuple[str, ...]:
     return TRANSFORMERS if allowed else ()
 
 
-def start(modules: tuple[str, ...]) -> threading.Thread | None:
-    if not modules:
-        return None
-    thread = threading.Thread(target=_run, args=(modules,), name="djinn-prewarm", daemon=True)
-    thread.start()
-    return thread
+class Prewarm:
+    """The background import; ``state`` is what the stats document shows: off, running,
+    done or failed (benchmarks wait for done before they measure a warm worker)."""
 
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        self.modules = modules
+        self.state = "off" if not modules else "pending"
 
-def _run(modules: tuple[str, ...]) -> None:
-    started = time.perf_counter()
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # a registration that needs it will say what is wrong
-            log.info("prewarm: could not import %s: %s", name, exc)
-            return
-    log.info("prewarm: imported %s in %.1fs", ", ".join(modules), time.perf_counter() - started)
+    def start(self) -> None:
+        if self.modules:
+            self.state = "running"
+            threading.Thread(target=self._run, name="djinn-prewarm", daemon=True).start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        for name in self.modules:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a registration that needs it will say what is wrong
+                log.info("prewarm: could not import %s: %s", name, exc)
+                self.state = "failed"
+                return
+        self.state = "done"
+        took = time.perf_counter() - started
+        log.info("prewarm: imported %s in %.1fs", ", ".join(self.modules), took)

@@ -92,7 +92,7 @@ class Worker:
         )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
-        self.prewarm = prewarm.modules_for(allowlist)  # Note [prewarm]: once ready
+        self.prewarm = prewarm.Prewarm(prewarm.modules_for(allowlist))  # Note [prewarm]
         self.memory = self._memory_manager(init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
@@ -145,7 +145,7 @@ class Worker:
         )
         self.push_stats(force=True)
         self.busy.start()  # Note [busy stats] (busy.py)
-        prewarm.start(self.prewarm)
+        self.prewarm.start()
         while not self.stopping:
             try:
                 if not self.step():
@@ -583,6 +583,7 @@ class Worker:
             "memory": {**self.memory.stats(), "admission": self.admission.stats(now)},
             "busy": self.busy.describe(now),
             "utilisation": self.utilisation.sample(),
+            "prewarm": self.prewarm.state,
             "scheduler": {**self.scheduler.stats(), "graph_templates": self.graphs.stats()},
             "adopted": self.adopted,
         }

@@ -137,6 +137,7 @@ class WorkerHandle:
             "restarts": self.restarts,
             "backoff_s": self.backoff_s,
             "sessions": self.session_count(),
+            "prewarm": self.stats.get("prewarm", ""),  # Note [prewarm]: model code imported
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.alive else 0.0,
             "last_error": self.last_error,
             # Note [busy stats] (busy.py): what a busy worker runs, and how old its report is

@@ -153,3 +153,18 @@ def unwind_on_sigterm() -> None:
         raise SystemExit(128 + signum)  # unwind, so the appliance is stopped
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def wait_warm(app: Appliance, timeout: float = 120.0) -> None:
+    """Wait until every worker has imported its model code (Note [prewarm]): a benchmark
+    of a warm appliance must not time the background import's share of the CPU."""
+    from djinn.runtime.client import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(app.unix) as client:
+        while time.monotonic() < deadline:
+            states = [w.get("prewarm") for w in client.stats()["workers"]]
+            if states and all(s in ("done", "off", "failed") for s in states):
+                return
+            time.sleep(0.1)
+    note(f"workers still importing model code after {timeout:.0f} s; measuring anyway")

@@ -3,9 +3,9 @@
 Measured in one run:
 - floor: blake2b over the model's bytes (what a fingerprint costs) plus one memcpy of
   them (what an upload through the arena costs at best), timed here on the client;
-- cold: the first registration on a worker that was just started (it imports
-  transformers' model code: Note [prewarm] does that in the background once the worker
-  is ready, so how much a user pays depends on how soon after the start they register);
+- cold: the first registration on a worker that was just started, before its
+  background import of transformers' model code (Note [prewarm]) is done: what a user
+  pays who registers the moment the appliance is up;
 - warm: a registration of other weights on a worker that has registered a model before
   (fingerprint + upload + the appliance's own check of the fingerprint + build);
 - shared: another session registering the same weights (it pays the fingerprint only).

@@ -91,3 +91,10 @@ def test_crash_loop_backs_off(fresh_appliance):
     assert w["restarts"] == 3
     assert len(set([*pids, w["pid"]])) == 4
     assert "died" in app.log() and "restarting in 1.0s" in app.log()
+
+
+def test_a_ready_worker_imports_model_code_in_the_background(appliance):
+    """Note [prewarm]: the stats document says when the import is done."""
+    from tests.conftest import wait_for
+
+    assert wait_for(lambda: appliance.stats()["workers"][0].get("prewarm") == "done", timeout=120)
