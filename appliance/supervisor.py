@@ -147,6 +147,7 @@ class Supervisor:
                 "model_roots": cfg.model_roots,
                 "model_allowlist": cfg.model_allowlist,
                 "model_methods": cfg.model_methods,
+                "prewarm": cfg.prewarm,
             }
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:

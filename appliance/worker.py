@@ -92,7 +92,9 @@ class Worker:
         )
         allowlist = _csv(init.get("model_allowlist", "transformers."))
         self.models = ModelCache(vmu["text"], allowlist)
-        self.prewarm = prewarm.Prewarm(prewarm.modules_for(allowlist))  # Note [prewarm]
+        # Note [prewarm]: once ready, unless the operator turned it off
+        wanted = prewarm.modules_for(allowlist) if init.get("prewarm", True) else ()
+        self.prewarm = prewarm.Prewarm(wanted)
         self.memory = self._memory_manager(init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))

@@ -290,6 +290,14 @@ SETTINGS: tuple[Setting, ...] = (
         check=rules.check_methods,
         shape="comma-separated method names",
     ),
+    Setting(
+        "prewarm",
+        True,
+        "Once a worker is ready, import the model code of the allowlisted packages in the "
+        "background (transformers' shared modules), so the first registration does not "
+        "pay for it (about 5 s). Off: imported by the first registration.",
+        "bool",
+    ),
     # -- sessions and lifecycle -----------------------------------------------------
     Setting(
         "heartbeat_interval",

@@ -77,6 +77,9 @@ def start_appliance(tmp: Path, serve_args: tuple[str, ...] = (), **settings) -> 
         "heartbeat_misses": 3,
         "log_level": "info",
         "restart_backoff_max": 2.0,
+        # dozens of short-lived appliances: no background import of model code in each
+        # (Note [prewarm]); the tests that need it turn it on
+        "prewarm": False,
     }
     values.update(settings)
     lines = []

@@ -93,8 +93,12 @@ def test_crash_loop_backs_off(fresh_appliance):
     assert "died" in app.log() and "restarting in 1.0s" in app.log()
 
 
-def test_a_ready_worker_imports_model_code_in_the_background(appliance):
-    """Note [prewarm]: the stats document says when the import is done."""
+def test_a_ready_worker_imports_model_code_in_the_background(fresh_appliance):
+    """Note [prewarm]: the stats document says when the import is done (or that the
+    operator turned it off)."""
     from tests.conftest import wait_for
 
-    assert wait_for(lambda: appliance.stats()["workers"][0].get("prewarm") == "done", timeout=120)
+    app = fresh_appliance(prewarm=True)
+    assert wait_for(lambda: app.stats()["workers"][0].get("prewarm") == "done", timeout=120)
+    off = fresh_appliance(prewarm=False)
+    assert wait_for(lambda: off.stats()["workers"][0].get("prewarm") == "off")

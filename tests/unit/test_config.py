@@ -129,6 +129,7 @@ BAD_VALUES = {
     "restart_backoff_reset": [-1],
     "embedded_start_timeout": [0],
     "fallback": ["remote", "", ["local"]],
+    "prewarm": ["maybe", 2],
     "stats_window": [0, 100000],
     "metrics_port": [70000, -1],
     "metrics_host": [""],
