@@ -85,7 +85,7 @@ class DjinnTop(App[None]):
 
     def on_mount(self) -> None:
         self._show_status()
-        self.query_one("#sessions", SortableTable).focus()
+        self._dashboard.query_one("#sessions", SortableTable).focus()
         self.set_interval(self.refresh_s, self.action_poll)
         self.action_poll()
 
@@ -116,9 +116,15 @@ class DjinnTop(App[None]):
         self.polls += 1
 
     @property
+    def _dashboard(self) -> Any:
+        """The dashboard's own screen: a refresh while the kill dialog is open must find
+        its panels there, not on the dialog (`self.query_one` looks at the active one)."""
+        return self.screen_stack[0]
+
+    @property
     def status_text(self) -> str:
         """The status line as plain text ("... connected ..." / "... disconnected ...")."""
-        return str(self.query_one("#status", Static).content)
+        return str(self._dashboard.query_one("#status", Static).content)
 
     def _show_status(self) -> None:
         line = Text(f" djinn top  {self.address}  ")
@@ -138,23 +144,23 @@ class DjinnTop(App[None]):
             line.append(f"  {self.source.error}  (retrying every {self.refresh_s:g}s)")
         else:
             line.append("… connecting", style="yellow")
-        self.query_one("#status", Static).update(line)
+        self._dashboard.query_one("#status", Static).update(line)
 
     def _show(self, doc: dict[str, Any]) -> None:
-        self.query_one("#workers", SortableTable).set_rows(worker_rows(doc))
+        self._dashboard.query_one("#workers", SortableTable).set_rows(worker_rows(doc))
         groups = by_worker(doc)
         rates = self._rates.update(doc, request_totals(groups))
-        requests = self.query_one("#requests", SortableTable)
+        requests = self._dashboard.query_one("#requests", SortableTable)
         requests.set_rows(request_rows(groups, rates))
         window = doc.get("appliance", {}).get("stats_window_s")
         label = f"Requests (latency: last {window:g}s)" if window else "Requests"
         requests.border_title = f"{label}: {summary(groups, rates)}"
         self._show_memory(doc)
-        self.query_one("#sessions", SortableTable).set_rows(session_rows(doc))
-        self.query_one("#models", SortableTable).set_rows(model_rows(doc))
+        self._dashboard.query_one("#sessions", SortableTable).set_rows(session_rows(doc))
+        self._dashboard.query_one("#models", SortableTable).set_rows(model_rows(doc))
 
     def _show_memory(self, doc: dict[str, Any]) -> None:
-        memory = self.query_one("#memory", Vertical)
+        memory = self._dashboard.query_one("#memory", Vertical)
         segs = segments(doc)
         bars = list(memory.query(WatermarkBar))
         if [b.id for b in bars] != [_bar_id(key) for key, _, _ in segs]:
@@ -170,7 +176,7 @@ class DjinnTop(App[None]):
     # -- ending a session ----------------------------------------------------------------
 
     def action_kill(self) -> None:
-        session = self.query_one("#sessions", SortableTable).selected_key
+        session = self._dashboard.query_one("#sessions", SortableTable).selected_key
         if session is None:
             self.notify("No session selected.", severity="warning")
             return
