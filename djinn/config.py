@@ -74,10 +74,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "address",
         "",
-        "Appliance address for clients: unix:///path or tcp://host:port. "
+        "Appliance address for clients: unix:///path or tcp://host:port, or a fleet "
+        "(djinn fleet): fleet://head:6379 from a node of its Ray cluster, ray://head:10001 "
+        "from elsewhere. "
         "Empty: use socket_path if an appliance listens there, else start an embedded one.",
         check=rules.check_address,
-        shape="unix:///path, tcp://host:port, or empty",
+        shape="unix:///path, tcp://host:port, fleet://host:port, ray://host:port, or empty",
     ),
     Setting(
         "socket_path",
@@ -357,6 +359,32 @@ SETTINGS: tuple[Setting, ...] = (
         "reach one) or local (start an embedded appliance on this machine, on its CPU or "
         "its own GPU, with one warning).",
         choices=("error", "local"),
+    ),
+    # -- a fleet of appliances on Ray (djinn fleet, issue 13) -------------------------
+    Setting(
+        "fleet_placement",
+        "semantic",
+        "Which appliance of a fleet gets a session: a plugin of the djinn.placement group "
+        "(built in: semantic, where the model the session registers is resident, else "
+        "where it fits best; round_robin, in turn). Read by djinn fleet start.",
+        check=rules.check_placement,
+        shape="semantic, round_robin or another installed policy",
+    ),
+    Setting(
+        "fleet_report_interval",
+        0.5,
+        "Seconds between the fleet directory's polls of each appliance (free memory, load, "
+        "resident models, liveness) and between a fleet client's checks for dead appliances.",
+        "float",
+        low=0.05,
+        high=60.0,
+    ),
+    Setting(
+        "fleet_appliance_host",
+        "",
+        "Address each fleet appliance binds its TCP listener to and gives clients. Empty: "
+        "the node's address as Ray knows it (reachable from the other nodes: keep the "
+        "token secret). Read by djinn fleet start.",
     ),
     # -- watching it ----------------------------------------------------------------
     Setting(

@@ -122,10 +122,11 @@ def check_gpus(value: str) -> str | None:
 def check_address(value: str) -> str | None:
     if not value:
         return None
+    from djinn.fleet.address import is_fleet_address, parse_fleet_address
     from djinn.transport.address import parse_address
 
     try:
-        parse_address(value)
+        parse_fleet_address(value) if is_fleet_address(value) else parse_address(value)
     except ConfigError as exc:
         return exc.message
     return None
@@ -149,6 +150,16 @@ def check_methods(value: str) -> str | None:
     return None
 
 
+RECOVERABLE = ("WORKER_LOST", "SESSION_LOST", "SESSION_EXPIRED")
+
+
+def check_recovery_errors(value: str) -> str | None:
+    for code in (p.strip().upper() for p in value.split(",") if p.strip()):
+        if code not in RECOVERABLE:
+            return f"{code!r} is not a fault a session recovers from ({', '.join(RECOVERABLE)})"
+    return None
+
+
 def check_memory_policy(value: str) -> str | None:
     """'off' or an installed plugin of djinn.memory_policies (read from metadata only)."""
     from importlib.metadata import entry_points
@@ -167,6 +178,16 @@ def check_scheduler(value: str) -> str | None:
     if value in names:
         return None
     return f"no scheduler {value!r} (installed: {', '.join(sorted(names)) or 'none'})"
+
+
+def check_placement(value: str) -> str | None:
+    """An installed plugin of djinn.placement (read from metadata only)."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="djinn.placement")}
+    if value in names:
+        return None
+    return f"no placement policy {value!r} (installed: {', '.join(sorted(names)) or 'none'})"
 
 
 def check_weights(value: str) -> str | None:

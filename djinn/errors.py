@@ -70,6 +70,22 @@ class SessionLost(DjinnError):
     code = "SESSION_LOST"
 
 
+class ApplianceLost(SessionLost):
+    """The fleet appliance holding the session is gone (its node died or cannot be
+    reached); its tensors and KV caches are lost. New sessions go to the live appliances.
+    A kind of SESSION_LOST, so code that handles that handles this too."""
+
+    code = "APPLIANCE_LOST"
+
+
+class RecoveryFailed(SessionLost):
+    """(client side) a recovering session could not be rebuilt after its worker was lost;
+    the message names the original fault (``fault`` holds it) and why recovery gave up."""
+
+    code = "RECOVERY_FAILED"
+    fault: DjinnError | None = None
+
+
 class WorkerLost(DjinnError):
     """The worker running this request died before answering."""
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from djinn import config as config_mod
 from djinn.errors import DjinnError, Unavailable
+from djinn.fleet.address import is_fleet_address
 from djinn.protocol.frames import Kind
 from djinn.transport.address import Address, parse_address
 from djinn.transport.arena import ArenaMapping
@@ -30,11 +31,14 @@ class Client:
         self._ctl = Channel(self.address, _lost)
         self.server = self._ctl.hello(token)
 
-    def session(self) -> Any:
-        """A new session (a context manager); everything it holds is freed when it ends."""
+    def session(self, *, recover: bool = False) -> Any:
+        """A new session (a context manager); everything it holds is freed when it ends.
+        ``recover=True``: when its worker is lost the session is rebuilt on another and
+        what it held is replayed there (Note [lineage journal], the ``recovery_*``
+        settings); otherwise its requests fail with WORKER_LOST, then SESSION_LOST."""
         from .session import Session
 
-        return Session(self)
+        return Session(self, recover=recover)
 
     def stats(self) -> dict[str, Any]:
         """The stats document (same as ``djinn status --json``)."""
@@ -95,7 +99,9 @@ def resolve_address(address: str | None, cfg: config_mod.Config) -> str:
 
 
 def connect(address: str | None = None, *, token: str | None = None) -> Client:
-    """Connect to an appliance (``unix:///path`` or ``tcp://host:port``).
+    """Connect to an appliance (``unix:///path`` or ``tcp://host:port``), or to a fleet
+    (``fleet://head:6379``, ``ray://head:10001``: a ``FleetClient``, which places each
+    session on one of its appliances).
 
     With no address anywhere, an embedded appliance is started for this process and
     stopped when it exits. ``token`` defaults to DJINN_TOKEN / token / token_file.
@@ -105,6 +111,10 @@ def connect(address: str | None = None, *, token: str | None = None) -> Client:
     if token is None and target.startswith("tcp://"):
         token = config_mod.read_token(cfg)
     try:
+        if is_fleet_address(target):  # issue 13: one appliance of a fleet per session
+            from djinn.fleet.client import FleetClient
+
+            return FleetClient(target, token)
         return Client(target, token)
     except Unavailable as exc:
         if address is not None:

@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .memory import MemoryPolicy
+from .placement import PlacementPolicy
 from .protocols import CostModel, PatternPlugin
 from .scheduling import SchedulerPolicy
 
@@ -27,12 +28,14 @@ GROUPS = {
     "cost_models": "djinn.cost_models",
     "memory_policies": "djinn.memory_policies",
     "schedulers": "djinn.schedulers",
+    "placement": "djinn.placement",
 }
 _PROTOCOLS = {
     "patterns": PatternPlugin,
     "cost_models": CostModel,
     "memory_policies": MemoryPolicy,
     "schedulers": SchedulerPolicy,
+    "placement": PlacementPolicy,
 }
 
 
@@ -103,6 +106,10 @@ class Registry:
     def scheduler(self, name: str) -> SchedulerPolicy | None:
         """The scheduling policy called ``name`` (None if it failed to load)."""
         return next((p for p in self.load("schedulers") if p.name == name), None)
+
+    def placement(self, name: str) -> PlacementPolicy | None:
+        """The fleet placement policy called ``name`` (None if it failed to load)."""
+        return next((p for p in self.load("placement") if p.name == name), None)
 
 
 _default: Registry | None = None

@@ -1,0 +1,282 @@
+"""The client side of a fleet: ``djinn.connect("fleet://…")`` / ``("ray://…")``.
+
+A ``FleetClient`` looks like a ``Client`` to the rest of Djinn (``session()``,
+``stats()``, ``close()``), so the transparent frontend and ``djinn run`` use a fleet
+with no change. Each session is placed on one appliance by the directory and then talks
+to that appliance alone, over TCP: Ray is asked where, never carries a tensor.
+
+Note [lazy placement]: a session is placed at its first use, not when it is opened.
+``model.to("remote_accelerator")`` opens the process's default session and registers the
+model with it as its first request, so the directory sees that model's fingerprint and
+sends the session where the weights already are. A session whose first use is something
+else (a tensor, a graph) is placed by load and free memory, and a model it registers
+later is uploaded to that appliance if it is not there. ``client.session(model=fp)``
+places at once, by a fingerprint the caller knows (``djinn.frontend.remote_module.
+fingerprint(module)``).
+
+Note [appliance loss]: when the appliance holding a session is gone (Ray reports its node
+dead, or it no longer answers on its endpoint), every call of the session and every read
+of a tensor it held raises one error, ``ApplianceLost`` (APPLIANCE_LOST, a kind of
+SESSION_LOST), naming the appliance, its node and why. A watcher thread asks the directory
+about the appliances in use every ``fleet_report_interval`` and cuts the sockets of
+sessions on dead ones, so a call waiting on a vanished host fails then, not after the
+socket timeout. Nothing is replayed (lineage replay is other work in progress); the next
+session, including the transparent frontend's replacement default session, is placed on
+a live appliance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from djinn import config as config_mod
+from djinn.errors import ApplianceLost, DjinnError, SessionEnded, Unavailable
+from djinn.runtime.client import Client
+from djinn.runtime.session import Session
+from djinn.transport.address import parse_address
+
+from .address import parse_fleet_address
+from .cluster import connect_ray, get_directory
+
+log = logging.getLogger("djinn.fleet.client")
+
+DIRECTORY_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 1.0
+UNREACHABLE_S = 10.0  # an appliance this client could not reach is not asked for again
+
+
+class FleetClient:
+    """A fleet of appliances behind one directory; a new session per ``session()``."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        import ray
+
+        self.address = parse_fleet_address(address)
+        cfg = config_mod.load()
+        connect_ray(self.address.ray_address)
+        self.directory = get_directory()
+        self.token = (
+            token
+            or config_mod.read_token(cfg)
+            or ray.get(self.directory.token.remote(), timeout=DIRECTORY_TIMEOUT_S)
+        )
+        self.interval = float(cfg.fleet_report_interval)
+        self._clients: dict[str, Client] = {}
+        self._sessions: weakref.WeakSet[FleetSession] = weakref.WeakSet()
+        self._unreachable: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._states: dict[str, tuple[str, str]] = {}
+
+    # -- sessions ---------------------------------------------------------------------------
+    def session(self, model: str | None = None) -> FleetSession:
+        """A session, placed at its first use (Note [lazy placement]), or at once on the
+        appliance that suits ``model`` (a fingerprint) when given."""
+        return FleetSession(self, model)
+
+    def _open(self, session: FleetSession, model: str | None) -> None:
+        """Place ``session`` and open it on the chosen appliance; an appliance that cannot
+        be reached is left out and the directory asked again."""
+        import ray
+
+        tried: list[str] = []
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                skip = [a for a, until in self._unreachable.items() if until > now]
+            started = time.perf_counter()
+            choice = ray.get(
+                self.directory.place.remote(model, skip + tried), timeout=DIRECTORY_TIMEOUT_S
+            )
+            session.place_s = time.perf_counter() - started
+            if "error" in choice:
+                raise Unavailable(choice["error"])
+            try:
+                client = self._client_for(choice["endpoint"])
+                Session.__init__(session, client)
+            except Unavailable as exc:
+                log.warning("appliance %s unreachable (%s); placing again", choice["id"], exc)
+                tried.append(choice["id"])
+                with self._lock:
+                    self._unreachable[choice["id"]] = time.monotonic() + UNREACHABLE_S
+                    stale = self._clients.pop(choice["endpoint"], None)
+                if stale is not None:
+                    stale.close()
+                continue
+            session.appliance, session.endpoint = choice["id"], choice["endpoint"]
+            session.open_s = time.perf_counter() - started
+            with self._lock:
+                self._sessions.add(session)
+            self._ensure_watcher()
+            return
+
+    def _client_for(self, endpoint: str) -> Client:
+        with self._lock:
+            client = self._clients.get(endpoint)
+        if client is None:
+            client = Client(endpoint, self.token)
+            with self._lock:
+                client = self._clients.setdefault(endpoint, client)
+        return client
+
+    # -- losses -----------------------------------------------------------------------------
+    def verdict(self, appliance: str, endpoint: str, why: str) -> str | None:
+        """Why ``appliance`` is gone, or None if it still answers (then only a worker of
+        it died, and the session's loss is the ordinary SESSION_LOST)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            state, now_at = ray.get(self.directory.states.remote(), timeout=5).get(
+                appliance, ("dead", "")
+            )
+            if state == "dead" or now_at != endpoint:
+                row = ray.get(self.directory.describe.remote(appliance), timeout=5)
+                return f"its node died: {row.get('why') or 'Ray reports it dead'}"
+        addr = parse_address(endpoint)
+        try:
+            socket.create_connection((addr.host, addr.port), PROBE_TIMEOUT_S).close()
+        except OSError as exc:
+            return f"it no longer answers at {endpoint} ({exc}; the connection: {why})"
+        return None
+
+    def _ensure_watcher(self) -> None:
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch, name="djinn-fleet-watcher", daemon=True
+                )
+                self._watcher.start()
+
+    def _watch(self) -> None:
+        import ray
+
+        while not self._closed.wait(self.interval):
+            with self._lock:
+                sessions = [s for s in self._sessions if s.usable]
+            if not sessions:
+                continue
+            try:
+                states = ray.get(self.directory.states.remote(), timeout=DIRECTORY_TIMEOUT_S)
+            except Exception as exc:  # the directory is unreachable: sessions go on
+                log.warning("fleet directory unreachable: %s", exc)
+                continue
+            self._states = states
+            for s in sessions:
+                state, endpoint = states.get(s.appliance, ("dead", ""))
+                if state == "dead" or endpoint != s.endpoint:
+                    s._cut(f"its node died (Ray reports appliance {s.appliance} {state})")
+
+    # -- the Client surface -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The fleet document (``djinn status --fleet --json``)."""
+        import ray
+
+        return ray.get(self.directory.snapshot.remote(), timeout=DIRECTORY_TIMEOUT_S)
+
+    def ping(self) -> None:
+        self.stats()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FleetClient({self.address})"
+
+
+class FleetSession(Session):
+    """A session that opens on the appliance the directory chooses, at its first use
+    (Note [lazy placement]): until then it holds no connection, and every attribute of
+    an open ``Session`` is missing, so touching any of them places it."""
+
+    def __init__(self, fleet: FleetClient, model: str | None = None) -> None:
+        self._fleet = fleet
+        self._fleet_lock = threading.Lock()
+        self._fleet_closed = False
+        self._fleet_lost = False  # the appliance is gone (Note [appliance loss])
+        self.appliance: str | None = None
+        self.endpoint = ""
+        self.place_s = 0.0  # the directory's decision, as this client waited for it
+        self.open_s = 0.0  # decision, connection and SESSION_OPEN
+        if model:
+            self._place(model)
+
+    def _place(self, model: str | None) -> None:
+        with self._fleet_lock:
+            if self.appliance is not None:
+                return
+            if self._fleet_closed:
+                raise SessionEnded("this session was closed before it was used")
+            self._fleet._open(self, model)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only attributes not found otherwise get here: before placement, those an open
+        # Session sets in __init__. Dunders and our own never place (copy, pickle, repr).
+        state = self.__dict__
+        if name.startswith("__") or "_fleet" not in state or state.get("appliance") is not None:
+            raise AttributeError(name)
+        self._place(None)
+        return object.__getattribute__(self, name)
+
+    def register_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._place(body.get("fingerprint"))
+        return super().register_model(body)
+
+    @property
+    def usable(self) -> bool:
+        if self.appliance is None:
+            return not self._fleet_closed
+        return super().usable
+
+    def close(self) -> None:
+        with self._fleet_lock:
+            self._fleet_closed = True
+            if self.appliance is None:
+                return
+        super().close()
+
+    def _lost_error(self, why: str) -> DjinnError:
+        if self.appliance is None:  # while opening: the caller places elsewhere
+            return Unavailable(
+                f"cannot open a session at {self.endpoint or 'the appliance'}: {why}"
+            )
+        if self._lost is None:
+            verdict = self._fleet.verdict(self.appliance, self.endpoint, why)
+            if verdict is None:  # the appliance answers: one of its workers died
+                return super()._lost_error(why)
+            self._lost, self._fleet_lost = verdict, True
+        if not self._fleet_lost:
+            return super()._lost_error(why)
+        return ApplianceLost(
+            f"session {self.id} on appliance {self.appliance} ({self.endpoint}) is gone: "
+            f"{self._lost}. Its tensors and KV caches are lost (nothing is replayed yet); "
+            "new sessions go to the fleet's live appliances."
+        )
+
+    def _cut(self, why: str) -> None:
+        """The watcher learned the appliance is gone: fail this session's calls now."""
+        if self._lost is None:
+            self._lost, self._fleet_lost = why, True
+        with contextlib.suppress(OSError, AttributeError):
+            self.channel.sock.shutdown(socket.SHUT_RDWR)
+
+    def __repr__(self) -> str:
+        if self.appliance is None:
+            return "FleetSession(not placed yet)"
+        return f"FleetSession({self.id} on {self.appliance})"
