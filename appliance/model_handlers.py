@@ -252,18 +252,28 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     # the KV caches it was given are pinned, and swapped back in if they were out.
     try:  # a prepare that fails must unpin too, or others cannot evict what it pinned
         w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
-        return _run_call(w, s, entry, method, args, kwargs)
+        return _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
     finally:
         w.memory.finish(s)
 
 
 def _run_call(
-    w: Worker, s: WorkerSession, entry: Any, method: str, args: list, kwargs: dict
+    w: Worker,
+    s: WorkerSession,
+    entry: Any,
+    method: str,
+    args: list,
+    kwargs: dict,
+    batched: Any = None,
 ) -> Reply:
+    """``batched``: this decode step's result, computed in a batch with other sessions'
+    steps (Note [cross-session batching]); it stands in for the model's forward."""
     from . import callmemory
     from .skeleton import encode_output
 
     fn = entry.module if method == "forward" else getattr(entry.module, method)
+    if batched is not None:
+        fn = batched
     # Reserve what the call will add before it runs (issue 16 §4): the cache growth and
     # outputs in data, generate()'s private cache in the stack. After the call the
     # reservation gives way to the bytes actually held.

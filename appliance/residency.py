@@ -249,7 +249,9 @@ class MemoryManager:
         now = time.monotonic()
         self._act(s.id).started(now)
         fp = entry.fingerprint
-        self.pinned = {"m:" + fp} | {f"o:{s.id}:{oid}" for oid in oids}
+        # added to what is pinned already: a batch pins every member's working set
+        # (Note [cross-session batching]); finish() unpins all
+        self.pinned |= {"m:" + fp} | {f"o:{s.id}:{oid}" for oid in oids}
         self.model_used[fp] = now
         if fp in self.model_out:
             copies = self.model_out[fp]

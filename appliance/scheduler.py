@@ -15,6 +15,13 @@ boundaries: the ops run in the same order on the same values, so results are
 identical). Other requests (puts, gets, model calls) run whole within one slice. No
 lock is needed anywhere: nothing runs concurrently, only interleaved at op boundaries.
 A single op still runs to its end (a 2-second matmul holds the loop for 2 seconds).
+
+Decode steps of one model from different sessions are run as one batch (Note
+[cross-session batching], batching.py). The scheduler's part: a decode step is *held*
+(not chosen) for at most ``batch_wait_s`` while fewer steps of its model wait than
+sessions decoded it within the last ``DECODERS_RECENT_S``, so that their next steps can
+join; the step chosen takes the others of its model along (``take_riders``), and the
+slice's execution time is shared among them.
 """
 
 from __future__ import annotations
@@ -27,15 +34,18 @@ from typing import Any
 
 from djinn.semantics.scheduling import SchedulerPolicy, SchedulingView, WorkFacts
 
+from .batching import batch_key
+
 log = logging.getLogger("djinn.appliance.scheduler")
 
 USAGE_HALF_LIFE_S = 10.0  # fair shares look at recent execution time, decayed
+DECODERS_RECENT_S = 1.0  # a session that decoded a model this recently will again soon
 
 
 class Work:
     """One request in the scheduler."""
 
-    __slots__ = ("arrived", "facts", "frame", "key", "ran_s", "session", "steps")
+    __slots__ = ("arrived", "facts", "frame", "key", "ran_s", "riders", "session", "steps")
 
     def __init__(self, key: int, session: Any, frame: Any, facts: dict, arrived: float) -> None:
         self.key = key
@@ -45,6 +55,7 @@ class Work:
         self.arrived = arrived
         self.ran_s = 0.0
         self.steps: Iterator[None] | None = None
+        self.riders: list[Work] = []  # decode steps of other sessions batched with it
 
 
 class Usage:
@@ -63,6 +74,9 @@ class Usage:
 
     def forget(self, key: str) -> None:
         self._values.pop(key, None)
+
+    def sessions(self) -> list[str]:
+        return list(self._values)
 
 
 def tenant_of(peer: str) -> str:
@@ -94,6 +108,7 @@ def work_facts(
         if isinstance(hints, dict) and isinstance(hints.get("phase"), str):
             facts["phase"] = hints["phase"][:32]
         facts["tokens"] = _positions(session, body)
+        facts["batch"] = batch_key(body) if facts["tokens"] == 1 else ""
     return facts
 
 
@@ -132,6 +147,8 @@ class Scheduler:
         small_graph_nodes: int = 64,
         max_wait_s: float = 0.5,
         weights: dict[str, float] | None = None,
+        batch_max: int = 1,
+        batch_wait_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
@@ -139,7 +156,10 @@ class Scheduler:
         self.small_graph_nodes = small_graph_nodes
         self.max_wait_s = max_wait_s
         self.weights = weights or {}
+        self.batch_max = batch_max
+        self.batch_wait_s = batch_wait_s
         self.clock = clock
+        self._decoders: dict[str, dict[str, float]] = {}  # batch key -> session -> last step
         self._items: dict[int, Work] = {}
         self._by_session: dict[str, Work] = {}
         self._next_key = 0
@@ -168,6 +188,8 @@ class Scheduler:
             raise RuntimeError(f"session {session.id} already has a request scheduled")
         work = Work(self._next_key, session, frame, facts, self.clock())
         self._next_key += 1
+        if facts.get("batch"):
+            self._decoders.setdefault(facts["batch"], {})[session.id] = work.arrived
         self._items[work.key] = work
         self._by_session[session.id] = work
 
@@ -177,6 +199,8 @@ class Scheduler:
         answer). The request running right now ends by itself: None."""
         work = self._by_session.get(session.id)
         self._sessions.forget(session.id)
+        for decoders in self._decoders.values():
+            decoders.pop(session.id, None)
         if work is None or work is self._executing:
             return None
         self._remove(work)
@@ -193,6 +217,8 @@ class Scheduler:
             return None
         now = self.clock()
         work = self._choose(now)
+        if work is None:
+            return None  # every request waits for a batch to fill (wait_s says how long)
         if self._running is not None and self._running in self._items and work.key != self._running:
             self.preemptions += 1
         if work.steps is None:
@@ -218,12 +244,14 @@ class Scheduler:
             ran = end - began
             self.longest_slice_s = max(self.longest_slice_s, ran)
             work.ran_s += ran
-            tenant = tenant_of(work.session.peer)
-            self._tenants.add(tenant, ran, end)
-            self._sessions.add(work.session.id, ran, end)
+            batch = [work, *work.riders]  # a batch's members share its time
+            for member in batch:
+                share = ran / len(batch)
+                self._tenants.add(tenant_of(member.session.peer), share, end)
+                self._sessions.add(member.session.id, share, end)
             if finished:
                 self._remove(work)
-                self.completed += 1
+                self.completed += len(batch)
         if finished:
             self._running = None
             done(work)
@@ -238,11 +266,63 @@ class Scheduler:
         if self._running == work.key:
             self._running = None
 
-    def _choose(self, now: float) -> Work:
-        if len(self._items) == 1:
-            return next(iter(self._items.values()))
+    # -- batches (Note [cross-session batching]) ------------------------------------------
+    def _held(self, now: float) -> set[int]:
+        """Keys of decode steps left waiting for the steps of their model's other decoders."""
+        if self.batch_max <= 1:
+            return set()
+        groups: dict[str, list[Work]] = {}
+        for w in self._items.values():
+            if w.facts.get("batch") and w.steps is None:
+                groups.setdefault(w.facts["batch"], []).append(w)
+        held: set[int] = set()
+        for key, members in groups.items():
+            oldest = min(w.arrived for w in members)
+            if now - oldest >= self.batch_wait_s or len(members) >= self.batch_max:
+                continue
+            decoders = self._decoders.get(key, {})
+            for sid in [sid for sid, t in decoders.items() if now - t >= DECODERS_RECENT_S]:
+                del decoders[sid]  # stopped decoding: nobody waits for it
+            if len(decoders) > len(members):
+                held.update(w.key for w in members)
+        return held
+
+    def wait_s(self) -> float:
+        """How long the worker may wait on its sockets before a slice is due: 0 when a
+        request can run now, else until the oldest held decode step stops waiting."""
+        now = self.clock()
+        held = self._held(now)
+        if not self._items or len(held) < len(self._items):
+            return 0.0
+        oldest = min(w.arrived for w in self._items.values())
+        return max(0.0, oldest + self.batch_wait_s - now)
+
+    def take_riders(self, work: Work) -> list[Work]:
+        """The decode steps of other sessions that run in one batch with ``work``: they
+        leave the scheduler now, and are answered when the batch is done."""
+        key = work.facts.get("batch")
+        if not key or self.batch_max <= 1:
+            return []
+        others = sorted(
+            (
+                w
+                for w in self._items.values()
+                if w is not work and w.steps is None and w.facts.get("batch") == key
+            ),
+            key=lambda w: w.arrived,
+        )
+        work.riders = others[: self.batch_max - 1]
+        for w in work.riders:
+            self._remove(w)
+        return work.riders
+
+    def _choose(self, now: float) -> Work | None:
+        held = self._held(now)
+        ready = [w for w in self._items.values() if w.key not in held]
+        if len(ready) <= 1:
+            return ready[0] if ready else None
         view = SchedulingView(
-            items=tuple(self._facts(w, now) for w in self._items.values()),
+            items=tuple(self._facts(w, now) for w in ready),
             running=self._running if self._running in self._items else None,
             small_graph_nodes=self.small_graph_nodes,
             max_wait_s=self.max_wait_s,
@@ -254,8 +334,8 @@ class Scheduler:
                 log.exception("scheduling policy %r failed; using arrival order", self.policy)
                 self._policy_failed = True
             work = None
-        if work is None:
-            work = min(self._items.values(), key=lambda w: w.arrived)
+        if work is None or work.key in held:
+            work = min(ready, key=lambda w: w.arrived)
         return work
 
     def _facts(self, work: Work, now: float) -> WorkFacts:
@@ -273,6 +353,33 @@ class Scheduler:
             session_used_s=self._sessions.get(work.session.id, now) / weight,
             **work.facts,
         )
+
+    def session_stats(self) -> dict[str, dict[str, Any]]:
+        """Per session: its share of the worker's recent execution time (decayed, as the
+        fair shares see it) and the class its waiting request has under the policy
+        (``classify``, if the policy has one; "" when nothing of it waits)."""
+        now = self.clock()
+        used = {sid: self._sessions.get(sid, now) for sid in self._sessions.sessions()}
+        total = sum(used.values())
+        rows = {
+            sid: {"exec_share": round(u / total, 4) if total else 0.0, "class": ""}
+            for sid, u in used.items()
+        }
+        classify = getattr(self.policy, "classify", None)
+        if self._items and callable(classify):
+            view = SchedulingView(
+                items=tuple(self._facts(w, now) for w in self._items.values()),
+                running=self._running if self._running in self._items else None,
+                small_graph_nodes=self.small_graph_nodes,
+                max_wait_s=self.max_wait_s,
+            )
+            for facts in view.items:
+                row = rows.setdefault(facts.session, {"exec_share": 0.0, "class": ""})
+                try:
+                    row["class"] = str(classify(facts, view))[:32]
+                except Exception:  # a plugin's bug costs a column, never the stats
+                    row["class"] = "?"
+        return rows
 
     def stats(self) -> dict[str, Any]:
         now = self.clock()

@@ -143,6 +143,8 @@ class Supervisor:
                 "scheduler_small_graph": cfg.scheduler_small_graph,
                 "scheduler_max_wait_ms": cfg.scheduler_max_wait_ms,
                 "scheduler_weights": cfg.scheduler_weights,
+                "batch_max": cfg.batch_max,
+                "batch_wait_us": cfg.batch_wait_us,
                 "log_level": cfg.log_level,
                 "model_roots": cfg.model_roots,
                 "model_allowlist": cfg.model_allowlist,

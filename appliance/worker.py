@@ -43,6 +43,7 @@ from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
 from . import control, prewarm
 from .admission import AdmissionQueue
+from .batching import Batcher
 from .busy import BusyTracker
 from .executor.device import open_device
 from .graphs import GraphTemplates
@@ -111,6 +112,7 @@ class Worker:
         self._last_push = 0.0
         self._trim_due = False  # Note [heap trim] (memtrim.py)
         self.scheduler = self._scheduler(init)  # Note [threading model] (scheduler.py)
+        self.batcher = Batcher(self.scheduler.batch_max)  # Note [cross-session batching]
         self.graphs = GraphTemplates()  # Note [graph templates]
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
@@ -133,6 +135,7 @@ class Worker:
             policy,
         )
         self.models.on_free = memory.forget_model
+        memory.kv.mode = str(init.get("kv_recompute", "auto"))  # Note [kv recompute]
         # per-session quotas (issue 9 §4)
         self.store.device_max = int(init.get("session_device_max") or 0)
         self.store.slabs.host_max = int(init.get("session_host_max") or 0)
@@ -159,7 +162,8 @@ class Worker:
 
     def step(self) -> bool:
         # with work scheduled, only look at the sockets between two slices of it
-        ready = self.sel.select(0 if self.scheduler else LOOP_TICK_S)
+        # (a decode step may be held a moment for others to batch with: wait_s)
+        ready = self.sel.select(self.scheduler.wait_s() if self.scheduler else LOOP_TICK_S)
         if not ready and not self.scheduler and self._trim_due:  # Note [heap trim]
             self._trim_due = False
             trim_heap()
@@ -395,7 +399,23 @@ class Worker:
             pass
 
     def _work_steps(self, work: Work) -> Iterator[None]:
+        riders = self.scheduler.take_riders(work)
+        if riders:
+            return self._batch_steps(work, riders)
         return self.dispatch_steps(work.session, work.frame)
+
+    def _batch_steps(self, work: Work, riders: list[Work]) -> Iterator[None]:
+        """Decode steps of one model from several sessions: one batched forward, then
+        each member's own handler with its result (Note [cross-session batching])."""
+        members = [work, *riders]
+        try:
+            self.batcher.precompute(self, members)
+            for m in members:
+                yield from self.dispatch_steps(m.session, m.frame)
+        finally:
+            self.batcher.discard([m.frame for m in members])
+        for rider in riders:
+            self._work_done(rider)
 
     def _work_done(self, work: Work) -> None:
         s = work.session
@@ -505,6 +525,8 @@ class Worker:
             small_graph_nodes=int(init.get("scheduler_small_graph", 64)),
             max_wait_s=float(init.get("scheduler_max_wait_ms", 500.0)) / 1e3,
             weights=parse_weights(str(init.get("scheduler_weights", ""))),
+            batch_max=int(init.get("batch_max", 8)),
+            batch_wait_s=float(init.get("batch_wait_us", 2000)) / 1e6,
         )
 
     def free_piggybacked(self, s: WorkerSession, handles: Any, objects: Any = None) -> None:
@@ -567,8 +589,10 @@ class Worker:
     def _send_stats(self, now: float, serving_thread: bool = True) -> None:
         self._last_push = now
         self._dirty = False
+        shares = self.scheduler.session_stats()  # execution share, priority class
         sessions = [
-            {**s.stats(now), **self.memory.session_stats(s.id)}  # device and host tiers
+            # device and host tiers, and what the scheduler gave it
+            {**s.stats(now), **self.memory.session_stats(s.id), **shares.get(s.id, {})}
             for s in list(self.sessions.values())
             if s.state == OPEN
         ]
@@ -586,7 +610,11 @@ class Worker:
             "busy": self.busy.describe(now),
             "utilisation": self.utilisation.sample(),
             "prewarm": self.prewarm.state,
-            "scheduler": {**self.scheduler.stats(), "graph_templates": self.graphs.stats()},
+            "scheduler": {
+                **self.scheduler.stats(),
+                "graph_templates": self.graphs.stats(),
+                "batching": self.batcher.stats.as_dict(),
+            },
             "adopted": self.adopted,
         }
         try:

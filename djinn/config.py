@@ -271,6 +271,24 @@ SETTINGS: tuple[Setting, ...] = (
         shape="tenant=weight, ... (uid:N or host:ADDR, weights > 0)",
     ),
     Setting(
+        "batch_max",
+        8,
+        "Most decode steps of one model, from different sessions, that a worker runs as "
+        "one batched forward (Note [cross-session batching]); 1 turns batching off.",
+        "int",
+        low=1,
+        high=256,
+    ),
+    Setting(
+        "batch_wait_us",
+        2000,
+        "How long a decode step may wait for the steps of other sessions that decode the "
+        "same model (those that did within the last second) so that they run as one batch.",
+        "int",
+        low=0,
+        high=1_000_000,
+    ),
+    Setting(
         "model_roots",
         "~/.cache/djinn/models",
         "Directories the appliance may load "

@@ -30,6 +30,9 @@ class FifoScheduler:
             return view.running
         return min(view.items, key=lambda w: w.arrived_s).key
 
+    def classify(self, w: WorkFacts, view: SchedulingView) -> str:
+        return "arrival"  # one class: first come, first served
+
 
 class SemanticScheduler:
     """Note [semantic scheduling]: what the program is doing decides the order.
@@ -61,6 +64,11 @@ class SemanticScheduler:
             if same_class and self._class(best, view) == 1 and ahead < QUANTUM_S:
                 return running.key
         return best.key
+
+    def classify(self, w: WorkFacts, view: SchedulingView) -> str:
+        if w.waited_s > view.max_wait_s:
+            return "aged"
+        return "latency" if self._class(w, view) == 0 else "throughput"
 
     def _rank(self, w: WorkFacts, view: SchedulingView) -> tuple:
         return (self._class(w, view), w.tenant_used_s, w.session_used_s, w.arrived_s)

@@ -36,6 +36,12 @@ def _latency(value: Any) -> str:
     return f"{n * 1e6:.0f}µs" if n < 1e-3 else f"{n * 1e3:g}ms" if n < 1 else f"{n:g}s"
 
 
+def _share(value: Any) -> str:
+    """A session's share of its worker's recent execution time."""
+    n = _num(value)
+    return "-" if n is None else f"{n * 100:.0f}%"
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     if not rows:
         return ["(none)"]
@@ -109,6 +115,8 @@ def render(doc: dict[str, Any]) -> str:
             "peer",
             "state",
             "phase",
+            "class",
+            "share",
             "age",
             "last beat",
             "requests",
@@ -122,6 +130,8 @@ def render(doc: dict[str, Any]) -> str:
                 s.get("peer", "?"),
                 s.get("state", "-"),
                 s.get("phase", "-"),
+                s.get("class") or "-",
+                _share(s.get("exec_share")),
                 _secs(s.get("age_s")),
                 _secs(s.get("last_heartbeat_s"), ".1f"),
                 s.get("requests", "-"),
@@ -140,7 +150,17 @@ def render(doc: dict[str, Any]) -> str:
     if sched:  # issue 10: what each worker's scheduler decided
         lines += ["", "Scheduling"]
         lines += _table(
-            ["worker", "policy", "queued", "oldest wait", "preemptions", "longest slice"],
+            [
+                "worker",
+                "policy",
+                "queued",
+                "oldest wait",
+                "preemptions",
+                "longest slice",
+                "batches",
+                "mean batch",
+                "largest",
+            ],
             [
                 [
                     r.get("worker", "?"),
@@ -149,6 +169,9 @@ def render(doc: dict[str, Any]) -> str:
                     _latency(r.get("oldest_wait_s")),
                     r.get("preemptions", "-"),
                     _latency(r.get("longest_slice_s")),
+                    (r.get("batching") or {}).get("batches", "-"),
+                    (r.get("batching") or {}).get("mean", "-"),
+                    (r.get("batching") or {}).get("largest", "-"),
                 ]
                 for r in sched
             ],

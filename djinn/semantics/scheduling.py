@@ -27,6 +27,7 @@ class WorkFacts:
     phase: str = "unknown"  # the client's hint for this call, else its session's last one
     nodes: int = 0  # EXEC: ops in the graph
     tokens: int = 0  # model calls: input positions (batch x sequence), 0 if not known
+    batch: str = ""  # a decode step that can run batched with others of this key, else ""
     arrived_s: float = 0.0  # when it arrived, on the scheduler's clock
     waited_s: float = 0.0  # since it arrived
     ran_s: float = 0.0  # execution time it has had (a preempted graph)
@@ -50,3 +51,6 @@ class SchedulerPolicy(Protocol):
     def choose(self, view: SchedulingView) -> int:
         """The key of the request to run next. Must not raise; ``view.items`` is never
         empty."""
+
+    # Optional: ``classify(facts, view) -> str``, the priority class a request has under
+    # this policy, shown per session in the stats document and ``djinn top``.

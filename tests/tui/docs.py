@@ -68,9 +68,20 @@ FIRST: dict[str, Any] = {
     },
     "workers": [_worker(0, 4301, 2, 37), _worker(1, 4302, 1, 0, restarts=1)],
     "sessions": [
-        _session(
-            "9f2c41d07a3b6e15", 0, "unix:pid=5120,uid=1000", 812.4, 0.3, 14, 3 * GiB, "llm_decode"
-        ),
+        {
+            **_session(
+                "9f2c41d07a3b6e15",
+                0,
+                "unix:pid=5120,uid=1000",
+                812.4,
+                0.3,
+                14,
+                3 * GiB,
+                "llm_decode",
+            ),
+            "exec_share": 0.62,
+            "class": "latency",
+        },
         _session("03ab77e1c2d94f60", 0, "tcp:10.0.0.7:51234", 45.0, 1.2, 3, 96 * MiB, "forward"),
         _session("c7d0e5f6a1b2c3d4", 1, "unix:pid=5188,uid=1001", 3.5, 0.1, 0, 0, "unknown"),
     ],
@@ -99,6 +110,15 @@ FIRST: dict[str, Any] = {
             },
         ],
     },
+    "scheduler": [
+        {
+            "worker": 0,
+            "policy": "semantic",
+            "queued": 2,
+            "batching": {"batches": 120, "calls": 384, "mean": 3.2, "largest": 4},
+        },
+        {"worker": 1, "policy": "semantic", "queued": 0, "batching": {"batches": 0, "mean": 0.0}},
+    ],
     "models": [
         {
             "name": "gpt2",

@@ -119,6 +119,8 @@ BAD_VALUES = {
     "scheduler_small_graph": [0, 2.5],
     "scheduler_max_wait_ms": [0, "never"],
     "scheduler_weights": ["bob=2", "uid:1000=0", "uid:1000=lots", "host:a"],
+    "batch_max": [0, 257, "eight"],
+    "batch_wait_us": [-1, 1_000_001, 0.5],
     "model_roots": [["/a"]],
     "model_allowlist": [["transformers."]],
     "model_methods": ["__reduce__", "_private", "not a name"],

@@ -183,7 +183,13 @@ def test_what_policies_see_of_a_request():
     facts = work_facts(
         s, frame(Kind.CALL, method="forward", args=[{"$t": 0, "desc": {"shape": [2, 3]}}])
     )
-    assert facts == {"kind": "CALL", "phase": "prefill", "method": "forward", "tokens": 6}
+    assert facts == {
+        "kind": "CALL",
+        "phase": "prefill",
+        "method": "forward",
+        "tokens": 6,
+        "batch": "",  # six positions: not a decode step
+    }
     assert work_facts(s, frame(Kind.EXEC, nodes=[{}, {}]))["nodes"] == 2
     assert tenant_of(s.peer) == "host:10.0.0.7"
     assert tenant_of("unix:pid=3,uid=1000") == "uid:1000"
@@ -201,3 +207,138 @@ def test_semantic_classes():
     assert cls(kind="CALL", tokens=512) == 1 and cls(kind="CALL", method="generate") == 1
     assert cls(kind="PUT") == 0 and cls(kind="REGISTER") == 1
     assert cls(kind="EXEC", nodes=1000, waited_s=0.6) == 0  # aged
+
+
+# -- cross-session batching (Note [cross-session batching]) ------------------------------
+def _decode_step(fp: str = "f" * 32, **kwargs):
+    body = {
+        "fingerprint": fp,
+        "args": [{"$t": 0, "desc": {"shape": [1, 1], "dtype": "int64"}}],
+        "kwargs": {"use_cache": True, "past_key_values": {"$o": "c1"}, **kwargs},
+    }
+    return frame(Kind.CALL, **body)
+
+
+def test_only_plain_single_token_steps_on_a_cache_are_batchable():
+    s = FakeSession("a")
+    assert work_facts(s, _decode_step())["batch"] == "model:" + "f" * 32
+    assert work_facts(s, _decode_step(output_attentions=True))["batch"] == ""
+    prefill = _decode_step()
+    prefill.body["args"][0]["desc"]["shape"] = [1, 7]  # seven positions: a prefill
+    assert work_facts(s, prefill)["batch"] == ""
+    no_cache = _decode_step()
+    del no_cache.body["kwargs"]["past_key_values"]
+    assert work_facts(s, no_cache)["batch"] == ""
+    generate = _decode_step()
+    generate.body["method"] = "generate"
+    assert work_facts(s, generate)["batch"] == ""
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_a_decode_step_waits_for_the_other_decoders_then_takes_them_along(policy):
+    clock = Clock()
+    sched = Scheduler(policy, batch_max=8, batch_wait_s=0.002, clock=clock)
+    sessions = [FakeSession(x) for x in "abc"]
+    for s in sessions:  # all three decoded this model a moment ago
+        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
+    ran: list[list[str]] = []
+
+    def start(w):
+        ran.append([w.session.id] + [r.session.id for r in sched.take_riders(w)])
+        return iter(())
+
+    sched.run_slice(start, lambda w: None)
+    assert ran == [["a", "b", "c"]] and not sched  # one batch, nobody left behind
+    clock.now += 0.01
+    # next step: a and b are back, c is not yet; they wait for it, but not for ever
+    for s in sessions[:2]:
+        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
+    assert sched.run_slice(start, lambda w: None) is None
+    assert 0 < sched.wait_s() <= 0.002
+    clock.now += 0.001
+    sched.submit(sessions[2], _decode_step(), work_facts(sessions[2], _decode_step()))
+    sched.run_slice(start, lambda w: None)  # c arrived: the batch is complete
+    assert sorted(ran[-1]) == ["a", "b", "c"]
+    # c stops decoding: a's next step waits batch_wait_s at most, then runs alone
+    clock.now += 0.01
+    sched.submit(sessions[0], _decode_step(), work_facts(sessions[0], _decode_step()))
+    assert sched.run_slice(start, lambda w: None) is None
+    clock.now += 0.002
+    assert sched.wait_s() == 0.0
+    sched.run_slice(start, lambda w: None)
+    assert ran[-1] == ["a"]
+    # and once nobody else decoded it within DECODERS_RECENT_S, it does not wait at all
+    clock.now += 2.0
+    sched.submit(sessions[0], _decode_step(), work_facts(sessions[0], _decode_step()))
+    assert sched.wait_s() == 0.0
+
+
+def test_a_held_decode_step_lets_other_work_run_and_batches_are_capped():
+    clock = Clock()
+    sched = Scheduler(SemanticScheduler(), batch_max=2, batch_wait_s=0.5, clock=clock)
+    a, b, c, t = (FakeSession(x) for x in "abct")
+    for s in (a, b, c):
+        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
+    ran: list[list[str]] = []
+
+    def start(w):
+        ran.append([w.session.id] + [r.session.id for r in sched.take_riders(w)])
+        return iter(())
+
+    sched.run_slice(start, lambda w: None)
+    assert ran == [["a", "b"]]  # batch_max: c is left for the next batch
+    assert sched.run_slice(start, lambda w: None) is None  # c waits for a's and b's next
+    sched.submit(t, frame(Kind.EXEC, nodes=[{}] * 10), {"kind": "EXEC", "nodes": 10})
+    sched.run_slice(start, lambda w: None)
+    assert ran[-1] == ["t"]  # the held step did not block other work
+    clock.now += 0.01
+    for s in (a, b):
+        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
+    sched.run_slice(start, lambda w: None)
+    assert ran[-1] == ["c", "a"]  # the oldest first, two at most
+
+
+def test_sessions_show_their_share_of_execution_time_and_their_class():
+    clock = Clock()
+    sched = Scheduler(SemanticScheduler(), slice_s=1.0, clock=clock)
+    a, b = FakeSession("a"), FakeSession("b")
+    log: list = []
+    gens = {"a": graph(clock, log, "a", 3, 0.1), "b": graph(clock, log, "b", 1, 0.1)}
+    sched.submit(a, frame(Kind.EXEC), {"kind": "EXEC", "nodes": 500})
+    sched.submit(b, frame(Kind.EXEC), {"kind": "EXEC", "nodes": 500})
+    run_all(sched, gens, [])
+    rows = sched.session_stats()
+    assert rows["a"]["exec_share"] == pytest.approx(0.75, abs=0.01)
+    assert rows["b"]["exec_share"] == pytest.approx(0.25, abs=0.01)
+    sched.submit(a, _decode_step(), work_facts(a, _decode_step()))
+    sched.submit(b, frame(Kind.EXEC), {"kind": "EXEC", "nodes": 500})
+    rows = sched.session_stats()
+    assert (rows["a"]["class"], rows["b"]["class"]) == ("latency", "throughput")
+    fifo = Scheduler(FifoScheduler(), clock=clock)
+    fifo.submit(a, frame(Kind.EXEC), {"kind": "EXEC", "nodes": 5})
+    assert fifo.session_stats()["a"]["class"] == "arrival"
+
+
+def test_prometheus_has_the_batches_and_the_session_shares():
+    from djinn.appliance import scheduler_metrics
+
+    doc = {
+        "scheduler": [
+            {
+                "worker": 0,
+                "policy": "semantic",
+                "batching": {"batches": 3, "calls": 10, "largest": 4},
+            }
+        ],
+        "sessions": [{"id": "s1", "worker": 0, "exec_share": 0.4, "class": "latency"}],
+    }
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in scheduler_metrics.collect(doc)
+        for s in family.samples
+    }
+    assert samples[("djinn_scheduler_batches_total", (("what", "batches"), ("worker", "0")))] == 3
+    assert samples[("djinn_scheduler_batches_total", (("what", "steps"), ("worker", "0")))] == 10
+    assert samples[("djinn_scheduler_largest_batch", (("worker", "0"),))] == 4
+    key = ("djinn_session_exec_share", (("class", "latency"), ("session", "s1"), ("worker", "0")))
+    assert samples[key] == 0.4

@@ -21,6 +21,7 @@ WORKER_COLUMNS = [
     Column("restarts", "restarts", numeric=True),
     Column("sessions", "sessions", numeric=True),
     Column("memory", "memory policy, queue"),
+    Column("sched", "queued, batch", numeric=True),
     Column("util", "util", numeric=True),
 ]
 
@@ -35,6 +36,7 @@ SESSION_COLUMNS = [
     Column("host", "on host", numeric=True),
     Column("swaps", "swaps in/out", numeric=True),
     Column("phase", "phase"),
+    Column("share", "exec share, class", numeric=True),
 ]
 
 MODEL_COLUMNS = [
@@ -109,9 +111,31 @@ def _memory_cell(m: dict[str, Any] | None) -> Cell:
     return Cell(text, waiting)
 
 
+def _sched_cell(row: dict[str, Any] | None) -> Cell:
+    """The worker's scheduler queue and its mean decode batch (issue 10 §5)."""
+    if not row:
+        return Cell("-", None, numeric=True)
+    queued = int(_num(row.get("queued")) or 0)
+    mean = _num((row.get("batching") or {}).get("mean"))
+    return Cell(f"{queued}, {mean:g}" if mean else f"{queued}, -", queued, numeric=True)
+
+
+def _share_cell(row: dict[str, Any]) -> Cell:
+    """A session's share of its worker's recent execution time and the priority class
+    of its waiting request (issue 10 §5)."""
+    share = _num(row.get("exec_share"))
+    if share is None:
+        return Cell("-", None, numeric=True)
+    text = f"{share * 100:.0f}%"
+    if row.get("class"):
+        text += f" {row['class']}"
+    return Cell(text, share, numeric=True)
+
+
 def worker_rows(doc: dict[str, Any]) -> Rows:
     rows: Rows = {}
     memory = {str(m.get("worker")): m for m in doc.get("memory", []) if isinstance(m, dict)}
+    sched = {str(r.get("worker")): r for r in doc.get("scheduler", []) if isinstance(r, dict)}
     for w in doc.get("workers", []):
         if not w.get("alive", False):
             alive = "NO"
@@ -133,6 +157,7 @@ def worker_rows(doc: dict[str, Any]) -> Rows:
             _int_cell(w.get("restarts")),
             _int_cell(w.get("sessions")),
             _memory_cell(memory.get(str(w.get("id")))),
+            _sched_cell(sched.get(str(w.get("id")))),
             Cell("-" if util is None else f"{util:.0f}%{label}", util, numeric=True),
         ]
     return rows
@@ -153,6 +178,7 @@ def session_rows(doc: dict[str, Any]) -> Rows:
             _bytes_cell(s.get("host_bytes")),
             _swaps_cell(s),
             Cell(str(s.get("phase", "-"))),
+            _share_cell(s),
         ]
     return rows
 
