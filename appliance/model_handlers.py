@@ -8,6 +8,7 @@ bytes received, generate() takes sampling and length controls only.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -287,6 +288,7 @@ def _run_call(
         data.release(growth.data)
         raise
     lengths = _cache_lengths([args, kwargs])  # Note [calls run once]
+    started = time.perf_counter()
     try:
         with torch.no_grad():
             out = fn(*args, **kwargs)
@@ -297,6 +299,7 @@ def _run_call(
         data.release(growth.data)
         stack.release(growth.stack)
     entry.hits += 1
+    seconds = time.perf_counter() - started
     kept: list[str] = []
     objects_before = set(s.objects)
     try:
@@ -320,6 +323,8 @@ def _run_call(
         if isinstance(exc, DeviceShort):  # the model ran: it must not be queued to run again
             raise ResourceExhausted(f"{exc.message} (after the call ran: not queued)") from None
         raise
+    # the tokens that built the caches it left, to rebuild them (Note [kv recompute])
+    w.memory.kv.note_call(s, entry.fingerprint, method, args, kwargs, out, seconds)
     return {"out": skeleton}, []
 
 

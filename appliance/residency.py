@@ -2,10 +2,11 @@
 making room when the device budget runs short (issue 9 §2, §3).
 
 Units that can move are a registered model's weights and a session's KV caches (remote
-objects). Session handles and activations never move: handles may be read at any time
-and activations are freed, not swapped. Under pressure ``reclaim`` asks the configured
-policy (a plugin, ``djinn.memory_policies``) for victims and swaps them to the arena
-(Note [swap by storage resize], vmu/tiers.py) until enough is free; before a model call
+objects); a KV cache may instead be dropped and recomputed from its tokens (Note [kv
+recompute], recompute.py). Session handles and activations never move: handles may be
+read at any time and activations are freed, not swapped. Under pressure ``reclaim`` asks
+the configured policy (a plugin, ``djinn.memory_policies``) for victims and swaps them to
+the arena (Note [swap by storage resize], vmu/tiers.py) until enough is free; before a call
 runs, ``prepare`` pins its working set (the model and the KV caches among its
 arguments) so nothing it needs is chosen, and swaps back in what was out. The worker is
 single-threaded, so only the running call is ever in flight.
@@ -23,9 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from djinn.errors import QuotaExceeded, ResourceExhausted
+from djinn.errors import ExecutionError, QuotaExceeded, ResourceExhausted
 from djinn.semantics.memory import KV_CACHE, WEIGHTS, MemoryPolicy, MemoryView, UnitFacts
 
+from .recompute import DEFAULT_COPY_BPS, KvRecompute
 from .store import _tensors_in
 from .vmu.tiers import HostCopy, TierMover, movable
 
@@ -45,7 +47,7 @@ class Counters:
     swaps_out: int = 0
     swaps_in: int = 0
     evictions: int = 0
-    recomputes: int = 0  # KV caches dropped and rebuilt: not done yet (swap only)
+    recomputes: int = 0  # KV caches rebuilt from their tokens (Note [kv recompute])
     bytes_out: int = 0
     bytes_in: int = 0
 
@@ -94,6 +96,7 @@ class MemoryManager:
         self.activity: dict[str, Activity] = {}
         self.total = Counters()
         self.swap_failures = 0
+        self.kv = KvRecompute()  # Note [kv recompute]; the worker sets its mode
         self.host_peak = 0  # most bytes the host tier held (sampled at swaps and stats)
         if policy is not None:
             store.vmu.reclaim = self.reclaim
@@ -216,14 +219,20 @@ class MemoryManager:
             _, sid, oid = key.split(":", 2)
             s = next(x for x in self.sessions() if x.id == sid)
             storages = self._kv_storages(s, s.objects[oid])
+            counters = self._act(sid).counters
+            if self._drop_instead(s, oid, storages):  # Note [kv recompute]
+                self.kv.drop((sid, oid), storages)
+                self.store.charge_objects(s)
+                for c in (counters, self.total):
+                    c.evictions += 1
+                log.info("dropped %s to recompute it", key[:40])
+                return before - self.store.vmu.used
             self._check_host_quota(sid, sum(st.nbytes() for st in storages))
             copies = self.mover.out(storages)
             self.kv_out[(sid, oid)] = copies
             self.store.charge_objects(s)  # the cache's storages now hold 0 bytes
             moved = sum(c.nbytes for c in copies)
-            act = self._act(sid)
-            act.host_bytes += moved
-            counters = act.counters
+            self._act(sid).host_bytes += moved
         for c in (counters, self.total):
             c.swaps_out += 1
             c.evictions += 1
@@ -231,6 +240,22 @@ class MemoryManager:
         self.host_peak = max(self.host_peak, self.host_bytes())
         log.info("swapped out %s: %d bytes", key[:40], moved)
         return before - self.store.vmu.used
+
+    def _drop_instead(self, s: WorkerSession, oid: str, storages: list) -> bool:
+        """Note [kv recompute]: drop the cache (True) or swap it (False)."""
+        rec = self.kv.recomputable(s, oid, storages)
+        if rec is None or rec.fingerprint not in self.models.entries:
+            return False
+        nbytes = sum(st.nbytes() for st in storages)
+        slabs = self.store.slabs
+        can_swap = slabs.capacity - slabs.used >= nbytes
+        try:
+            self._check_host_quota(s.id, nbytes)
+        except QuotaExceeded:
+            can_swap = False
+        mover = self.mover
+        bps = mover.bytes_in / mover.seconds_in if mover.seconds_in > 0 else DEFAULT_COPY_BPS
+        return self.kv.choose(rec, nbytes, bps, can_swap)
 
     def _check_host_quota(self, session_id: str, nbytes: int) -> None:
         """A session at its host quota keeps its caches on the device (issue 9 §4)."""
@@ -253,19 +278,13 @@ class MemoryManager:
         # (Note [cross-session batching]); finish() unpins all
         self.pinned |= {"m:" + fp} | {f"o:{s.id}:{oid}" for oid in oids}
         self.model_used[fp] = now
-        if fp in self.model_out:
-            copies = self.model_out[fp]
-            self.models.text.reserve(entry.nbytes)  # may evict others, never the pinned
-            self.mover.back(copies)
-            del self.model_out[fp]
-            # resized storages have new addresses: the alias check needs the new ones
-            entry.storages = {c.storage.data_ptr() for c in copies} | {
-                st.data_ptr() for st in self._model_storages(entry)
-            }
-            self._count_in(self.model_counters.setdefault(fp, Counters()), copies)
+        self._model_in(entry)
         for oid in oids:
             key = (s.id, oid)
             self.kv_used[key] = now
+            if key in self.kv.dropped:
+                self._rebuild(s, oid)
+                continue
             copies = self.kv_out.get(key)
             if copies is None:
                 continue
@@ -279,6 +298,49 @@ class MemoryManager:
             act.host_bytes -= nbytes
             self.store.charge_objects(s)
             self._count_in(act.counters, copies)
+
+    def _model_in(self, entry: ModelEntry) -> None:
+        """Swap a model's weights back in if they are on the host."""
+        fp = entry.fingerprint
+        if fp not in self.model_out:
+            return
+        copies = self.model_out[fp]
+        self.models.text.reserve(entry.nbytes)  # may evict others, never the pinned
+        self.mover.back(copies)
+        del self.model_out[fp]
+        # resized storages have new addresses: the alias check needs the new ones
+        entry.storages = {c.storage.data_ptr() for c in copies} | {
+            st.data_ptr() for st in self._model_storages(entry)
+        }
+        self._count_in(self.model_counters.setdefault(fp, Counters()), copies)
+
+    def _rebuild(self, s: WorkerSession, oid: str) -> None:
+        """Note [kv recompute]: run the prefill that fills a dropped cache again, with
+        room for the cache and the prefill's activations made first."""
+        key = (s.id, oid)
+        dropped = self.kv.dropped[key]
+        entry = self.models.entries.get(dropped.fingerprint)
+        if entry is None:
+            raise ExecutionError(
+                "a KV cache dropped under memory pressure cannot be rebuilt: the model that "
+                "built it is no longer registered; start the prompt again"
+            )
+        self.pinned.add("m:" + entry.fingerprint)  # the model that rebuilds it stays
+        self._model_in(entry)
+        data, stack = self.store.vmu["data"], self.store.vmu["stack"]
+        scratch = self.kv.stack_bytes(key, entry.module)
+        data.reserve(dropped.nbytes)  # room first (may evict others); charge_objects recounts
+        try:
+            stack.reserve(scratch)
+            try:
+                self.kv.rebuild(key, s.objects[oid], entry.module)
+            finally:
+                stack.release(scratch)
+        finally:
+            data.release(dropped.nbytes)
+        self.store.charge_objects(s)
+        for c in (self._act(s.id).counters, self.total):
+            c.recomputes += 1
 
     def _count_in(self, counters: Counters, copies: list[HostCopy]) -> None:
         moved = sum(c.nbytes for c in copies)
@@ -303,9 +365,11 @@ class MemoryManager:
             self._act(s.id).host_bytes -= sum(c.nbytes for c in copies)
         for key in [k for k in self.kv_used if k[0] == s.id and k[1] not in s.objects]:
             del self.kv_used[key]
+        self.kv.forget(s.id, set(s.objects))
 
     def forget_session(self, s: WorkerSession) -> None:
         self.forget_objects(s)
+        self.kv.forget(s.id)
         self.activity.pop(s.id, None)
 
     def forget_model(self, fp: str) -> bool:
@@ -348,5 +412,6 @@ class MemoryManager:
             "swap_failures": self.swap_failures,
             "swap_in_s": round(self.mover.seconds_in, 6),
             "swap_out_s": round(self.mover.seconds_out, 6),
+            **self.kv.stats(),
             **self.total.as_dict(),
         }

@@ -138,6 +138,7 @@ class Supervisor:
                 "admission_timeout": cfg.admission_timeout,
                 "session_device_max": cfg.session_device_max,
                 "session_host_max": cfg.session_host_max,
+                "kv_recompute": cfg.kv_recompute,
                 "scheduler": cfg.scheduler,
                 "scheduler_slice_ms": cfg.scheduler_slice_ms,
                 "scheduler_small_graph": cfg.scheduler_small_graph,

@@ -225,6 +225,15 @@ SETTINGS: tuple[Setting, ...] = (
         low=0,
     ),
     Setting(
+        "kv_recompute",
+        "auto",
+        "What happens to a KV cache the memory policy evicts (Note [kv recompute]): 'auto' "
+        "drops it and recomputes it from its recorded tokens when that prefill is cheaper "
+        "than copying it back (measured on the worker), or when the host tier has no room, "
+        "and swaps it otherwise; 'always' recomputes whenever it can; 'never' always swaps.",
+        choices=("auto", "always", "never"),
+    ),
+    Setting(
         "scheduler",
         "semantic",
         "What runs next on a worker (issue 10): a plugin of the djinn.schedulers group "

@@ -114,6 +114,7 @@ BAD_VALUES = {
     "admission_timeout": [-1, 601, "soon"],
     "session_device_max": ["lots", -1],
     "session_host_max": ["some", -5],
+    "kv_recompute": ["sometimes", "", ["auto"]],
     "scheduler": ["lru", "", ["fifo"]],
     "scheduler_slice_ms": [0, -1, "short"],
     "scheduler_small_graph": [0, 2.5],
