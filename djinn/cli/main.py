@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from .flags import with_setting_flags
+from .fleet import fleet_app
 
 EXIT_FAILED, EXIT_CONFIG = 1, 2
 
@@ -37,6 +38,20 @@ def _exit_for(command: str, exc: Exception) -> typer.Exit:
 
 
 SET_OPTION = typer.Option(None, "--set", metavar="KEY=VALUE", help="Set any setting (repeatable).")
+FLEET_OPTION = typer.Option(
+    False, "--fleet", help="Every appliance of a fleet (a fleet:// or ray:// address)."
+)
+app.add_typer(fleet_app, name="fleet")
+
+
+def _fleet_target(address: str | None, cfg: Any) -> str:
+    """The fleet to show: the address given, else ``address`` if it is a fleet, else the
+    Ray cluster this node belongs to."""
+    from djinn.fleet.address import is_fleet_address, parse_fleet_address
+
+    target = address or (cfg.address if is_fleet_address(cfg.address) else "fleet://auto")
+    parse_fleet_address(target)  # a typo is a one-line error
+    return target
 
 
 @app.command(
@@ -76,8 +91,10 @@ def status(
     token: str | None = typer.Option(None, help="Token for a TCP address."),
     as_json: bool = typer.Option(False, "--json", help="Print the stats document as JSON."),
     config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+    fleet: bool = FLEET_OPTION,
 ) -> None:
-    """Show workers, sessions and memory of a running appliance."""
+    """Show workers, sessions and memory of a running appliance (--fleet: every
+    appliance of a fleet)."""
     from djinn import config as config_mod
     from djinn.errors import DjinnError
 
@@ -85,13 +102,21 @@ def status(
 
     try:
         cfg = config_mod.load(config)
-        target = address or cfg.address or f"unix://{cfg.socket_path}"
-        if token is None and target.startswith("tcp://"):
-            token = config_mod.read_token(cfg)
-        from djinn.runtime.client import Client
+        if fleet:
+            from djinn.fleet.client import FleetClient
+            from djinn.fleet.render import render_fleet
 
-        with Client(target, token) as client:
-            doc = client.stats()
+            with FleetClient(_fleet_target(address, cfg), token) as fleet_client:
+                doc = fleet_client.stats()
+            render = render_fleet
+        else:
+            target = address or cfg.address or f"unix://{cfg.socket_path}"
+            if token is None and target.startswith("tcp://"):
+                token = config_mod.read_token(cfg)
+            from djinn.runtime.client import Client
+
+            with Client(target, token) as client:
+                doc = client.stats()
     except DjinnError as exc:
         raise _exit_for("status", exc) from None
     if as_json:
@@ -108,14 +133,22 @@ def top(
     token: str | None = typer.Option(None, help="Token for a TCP address."),
     refresh: float = typer.Option(1.0, min=0.1, help="Seconds between stats polls."),
     config: str | None = typer.Option(None, "--config", "-c", help="Path to djinn.toml."),
+    fleet: bool = FLEET_OPTION,
 ) -> None:
-    """Live view of workers, sessions, memory watermarks, models and requests."""
+    """Live view of workers, sessions, memory watermarks, models and requests (--fleet:
+    a table of every appliance of a fleet)."""
     from djinn import config as config_mod
     from djinn.errors import DjinnError
     from djinn.transport.address import parse_address
 
     try:
         cfg = config_mod.load(config)
+        if fleet:
+            target = _fleet_target(address, cfg)
+            from djinn.tui.fleet import run_fleet_top
+
+            run_fleet_top(target, token=token, refresh=refresh)
+            return
         target = address or cfg.address or f"unix://{cfg.socket_path}"
         parse_address(target)  # a typo is a one-line error here, not a dashboard of it
         if token is None and target.startswith("tcp://"):

@@ -76,10 +76,15 @@ class FleetClient:
         self._states: dict[str, tuple[str, str]] = {}
 
     # -- sessions ---------------------------------------------------------------------------
-    def session(self, model: str | None = None) -> FleetSession:
+    def session(
+        self, model: str | None = None, *, appliance: str | None = None, recover: bool = False
+    ) -> FleetSession:
         """A session, placed at its first use (Note [lazy placement]), or at once on the
-        appliance that suits ``model`` (a fingerprint) when given."""
-        return FleetSession(self, model)
+        appliance that suits ``model`` (a fingerprint) when given, or on ``appliance``
+        (an id from the fleet document) and no other. ``recover`` is accepted for the
+        frontend's sake and not acted on yet: a fleet session is not rebuilt elsewhere
+        after its appliance is lost (Note [appliance loss])."""
+        return FleetSession(self, model, appliance)
 
     def _open(self, session: FleetSession, model: str | None) -> None:
         """Place ``session`` and open it on the chosen appliance; an appliance that cannot
@@ -93,7 +98,8 @@ class FleetClient:
                 skip = [a for a, until in self._unreachable.items() if until > now]
             started = time.perf_counter()
             choice = ray.get(
-                self.directory.place.remote(model, skip + tried), timeout=DIRECTORY_TIMEOUT_S
+                self.directory.place.remote(model, skip + tried, session.pinned),
+                timeout=DIRECTORY_TIMEOUT_S,
             )
             session.place_s = time.perf_counter() - started
             if "error" in choice:
@@ -205,8 +211,11 @@ class FleetSession(Session):
     (Note [lazy placement]): until then it holds no connection, and every attribute of
     an open ``Session`` is missing, so touching any of them places it."""
 
-    def __init__(self, fleet: FleetClient, model: str | None = None) -> None:
+    def __init__(
+        self, fleet: FleetClient, model: str | None = None, appliance: str | None = None
+    ) -> None:
         self._fleet = fleet
+        self.pinned = appliance
         self._fleet_lock = threading.Lock()
         self._fleet_closed = False
         self._fleet_lost = False  # the appliance is gone (Note [appliance loss])
@@ -214,7 +223,7 @@ class FleetSession(Session):
         self.endpoint = ""
         self.place_s = 0.0  # the directory's decision, as this client waited for it
         self.open_s = 0.0  # decision, connection and SESSION_OPEN
-        if model:
+        if model or appliance:
             self._place(model)
 
     def _place(self, model: str | None) -> None:

@@ -152,13 +152,18 @@ class FleetDirectory:
         can call this actor can already run code on every node of the cluster."""
         return self._token
 
-    def place(self, model: str | None = None, exclude: list[str] | None = None) -> dict[str, Any]:
+    def place(
+        self, model: str | None = None, exclude: list[str] | None = None, only: str | None = None
+    ) -> dict[str, Any]:
         """The appliance a new session goes to: ``{id, endpoint, policy, sequence}``, or
-        ``{error}`` when no appliance is live."""
+        ``{error}`` when no appliance is live. ``only``: that appliance or none (a session
+        pinned by its client)."""
         model = model[:12] if model else None
         now = time.time()
         with self._lock:
             live = [r for r in self.rows.values() if r.state == UP and r.id not in (exclude or ())]
+            if only is not None:
+                live = [r for r in live if r.id == only]
             if not live:
                 states = ", ".join(f"{r.id}: {r.state}" for r in self.rows.values()) or "none"
                 return {"error": f"no live appliance in the fleet ({states})"}
