@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
+import re
 import secrets
 import socket
 import struct
@@ -73,6 +74,50 @@ def token_matches(expected: str, offered: object) -> bool:
     if not expected or not isinstance(offered, str):
         return False
     return hmac.compare_digest(expected.encode(), offered.encode())
+
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+MIN_TENANT_TOKEN = 16
+
+
+def load_tenant_tokens(path: str) -> dict[str, str]:
+    """Tenants' own TCP tokens (setting tenant_tokens_file): ``name token`` per line,
+    ``#`` comments. A client presenting one is tenant ``token:NAME`` for fair shares
+    (scheduler_weights). Returns {name: token}; a malformed file is a ConfigError that
+    names the line (never the token)."""
+    if not path:
+        return {}
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"tenant_tokens_file {file}: {exc.strerror}") from None
+    tokens: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not TENANT_NAME.fullmatch(parts[0]):
+            raise ConfigError(f"tenant_tokens_file {file}:{n}: expected 'name token'")
+        if len(parts[1]) < MIN_TENANT_TOKEN:
+            raise ConfigError(
+                f"tenant_tokens_file {file}:{n}: the token of {parts[0]!r} is shorter than "
+                f"{MIN_TENANT_TOKEN} characters"
+            )
+        if parts[0] in tokens or parts[1] in tokens.values():
+            raise ConfigError(f"tenant_tokens_file {file}:{n}: {parts[0]!r} or its token repeats")
+        tokens[parts[0]] = parts[1]
+    return tokens
+
+
+def tenant_of_token(tokens: dict[str, str], offered: object) -> str | None:
+    """The tenant whose token was offered, comparing with every one in constant time."""
+    found = None
+    for name, token in tokens.items():
+        if token_matches(token, offered):
+            found = name
+    return found
 
 
 def ensure_token(token: str, token_file: str) -> str:

@@ -79,6 +79,12 @@ class Usage:
         return list(self._values)
 
 
+def session_tenant(session: Any) -> str:
+    """Whose session this is: the tenant the supervisor recorded (``token:NAME`` when the
+    client presented a tenant's own token), else the one its peer says."""
+    return getattr(session, "tenant", "") or tenant_of(session.peer)
+
+
 def tenant_of(peer: str) -> str:
     """Whose session this is, from the peer the supervisor recorded: the Unix user (the
     kernel's uid) or the TCP client's address."""
@@ -247,7 +253,7 @@ class Scheduler:
             batch = [work, *work.riders]  # a batch's members share its time
             for member in batch:
                 share = ran / len(batch)
-                self._tenants.add(tenant_of(member.session.peer), share, end)
+                self._tenants.add(session_tenant(member.session), share, end)
                 self._sessions.add(member.session.id, share, end)
             if finished:
                 self._remove(work)
@@ -339,7 +345,7 @@ class Scheduler:
         return work
 
     def _facts(self, work: Work, now: float) -> WorkFacts:
-        tenant = tenant_of(work.session.peer)
+        tenant = session_tenant(work.session)
         weight = self.weights.get(tenant, 1.0)
         return WorkFacts(
             key=work.key,

@@ -57,6 +57,7 @@ class WorkerSession:
     objects: dict[str, Any] = field(default_factory=dict)  # remote objects (KV caches...)
     object_ids: dict[int, str] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)  # fingerprints this session registered
+    tenant: str = ""  # whose it is, for fair shares: uid:N, host:ADDR or token:NAME
     object_bytes: int = 0  # tensor bytes held by remote objects (KV caches), in data
     data_bytes: int = 0
     requests: int = 0
@@ -88,6 +89,7 @@ class WorkerSession:
         return {
             "id": self.id,
             "peer": self.peer,
+            "tenant": self.tenant,
             "state": self.state,
             "age_s": round(time.time() - self.created, 3),
             "last_heartbeat_s": round(now_mono - self.last_seen, 3),

@@ -32,6 +32,9 @@ def opening_row(session_id: str, peer: str, age_s: float = 0.0) -> dict:
         "phase": "unknown",
         "models": 0,
         "objects": 0,
+        "tenant": "",  # known once its worker reports it
+        "exec_share": 0.0,
+        "class": "",
     }
 
 

@@ -75,6 +75,7 @@ class Supervisor:
         self.conns: dict[int, ClientConn] = {}
         self.stopping = False
         self.token = ""
+        self.tenant_tokens: dict[str, str] = {}  # name -> token (tenant_tokens_file)
         self.addresses: dict[str, str] = {}
         self.listeners: list[tuple[socket.socket, bool]] = []
         self.arena: HostArenaSegment | None = None
@@ -99,6 +100,7 @@ class Supervisor:
             self.addresses["unix"] = f"unix://{cfg.socket_path}"
         if cfg.tcp_enabled:
             self.token = listeners.ensure_token(cfg.token, cfg.token_file)
+            self.tenant_tokens = listeners.load_tenant_tokens(cfg.tenant_tokens_file)
             sock = listeners.tcp_listener(cfg.tcp_host, cfg.tcp_port)
             host, port = sock.getsockname()[:2]
             self.listeners.append((sock, False))
@@ -343,11 +345,14 @@ class Supervisor:
         if not conn.authenticated:
             if frame.kind != Kind.HELLO:
                 raise AuthFailed("authenticate with HELLO before any other request")
-            if not conn.via_unix and not listeners.token_matches(
-                self.token, frame.body.get("token")
-            ):
-                log.warning("rejected %s: wrong or missing token", conn.peer)
-                raise AuthFailed("wrong or missing token (set DJINN_TOKEN or token_file)")
+            if not conn.via_unix:
+                offered = frame.body.get("token")
+                tenant = listeners.tenant_of_token(self.tenant_tokens, offered)
+                if tenant is None and not listeners.token_matches(self.token, offered):
+                    log.warning("rejected %s: wrong or missing token", conn.peer)
+                    raise AuthFailed("wrong or missing token (set DJINN_TOKEN or token_file)")
+                if tenant is not None:  # its own token: fair shares by tenant
+                    conn.extra["tenant"] = f"token:{tenant}"
             conn.authenticated = True
             conn.reader.authenticated = True
             conn.extra["hello"] = _said_hello(frame.body)
@@ -385,6 +390,7 @@ class Supervisor:
             "op": "adopt",
             "session": secrets.token_hex(8),
             "peer": conn.peer,
+            "tenant": conn.extra.get("tenant", ""),
             "via_unix": conn.via_unix,
             "request_id": conn.waiting_open[0],
         }

@@ -52,7 +52,7 @@ from .memtrim import trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
 from .residency import MemoryManager
-from .scheduler import Scheduler, Work, parse_weights, work_facts
+from .scheduler import Scheduler, Work, parse_weights, tenant_of, work_facts
 from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
@@ -224,6 +224,7 @@ class Worker:
         session = WorkerSession(
             msg["session"], msg["peer"], sock, reader, msg["via_unix"], self.lease_s
         )
+        session.tenant = str(msg.get("tenant") or "") or tenant_of(session.peer)
         # Note [no session cycles]: the reader must not hold its session strongly. A
         # cycle (session -> reader -> sink -> session) outlives the session's end until a
         # full garbage collection, and with it the reader's buffer and everything the
@@ -592,7 +593,11 @@ class Worker:
         shares = self.scheduler.session_stats()  # execution share, priority class
         sessions = [
             # device and host tiers, and what the scheduler gave it
-            {**s.stats(now), **self.memory.session_stats(s.id), **shares.get(s.id, {})}
+            {
+                **s.stats(now),
+                **self.memory.session_stats(s.id),
+                **shares.get(s.id, {"exec_share": 0.0, "class": ""}),
+            }
             for s in list(self.sessions.values())
             if s.state == OPEN
         ]

@@ -274,10 +274,18 @@ SETTINGS: tuple[Setting, ...] = (
         "scheduler_weights",
         "",
         "Fair-share weights of tenants, as tenant=weight pairs separated by commas: "
-        "uid:1000=2 (a Unix user), host:10.0.0.7=0.5 (a TCP client's address). "
+        "uid:1000=2 (a Unix user), host:10.0.0.7=0.5 (a TCP client's address), "
+        "token:alice=3 (a TCP client presenting alice's token from tenant_tokens_file). "
         "Tenants not listed weigh 1.",
         check=rules.check_weights,
-        shape="tenant=weight, ... (uid:N or host:ADDR, weights > 0)",
+        shape="tenant=weight, ... (uid:N, host:ADDR or token:NAME, weights > 0)",
+    ),
+    Setting(
+        "tenant_tokens_file",
+        "",
+        "File of 'name token' lines (mode 0600; tokens of 16 characters or more): a TCP "
+        "client presenting one of these tokens instead of `token` is let in as tenant "
+        "token:NAME, for fair shares (scheduler_weights). Empty: none.",
     ),
     Setting(
         "batch_max",

@@ -183,8 +183,10 @@ def check_placement(value: str) -> str | None:
 def check_weights(value: str) -> str | None:
     for part in (p.strip() for p in value.split(",") if p.strip()):
         tenant, eq, weight = part.rpartition("=")
-        if not eq or not re.fullmatch(r"(uid:\d+|host:\S+)", tenant.strip()):
-            return f"{part!r} is not tenant=weight (tenant: uid:N or host:ADDR)"
+        if not eq or not re.fullmatch(
+            r"(uid:\d+|host:\S+|token:[A-Za-z0-9_.-]{1,32})", tenant.strip()
+        ):
+            return f"{part!r} is not tenant=weight (tenant: uid:N, host:ADDR or token:NAME)"
         try:
             w = float(weight)
         except ValueError:

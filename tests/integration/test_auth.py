@@ -19,6 +19,7 @@ from djinn.protocol.frames import (
     encode_body,
     encode_header,
 )
+from tests.conftest import wait_for
 
 
 def _raw_hello(port: int, body: dict) -> tuple[dict, bytes]:
@@ -120,3 +121,42 @@ def test_a_flood_of_silent_connections_does_not_stop_the_appliance(fresh_applian
         for s in socks:
             s.close()
     assert app.proc.poll() is None
+
+
+def test_a_tenant_token_lets_a_tcp_client_in_as_that_tenant(fresh_appliance, tmp_path):
+    """tenant_tokens_file: each team its own token, and its sessions are its tenant for
+    fair shares (issue 10 §3: weights between tokens)."""
+    tokens = tmp_path / "tenants"
+    tokens.write_text("# name token\nalice " + "a" * 24 + "\nbob " + "b" * 24 + "\n")
+    app = fresh_appliance(tenant_tokens_file=str(tokens), scheduler_weights="token:alice=3")
+
+    def tenant(client, sid):  # once the worker has reported the session
+        row = next(r for r in client.stats()["sessions"] if r["id"] == sid)
+        return row["state"] == "open" and row["tenant"]
+
+    with djinn.connect(app.tcp, token="a" * 24) as alice, alice.session() as s:
+        assert wait_for(lambda: tenant(alice, s.id)) == "token:alice"
+    with djinn.connect(app.tcp, token=app.token) as anyone, anyone.session() as s:
+        assert wait_for(lambda: tenant(anyone, s.id)).startswith("host:")  # the main token
+    with pytest.raises(AuthFailed):
+        djinn.connect(app.tcp, token="a" * 23)  # no prefix of a tenant's token
+
+
+def test_a_malformed_tenant_tokens_file_is_refused_at_start(tmp_path):
+    from djinn.appliance.listeners import load_tenant_tokens
+    from djinn.errors import ConfigError
+
+    path = tmp_path / "tenants"
+    for text, why in [
+        ("alice short\n", "shorter than 16"),
+        ("alice " + "a" * 20 + " extra\n", ":1: expected"),
+        ("al/ice " + "a" * 20 + "\n", "expected"),
+        ("a " + "x" * 20 + "\nb " + "x" * 20 + "\n", ":2: .* repeats"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=why):
+            load_tenant_tokens(str(path))
+    with pytest.raises(ConfigError, match="No such file"):
+        load_tenant_tokens(str(tmp_path / "missing"))
+    path.write_text("# teams\n\nalice " + "a" * 20 + "\n")
+    assert load_tenant_tokens(str(path)) == {"alice": "a" * 20}

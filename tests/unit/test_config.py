@@ -121,6 +121,7 @@ BAD_VALUES = {
     "scheduler_max_wait_ms": [0, "never"],
     "scheduler_weights": ["bob=2", "uid:1000=0", "uid:1000=lots", "host:a"],
     "batch_max": [0, 257, "eight"],
+    "tenant_tokens_file": [["a"]],
     "batch_wait_us": [-1, 1_000_001, 0.5],
     "model_roots": [["/a"]],
     "model_allowlist": [["transformers."]],
