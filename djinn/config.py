@@ -395,6 +395,52 @@ SETTINGS: tuple[Setting, ...] = (
         "its own GPU, with one warning).",
         choices=("error", "local"),
     ),
+    Setting(
+        "recovery_retries",
+        3,
+        "How many times a client rebuilds its default session after its worker (or the "
+        "whole appliance) was lost, replaying what the program holds there (Note [lineage "
+        "journal]), before it gives up with RECOVERY_FAILED naming the original fault. "
+        "0: no recovery (the lost session's tensors raise SESSION_LOST).",
+        "int",
+        low=0,
+        high=100,
+    ),
+    Setting(
+        "recovery_backoff",
+        0.2,
+        "Seconds before the second attempt to rebuild a lost session; doubles with each "
+        "further attempt, up to recovery_backoff_max.",
+        "float",
+        low=0.0,
+        high=60.0,
+    ),
+    Setting(
+        "recovery_backoff_max",
+        2.0,
+        "Longest wait between two attempts to rebuild a lost session.",
+        "float",
+        low=0.0,
+        high=300.0,
+    ),
+    Setting(
+        "recovery_errors",
+        "WORKER_LOST,SESSION_LOST",
+        "The faults after which a client rebuilds its session and sends the request again "
+        "(comma-separated codes among WORKER_LOST, SESSION_LOST, SESSION_EXPIRED). An "
+        "operator's SESSION_ENDED is never undone.",
+        check=rules.check_recovery_errors,
+        shape="comma-separated error codes",
+    ),
+    Setting(
+        "recovery_checkpoint_bytes",
+        "64MiB",
+        "How much a recovering session's journal may grow before it is cut back to a "
+        "snapshot of the live values (Note [lineage truncation]): the client's memory for "
+        "recovery stays below the live values plus this.",
+        "bytes",
+        low=1 << 20,
+    ),
     # -- a fleet of appliances on Ray (djinn fleet, issue 13) -------------------------
     Setting(
         "fleet_placement",

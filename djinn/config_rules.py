@@ -150,6 +150,16 @@ def check_methods(value: str) -> str | None:
     return None
 
 
+RECOVERABLE = ("WORKER_LOST", "SESSION_LOST", "SESSION_EXPIRED")
+
+
+def check_recovery_errors(value: str) -> str | None:
+    for code in (p.strip().upper() for p in value.split(",") if p.strip()):
+        if code not in RECOVERABLE:
+            return f"{code!r} is not a fault a session recovers from ({', '.join(RECOVERABLE)})"
+    return None
+
+
 def check_memory_policy(value: str) -> str | None:
     """'off' or an installed plugin of djinn.memory_policies (read from metadata only)."""
     from importlib.metadata import entry_points

@@ -78,6 +78,14 @@ class ApplianceLost(SessionLost):
     code = "APPLIANCE_LOST"
 
 
+class RecoveryFailed(SessionLost):
+    """(client side) a recovering session could not be rebuilt after its worker was lost;
+    the message names the original fault (``fault`` holds it) and why recovery gave up."""
+
+    code = "RECOVERY_FAILED"
+    fault: DjinnError | None = None
+
+
 class WorkerLost(DjinnError):
     """The worker running this request died before answering."""
 

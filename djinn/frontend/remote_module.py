@@ -48,6 +48,13 @@ class RemoteObject:
         self.session, self.oid, self.cls = session, oid, cls
         self._finalizer = weakref.finalize(self, session._free_object_later, oid)
 
+    def rebind(self, oid: str) -> None:
+        """Refer to ``oid``, this object's twin rebuilt after its worker was lost
+        (Note [lineage journal] in djinn/runtime/lineage.py)."""
+        self._finalizer.detach()
+        self.oid = oid
+        self._finalizer = weakref.finalize(self, self.session._free_object_later, oid)
+
     def __repr__(self) -> str:
         return f"RemoteObject({self.cls.rsplit('.', 1)[-1]}, id={self.oid[:8]}…)"
 

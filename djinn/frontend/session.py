@@ -16,7 +16,9 @@ def default_session() -> Any:
     or appliance went away, or that the appliance ended (an operator) or expired, is
     replaced for new work: tensors it held keep raising their typed error (SESSION_LOST,
     SESSION_ENDED...), but the program's next tensors go to a new session, on a new
-    connection if the appliance itself restarted, instead of failing forever."""
+    connection if the appliance itself restarted, instead of failing forever. A lost
+    session is first rebuilt where it can be (Note [lineage journal] in
+    djinn/runtime/lineage.py): it is replaced only once its recovery gave up."""
     global _client, _session
     session = _session
     if session is not None and session.usable:
@@ -31,13 +33,22 @@ def default_session() -> Any:
             if _client is None:
                 _client = connect()
                 atexit.register(_close)
+            recover = _recovering()
             try:
-                _session = _client.session()
+                _session = _client.session(recover=recover)
             except DjinnError:  # the connection is gone too: the appliance restarted
                 _client.close()
                 _client = connect()
-                _session = _client.session()
+                _session = _client.session(recover=recover)
         return _session
+
+
+def _recovering() -> bool:
+    """Note [lineage journal]: the default session is rebuilt after a worker is lost
+    unless ``recovery_retries`` is 0."""
+    from djinn import config
+
+    return config.load().recovery_retries > 0
 
 
 def _close() -> None:

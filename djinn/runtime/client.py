@@ -31,11 +31,14 @@ class Client:
         self._ctl = Channel(self.address, _lost)
         self.server = self._ctl.hello(token)
 
-    def session(self) -> Any:
-        """A new session (a context manager); everything it holds is freed when it ends."""
+    def session(self, *, recover: bool = False) -> Any:
+        """A new session (a context manager); everything it holds is freed when it ends.
+        ``recover=True``: when its worker is lost the session is rebuilt on another and
+        what it held is replayed there (Note [lineage journal], the ``recovery_*``
+        settings); otherwise its requests fail with WORKER_LOST, then SESSION_LOST."""
         from .session import Session
 
-        return Session(self)
+        return Session(self, recover=recover)
 
     def stats(self) -> dict[str, Any]:
         """The stats document (same as ``djinn status --json``)."""

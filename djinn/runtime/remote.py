@@ -29,6 +29,7 @@ class RemoteTensor:
         "session",
         "shape",
         "strides",
+        "view",
     )
 
     def __init__(self, session: Session, handle: str, meta: dict[str, Any]) -> None:
@@ -41,7 +42,18 @@ class RemoteTensor:
         # no longer what the program computed, and reading it raises this (the
         # frontend's Note [failed values])
         self.failed: Exception | None = None
+        self.view = False  # may share storage with another handle (Note [lineage truncation])
         self._finalizer = weakref.finalize(self, session._free_later, handle)
+        rec = getattr(session, "_lineage", None)
+        if rec is not None:
+            rec.remotes.add(self)
+
+    def rebind(self, handle: str) -> None:
+        """Refer to ``handle`` instead: its twin, rebuilt after the worker holding this one
+        was lost (Note [lineage journal] in lineage.py)."""
+        self._finalizer.detach()
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, self.session._free_later, handle)
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from djinn.protocol import templates
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import from_wire, to_wire, validate
 
+from . import lineage
 from .channel import Channel
 from .remote import RemoteTensor
 
@@ -49,29 +51,62 @@ def _u8(n: int) -> torch.Tensor:
 
 
 class Session:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, *, recover: bool = False) -> None:
         self.client = client
         self._lost: str | None = None
         self._gone: DjinnError | None = None  # the SESSION_ENDED / _EXPIRED that said why
         self._graphs: set[str] = set()  # templates the appliance keeps for us (by fingerprint)
-        self.channel = Channel(client.address, self._lost_error)
-        self.channel.hello(client.token)
+        self._pending_free: list[str] = []  # handles collected by the GC, freed next call
+        self._release: list[int] = []  # reply slabs already copied out, released next call
+        self._pending_free_objects: list[str] = []
+        self._lists_lock = threading.Lock()
+        self.objects_lock = threading.Lock()  # dedupes RemoteObjects (remote_module)
+        self._closed = threading.Event()
+        self._replaying = False  # a recovery replays the journal: nothing rides along
+        # Note [lineage journal]: a recovering session records what it asks for, to
+        # rebuild it on another worker when its own dies
+        self._lineage: lineage.Lineage | None = None
+        if recover:
+            from djinn import config
+
+            self._lineage = lineage.Lineage(self, lineage.Policy.from_config(config.load()))
+            self._lineage.remotes = weakref.WeakSet()
+        self._open()
+        self._resume()
+
+    def _open(self) -> None:
+        """Open the session on the appliance: a new connection handed to a worker."""
+        self.channel = Channel(self.client.address, self._lost_error)
+        self.channel.hello(self.client.token)
         info = self.channel.call(Kind.SESSION_OPEN, {"client": "python"}).body
         self.id: str = info["session"]
         self.worker: int = info["worker"]
         self.device: str = info.get("device", "")
         self.inline_max: int = info["inline_max"]
         self.heartbeat_interval: float = info["heartbeat_interval"]
-        self.arena = client._map_arena(info["arena"]) if "arena" in info else None
-        self._pending_free: list[str] = []  # handles collected by the GC, freed next call
-        self._release: list[int] = []  # reply slabs already copied out, released next call
-        self._pending_free_objects: list[str] = []
-        self._lists_lock = threading.Lock()
-        self.objects_lock = threading.Lock()  # dedupes RemoteObjects (remote_module)
+        self.arena = self.client._map_arena(info["arena"]) if "arena" in info else None
         self._last_call = time.monotonic()
-        self._closed = threading.Event()
+
+    def _reopen(self) -> None:
+        """A new session for this one after its worker was lost (Note [lineage journal]):
+        what rode along with the lost requests is the old worker's business no more."""
+        self.channel.close()
+        self._replaying = True
+        self._graphs = set()
+        with self._lists_lock:
+            self._release = []
+        self._lost = None
+        self._gone = None
+        self._open()
+
+    def _resume(self) -> None:
+        """Requests carry the GC's frees again; a heartbeat thread for this connection."""
+        self._replaying = False
         self._beat = threading.Thread(
-            target=self._heartbeat, name=f"djinn-heartbeat-{self.id}", daemon=True
+            target=self._heartbeat,
+            args=(self.channel,),
+            name=f"djinn-heartbeat-{self.id}",
+            daemon=True,
         )
         self._beat.start()
 
@@ -92,24 +127,69 @@ class Session:
     ) -> Any:
         body = dict(body or {})
         with self._lists_lock:  # finalizers append from any thread
-            if self._pending_free:
+            if self._pending_free and not self._replaying:
                 body["free"], self._pending_free = self._pending_free, []
             if self._release:
                 body["release"], self._release = self._release, []
-            if self._pending_free_objects:
+            if self._pending_free_objects and not self._replaying:
                 body["free_objects"], self._pending_free_objects = self._pending_free_objects, []
         self._last_call = time.monotonic()
         try:
-            return self.channel.call(kind, body, segments, **kw)
+            frame = self.channel.call(kind, body, segments, **kw)
         except (SessionEnded, SessionExpired) as exc:
             self._gone = exc  # the appliance freed it: nothing more will work
+            self._unsent(body)
             raise
+        except (WorkerLost, SessionLost):
+            self._unsent(body)
+            raise
+        if (
+            self._lineage is not None
+            and not self._replaying
+            and ("free" in body or "free_objects" in body)
+        ):
+            self._lineage.record_frees(body.get("free"), body.get("free_objects"))
+        return frame
+
+    def _unsent(self, body: dict[str, Any]) -> None:
+        """A recovering session frees, after its recovery, what rode along with a lost
+        request (Note [lineage journal]); the old worker's slabs are not ours any more."""
+        if self._lineage is None:
+            return
+        with self._lists_lock:
+            self._pending_free[:0] = body.get("free", [])
+            self._pending_free_objects[:0] = body.get("free_objects", [])
+
+    def _call_raw(self, kind: str, body: dict[str, Any], segments: Sequence = ()) -> Any:
+        return self._call(Kind[kind], body, segments).body
+
+    def _recovering(self, attempt: Any, body: Any = None, repeat: bool = True) -> Any:
+        """``attempt(body)``; in a recovering session, again on a rebuilt session when
+        the worker is lost (Lineage.run)."""
+        if self._lineage is None:
+            return attempt(body)
+        return self._lineage.run(attempt, body, repeat)
 
     @property
     def usable(self) -> bool:
         """False once the session is closed, lost with its worker or appliance, or ended
-        or expired on the appliance: new work needs a new session."""
-        return not self._closed.is_set() and self._lost is None and self._gone is None
+        or expired on the appliance: new work needs a new session. A recovering session
+        stays usable after a loss until its recovery gives up (Note [lineage journal])."""
+        if self._closed.is_set():
+            return False
+        rec = self._lineage
+        if rec is not None and rec.gave_up is not None:
+            return False
+        if rec is not None:
+            retried = rec.policy.errors
+            lost_ok = self._lost is None or {"WORKER_LOST", "SESSION_LOST"} & retried
+            gone_ok = self._gone is None or self._gone.code in retried
+            return bool(lost_ok and gone_ok)
+        return self._lost is None and self._gone is None
+
+    def recovery_stats(self) -> dict[str, Any]:
+        """Recoveries, their durations and the journal's size (empty when not recovering)."""
+        return {} if self._lineage is None else self._lineage.stats()
 
     def _free_later(self, handle: str) -> None:
         if not self._closed.is_set():
@@ -121,8 +201,10 @@ class Session:
             with self._lists_lock:
                 self._pending_free_objects.append(oid)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, channel: Channel) -> None:
         while not self._closed.wait(self.heartbeat_interval / 2):
+            if self.channel is not channel:
+                return  # the session was rebuilt: its own thread beats for it
             if time.monotonic() - self._last_call < self.heartbeat_interval / 2:
                 continue
             try:
@@ -134,15 +216,26 @@ class Session:
     def register_model(self, body: dict[str, Any]) -> dict[str, Any]:
         """Offer a model by fingerprint (REGISTER); the reply says whether the appliance
         already has it (``cached``) or wants its weights in a second REGISTER."""
-        return self._call(Kind.REGISTER, body).body
+        if self._lineage is None:
+            return self._call(Kind.REGISTER, body).body
+        reply, sent = self._lineage.run_body(lambda b: self._call(Kind.REGISTER, b).body, body)
+        self._lineage.record(lineage.Entry("register", sent, nbytes=lineage.NODE_BYTES))
+        return reply
 
     def call_model(self, body: dict[str, Any], segments: Sequence = ()) -> dict[str, Any]:
         """Call a registered model (CALL); ``segments`` carry the inline tensors."""
-        return self._call(Kind.CALL, body, segments).body
+        if self._lineage is None:
+            return self._call(Kind.CALL, body, segments).body
+        repeat = not lineage.sampled(body)
+        attempt = lambda b: self._call(Kind.CALL, b, segments).body  # noqa: E731
+        reply, sent = self._lineage.run_body(attempt, body, repeat)
+        self._lineage.record(lineage.Lineage.call_entry(sent, list(segments), reply))
+        return reply
 
     def memory_allocated(self) -> int:
         """Bytes this session holds on the appliance now (tensors, KV caches)."""
-        return int(self._call(Kind.HEARTBEAT).body.get("bytes", 0))
+        reply = self._recovering(lambda _: self._call(Kind.HEARTBEAT).body)
+        return int(reply.get("bytes", 0))
 
     # -- tensors ---------------------------------------------------------------------------
     def put(self, tensor: torch.Tensor) -> RemoteTensor:
@@ -150,6 +243,13 @@ class Session:
         return self.put_many([tensor])[0]
 
     def put_many(self, tensors: Iterable[torch.Tensor]) -> list[RemoteTensor]:
+        tensors = list(tensors)
+        remotes = self._recovering(lambda _: self._put_many(tensors))
+        if self._lineage is not None:
+            self._lineage.record_put(tensors, remotes)
+        return remotes
+
+    def _put_many(self, tensors: list[torch.Tensor]) -> list[RemoteTensor]:
         entries: list[dict[str, Any]] = []
         segments: list[Any] = []
         bulk: list[tuple[int, torch.Tensor]] = []
@@ -186,6 +286,11 @@ class Session:
             for r, o in zip(remotes, out, strict=True):
                 if o.device.type != "cpu" or o.shape != r.shape or o.dtype != r.dtype:
                     raise ValueError(f"out= must be a CPU tensor of {list(r.shape)} {r.dtype}")
+        return self._recovering(lambda _: self._get_many(remotes, out))
+
+    def _get_many(
+        self, remotes: Sequence[RemoteTensor], out: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         sink = self._sink if out is None else self._sink_into(out)
         frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=sink)
         return self._unpack(frame, out)["tensors"]
@@ -193,16 +298,26 @@ class Session:
     def inspect_weights(self, path: str) -> dict[str, Any]:
         """``{content_hash, names}`` of the safetensors files in ``path`` on the appliance
         host, without loading them."""
-        return self._call(Kind.LOAD, {"path": str(path), "hash_only": True}).body
+        body = {"path": str(path), "hash_only": True}
+        return self._recovering(lambda b: self._call(Kind.LOAD, b).body, body)
 
     def load(self, path: str) -> dict[str, RemoteTensor]:
         """Have the appliance load the safetensors weights in ``path`` (a directory on the
         appliance host, under its ``model_roots``); returns them by name, bytes remote."""
-        reply = self._call(Kind.LOAD, {"path": str(path)}).body
+        body = {"path": str(path)}
+        reply = self._recovering(lambda b: self._call(Kind.LOAD, b).body, body)
+        if self._lineage is not None:
+            made = {t["name"]: t["handle"] for t in reply["tensors"]}
+            self._lineage.record(lineage.Entry("load", body, out=made, nbytes=len(made) * 64))
         return {t["name"]: RemoteTensor(self, t["handle"], t) for t in reply["tensors"]}
 
     def free(self, handles: Iterable[str]) -> None:
-        self._call(Kind.FREE, {"handles": list(handles)})
+        body = {"handles": list(handles)}
+        if self._lineage is None:
+            self._call(Kind.FREE, body)
+            return
+        _, sent = self._lineage.run_body(lambda b: self._call(Kind.FREE, b), body)
+        self._lineage.record_frees(sent["handles"], None)
 
     def execute(
         self,
@@ -242,8 +357,14 @@ class Session:
         body = {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)}
         if partial:
             body["partial"] = True
-        out = self._exec_body(body, segments)
+        if self._lineage is None:
+            out = self._exec_body(body, segments)
+        else:
+            out, body = self._lineage.run_body(lambda b: self._exec_body(b, segments), body)
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
+        if self._lineage is not None:
+            self._lineage.mark_views(body, kept)
+            self._lineage.record(lineage.Lineage.graph_entry(body, segments, out))
         tensors = iter(out["tensors"])
         fetched = [
             NOT_RUN if isinstance(v, dict) else next(tensors) if v is None else v

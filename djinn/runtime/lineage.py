@@ -1,0 +1,532 @@
+"""Lineage: what a session needs to rebuild everything it holds on a new worker.
+
+Note [lineage journal]: a recovering session (``client.session(recover=True)``; the
+frontend's default session when ``recovery_retries`` > 0) records every request that
+changes what it holds on the appliance, in the order they completed: puts, op graphs,
+model registrations, model calls, weight loads and frees. Together these are the lineage
+of every live handle and remote object, back to puts and factories, including the
+in-place writes, aliasing and random ops (a seeded op carries the generator state it
+ran with, Note [seeded ops] in frontend/lazy.py) that a per-handle DAG would have to
+model separately. When the worker dies (WORKER_LOST, then SESSION_LOST), the session
+opens a new one, on the replacement or on another worker, or on a restarted appliance,
+and replays the journal there; every handle and object id the replay produces is mapped
+to the one it replaces, the program's ``RemoteTensor`` and ``RemoteObject`` objects are
+pointed at the new ones in place (nothing the program holds changes identity), and the
+request that failed is sent again. Ops on one kind of worker are deterministic, so the
+replayed values are the values the program computed, bit for bit.
+
+Where the data lives:
+- *put data* is the client's own tensor, referenced, not copied: the program usually
+  still holds it, and a module moved with ``.to()`` gave up its CPU tensors anyway. Its
+  version counter is recorded; a tensor written in place after it was uploaded can no
+  longer be replayed and recovery gives up with RECOVERY_FAILED rather than rebuild a
+  wrong value. Puts are replayed lazily: only when a later request uses them or the
+  program still holds them (a freed input costs no upload).
+- *inline bytes* (small tensors and generator states in graphs, model-call inputs) are
+  copied into the journal: they are small and the caller's buffers may be reused.
+- *registered models* come back from the same journal: the weights a session uploaded
+  are puts (the client's tensors); a model ghost-loaded from a directory on the
+  appliance host is registered from that path again (nothing held on the client). A
+  worker that already holds the model (cached) skips the upload.
+- *KV caches* are remote objects; they are rebuilt by replaying the model calls that
+  grew them, step by step (recompute; the same arithmetic, so the same bytes).
+
+Note [lineage truncation]: the journal would grow with every step of a loop. Once its
+bytes since the last cut pass ``recovery_checkpoint_bytes``, the session reads back the
+value of every live handle (one GET) and the journal becomes: the model registrations
+(with the weights they need) and one put of those values. The client then holds the
+live state once (the snapshot) plus at most the budget, whatever the number of steps.
+A cut is put off while the session holds a remote object (a KV cache cannot be read
+back; its calls stay) or a handle that views another's storage (two separately restored
+tensors would no longer share bytes); the next request tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.errors import DjinnError, RecoveryFailed, SessionLost, Unavailable, WorkerLost
+
+if TYPE_CHECKING:
+    from .remote import RemoteTensor
+    from .session import Session
+
+log = logging.getLogger("djinn.runtime.lineage")
+NODE_BYTES = 256  # what one recorded graph node costs the journal, roughly (its JSON)
+MAPS_KEPT = 16  # handle renamings kept for requests built before a recovery
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``recovery_*`` settings: how often and how patiently a lost session is rebuilt."""
+
+    retries: int = 3
+    backoff: float = 0.2
+    backoff_max: float = 2.0
+    errors: frozenset[str] = frozenset({"WORKER_LOST", "SESSION_LOST"})
+    checkpoint_bytes: int = 64 << 20
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Policy:
+        return cls(
+            retries=int(cfg.recovery_retries),
+            backoff=float(cfg.recovery_backoff),
+            backoff_max=float(cfg.recovery_backoff_max),
+            errors=frozenset(e.strip().upper() for e in cfg.recovery_errors.split(",") if e),
+            checkpoint_bytes=int(cfg.recovery_checkpoint_bytes),
+        )
+
+
+@dataclass
+class Entry:
+    """One recorded request: ``body`` as sent, ``data`` (put: ``(tensor, version)``
+    pairs; graph and call: inline segments as bytes), ``out`` what it created (put:
+    handles; exec: kept handles or None; call: the reply skeleton; load: name ->
+    handle)."""
+
+    kind: str
+    body: Any = None
+    data: list[Any] = field(default_factory=list)
+    out: Any = None
+    nbytes: int = 0
+    replayable: bool = True
+
+
+def remap(x: Any, mapping: dict[str, str]) -> Any:
+    """``x`` with every string that is an old handle or object id replaced by its new one
+    (both are 128-bit random strings: nothing else can collide with them)."""
+    if isinstance(x, str):
+        return mapping.get(x, x)
+    if isinstance(x, list):
+        return [remap(v, mapping) for v in x]
+    if isinstance(x, dict):
+        return {k: remap(v, mapping) for k, v in x.items()}
+    return x
+
+
+def strings_in(x: Any, found: set[str]) -> set[str]:
+    if isinstance(x, str):
+        found.add(x)
+    elif isinstance(x, list):
+        for v in x:
+            strings_in(v, found)
+    elif isinstance(x, dict):
+        for v in x.values():
+            strings_in(v, found)
+    return found
+
+
+def pair_ids(old: Any, new: Any, mapping: dict[str, str]) -> None:
+    """Map the handles (``$h``) and object ids (``$o``) of a recorded reply skeleton to
+    those of its replay; a different structure means the replay did not reproduce it."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for tag in ("$h", "$o"):
+            if tag in old:
+                if tag not in new:
+                    raise RecoveryFailed("a replayed model call returned something else")
+                mapping[old[tag]] = new[tag]
+        for k, v in old.items():
+            if k not in ("$h", "$o"):
+                pair_ids(v, new.get(k), mapping)
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for a, b in zip(old, new, strict=True):
+            pair_ids(a, b, mapping)
+    elif isinstance(old, (list, dict)):
+        raise RecoveryFailed("a replayed model call returned something else")
+
+
+def sampled(body: dict[str, Any]) -> bool:
+    """A model call whose result the appliance's own generator decides (sampling): its
+    replay would not give the same values."""
+    kwargs = body.get("kwargs") or {}
+    return bool(kwargs.get("do_sample"))
+
+
+_VIEWS: dict[str, tuple[bool, ...]] = {}
+
+
+def view_outputs(op: str) -> tuple[bool, ...]:
+    """Per output of ``op`` (``aten::t.default``), whether it may alias an input."""
+    known = _VIEWS.get(op)
+    if known is None:
+        known = ()
+        try:
+            ns, _, rest = op.partition("::")
+            name, _, overload = rest.rpartition(".")
+            schema = getattr(getattr(getattr(torch.ops, ns), name), overload)._schema
+            known = tuple(r.alias_info is not None for r in schema.returns)
+        except (AttributeError, RuntimeError):
+            known = (True,) * 8  # an op we cannot name: assume the worst
+        _VIEWS[op] = known
+    return known
+
+
+class Lineage:
+    """The journal of one recovering session, and its replay (Note [lineage journal])."""
+
+    def __init__(self, session: Session, policy: Policy) -> None:
+        self.s = session
+        self.policy = policy
+        self.entries: list[Entry] = []
+        self.lock = threading.RLock()
+        self.generation = 0
+        self.maps: dict[int, dict[str, str]] = {}  # generation -> renaming it applied
+        self.remotes: Any = None  # weakref.WeakSet of live RemoteTensors (set by Session)
+        self.base_bytes = 0  # the snapshot and weights left by the last cut
+        self.nbytes = 0  # everything the journal holds
+        self.next_cut = policy.checkpoint_bytes
+        self.gave_up: RecoveryFailed | None = None
+        self.recoveries = 0
+        self.recovery_s: list[float] = []  # from the fault to a rebuilt session
+        self.replay_s: list[float] = []  # of which replaying the journal
+        self.checkpoints = 0
+        self.peak_bytes = 0
+        self.cut_due = False
+
+    # -- recording ---------------------------------------------------------------------
+    def record(self, entry: Entry) -> None:
+        with self.lock:
+            self.entries.append(entry)
+            self.nbytes += entry.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+            # cut before the next request, once the program holds this one's results
+            self.cut_due = self.nbytes - self.base_bytes >= self.next_cut
+
+    def record_put(self, tensors: list[torch.Tensor], remotes: list[RemoteTensor]) -> None:
+        data = [(t.detach(), t._version) for t in tensors]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.record(Entry("put", None, data, [r.handle for r in remotes], nbytes))
+
+    def record_frees(self, handles: list[str] | None, oids: list[str] | None) -> None:
+        if handles:
+            self.record(Entry("free", list(handles), nbytes=32 * len(handles)))
+        if oids:
+            self.record(Entry("free_objects", list(oids), nbytes=32 * len(oids)))
+
+    @staticmethod
+    def graph_entry(body: dict[str, Any], segments: list, out: dict[str, Any]) -> Entry:
+        kept = [None if k is None else k["handle"] for k in out.get("kept", [])]
+        data = [bytes(s) for s in segments]
+        nbytes = sum(len(d) for d in data) + NODE_BYTES * (len(body.get("nodes", ())) + 1)
+        return Entry("exec", body, data, kept, nbytes)
+
+    @staticmethod
+    def call_entry(body: dict[str, Any], segments: list, reply: dict[str, Any]) -> Entry:
+        data = [bytes(s) for s in segments]
+        nbytes = sum(len(d) for d in data) + 4 * NODE_BYTES
+        return Entry("call", body, data, reply.get("out"), nbytes, not sampled(body))
+
+    def mark_views(self, body: dict[str, Any], kept: list[Any]) -> None:
+        """Handles that may share storage with another: a cut waits until they are gone."""
+        nodes = body.get("nodes", [])
+        for ref, remote in zip(body.get("keep", []), kept, strict=False):
+            if remote is None or not isinstance(ref, dict) or "$v" not in ref:
+                continue
+            views = view_outputs(str(nodes[ref["$v"]].get("op", "")))
+            k = ref.get("i", 0)
+            if k >= len(views) or views[k]:
+                remote.view = True
+
+    # -- retrying ----------------------------------------------------------------------
+    def run(self, attempt: Callable[[Any], Any], body: Any = None, repeat: bool = True) -> Any:
+        return self.run_body(attempt, body, repeat)[0]
+
+    def run_body(
+        self, attempt: Callable[[Any], Any], body: Any = None, repeat: bool = True
+    ) -> tuple[Any, Any]:
+        """``attempt(body)``, rebuilding the session and sending it again when the worker
+        is lost (``recovery_errors``); ``body``'s handles are renamed for the new
+        session. Returns the result and the body that produced it. ``repeat=False``: the
+        session is rebuilt but the request is not sent again (its result would differ:
+        sampling on the appliance)."""
+        with self.lock:  # a recovery under way in another thread finishes first
+            gen = self.generation
+            if self.cut_due:
+                self.cut_due = False
+                try:
+                    self.checkpoint()
+                except DjinnError as exc:  # the worker is going: the journal stays whole
+                    log.info("lineage cut put off: %s", exc)
+        tries = 0
+        while True:
+            try:
+                return attempt(body), body
+            except DjinnError as exc:
+                if exc.code not in self.policy.errors or isinstance(exc, RecoveryFailed):
+                    raise
+                tries += 1
+                if tries > max(1, self.policy.retries):
+                    raise self._give_up(exc, f"the request failed {tries} times") from exc
+                self.recover(exc, gen)
+                with self.lock:
+                    for g in range(gen, self.generation):
+                        body = remap(body, self.maps.get(g, {}))
+                    gen = self.generation
+                if not repeat:
+                    raise WorkerLost(
+                        f"{exc.message}; the session was rebuilt, but this request samples "
+                        "on the appliance and is not sent again (its result would differ)"
+                    ) from exc
+
+    def _give_up(self, fault: DjinnError, why: str) -> RecoveryFailed:
+        err = RecoveryFailed(
+            f"session {self.s.id} could not be rebuilt ({why}); the original fault: "
+            f"{fault.code}: {fault.message}"
+        )
+        err.fault = fault
+        self.gave_up = err
+        return err
+
+    # -- recovery ----------------------------------------------------------------------
+    def recover(self, fault: DjinnError, gen: int) -> None:
+        """Open a new session and replay the journal into it, with back-off, up to
+        ``recovery_retries`` times; then point every live handle and object at its
+        replayed twin. RecoveryFailed (naming ``fault``) when it gives up."""
+        with self.lock:
+            if self.generation != gen:
+                return  # another thread rebuilt it while this one waited
+            if self.gave_up is not None:
+                raise self.gave_up
+            started = time.perf_counter()
+            last: DjinnError = fault
+            for attempt in range(self.policy.retries):
+                if attempt:
+                    time.sleep(
+                        min(self.policy.backoff * 2 ** (attempt - 1), self.policy.backoff_max)
+                    )
+                try:
+                    self.s._reopen()
+                    opened = time.perf_counter()
+                    mapping, entries = self._replay()
+                    break
+                except (WorkerLost, SessionLost, Unavailable) as exc:
+                    last = exc
+                    log.warning("recovery attempt %d failed: %s", attempt + 1, exc)
+                except RecoveryFailed as exc:
+                    raise self._give_up(fault, exc.message) from exc
+                except DjinnError as exc:
+                    raise self._give_up(fault, f"replay failed: {exc.code}: {exc.message}") from exc
+            else:
+                why = f"{self.policy.retries} attempts; the last: {last.code}: {last.message}"
+                raise self._give_up(fault, why)
+            self._rebind(mapping)
+            self.entries = entries
+            self.nbytes = sum(e.nbytes for e in entries)
+            self.maps[self.generation] = mapping
+            self.maps.pop(self.generation - MAPS_KEPT, None)
+            self.generation += 1
+            self.recoveries += 1
+            done = time.perf_counter()
+            self.recovery_s.append(done - started)
+            self.replay_s.append(done - opened)
+            self.s._resume()
+            log.warning(
+                "session rebuilt on worker %s after %s (%d requests replayed in %.2fs)",
+                self.s.worker,
+                fault.code,
+                len(entries),
+                self.recovery_s[-1],
+            )
+
+    def _live(self) -> dict[str, RemoteTensor]:
+        live: dict[str, RemoteTensor] = {}
+        for r in list(self.remotes or ()):
+            if r._finalizer.alive:
+                live.setdefault(r.handle, r)
+        return live
+
+    def _objects(self) -> dict[str, Any]:
+        known = self.s.__dict__.get("_remote_objects")
+        return dict(known.items()) if known is not None else {}
+
+    def _replay(self) -> tuple[dict[str, str], list[Entry]]:
+        s = self.s
+        mapping: dict[str, str] = {}
+        pending: dict[str, tuple[torch.Tensor, int]] = {}  # puts not replayed yet
+        out: list[Entry] = []
+        cached: dict[str, bool] = {}
+        entries = self.entries
+
+        def materialize(names: set[str]) -> None:
+            need = [h for h in names if h in pending]
+            if not need:
+                return
+            for h in need:
+                t, version = pending[h]
+                if t._version != version:
+                    raise RecoveryFailed(
+                        "a tensor uploaded earlier was changed in place since, so the "
+                        "value the appliance held cannot be rebuilt"
+                    )
+            tensors = [pending.pop(h)[0] for h in need]
+            remotes = s._put_many(tensors)
+            for h, r in zip(need, remotes, strict=True):
+                mapping[h] = r.handle
+                r._finalizer.detach()  # the old handle's holder owns it (rebound below)
+            data = [(t, t._version) for t in tensors]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            out.append(Entry("put", None, data, [r.handle for r in remotes], nbytes))
+
+        for i, e in enumerate(entries):
+            if e.kind == "put":
+                pending.update(zip(e.out, e.data, strict=True))
+                continue
+            if e.kind in ("free", "free_objects"):
+                gone = [mapping.pop(h) for h in e.body if h in mapping]
+                for h in e.body:
+                    pending.pop(h, None)
+                if gone:
+                    key = "free" if e.kind == "free" else "free_objects"
+                    s._call_raw("HEARTBEAT", {key: gone})
+                    out.append(Entry(e.kind, gone, nbytes=32 * len(gone)))
+                continue
+            if e.kind == "register":
+                fp = e.body.get("fingerprint")
+                second = "state" in e.body or "path" in e.body
+                if second and cached.get(fp):
+                    # the worker had it: keep what a later replay may need, as it was
+                    names = strings_in(e.body.get("state"), set())
+                    strings_in(e.body.get("buffers"), names)
+                    keep = [(h, pending[h]) for h in names if h in pending]
+                    if keep:
+                        out.append(
+                            Entry(
+                                "put",
+                                None,
+                                [d for _, d in keep],
+                                [h for h, _ in keep],
+                                sum(t.numel() * t.element_size() for _, (t, _) in keep),
+                            )
+                        )
+                    out.append(e)
+                    continue
+                materialize(strings_in(e.body, set()))
+                body = remap(e.body, mapping)
+                reply = s._call_raw("REGISTER", body)
+                if not second:
+                    cached[fp] = bool(reply.get("cached"))
+                out.append(Entry("register", body, nbytes=e.nbytes))
+                continue
+            if e.kind == "call" and not e.replayable:
+                later = set()
+                for f in entries[i + 1 :]:
+                    if f.kind not in ("free", "free_objects"):
+                        strings_in(f.body, later)
+                made = strings_in(e.out, set())
+                if not (made & (later | set(self._live()) | set(self._objects()))):
+                    continue  # nothing it made is used any more: skip it
+                raise RecoveryFailed(
+                    "a sampled generate() made values the session still uses, and a "
+                    "replay would sample different ones"
+                )
+            materialize(strings_in(e.body, set()))
+            body = remap(e.body, mapping)
+            if e.kind == "exec":
+                reply = s._exec_body({**body, "fetch": []}, e.data)
+                kept = [None if k is None else k["handle"] for k in reply.get("kept", [])]
+                for old, new in zip(e.out, kept, strict=False):
+                    if old is not None and new is not None:
+                        mapping[old] = new
+                out.append(Entry("exec", {**body, "fetch": []}, e.data, kept, e.nbytes))
+            elif e.kind == "call":
+                reply = s._call_raw("CALL", body, e.data)
+                pair_ids(e.out, reply.get("out"), mapping)
+                out.append(Entry("call", body, e.data, reply.get("out"), e.nbytes))
+            elif e.kind == "load":
+                reply = s._call_raw("LOAD", body)
+                made = {t["name"]: t["handle"] for t in reply["tensors"]}
+                for name, old in e.out.items():
+                    if name in made:
+                        mapping[old] = made[name]
+                out.append(Entry("load", body, out=made, nbytes=e.nbytes))
+        materialize(set(self._live()))
+        # what the program dropped while the worker was dying: free the twins
+        with s._lists_lock:
+            dropped = [mapping.pop(h) for h in s._pending_free if h in mapping]
+            gone = [mapping.pop(o) for o in s._pending_free_objects if o in mapping]
+            s._pending_free, s._pending_free_objects, s._release = [], [], []
+        if dropped or gone:
+            s._call_raw("HEARTBEAT", {"free": dropped, "free_objects": gone})
+            out.append(Entry("free", dropped, nbytes=32 * len(dropped)))
+            out.append(Entry("free_objects", gone, nbytes=32 * len(gone)))
+        return mapping, out
+
+    def _rebind(self, mapping: dict[str, str]) -> None:
+        """Point the program's handles and objects at their replayed twins, in place."""
+        for r in list(self.remotes or ()):
+            if not r._finalizer.alive:
+                continue
+            new = mapping.get(r.handle)
+            if new is None:
+                r.failed = SessionLost(
+                    f"this tensor's value was not rebuilt after its worker was lost "
+                    f"(session {self.s.id})"
+                )
+                continue
+            r.rebind(new)
+        known = self.s.__dict__.get("_remote_objects")
+        if known is not None:
+            for oid, obj in list(known.items()):
+                del known[oid]
+                new = mapping.get(oid)
+                if new is not None:
+                    obj.rebind(new)
+                    known[new] = obj
+
+    # -- truncation --------------------------------------------------------------------
+    def checkpoint(self) -> bool:
+        """Note [lineage truncation]: cut the journal to the live values (read back once)
+        and the model registrations. False when a cut must wait."""
+        with self.lock:
+            if self._objects():
+                self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 4
+                return False
+            live = self._live()
+            if any(getattr(r, "view", False) for r in live.values()):
+                self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 8
+                return False
+            keep: list[Entry] = []
+            puts: dict[str, tuple[torch.Tensor, int]] = {}
+            for e in self.entries:
+                if e.kind == "put":
+                    puts.update(zip(e.out, e.data, strict=True))
+                elif e.kind == "register":
+                    names = strings_in(e.body.get("state"), set())
+                    strings_in(e.body.get("buffers"), names)
+                    held = [(h, puts[h]) for h in names if h in puts]
+                    if held:
+                        nbytes = sum(t.numel() * t.element_size() for _, (t, _) in held)
+                        keep.append(
+                            Entry("put", None, [d for _, d in held], [h for h, _ in held], nbytes)
+                        )
+                    keep.append(e)
+            handles = list(live)
+            values = self.s._get_many(list(live.values())) if handles else []
+            if handles:
+                data = [(v, v._version) for v in values]
+                nbytes = sum(v.numel() * v.element_size() for v in values)
+                keep.append(Entry("put", None, data, handles, nbytes))
+            self.entries = keep
+            self.nbytes = self.base_bytes = sum(e.nbytes for e in keep)
+            self.next_cut = self.policy.checkpoint_bytes
+            self.checkpoints += 1
+            return True
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "recoveries": self.recoveries,
+            "recovery_s": list(self.recovery_s),
+            "replay_s": list(self.replay_s),
+            "checkpoints": self.checkpoints,
+            "journal_entries": len(self.entries),
+            "journal_bytes": self.nbytes,
+            "journal_base_bytes": self.base_bytes,
+            "journal_peak_bytes": self.peak_bytes,
+        }

@@ -1,0 +1,180 @@
+"""Recover, don't fail (Note [lineage journal], djinn/runtime/lineage.py): a program whose
+worker is SIGKILLed goes on with the values it would have had without the fault, or gets
+a typed error naming the fault; never a wrong answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from djinn.errors import RecoveryFailed, WorkerLost
+from djinn.protocol.tensors import to_wire
+from tests.conftest import wait_for
+
+R = "remote_accelerator:0"
+
+
+@pytest.fixture
+def recovering(fresh_appliance):
+    """The transparent frontend on an appliance of its own, whose worker a test kills."""
+    import djinn  # noqa: F401 - registers the remote_accelerator device
+    from djinn.frontend import session
+
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
+    old = os.environ.get("DJINN_ADDRESS")
+    os.environ["DJINN_ADDRESS"] = app.unix
+    session.reset()
+    yield app
+    session.reset()
+    if old is None:
+        os.environ.pop("DJINN_ADDRESS", None)
+    else:
+        os.environ["DJINN_ADDRESS"] = old
+
+
+def _kill_worker(app, session) -> None:
+    """SIGKILL the worker serving ``session`` and wait until the appliance saw it die."""
+    pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == session.worker)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
+
+
+def _train(steps: int, kill_at: int | None = None, app=None) -> list[torch.Tensor]:
+    from djinn.frontend.session import default_session
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    ).to(R)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x = torch.randn(4, 8, device=R)  # a random op: replayed with its generator state
+        y = torch.randn(4, 2)
+        if step == kill_at:
+            _kill_worker(app, default_session())
+        loss = torch.nn.functional.mse_loss(model(x), y.to(R))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def test_adam_training_interrupted_by_a_worker_kill_ends_with_the_same_parameters(recovering):
+    from djinn.frontend.session import default_session
+
+    clean = _train(8)
+    interrupted = _train(8, kill_at=5, app=recovering)
+    stats = default_session().recovery_stats()
+    assert stats["recoveries"] == 1
+    for a, b in zip(clean, interrupted, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500)
+    return transformers.GPT2LMHeadModel(cfg).eval().to(R)
+
+
+def _decode(model, steps: int, kill_at: int | None = None, app=None) -> list[int]:
+    from djinn.frontend.session import default_session
+
+    out = model(torch.tensor([[1, 2, 3, 4]]), use_cache=True)
+    tokens = []
+    for step in range(steps):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt.item())
+        if step == kill_at:
+            _kill_worker(app, default_session())
+        out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def test_a_greedy_decode_loop_interrupted_by_a_worker_kill_continues_with_the_same_tokens(
+    recovering,
+):
+    from djinn.frontend.session import default_session
+
+    model = _gpt2()
+    clean = _decode(model, 10)
+    interrupted = _decode(model, 10, kill_at=4, app=recovering)
+    assert interrupted == clean
+    assert default_session().recovery_stats()["recoveries"] == 1
+
+
+def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recovering):
+    from djinn.frontend.session import default_session
+
+    model = _gpt2()
+    ids = torch.tensor([[5, 6, 7]])
+    clean = model.generate(ids, max_new_tokens=120, do_sample=False).tolist()
+    session = default_session()
+
+    def killer() -> None:  # kill the worker while it runs generate()
+        wait_for(
+            lambda: any(
+                (w.get("busy") or {}).get("kind") == "CALL" for w in recovering.stats()["workers"]
+            ),
+            timeout=30,
+            interval=0.01,
+        )
+        _kill_worker(recovering, session)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    interrupted = model.generate(ids, max_new_tokens=120, do_sample=False).tolist()
+    t.join()
+    assert interrupted == clean
+    assert session.recovery_stats()["recoveries"] == 1
+
+
+def test_recovery_gives_up_with_a_typed_error_naming_the_original_fault(fresh_appliance):
+    from djinn.runtime import lineage
+
+    app = fresh_appliance(cpu_workers=1)
+    with app.connect() as client:
+        s = client.session(recover=True)
+        s._lineage.policy = lineage.Policy(retries=2, backoff=0.05)
+        r = s.put(torch.arange(6.0))
+        app.stop(signal.SIGKILL)  # the whole appliance: nothing to reopen
+        started = time.monotonic()
+        with pytest.raises(RecoveryFailed) as info:
+            r.cpu()
+        assert time.monotonic() - started < 10  # bounded: two attempts, 0.05 s apart
+        assert "WORKER_LOST" in info.value.message
+        assert isinstance(info.value.fault, WorkerLost)
+        assert not s.usable  # the frontend replaces it for new work
+        s.close()
+
+
+def test_the_journal_is_cut_to_a_snapshot_and_recovery_starts_from_it(fresh_appliance):
+    """Note [lineage truncation]: a long loop's journal stays bounded, and a recovery
+    after a cut rebuilds the values from the snapshot."""
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
+    with app.connect() as client:
+        s = client.session(recover=True)
+        s._lineage.policy = s._lineage.policy.__class__(checkpoint_bytes=256 << 10)
+        s._lineage.next_cut = 256 << 10
+        acc = s.put(torch.zeros(1024))
+        expected = torch.zeros(1024)
+        for i in range(400):
+            inc = torch.full((1024,), float(i))
+            ref = {"$t": 0, "desc": to_wire(inc)[0]}
+            s.execute([{"op": "aten::add_.Tensor", "args": [acc.ref(), ref]}], inline=[inc])
+            expected += inc
+        stats = s.recovery_stats()
+        assert stats["checkpoints"] >= 3
+        assert stats["journal_peak_bytes"] <= (256 << 10) + 2 * 4096 + 8192
+        pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == s.worker)
+        os.kill(pid, signal.SIGKILL)
+        assert torch.equal(acc.cpu(), expected)
+        assert s.recovery_stats()["recoveries"] == 1
+        s.close()
