@@ -3,8 +3,9 @@ making room when the device budget runs short (issue 9 §2, §3).
 
 Units that can move are a registered model's weights and a session's KV caches (remote
 objects); a KV cache may instead be dropped and recomputed from its tokens (Note [kv
-recompute], recompute.py). Session handles and activations never move: handles may be
-read at any time and activations are freed, not swapped. Under pressure ``reclaim`` asks
+recompute], recompute.py). A session's tensors (handles) move as one unit, and come back
+before any request of that session runs (Note [session tensors on the host],
+handle_tiers.py); activations are freed, not swapped. Under pressure ``reclaim`` asks
 the configured policy (a plugin, ``djinn.memory_policies``) for victims and swaps them to
 the arena (Note [swap by storage resize], vmu/tiers.py) until enough is free; before a call
 runs, ``prepare`` pins its working set (the model and the KV caches among its
@@ -25,8 +26,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from djinn.errors import ExecutionError, QuotaExceeded, ResourceExhausted
-from djinn.semantics.memory import KV_CACHE, WEIGHTS, MemoryPolicy, MemoryView, UnitFacts
+from djinn.semantics.memory import (
+    KV_CACHE,
+    TENSORS,
+    WEIGHTS,
+    MemoryPolicy,
+    MemoryView,
+    UnitFacts,
+)
 
+from .handle_tiers import HandleTiers
 from .recompute import DEFAULT_COPY_BPS, KvRecompute
 from .store import _tensors_in
 from .vmu.tiers import HostCopy, TierMover, movable
@@ -97,6 +106,7 @@ class MemoryManager:
         self.total = Counters()
         self.swap_failures = 0
         self.kv = KvRecompute()  # Note [kv recompute]; the worker sets its mode
+        self.tensors = HandleTiers(store, mover)  # Note [session tensors on the host]
         self.host_peak = 0  # most bytes the host tier held (sampled at swaps and stats)
         if policy is not None:
             store.vmu.reclaim = self.reclaim
@@ -131,6 +141,34 @@ class MemoryManager:
                 seen.add(st.data_ptr())
                 out.append(st)
         return out
+
+    def _taken(self, s: WorkerSession) -> set[int]:
+        """Storages a session's tensors share with its caches or any model's weights."""
+        taken = {t.untyped_storage().data_ptr() for o in s.objects.values() for t in _tensors_in(o)}
+        for entry in self.models.entries.values():
+            taken |= entry.storages
+        return taken
+
+    def _tensor_unit(self, s: WorkerSession, now: float, act: Activity) -> UnitFacts | None:
+        key = "t:" + s.id
+        if key in self.pinned or not self.tensors.may_move(s):
+            return None
+        refs = self.tensors.movable_refs(s, self._taken(s))
+        nbytes = sum(ref.nbytes for ref, _ in refs.values())
+        if not nbytes:
+            return None
+        idle = self.tensors.idle_s(s, now)
+        return UnitFacts(
+            key,
+            TENSORS,
+            nbytes,
+            1,
+            idle,
+            phase=s.phase,
+            session_idle_s=idle,
+            think_s=act.think,
+            burst_gap_s=act.burst_gap,
+        )
 
     def _candidates(self, now: float) -> list[UnitFacts]:
         units = []
@@ -168,6 +206,9 @@ class MemoryManager:
                         burst_gap_s=act.burst_gap,
                     )
                 )
+            tensors = self._tensor_unit(s, now, act)
+            if tensors is not None:
+                units.append(tensors)
         return units
 
     # -- eviction -----------------------------------------------------------------------
@@ -215,6 +256,13 @@ class MemoryManager:
             self.models.text.release(entry.nbytes)
             moved = sum(c.nbytes for c in self.model_out[fp])
             counters = self.model_counters.setdefault(fp, Counters())
+        elif key.startswith("t:"):  # Note [session tensors on the host]
+            s = next(x for x in self.sessions() if x.id == key[2:])
+            taken = self._taken(s)
+            refs = self.tensors.movable_refs(s, taken)
+            self._check_host_quota(s.id, sum(ref.nbytes for ref, _ in refs.values()))
+            moved = self.tensors.swap_out(s, taken)
+            counters = self._act(s.id).counters
         else:
             _, sid, oid = key.split(":", 2)
             s = next(x for x in self.sessions() if x.id == sid)
@@ -266,7 +314,23 @@ class MemoryManager:
 
     def host_elsewhere(self, session_id: str) -> int:
         act = self.activity.get(session_id)
-        return act.host_bytes if act is not None else 0
+        away = self.tensors.out.get(session_id)
+        tensors = self.tensors.host_bytes_of(away) if away is not None else 0
+        return (act.host_bytes if act is not None else 0) + tensors
+
+    # -- a request's session ------------------------------------------------------------
+    def begin(self, s: WorkerSession, kind: str) -> None:
+        """Any request but a heartbeat: the session's tensors come back and stay while it
+        runs (Note [session tensors on the host])."""
+        moved = self.tensors.begin(s, kind)
+        if moved:
+            counters = self._act(s.id).counters
+            for c in (counters, self.total):
+                c.swaps_in += 1
+                c.bytes_in += moved
+
+    def end(self, s: WorkerSession, kind: str) -> None:
+        self.tensors.end(s, kind)
 
     # -- a call's working set -----------------------------------------------------------
     def prepare(self, s: WorkerSession, entry: ModelEntry, oids: set[str]) -> None:
@@ -370,6 +434,7 @@ class MemoryManager:
     def forget_session(self, s: WorkerSession) -> None:
         self.forget_objects(s)
         self.kv.forget(s.id)
+        self.tensors.forget(s.id)
         self.activity.pop(s.id, None)
 
     def forget_model(self, fp: str) -> bool:
@@ -395,11 +460,13 @@ class MemoryManager:
         act = self.activity.get(session_id)
         if act is None:
             return {"host_bytes": 0, **Counters().as_dict()}
-        return {"host_bytes": act.host_bytes, **act.counters.as_dict()}
+        return {"host_bytes": self.host_elsewhere(session_id), **act.counters.as_dict()}
 
     def host_bytes(self) -> int:
-        return sum(c.nbytes for v in self.model_out.values() for c in v) + sum(
-            c.nbytes for v in self.kv_out.values() for c in v
+        return (
+            sum(c.nbytes for v in self.model_out.values() for c in v)
+            + sum(c.nbytes for v in self.kv_out.values() for c in v)
+            + self.tensors.host_bytes()
         )
 
     def stats(self) -> dict[str, Any]:

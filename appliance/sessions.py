@@ -34,6 +34,7 @@ class StorageRef:
     refs: int = 0
     slab: int | None = None  # arena offset when the bytes live in the host arena
     host: bool = False  # staged weights: charged to the arena only, not the device budget
+    away: Any = None  # its HostCopy while swapped out (Note [session tensors on the host])
 
 
 @dataclass

@@ -146,7 +146,10 @@ class TensorStore:
         ref.refs -= 1
         if ref.refs == 0:
             del session.storages[entry[1]]
-            if not ref.host:
+            if ref.away is not None:  # in the host tier (Note [session tensors on the host])
+                self.slabs.free(ref.away.offset)
+                ref.away = None
+            elif not ref.host:
                 self.vmu["data"].release(ref.nbytes)
                 session.data_bytes -= ref.nbytes
             if ref.slab is not None:

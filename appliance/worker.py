@@ -136,6 +136,9 @@ class Worker:
         )
         self.models.on_free = memory.forget_model
         memory.kv.mode = str(init.get("kv_recompute", "auto"))  # Note [kv recompute]
+        # Note [session tensors on the host]: not while a request of theirs is scheduled
+        # (a graph may be half-run) or a reply is sent from their memory
+        memory.tensors.busy = lambda s: self.scheduler.has(s) or bool(s.outbox)
         # per-session quotas (issue 9 §4)
         self.store.device_max = int(init.get("session_device_max") or 0)
         self.store.slabs.host_max = int(init.get("session_host_max") or 0)
@@ -459,6 +462,7 @@ class Worker:
                 raise ProtocolError(f"{frame.kind.name} is not a session request")
             if self.uploads.by_fp and frame.kind.name not in UPLOADING_KINDS:
                 self.requeue(self.uploads.abandon(s.id))  # it moved on: not uploading
+            self.memory.begin(s, frame.kind.name)  # Note [session tensors on the host]
             stepped = STEPPED.get(frame.kind)
             if stepped is not None:
                 result = yield from self._resumed(stepped(self, s, frame))
@@ -489,6 +493,7 @@ class Worker:
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:
+            self.memory.end(s, frame.kind.name)
             self.busy.current = None
             if fresh:
                 self.free_frame_slabs(s)

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from djinn.semantics.memory import KV_CACHE, WEIGHTS, MemoryView, UnitFacts
+from djinn.semantics.memory import KV_CACHE, TENSORS, WEIGHTS, MemoryView, UnitFacts
 
 # a session whose pause is this many times its usual in-burst gap is between bursts
 BETWEEN_BURSTS = 4.0
@@ -38,6 +38,9 @@ class SemanticPolicy:
        recently first: the worker serves waiting steps in turn, so the session that just
        had its turn is the one whose next step comes last (LRU picks the next in line
        and thrashes a round-robin of more caches than fit).
+
+    A session's tensors (handles) rank like its KV caches: they are needed again exactly
+    when the session next sends a request.
     """
 
     name = "semantic"
@@ -47,7 +50,7 @@ class SemanticPolicy:
 
     @staticmethod
     def _rank(u: UnitFacts) -> tuple:
-        if u.kind == KV_CACHE:
+        if u.kind in (KV_CACHE, TENSORS):
             gap = max(u.burst_gap_s, 1e-3)
             if u.think_s > 0 and u.session_idle_s > OVERDUE * u.think_s:
                 return (0, -u.session_idle_s)

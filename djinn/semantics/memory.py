@@ -1,11 +1,12 @@
 """The memory-policy contract (DESIGN.md §10): what leaves device memory under pressure.
 
 A policy only *chooses*. The appliance gives it a read-only view of the facts about
-every unit it could move (a registered model's weights, a session's KV cache) and asks
-for victims in order; the mechanism (swapping to the host arena, restoring a call's
-working set before it runs, never touching what the running call needs) lives in the
-appliance and is correct whichever policy chooses. Policies are plugins in the entry
-point group ``djinn.memory_policies``; Djinn instantiates one with no arguments.
+every unit it could move (a registered model's weights, a session's KV cache, a session's
+tensors) and asks for victims in order; the mechanism (swapping to the host arena,
+restoring a call's working set before it runs, never touching what the running call
+needs) lives in the appliance and is correct whichever policy chooses. Policies are
+plugins in the entry point group ``djinn.memory_policies``; Djinn instantiates one with
+no arguments.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
+TENSORS = "tensors"  # a session's tensors (handles), one unit per session
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,9 @@ class UnitFacts:
     """One movable unit as the policy sees it. Times are seconds."""
 
     key: str
-    kind: str  # WEIGHTS | KV_CACHE
+    kind: str  # WEIGHTS | KV_CACHE | TENSORS
     bytes: int  # on the device now
-    sessions: int  # sessions sharing it (weights: registered users; a KV cache: 1)
+    sessions: int  # sessions sharing it (weights: registered users; a session's own: 1)
     idle_s: float  # since a call last used it
     phase: str = "unknown"  # the owning session's last phase hint (KV caches)
     session_idle_s: float = 0.0  # since the owning session's last request ended
