@@ -94,7 +94,7 @@ def test_operations_doc_holds_the_generated_settings_table():
 # One bad value (or more) per setting, as an operator could type it in djinn.toml; the
 # last test below fails when a setting is added without a row here.
 BAD_VALUES = {
-    "address": ["http://host:1", "tcp://host", "tcp://host:99999"],
+    "address": ["http://host:1", "tcp://host", "tcp://host:99999", "fleet://head", "ray://"],
     "socket_path": ["/tmp/" + "s" * 120 + ".sock", ["a"]],
     "tcp_enabled": ["maybe", 2],
     "tcp_host": ["", ["127.0.0.1"]],
@@ -133,6 +133,9 @@ BAD_VALUES = {
     "restart_backoff_reset": [-1],
     "embedded_start_timeout": [0],
     "fallback": ["remote", "", ["local"]],
+    "fleet_placement": ["nearest", ""],
+    "fleet_report_interval": [0, 61, "often"],
+    "fleet_appliance_host": [["127.0.0.1"]],
     "recovery_retries": [-1, 101, "three"],
     "recovery_backoff": [-0.1, "soon"],
     "recovery_backoff_max": [-1, 301],
