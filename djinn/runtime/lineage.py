@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 log = logging.getLogger("djinn.runtime.lineage")
-NODE_BYTES = 256  # what one recorded graph node costs the journal, roughly (its JSON)
+NODE_BYTES = 700  # what one recorded graph node costs the client (its dicts; tracemalloc)
 MAPS_KEPT = 16  # handle renamings kept for requests built before a recovery
 
 
@@ -150,6 +150,110 @@ def sampled(body: dict[str, Any]) -> bool:
 
 
 _VIEWS: dict[str, tuple[bool, ...]] = {}
+_WRITES: dict[str, tuple[tuple[int, str], ...] | None] = {}
+
+
+def _schema(op: str) -> Any:
+    ns, _, rest = op.partition("::")
+    name, _, overload = rest.rpartition(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)._schema
+
+
+def written_handles(node: dict[str, Any]) -> set[str]:
+    """Handles a graph node writes into (its schema's ``Tensor(a!)`` arguments); every
+    handle it names when the op cannot be looked up."""
+    op = str(node.get("op", ""))
+    if op not in _WRITES:
+        try:
+            _WRITES[op] = tuple(
+                (i, a.name)
+                for i, a in enumerate(_schema(op).arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        except (AttributeError, RuntimeError):
+            _WRITES[op] = None
+    where = _WRITES[op]
+    if where is None:
+        return _handles_in(node)
+    args, kwargs = node.get("args") or [], node.get("kwargs") or {}
+    found: set[str] = set()
+    for i, name in where:
+        _handles_in(args[i] if i < len(args) else kwargs.get(name), found)
+    return found
+
+
+def needed(entries: list[Entry], live: set[str]) -> list[bool]:
+    """Note [lineage pruning]: which entries a replay must run for the ``live`` handles
+    and objects. Walking back from the end, an entry is needed when it makes or writes
+    into something needed later, and then what it reads is needed too. Aliasing is
+    kept whole: every id of a graph that makes a view, and every id a model call names
+    or returns (a cache, its outputs), are one group, needed together. Registrations,
+    loads, puts and frees are always kept (puts are lazy, frees of what was not made
+    are skipped). A finished sequence's decode steps, or an abandoned branch, cost no
+    replay."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.get(x, x) != x:
+            parent[x] = parent.get(parent[x], parent[x])
+            x = parent[x]
+        return x
+
+    def union(ids: set[str]) -> None:
+        it = iter(ids)
+        first = next(it, None)
+        if first is not None:
+            root = find(first)
+            for other in it:
+                r = find(other)
+                if r != root:
+                    parent[r] = root
+
+    refs: list[tuple[set[str], set[str]]] = []  # (made or written, read) per entry
+    for e in entries:
+        if e.kind == "exec":
+            nodes = e.body.get("nodes", [])
+            made = {h for h in e.out if h is not None}
+            written: set[str] = set()
+            aliasing = False
+            for n in nodes:
+                written |= written_handles(n)
+                aliasing = aliasing or any(view_outputs(str(n.get("op", ""))))
+            read = _handles_in(e.body)
+            if aliasing:
+                union(made | read)
+            refs.append((made | written, read))
+        elif e.kind == "call":
+            ids = _handles_in(e.body) | _objects_in(e.body) | _handles_in(e.out)
+            ids |= _objects_in(e.out)
+            union(ids)
+            refs.append((ids, ids))
+        else:
+            refs.append((set(), set()))
+    want = {find(x) for x in live}
+    keep = [True] * len(entries)
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i].kind not in ("exec", "call"):
+            continue
+        out, read = refs[i]
+        if any(find(x) in want for x in out):
+            want |= {find(x) for x in read}
+        else:
+            keep[i] = False
+    return keep
+
+
+def _objects_in(x: Any, found: set[str] | None = None) -> set[str]:
+    found = set() if found is None else found
+    if isinstance(x, dict):
+        if "$o" in x:
+            found.add(x["$o"])
+        for v in x.values():
+            _objects_in(v, found)
+    elif isinstance(x, list):
+        for v in x:
+            _objects_in(v, found)
+    return found
 
 
 def view_outputs(op: str) -> tuple[bool, ...]:
@@ -158,14 +262,65 @@ def view_outputs(op: str) -> tuple[bool, ...]:
     if known is None:
         known = ()
         try:
-            ns, _, rest = op.partition("::")
-            name, _, overload = rest.rpartition(".")
-            schema = getattr(getattr(getattr(torch.ops, ns), name), overload)._schema
-            known = tuple(r.alias_info is not None for r in schema.returns)
+            known = tuple(r.alias_info is not None for r in _schema(op).returns)
         except (AttributeError, RuntimeError):
             known = (True,) * 8  # an op we cannot name: assume the worst
         _VIEWS[op] = known
     return known
+
+
+def _from_handles_only(node: dict[str, Any]) -> bool:
+    """Whether a graph node's tensor inputs are all handles (no other node's output, no
+    inline bytes): it can run alone again on the handles' replayed twins."""
+
+    def ok(x: Any) -> bool:
+        if isinstance(x, dict):
+            if "$v" in x or "$t" in x:
+                return False
+            return all(ok(v) for v in x.values())
+        if isinstance(x, list):
+            return all(ok(v) for v in x)
+        return True
+
+    return ok(node.get("args")) and ok(node.get("kwargs"))
+
+
+def _remade_views(live: dict[str, RemoteTensor]) -> dict[str, tuple[dict, int]] | None:
+    """The live views a cut makes again from their bases, in an order that makes bases
+    first: ``{handle: (node, output index)}``; None when one cannot be (made by an op
+    that took more than handles, or from a base no longer held: two such views may share
+    it, and restored apart they would not)."""
+    views = {h: r.view for h, r in live.items() if r.view}
+    if any(v is True for v in views.values()):
+        return None
+    ordered: dict[str, tuple[dict, int]] = {}
+    while len(ordered) < len(views):
+        progress = False
+        for h, (node, k) in views.items():
+            if h in ordered:
+                continue
+            bases = {x for x in _handles_in(node) if x != h}
+            if not bases <= set(live):
+                return None
+            if all(b not in views or b in ordered for b in bases):
+                ordered[h] = (node, k)
+                progress = True
+        if not progress:
+            return None
+    return ordered
+
+
+def _handles_in(x: Any, found: set[str] | None = None) -> set[str]:
+    found = set() if found is None else found
+    if isinstance(x, dict):
+        if "$h" in x:
+            found.add(x["$h"])
+        for v in x.values():
+            _handles_in(v, found)
+    elif isinstance(x, list):
+        for v in x:
+            _handles_in(v, found)
+    return found
 
 
 class Lineage:
@@ -224,7 +379,8 @@ class Lineage:
         return Entry("call", body, data, reply.get("out"), nbytes, not sampled(body))
 
     def mark_views(self, body: dict[str, Any], kept: list[Any]) -> None:
-        """Handles that may share storage with another: a cut waits until they are gone."""
+        """Handles that may share storage with another: made again from their bases after
+        a cut when the op that made them took handles only, else a cut waits for them."""
         nodes = body.get("nodes", [])
         for ref, remote in zip(body.get("keep", []), kept, strict=False):
             if remote is None or not isinstance(ref, dict) or "$v" not in ref:
@@ -232,7 +388,8 @@ class Lineage:
             views = view_outputs(str(nodes[ref["$v"]].get("op", "")))
             k = ref.get("i", 0)
             if k >= len(views) or views[k]:
-                remote.view = True
+                node = nodes[ref["$v"]]
+                remote.view = ({**node}, k) if _from_handles_only(node) else True
 
     # -- retrying ----------------------------------------------------------------------
     def run(self, attempt: Callable[[Any], Any], body: Any = None, repeat: bool = True) -> Any:
@@ -353,6 +510,11 @@ class Lineage:
         out: list[Entry] = []
         cached: dict[str, bool] = {}
         entries = self.entries
+        live = self._live()
+        objects = self._objects()
+        with s._lists_lock:  # dropped while the worker was dying: not needed
+            dropped = set(s._pending_free) | set(s._pending_free_objects)
+        keep = needed(entries, (set(live) | set(objects)) - dropped)
 
         def materialize(names: set[str]) -> None:
             need = [h for h in names if h in pending]
@@ -414,14 +576,9 @@ class Lineage:
                     cached[fp] = bool(reply.get("cached"))
                 out.append(Entry("register", body, nbytes=e.nbytes))
                 continue
+            if not keep[i]:
+                continue  # Note [lineage pruning]: nothing it made is used any more
             if e.kind == "call" and not e.replayable:
-                later = set()
-                for f in entries[i + 1 :]:
-                    if f.kind not in ("free", "free_objects"):
-                        strings_in(f.body, later)
-                made = strings_in(e.out, set())
-                if not (made & (later | set(self._live()) | set(self._objects()))):
-                    continue  # nothing it made is used any more: skip it
                 raise RecoveryFailed(
                     "a sampled generate() made values the session still uses, and a "
                     "replay would sample different ones"
@@ -446,7 +603,7 @@ class Lineage:
                     if name in made:
                         mapping[old] = made[name]
                 out.append(Entry("load", body, out=made, nbytes=e.nbytes))
-        materialize(set(self._live()))
+        materialize(set(live))
         # what the program dropped while the worker was dying: free the twins
         with s._lists_lock:
             dropped = [mapping.pop(h) for h in s._pending_free if h in mapping]
@@ -471,6 +628,8 @@ class Lineage:
                 )
                 continue
             r.rebind(new)
+            if isinstance(r.view, tuple):  # the op that made it, on the renamed bases
+                r.view = (remap(r.view[0], mapping), r.view[1])
         known = self.s.__dict__.get("_remote_objects")
         if known is not None:
             for oid, obj in list(known.items()):
@@ -489,7 +648,8 @@ class Lineage:
                 self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 4
                 return False
             live = self._live()
-            if any(getattr(r, "view", False) for r in live.values()):
+            remade = _remade_views(live)
+            if remade is None:
                 self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 8
                 return False
             keep: list[Entry] = []
@@ -507,12 +667,15 @@ class Lineage:
                             Entry("put", None, [d for _, d in held], [h for h, _ in held], nbytes)
                         )
                     keep.append(e)
-            handles = list(live)
-            values = self.s._get_many(list(live.values())) if handles else []
+            handles = [h for h in live if h not in remade]
+            values = self.s._get_many([live[h] for h in handles]) if handles else []
             if handles:
                 data = [(v, v._version) for v in values]
                 nbytes = sum(v.numel() * v.element_size() for v in values)
                 keep.append(Entry("put", None, data, handles, nbytes))
+            for h, (node, k) in remade.items():  # views, made again from their bases
+                body = {"nodes": [node], "keep": [{"$v": 0, "i": k}], "fetch": []}
+                keep.append(Entry("exec", body, [], [h], NODE_BYTES))
             self.entries = keep
             self.nbytes = self.base_bytes = sum(e.nbytes for e in keep)
             self.next_cut = self.policy.checkpoint_bytes

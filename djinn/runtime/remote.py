@@ -42,7 +42,9 @@ class RemoteTensor:
         # no longer what the program computed, and reading it raises this (the
         # frontend's Note [failed values])
         self.failed: Exception | None = None
-        self.view = False  # may share storage with another handle (Note [lineage truncation])
+        # may share storage with another handle: True, or the op that made it from
+        # handles, to make it again from theirs (Note [lineage truncation])
+        self.view: Any = False
         self._finalizer = weakref.finalize(self, session._free_later, handle)
         rec = getattr(session, "_lineage", None)
         if rec is not None:
