@@ -20,9 +20,17 @@ of a tensor it held raises one error, ``ApplianceLost`` (APPLIANCE_LOST, a kind 
 SESSION_LOST), naming the appliance, its node and why. A watcher thread asks the directory
 about the appliances in use every ``fleet_report_interval`` and cuts the sockets of
 sessions on dead ones, so a call waiting on a vanished host fails then, not after the
-socket timeout. Nothing is replayed (lineage replay is other work in progress); the next
-session, including the transparent frontend's replacement default session, is placed on
-a live appliance.
+socket timeout. The next session, including the transparent frontend's replacement
+default session, is placed on a live appliance.
+
+Note [fleet recovery]: a session opened with ``recover=True`` (the transparent frontend's
+default session is, unless ``recovery_retries = 0``) keeps the lineage journal of
+djinn/runtime/lineage.py. Its loss is then raised as the WORKER_LOST / SESSION_LOST that
+the journal recovers from, and the journal's reopen (``FleetSession._reopen``) places the
+session again, away from the lost appliance, by the model it was first placed by; the
+journal then replays what the session held (registrations, tensors, caches) there and
+the request is sent again. If that fails ``recovery_retries`` times, RECOVERY_FAILED
+names the appliance's loss.
 """
 
 from __future__ import annotations
@@ -36,7 +44,14 @@ import weakref
 from typing import Any
 
 from djinn import config as config_mod
-from djinn.errors import ApplianceLost, DjinnError, SessionEnded, Unavailable
+from djinn.errors import (
+    ApplianceLost,
+    DjinnError,
+    SessionEnded,
+    SessionLost,
+    Unavailable,
+    WorkerLost,
+)
 from djinn.runtime.client import Client
 from djinn.runtime.session import Session
 from djinn.transport.address import parse_address
@@ -81,14 +96,14 @@ class FleetClient:
     ) -> FleetSession:
         """A session, placed at its first use (Note [lazy placement]), or at once on the
         appliance that suits ``model`` (a fingerprint) when given, or on ``appliance``
-        (an id from the fleet document) and no other. ``recover`` is accepted for the
-        frontend's sake and not acted on yet: a fleet session is not rebuilt elsewhere
-        after its appliance is lost (Note [appliance loss])."""
-        return FleetSession(self, model, appliance)
+        (an id from the fleet document). ``recover=True``: when its appliance is lost it
+        is placed again and what it held is replayed there (Note [fleet recovery])."""
+        return FleetSession(self, model, appliance, recover)
 
-    def _open(self, session: FleetSession, model: str | None) -> None:
+    def _open(self, session: FleetSession, model: str | None, *, reopen: bool = False) -> None:
         """Place ``session`` and open it on the chosen appliance; an appliance that cannot
-        be reached is left out and the directory asked again."""
+        be reached is left out and the directory asked again. ``reopen``: the session
+        was open on an appliance that is gone (Note [fleet recovery])."""
         import ray
 
         tried: list[str] = []
@@ -97,8 +112,9 @@ class FleetClient:
             with self._lock:
                 skip = [a for a, until in self._unreachable.items() if until > now]
             started = time.perf_counter()
+            pinned = None if reopen else session.pinned
             choice = ray.get(
-                self.directory.place.remote(model, skip + tried, session.pinned),
+                self.directory.place.remote(model, skip + tried, pinned),
                 timeout=DIRECTORY_TIMEOUT_S,
             )
             session.place_s = time.perf_counter() - started
@@ -106,15 +122,17 @@ class FleetClient:
                 raise Unavailable(choice["error"])
             try:
                 client = self._client_for(choice["endpoint"])
-                Session.__init__(session, client)
+                if reopen:
+                    session.client = client
+                    session.appliance, session.endpoint = choice["id"], choice["endpoint"]
+                    session._fleet_lost = False
+                    Session._reopen(session)
+                else:
+                    Session.__init__(session, client, recover=session._fleet_recover)
             except Unavailable as exc:
                 log.warning("appliance %s unreachable (%s); placing again", choice["id"], exc)
                 tried.append(choice["id"])
-                with self._lock:
-                    self._unreachable[choice["id"]] = time.monotonic() + UNREACHABLE_S
-                    stale = self._clients.pop(choice["endpoint"], None)
-                if stale is not None:
-                    stale.close()
+                self.forget(choice["id"], choice["endpoint"])
                 continue
             session.appliance, session.endpoint = choice["id"], choice["endpoint"]
             session.open_s = time.perf_counter() - started
@@ -122,6 +140,14 @@ class FleetClient:
                 self._sessions.add(session)
             self._ensure_watcher()
             return
+
+    def forget(self, appliance: str, endpoint: str) -> None:
+        """Place nothing on ``appliance`` from this client for a while; drop its client."""
+        with self._lock:
+            self._unreachable[appliance] = time.monotonic() + UNREACHABLE_S
+            stale = self._clients.pop(endpoint, None)
+        if stale is not None:
+            stale.close()
 
     def _client_for(self, endpoint: str) -> Client:
         with self._lock:
@@ -212,13 +238,20 @@ class FleetSession(Session):
     an open ``Session`` is missing, so touching any of them places it."""
 
     def __init__(
-        self, fleet: FleetClient, model: str | None = None, appliance: str | None = None
+        self,
+        fleet: FleetClient,
+        model: str | None = None,
+        appliance: str | None = None,
+        recover: bool = False,
     ) -> None:
         self._fleet = fleet
+        self._fleet_recover = recover
+        self._fleet_model = model  # what it was placed by: placed by it again after a loss
         self.pinned = appliance
         self._fleet_lock = threading.Lock()
         self._fleet_closed = False
         self._fleet_lost = False  # the appliance is gone (Note [appliance loss])
+        self._fleet_reported = False  # its loss was raised once (Note [fleet recovery])
         self.appliance: str | None = None
         self.endpoint = ""
         self.place_s = 0.0  # the directory's decision, as this client waited for it
@@ -232,7 +265,8 @@ class FleetSession(Session):
                 return
             if self._fleet_closed:
                 raise SessionEnded("this session was closed before it was used")
-            self._fleet._open(self, model)
+            self._fleet_model = self._fleet_model or model
+            self._fleet._open(self, self._fleet_model)
 
     def __getattr__(self, name: str) -> Any:
         # Only attributes not found otherwise get here: before placement, those an open
@@ -272,11 +306,31 @@ class FleetSession(Session):
             self._lost, self._fleet_lost = verdict, True
         if not self._fleet_lost:
             return super()._lost_error(why)
+        where = f"session {self.id} on appliance {self.appliance} ({self.endpoint}) is gone"
+        if self._lineage is not None:  # Note [fleet recovery]: errors the journal recovers
+            first, self._fleet_reported = not self._fleet_reported, True
+            kind = WorkerLost if first else SessionLost
+            return kind(f"{where}: {self._lost}; rebuilding it on another appliance")
         return ApplianceLost(
-            f"session {self.id} on appliance {self.appliance} ({self.endpoint}) is gone: "
-            f"{self._lost}. Its tensors and KV caches are lost (nothing is replayed yet); "
-            "new sessions go to the fleet's live appliances."
+            f"{where}: {self._lost}. Its tensors and KV caches are lost (it was opened "
+            "without recover=True); new sessions go to the fleet's live appliances."
         )
+
+    def _reopen(self) -> None:
+        """Note [fleet recovery]: the lineage journal rebuilds a recovering session after
+        a loss by reopening it, then replaying what it held. A worker lost inside a live
+        appliance: reopened there (its supervisor has others). A lost appliance: placed
+        again by the directory, by the model it was first placed by, away from the lost
+        one, and reopened there."""
+        if not self._fleet_lost:
+            verdict = self._fleet.verdict(self.appliance, self.endpoint, "rebuilding it")
+            if verdict is None:
+                super()._reopen()
+                return
+            self._lost, self._fleet_lost = verdict, True
+        self._fleet.forget(self.appliance, self.endpoint)
+        self._fleet_reported = False
+        self._fleet._open(self, self._fleet_model, reopen=True)
 
     def _cut(self, why: str) -> None:
         """The watcher learned the appliance is gone: fail this session's calls now."""

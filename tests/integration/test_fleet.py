@@ -244,16 +244,21 @@ def test_a_joining_node_grows_the_fleet_without_restart(fleet):
         assert s.appliance == new
 
 
-def test_a_killed_node_fails_its_sessions_with_one_typed_error(fleet):
+def test_a_killed_node_fails_its_sessions_with_one_typed_error_or_replays_them(fleet):
     victim_node = fleet.nodes[-1]
     victim = next(
         a["id"]
         for a in fleet.doc()["appliances"]
         if a["state"] == "up" and a["node_id"] == victim_node.node_id
     )
+    model = tiny_gpt2(41)
     with fleet.client() as client:
         doomed = client.session(appliance=victim)
         kept = doomed.put(torch.arange(5.0))
+        # Note [fleet recovery]: a recovering session is placed again and replayed
+        rebuilt = client.session(appliance=victim, recover=True)
+        fp = register(rebuilt, model)["fingerprint"]
+        held = rebuilt.put(torch.arange(7.0))
         survivor = client.session()
         survivor_tensor = survivor.put(torch.ones(3))
         if survivor.appliance == victim:
@@ -273,6 +278,10 @@ def test_a_killed_node_fails_its_sessions_with_one_typed_error(fleet):
         with pytest.raises(ApplianceLost):  # the same error every time, never a hang
             doomed.put(torch.zeros(2))
         assert not doomed.usable
+        assert torch.equal(held.cpu(), torch.arange(7.0))  # replayed elsewhere
+        assert rebuilt.usable and rebuilt.appliance not in (None, victim)
+        assert rebuilt.recovery_stats()["recoveries"] == 1
+        fleet.wait(lambda d: rebuilt.appliance in resident(d, fp), what="the model re-registered")
         # the rest of the fleet is untouched, and new sessions avoid the dead appliance
         assert torch.equal(survivor_tensor.cpu(), torch.ones(3))
         for _ in range(3):
