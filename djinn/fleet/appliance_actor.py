@@ -29,6 +29,7 @@ OWN_SETTINGS = frozenset(
     {"address", "socket_path", "tcp_enabled", "tcp_host", "tcp_port", "token", "token_file"}
 )
 STOP_TIMEOUT_S = 15.0
+DIR_PREFIX = "djinn-fleet-"
 LOG_TAIL_BYTES = 2000
 
 
@@ -48,10 +49,12 @@ class ApplianceActor:
         import ray
 
         self.id = appliance_id
+        self._client: Any = None
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
-        self.dir = Path(tempfile.mkdtemp(prefix=f"djinn-fleet-{appliance_id}-"))
+        sweep_leftovers()
+        self.dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX + f"{appliance_id}-"))
         self.socket_path = str(self.dir / "djinn.sock")
         env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
         # Ray narrows CUDA_VISIBLE_DEVICES and sets OMP_NUM_THREADS=1 for an actor that
@@ -83,6 +86,7 @@ class ApplianceActor:
             stderr=self.log_path.open("w"),
             text=True,
         )
+        (self.dir / "actor.pid").write_text(str(os.getpid()))
         self.readiness = self._wait_ready(start_timeout)
         m = re.search(r"tcp=\S*:(\d+)", self.readiness)
         if not m:
@@ -90,7 +94,6 @@ class ApplianceActor:
             raise RuntimeError(f"appliance {self.id} listens on no TCP port: {self.readiness}")
         advertised = self.node_ip if self.host in ("0.0.0.0", "::") else self.host
         self.endpoint = f"tcp://{advertised}:{m.group(1)}"
-        self._client: Any = None
 
     def _wait_ready(self, timeout: float) -> str:
         assert self.proc.stdout is not None
@@ -146,7 +149,7 @@ class ApplianceActor:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self._client_open():
+        if self._client is not None:
             self._client.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -157,5 +160,24 @@ class ApplianceActor:
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _client_open(self) -> bool:
-        return getattr(self, "_client", None) is not None
+
+def sweep_leftovers() -> None:
+    """Remove the working directories (socket, log) of appliance actors on this host that
+    are gone: an actor Ray killed (its node lost, the fleet stopped hard) never ran stop()."""
+    for d in Path(tempfile.gettempdir()).glob(DIR_PREFIX + "*"):
+        try:
+            pid = int((d / "actor.pid").read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still starting
+        if not _alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
