@@ -11,11 +11,23 @@ device memory was freed since its last attempt, until it fits or its deadline pa
 how many bytes it was short. Handlers leave nothing half-done on an error, so running a
 parked request again is the same as running it for the first time. A request larger
 than the whole device never waits.
+
+A request's deadline is kept by (session, request id), never by ``id(frame)``: a frame
+answered on a path that did not forget its deadline left the entry behind, and a later
+frame at the freed object's address inherited that passed deadline and was refused at
+once (tests/unit/test_admission_queue.py). A session's end forgets all of its deadlines.
+
+A parked frame keeps its inline payload (the call's input tensors) in worker memory for
+as long as it waits, so the stack charge its reception made (Note [receive slabs],
+worker.py) waits with it (``held``) and is released only when the request is answered,
+expires or its session ends; it was released when the first attempt returned, and up to
+``MAX_WAITING`` frames of inline bytes sat in memory that no budget counted.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,20 +58,30 @@ class AdmissionQueue:
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
         self.queue: list[Waiting] = []
-        self._deadlines: dict[int, tuple[float, float]] = {}  # id(frame) -> (since, deadline)
+        # (session id, request id) -> (since, deadline)
+        self._deadlines: dict[tuple[str, int], tuple[float, float]] = {}
+        self._held: dict[tuple[str, int], int] = {}  # payload bytes charged while waiting
+        self.release: Callable[[int], None] = lambda n: None  # the stack's (set by the worker)
         self.admitted = 0  # requests that ran after waiting
         self.timed_out = 0
 
-    def park(self, s: WorkerSession, frame: Frame, exc: ResourceExhausted, used: int) -> bool:
-        """Queue ``frame`` (True), or say it cannot wait (False: answer the error now)."""
+    def park(
+        self, s: WorkerSession, frame: Frame, exc: ResourceExhausted, used: int, payload: int = 0
+    ) -> bool:
+        """Queue ``frame`` (True), or say it cannot wait (False: answer the error now).
+        ``payload``: stack bytes its inline payload is charged, held by the queue from
+        now on if it waits (the caller no longer releases them)."""
         if frame.kind.name not in ADMITTED_KINDS or self.timeout_s <= 0:
             return False
         now = time.monotonic()
-        since, deadline = self._deadlines.get(id(frame), (now, now + self._wait(frame)))
+        key = (s.id, frame.request_id)
+        since, deadline = self._deadlines.get(key, (now, now + self._wait(frame)))
         if now >= deadline or len(self.queue) >= self.max_waiting:
-            self._deadlines.pop(id(frame), None)
+            self._deadlines.pop(key, None)
             return False
-        self._deadlines[id(frame)] = (since, deadline)
+        self._deadlines[key] = (since, deadline)
+        if payload:
+            self._held[key] = self._held.get(key, 0) + payload
         short = int(getattr(exc, "short", 0))
         self.queue.append(Waiting(s, frame, since, deadline, used, exc.message, short))
         return True
@@ -80,19 +102,23 @@ class AdmissionQueue:
         gone = [w for w in self.queue if now >= w.deadline]
         self.queue = [w for w in self.queue if w not in gone]
         for w in gone:
-            self._deadlines.pop(id(w.frame), None)
+            self._deadlines.pop((w.session.id, w.frame.request_id), None)
+            self.release(self._held.pop((w.session.id, w.frame.request_id), 0))
         self.timed_out += len(gone)
         return gone
 
-    def ran(self, frame: Frame) -> None:
+    def ran(self, s: WorkerSession, frame: Frame) -> None:
         """``frame`` was answered (it fit, or failed otherwise): forget its deadline."""
-        if self._deadlines.pop(id(frame), None) is not None:
+        if self._deadlines.pop((s.id, frame.request_id), None) is not None:
             self.admitted += 1
+        self.release(self._held.pop((s.id, frame.request_id), 0))
 
     def forget(self, session_id: str) -> None:
-        for w in [w for w in self.queue if w.session.id == session_id]:
-            self.queue.remove(w)
-            self._deadlines.pop(id(w.frame), None)
+        self.queue = [w for w in self.queue if w.session.id != session_id]
+        for key in [k for k in self._deadlines if k[0] == session_id]:
+            del self._deadlines[key]
+        for key in [k for k in self._held if k[0] == session_id]:
+            self.release(self._held.pop(key))
 
     def waiting(self, session_id: str) -> bool:
         return any(w.session.id == session_id for w in self.queue)
@@ -103,4 +129,5 @@ class AdmissionQueue:
             "oldest_s": round(max((now - w.since for w in self.queue), default=0.0), 3),
             "admitted_after_wait": self.admitted,
             "timed_out": self.timed_out,
+            "held_bytes": sum(self._held.values()),
         }

@@ -99,6 +99,7 @@ class Worker:
         self.memory = self._memory_manager(init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
+        self.admission.release = vmu["stack"].release
         self.uploads = Uploads()  # Note [one upload per fingerprint] (uploads.py)
         self.ready: collections.deque[tuple[WorkerSession, Frame]] = collections.deque()
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
@@ -471,25 +472,29 @@ class Worker:
             if result is PARKED:
                 return  # answered when dispatched again (Note [one upload per fingerprint])
             body, segments = result
-            self.admission.ran(frame)
+            self.admission.ran(s, frame)
             self._dirty = True
             self.reply(s, rid, body, segments)
         except DeviceShort as exc:
-            if self.admission.park(s, frame, exc, self.store.vmu.used):
+            payload = s.frame_private if fresh else 0  # Note [admission queue]: it waits too
+            if self.admission.park(s, frame, exc, self.store.vmu.used, payload):
+                if fresh:
+                    s.frame_private = 0  # the queue holds its stack charge now
                 outcome = "parked"  # answered when it fits or its deadline passes
                 return
             outcome = exc.code
-            self.admission.ran(frame)
+            self.admission.ran(s, frame)
             self.send_error(s, rid, exc)
         except DjinnError as exc:
             outcome = exc.code
-            self.admission.ran(frame)
+            self.admission.ran(s, frame)
             self.send_error(s, rid, exc)
         except GeneratorExit:  # its session ended while it waited (Scheduler.cancel)
             outcome = "cancelled"
             raise
         except Exception as exc:  # a bug must cost one request, never the worker
             outcome = InternalError.code
+            self.admission.ran(s, frame)
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
         finally:

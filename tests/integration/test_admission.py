@@ -61,3 +61,40 @@ def test_a_call_still_short_at_its_deadline_is_refused_saying_by_how_much(fresh_
         assert time.monotonic() - started < 25  # its deadline, not the appliance's
         assert wait_for(lambda: client.stats()["memory"][0]["admission"]["timed_out"] == 1)
         hog.close()
+
+
+def test_a_waiting_requests_inline_payload_stays_charged_while_it_waits(fresh_appliance):
+    """Its input tensors sit in worker memory for as long as it waits: the stack pays for
+    them until it is answered (they were uncharged once the first attempt returned)."""
+    from djinn.protocol.tensors import to_wire
+
+    app = fresh_appliance(cpu_worker_memory="48MiB", admission_timeout=30.0)
+    payload = torch.ones(MIB)  # 4 MiB, inline in the EXEC frame
+    big = {"op": "aten::zeros.default", "args": [[8 * MIB]]}  # 32 MiB: does not fit yet
+    with app.connect() as client, client.session() as s:
+        hog = client.session()
+        blob = hog.put(torch.ones(6 * MIB))  # noqa: F841 - 24 MiB held, never moved
+        nodes = [
+            {"op": "aten::add.Tensor", "args": [{"$t": 0, "desc": to_wire(payload)[0]}, 1.0]},
+            big,
+            {"op": "aten::sum.default", "args": [{"$v": 1}]},
+        ]
+        fetch = [{"$v": 0}, {"$v": 2}]
+        result: list = []
+        runner = threading.Thread(
+            target=lambda: result.append(s.execute(nodes, fetch=fetch, inline=[payload]))
+        )
+        runner.start()
+        st = wait_for(lambda: (d := client.stats())["memory"][0]["admission"]["waiting"] and d)
+        assert st["vmu"]["devices"][0]["stack"]["used"] >= payload.nbytes
+        assert st["memory"][0]["admission"]["held_bytes"] >= payload.nbytes
+        hog.close()  # room: it runs, and its payload's charge goes with its answer
+        runner.join(60)
+        (_, (out, zero)) = result[0]
+        assert zero.item() == 0
+        assert torch.equal(out, payload + 1)
+        done = wait_for(
+            lambda: (d := client.stats())["memory"][0]["admission"]["admitted_after_wait"] and d
+        )
+        assert done["memory"][0]["admission"]["held_bytes"] == 0
+        assert done["vmu"]["devices"][0]["stack"]["used"] == 0
