@@ -253,6 +253,13 @@ class MemoryManager:
             fp = key[2:]
             entry = self.models.entries[fp]
             self.model_out[fp] = self.mover.out(self._model_storages(entry))
+            # its old addresses are free memory now, soon another storage's: only what
+            # still holds bytes is its weights (tests/unit/test_residency_addresses.py)
+            entry.storages = {
+                st.data_ptr()
+                for t in (*entry.module.parameters(), *entry.module.buffers())
+                if (st := t.untyped_storage()).nbytes() > 0
+            }
             self.models.text.release(entry.nbytes)
             moved = sum(c.nbytes for c in self.model_out[fp])
             counters = self.model_counters.setdefault(fp, Counters())
