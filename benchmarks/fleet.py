@@ -17,7 +17,7 @@ the copies of each model), p50 / p99 of decode steps while all 12 clients decode
 session: the directory's decision as the client waited for it, and the decision plus
 connecting and opening the session on the chosen appliance.
 
-    python benchmarks/fleet.py                  # GPT-2 small if memory allows (~4 min)
+    python benchmarks/fleet.py                  # GPT-2 small if memory allows (~8 min)
     python benchmarks/fleet.py --layers 2 --embd 128 --steps 8     # a quick look
 """
 
@@ -35,13 +35,17 @@ from typing import Any
 
 import psutil
 import torch
-from _common import GiB, MiB, note, save_json
+from _common import GiB, MiB, save_json
 from _report import md_table
 
 CLIENTS, MODELS = 12, 3
 PHASES = ("single", "semantic", "round_robin")
 TOKEN = "fleet-benchmark-token"
 NODE = {"num_cpus": 1, "object_store_memory": 80 * MiB, "resources": {"djinn_appliance": 1}}
+
+
+def note(msg: str) -> None:
+    print(f"[fleet] {msg}", file=sys.stderr, flush=True)
 
 
 def model_config(args: argparse.Namespace) -> Any:

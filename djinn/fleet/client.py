@@ -153,9 +153,11 @@ class FleetClient:
         with self._lock:
             client = self._clients.get(endpoint)
         if client is None:
-            client = Client(endpoint, self.token)
+            fresh = Client(endpoint, self.token)
             with self._lock:
-                client = self._clients.setdefault(endpoint, client)
+                client = self._clients.setdefault(endpoint, fresh)
+            if client is not fresh:  # another thread connected first
+                fresh.close()
         return client
 
     # -- losses -----------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class FleetClient:
             )
             if state == "dead" or now_at != endpoint:
                 row = ray.get(self.directory.describe.remote(appliance), timeout=5)
-                return f"its node died: {row.get('why') or 'Ray reports it dead'}"
+                return f"the fleet lost it: {row.get('why') or 'Ray reports it dead'}"
         addr = parse_address(endpoint)
         try:
             socket.create_connection((addr.host, addr.port), PROBE_TIMEOUT_S).close()
@@ -203,7 +205,7 @@ class FleetClient:
             for s in sessions:
                 state, endpoint = states.get(s.appliance, ("dead", ""))
                 if state == "dead" or endpoint != s.endpoint:
-                    s._cut(f"its node died (Ray reports appliance {s.appliance} {state})")
+                    s._cut(f"the fleet lost it (the directory says {s.appliance} is {state})")
 
     # -- the Client surface -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
