@@ -48,7 +48,7 @@ from .busy import BusyTracker
 from .executor.device import open_device
 from .graphs import GraphTemplates
 from .handlers import HANDLERS, STEPPED
-from .memtrim import trim_heap
+from .memtrim import keep_heap_warm, trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
 from .residency import MemoryManager
@@ -77,6 +77,8 @@ class Worker:
         self.heartbeat_interval = init["heartbeat_interval"]
         self.model_roots = [r for r in str(init.get("model_roots", "")).split(":") if r]
         self.device = open_device(init["device"], init["cpu_worker_memory"])
+        if self.device.torch_device.type == "cpu":
+            keep_heap_warm()  # Note [warm heap]: swap-ins copy into warm pages
         self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
         capacity = self.device.capacity(init["workers"])
