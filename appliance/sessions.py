@@ -61,6 +61,7 @@ class WorkerSession:
     tenant: str = ""  # whose it is, for fair shares: uid:N, host:ADDR or token:NAME
     object_bytes: int = 0  # tensor bytes held by remote objects (KV caches), in data
     data_bytes: int = 0
+    staged_bytes: int = 0  # staged upload bytes it holds, not charged to the device
     requests: int = 0
     phase: str = "unknown"
     end_reason: str = ""  # ENDED: who ended the session and when, told to its client

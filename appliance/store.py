@@ -91,10 +91,24 @@ class TensorStore:
             ref = StorageRef(key[1], slab=slab, host=host)
             if key[1]:
                 session.storages[key[0]] = ref
+                session.staged_bytes += key[1] if host else 0
         ref.refs += 1
         handle = new_handle()
         session.handles[handle] = (t, key[0])
         return handle
+
+    def unstage(self, session: WorkerSession) -> None:
+        """Note [staged uploads]: the upload they were staged for is over, and the session
+        keeps them as ordinary tensors: charged like any other from now on (quota and
+        device budget), all or none. They bypassed the device quota before."""
+        refs = [ref for ref in session.storages.values() if ref.host]
+        total = sum(ref.nbytes for ref in refs)
+        self.check_quota(session, total)
+        self.vmu["data"].reserve(total)
+        for ref in refs:
+            ref.host = False
+        session.data_bytes += total
+        session.staged_bytes = 0
 
     def check_quota(self, session: WorkerSession, nbytes: int) -> None:
         """Refuse ``nbytes`` more device memory for a session at its quota."""
@@ -149,7 +163,9 @@ class TensorStore:
             if ref.away is not None:  # in the host tier (Note [session tensors on the host])
                 self.slabs.free(ref.away.offset)
                 ref.away = None
-            elif not ref.host:
+            elif ref.host:
+                session.staged_bytes -= ref.nbytes
+            else:
                 self.vmu["data"].release(ref.nbytes)
                 session.data_bytes -= ref.nbytes
             if ref.slab is not None:

@@ -512,8 +512,9 @@ class Worker:
                 # could be read. Nobody's lease runs out for time the worker was busy.
                 self.busy_until = time.monotonic()
 
-    def _resumed(self, steps: Iterator[None]) -> Iterator[None]:
-        """Pass ``steps``' yields on; after each, this request is what the worker runs
+    def _resumed(self, steps: Iterator[Any]) -> Iterator[Any]:
+        """Pass ``steps``' yields on (a DecodeStep tells the scheduler that a generate()
+        loop waits for its next token); after each, this request is what the worker runs
         again (Note [busy stats])."""
         busy = self.busy.current
         try:

@@ -31,3 +31,31 @@ def test_a_session_over_its_host_quota_is_refused(fresh_appliance):
         with pytest.raises(QuotaExceeded, match="session_host_max"):
             s.put(torch.ones(MIB))  # 4 MiB through the arena
         assert other.put(torch.ones(MIB // 8)).cpu().sum().item() == MIB // 8
+
+
+def test_tensors_staged_for_an_upload_count_against_the_quota_once_it_is_over(fresh_appliance):
+    """Tensors PUT while uploading a model's weights wait in the arena uncharged (Note
+    [staged uploads]); kept after the upload was given up and used as ordinary tensors,
+    they are charged like any other, so they cannot hold the session past its quota."""
+    import json
+
+    from djinn.errors import QuotaExceeded
+
+    app = fresh_appliance(session_device_max="2MiB")
+    config = json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 4})
+    body = {
+        "fingerprint": "f" * 32,
+        "class": "transformers.GPT2LMHeadModel",
+        "config_json": config,
+    }
+    with app.connect() as client, client.session() as s:
+        assert s.register_model(body)["cached"] is False  # this session uploads it now
+        staged = s.put(torch.ones(MIB))  # 4 MiB, "weights": uncharged while uploading
+        with pytest.raises(QuotaExceeded, match="session_device_max"):
+            s.execute([{"op": "aten::sum.default", "args": [staged.ref()]}], fetch=[{"$v": 0}])
+        s.free([staged.handle])  # freeing it is always allowed
+        small = s.put(torch.ones(4))
+        _, (total,) = s.execute(
+            [{"op": "aten::sum.default", "args": [small.ref()]}], fetch=[{"$v": 0}]
+        )
+        assert total.item() == 4
