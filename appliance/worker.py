@@ -465,6 +465,8 @@ class Worker:
                 raise ProtocolError(f"{frame.kind.name} is not a session request")
             if self.uploads.by_fp and frame.kind.name not in UPLOADING_KINDS:
                 self.requeue(self.uploads.abandon(s.id))  # it moved on: not uploading
+            if s.staged_bytes and frame.kind.name not in UPLOADING_KINDS | {"FREE"}:
+                self.store.unstage(s)  # kept after its upload: charged from now on
             self.memory.begin(s, frame.kind.name)  # Note [session tensors on the host]
             stepped = STEPPED.get(frame.kind)
             if stepped is not None:
