@@ -189,26 +189,52 @@ def test_round_robin_copies_a_model_onto_every_appliance(fleet):
         ray.get(fleet.directory.set_placement.remote("semantic"))
 
 
-def test_transparent_model_to_remote_lands_on_the_fleet(fleet, monkeypatch):
+def test_transparent_model_to_remote_joins_the_resident_copy(fleet, monkeypatch):
     """`model.to("remote_accelerator")` with address = fleet://: the default session is
-    placed by the model's fingerprint, and the model runs there."""
+    placed by the model's fingerprint (Note [lazy placement]), so it lands where another
+    client already holds those weights, and the model runs there."""
     from djinn.frontend import session as default
 
     monkeypatch.setenv("DJINN_ADDRESS", fleet.address)
     monkeypatch.setenv("DJINN_TOKEN", TOKEN)
     default.reset()
-    try:
-        model = tiny_gpt2(31)
-        ids = torch.tensor([[1, 2, 3, 4]])
-        with torch.no_grad():
-            expected = model(ids).logits
-            remote = model.to("remote_accelerator:0")
-            got = remote(ids).logits.cpu()
-        torch.testing.assert_close(got, expected)
-        s = default.default_session()
-        assert type(s).__name__ == "FleetSession" and s.appliance
-    finally:
-        default.reset()
+    model = tiny_gpt2(31)
+    with fleet.client() as client, client.session() as holder:
+        fp = register(holder, tiny_gpt2(31))["fingerprint"]
+        fleet.wait(lambda d: resident(d, fp), what="the model resident")
+        try:
+            ids = torch.tensor([[1, 2, 3, 4]])
+            with torch.no_grad():
+                expected = model(ids).logits
+                remote = model.to("remote_accelerator:0")
+                got = remote(ids).logits.cpu()
+            torch.testing.assert_close(got, expected)
+            s = default.default_session()
+            assert type(s).__name__ == "FleetSession"
+            assert s.appliance == holder.appliance
+            assert resident(fleet.doc(), fp) == [holder.appliance]
+        finally:
+            default.reset()
+
+
+def test_top_fleet_reads_the_live_directory(fleet):
+    import asyncio
+
+    from djinn.tui.fleet import DirectorySource, FleetTop
+    from djinn.tui.widgets.table import SortableTable
+
+    app = FleetTop(DirectorySource(fleet.address, TOKEN), refresh=3600)
+
+    async def main() -> None:
+        async with app.run_test(size=(160, 40)) as pilot:
+            deadline = time.monotonic() + 30
+            while app.polls < 1 and time.monotonic() < deadline:
+                await pilot.pause(0.1)
+            ids = {a["id"] for a in fleet.doc()["appliances"] if a["state"] == "up"}
+            rows = set(app.query_one("#appliances", SortableTable).row_keys())
+            assert ids <= rows and "appliances up" in app.status_text
+
+    asyncio.run(main())
 
 
 def test_status_fleet_shows_every_appliance(fleet):
