@@ -370,6 +370,10 @@ class Supervisor:
                 raise ProtocolError("bytes pipelined after SESSION_OPEN; wait for its reply")
             conn.waiting_open = (rid, time.monotonic() + OPEN_WAIT_S)
             conn.extra["client"] = str(frame.body.get("client", ""))[:64]
+            # worker ids a recovering client asks for (Note [warm standby]); hints only
+            for key in ("prefer", "avoid"):
+                value = frame.body.get(key)
+                conn.extra[key] = value if type(value) is int else None
             self._try_open(conn)
         else:
             raise ProtocolError(f"{frame.kind.name} needs an open session")
@@ -385,7 +389,8 @@ class Supervisor:
         ready = [w for w in self.workers if w.ready and w.ctl is not None]
         if not ready or conn.waiting_open is None:
             return False
-        w = min(ready, key=lambda w: (w.session_count(), w.id))
+        prefer, avoid = conn.extra.get("prefer"), conn.extra.get("avoid")
+        w = min(ready, key=lambda w: (w.id == avoid, w.id != prefer, w.session_count(), w.id))
         msg = {
             "op": "adopt",
             "session": secrets.token_hex(8),

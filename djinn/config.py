@@ -441,6 +441,24 @@ SETTINGS: tuple[Setting, ...] = (
         "bytes",
         low=1 << 20,
     ),
+    Setting(
+        "recovery_checkpoint_seconds",
+        1.0,
+        "The journal is also cut when replaying what it recorded since the last cut would "
+        "take longer than this (as those requests took) and than the last cut took: the "
+        "replay part of a recovery stays about this long.",
+        "float",
+        low=0.01,
+        high=3600.0,
+    ),
+    Setting(
+        "recovery_standby",
+        False,
+        "Keep a recovering session's registered models on a second worker as well (Note "
+        "[warm standby]), so that a recovery finds them there instead of uploading them "
+        "again: faster recoveries for one more copy of the models in the appliance.",
+        "bool",
+    ),
     # -- a fleet of appliances on Ray (djinn fleet, issue 13) -------------------------
     Setting(
         "fleet_placement",

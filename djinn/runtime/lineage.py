@@ -72,6 +72,8 @@ class Policy:
     backoff_max: float = 2.0
     errors: frozenset[str] = frozenset({"WORKER_LOST", "SESSION_LOST"})
     checkpoint_bytes: int = 64 << 20
+    checkpoint_seconds: float = 1.0
+    standby: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> Policy:
@@ -81,6 +83,8 @@ class Policy:
             backoff_max=float(cfg.recovery_backoff_max),
             errors=frozenset(e.strip().upper() for e in cfg.recovery_errors.split(",") if e),
             checkpoint_bytes=int(cfg.recovery_checkpoint_bytes),
+            checkpoint_seconds=float(cfg.recovery_checkpoint_seconds),
+            standby=bool(cfg.recovery_standby),
         )
 
 
@@ -97,6 +101,7 @@ class Entry:
     out: Any = None
     nbytes: int = 0
     replayable: bool = True
+    seconds: float = 0.0  # how long it took: what replaying it costs, roughly
 
 
 def remap(x: Any, mapping: dict[str, str]) -> Any:
@@ -285,15 +290,15 @@ def _from_handles_only(node: dict[str, Any]) -> bool:
     return ok(node.get("args")) and ok(node.get("kwargs"))
 
 
-def _remade_views(live: dict[str, RemoteTensor]) -> dict[str, tuple[dict, int]] | None:
+def _remade_views(live: dict[str, RemoteTensor]) -> dict[str, tuple[dict, dict]] | None:
     """The live views a cut makes again from their bases, in an order that makes bases
-    first: ``{handle: (node, output index)}``; None when one cannot be (made by an op
+    first: ``{handle: (node, its keep ref)}``; None when one cannot be (made by an op
     that took more than handles, or from a base no longer held: two such views may share
     it, and restored apart they would not)."""
     views = {h: r.view for h, r in live.items() if r.view}
     if any(v is True for v in views.values()):
         return None
-    ordered: dict[str, tuple[dict, int]] = {}
+    ordered: dict[str, tuple[dict, dict]] = {}
     while len(ordered) < len(views):
         progress = False
         for h, (node, k) in views.items():
@@ -341,18 +346,36 @@ class Lineage:
         self.recoveries = 0
         self.recovery_s: list[float] = []  # from the fault to a rebuilt session
         self.replay_s: list[float] = []  # of which replaying the journal
+        self.recovered_at: list[float] = []  # time.monotonic() when each one ended
+        self.replayed: list[int] = []  # requests each replay sent
+        self.replay_kinds: list[dict[str, float]] = []  # its seconds by kind of request
         self.checkpoints = 0
         self.peak_bytes = 0
         self.cut_due = False
+        self.replay_cost = 0.0  # seconds the requests since the last cut took
+        self.last_cut_s = 0.0
+        self._tls = threading.local()  # how long this thread's last request took
+        self.standby: Session | None = None  # Note [warm standby]
+        self._standby_lock = threading.Lock()
+        self.standby_s: list[float] = []
 
     # -- recording ---------------------------------------------------------------------
+    def took(self) -> float:
+        """How long this thread's last successful request took."""
+        return getattr(self._tls, "took", 0.0)
+
     def record(self, entry: Entry) -> None:
         with self.lock:
             self.entries.append(entry)
             self.nbytes += entry.nbytes
+            self.replay_cost += entry.seconds
             self.peak_bytes = max(self.peak_bytes, self.nbytes)
-            # cut before the next request, once the program holds this one's results
-            self.cut_due = self.nbytes - self.base_bytes >= self.next_cut
+            # cut before the next request, once the program holds this one's results:
+            # when the journal outgrew its bytes, or when replaying it would take longer
+            # than recovery_checkpoint_seconds and than the last cut did (a cut's cost
+            # is repaid by the replay it saves)
+            slow = self.replay_cost >= max(self.policy.checkpoint_seconds, 2 * self.last_cut_s)
+            self.cut_due = slow or self.nbytes - self.base_bytes >= self.next_cut
 
     def record_put(self, tensors: list[torch.Tensor], remotes: list[RemoteTensor]) -> None:
         data = [(t.detach(), t._version) for t in tensors]
@@ -389,7 +412,9 @@ class Lineage:
             k = ref.get("i", 0)
             if k >= len(views) or views[k]:
                 node = nodes[ref["$v"]]
-                remote.view = ({**node}, k) if _from_handles_only(node) else True
+                # the node, and how the graph named this output (``i`` only when multi)
+                keep_ref = {**ref, "$v": 0}
+                remote.view = ({**node}, keep_ref) if _from_handles_only(node) else True
 
     # -- retrying ----------------------------------------------------------------------
     def run(self, attempt: Callable[[Any], Any], body: Any = None, repeat: bool = True) -> Any:
@@ -414,7 +439,10 @@ class Lineage:
         tries = 0
         while True:
             try:
-                return attempt(body), body
+                started = time.perf_counter()
+                result = attempt(body)
+                self._tls.took = time.perf_counter() - started
+                return result, body
             except DjinnError as exc:
                 if exc.code not in self.policy.errors or isinstance(exc, RecoveryFailed):
                     raise
@@ -483,7 +511,13 @@ class Lineage:
             done = time.perf_counter()
             self.recovery_s.append(done - started)
             self.replay_s.append(done - opened)
+            self.replay_cost = done - opened  # what the next replay would cost, at least
+            self.recovered_at.append(time.monotonic())
+            self.replayed.append(
+                sum(e.kind not in ("put", "free", "free_objects") for e in entries)
+            )
             self.s._resume()
+            self.warm_standby()
             log.warning(
                 "session rebuilt on worker %s after %s (%d requests replayed in %.2fs)",
                 self.s.worker,
@@ -536,7 +570,12 @@ class Lineage:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             out.append(Entry("put", None, data, [r.handle for r in remotes], nbytes))
 
+        spent: dict[str, float] = {}  # seconds per kind of request (puts: by who needed them)
+        last, t_last = "", time.perf_counter()
         for i, e in enumerate(entries):
+            now = time.perf_counter()
+            spent[last] = spent.get(last, 0.0) + now - t_last
+            last, t_last = e.kind, now
             if e.kind == "put":
                 pending.update(zip(e.out, e.data, strict=True))
                 continue
@@ -556,15 +595,15 @@ class Lineage:
                     # the worker had it: keep what a later replay may need, as it was
                     names = strings_in(e.body.get("state"), set())
                     strings_in(e.body.get("buffers"), names)
-                    keep = [(h, pending[h]) for h in names if h in pending]
-                    if keep:
+                    held = [(h, pending[h]) for h in names if h in pending]
+                    if held:
                         out.append(
                             Entry(
                                 "put",
                                 None,
-                                [d for _, d in keep],
-                                [h for h, _ in keep],
-                                sum(t.numel() * t.element_size() for _, (t, _) in keep),
+                                [d for _, d in held],
+                                [h for h, _ in held],
+                                sum(t.numel() * t.element_size() for _, (t, _) in held),
                             )
                         )
                     out.append(e)
@@ -604,6 +643,9 @@ class Lineage:
                         mapping[old] = made[name]
                 out.append(Entry("load", body, out=made, nbytes=e.nbytes))
         materialize(set(live))
+        spent[last] = spent.get(last, 0.0) + time.perf_counter() - t_last
+        spent.pop("", None)
+        self.replay_kinds.append({k: round(v, 3) for k, v in spent.items() if v >= 0.001})
         # what the program dropped while the worker was dying: free the twins
         with s._lists_lock:
             dropped = [mapping.pop(h) for h in s._pending_free if h in mapping]
@@ -643,50 +685,139 @@ class Lineage:
     def checkpoint(self) -> bool:
         """Note [lineage truncation]: cut the journal to the live values (read back once)
         and the model registrations. False when a cut must wait."""
+        started = time.perf_counter()
         with self.lock:
             if self._objects():
+                self.replay_cost = 0.0  # try again after as much replay again
                 self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 4
                 return False
             live = self._live()
             remade = _remade_views(live)
             if remade is None:
+                self.replay_cost = 0.0
                 self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 8
                 return False
+            # puts handed over to the appliance (a model's weights, before or after the
+            # REGISTER that takes them): neither held by the program nor freed
+            with self.s._lists_lock:
+                freed = set(self.s._pending_free)
             keep: list[Entry] = []
-            puts: dict[str, tuple[torch.Tensor, int]] = {}
+            handed: list[tuple[str, tuple[torch.Tensor, int]]] = []
             for e in self.entries:
                 if e.kind == "put":
-                    puts.update(zip(e.out, e.data, strict=True))
+                    handed += [(h, d) for h, d in zip(e.out, e.data, strict=True) if h not in live]
+                elif e.kind == "free":
+                    freed.update(e.body)
                 elif e.kind == "register":
-                    names = strings_in(e.body.get("state"), set())
-                    strings_in(e.body.get("buffers"), names)
-                    held = [(h, puts[h]) for h in names if h in puts]
-                    if held:
-                        nbytes = sum(t.numel() * t.element_size() for _, (t, _) in held)
-                        keep.append(
-                            Entry("put", None, [d for _, d in held], [h for h, _ in held], nbytes)
-                        )
                     keep.append(e)
+            handed = [(h, d) for h, d in handed if h not in freed]
+            if handed:
+                nbytes = sum(t.numel() * t.element_size() for _, (t, _) in handed)
+                keep.insert(
+                    0, Entry("put", None, [d for _, d in handed], [h for h, _ in handed], nbytes)
+                )
             handles = [h for h in live if h not in remade]
             values = self.s._get_many([live[h] for h in handles]) if handles else []
             if handles:
                 data = [(v, v._version) for v in values]
                 nbytes = sum(v.numel() * v.element_size() for v in values)
                 keep.append(Entry("put", None, data, handles, nbytes))
-            for h, (node, k) in remade.items():  # views, made again from their bases
-                body = {"nodes": [node], "keep": [{"$v": 0, "i": k}], "fetch": []}
+            for h, (node, ref) in remade.items():  # views, made again from their bases
+                body = {"nodes": [node], "keep": [ref], "fetch": []}
                 keep.append(Entry("exec", body, [], [h], NODE_BYTES))
             self.entries = keep
             self.nbytes = self.base_bytes = sum(e.nbytes for e in keep)
             self.next_cut = self.policy.checkpoint_bytes
             self.checkpoints += 1
+            self.replay_cost = 0.0
+            self.last_cut_s = time.perf_counter() - started
             return True
+
+    # -- warm standby -----------------------------------------------------------------
+    def warm_standby(self) -> None:
+        """Note [warm standby]: with ``recovery_standby``, keep this session's registered
+        models on a second worker, through a session of its own there, so that the
+        replay after a loss finds them cached (REGISTER answers ``cached``: no upload, no
+        fingerprint check, no build). Made in the background after a registration and
+        after each recovery (the old standby's worker is now this session's); it costs
+        one more copy of the models in the appliance's memory."""
+        if not self.policy.standby or self.s._closed.is_set():
+            return
+        threading.Thread(target=self._make_standby, name="djinn-standby", daemon=True).start()
+
+    def _make_standby(self) -> None:
+        from .session import Session
+
+        with self._standby_lock:
+            started = time.perf_counter()
+            with self.lock:
+                entries = list(self.entries)
+            if not any(e.kind == "register" for e in entries):
+                return
+            old, self.standby = self.standby, None
+            if old is not None and old.usable and old.worker != self.s.worker:
+                self.standby = old  # still on another worker: nothing to do
+                return
+            standby = None
+            for _ in range(40):  # a replacement worker may take seconds to be ready
+                if self.s._closed.is_set():
+                    return
+                try:
+                    standby = Session(self.s.client, avoid=self.s.worker)
+                except DjinnError:
+                    standby = None
+                if standby is not None and standby.worker != self.s.worker:
+                    break
+                if standby is not None:
+                    standby.close()
+                    standby = None
+                time.sleep(0.5)
+            if standby is None:
+                return
+            try:
+                puts: dict[str, torch.Tensor] = {}
+                cached: dict[str, bool] = {}
+                for e in entries:
+                    if e.kind == "put":
+                        puts.update((h, t) for h, (t, _) in zip(e.out, e.data, strict=True))
+                    elif e.kind == "register":
+                        fp = e.body.get("fingerprint")
+                        if "state" not in e.body and "path" not in e.body:
+                            cached[fp] = bool(standby.register_model(e.body).get("cached"))
+                            continue
+                        if cached.get(fp):
+                            continue
+                        names = [h for h in strings_in(e.body, set()) if h in puts]
+                        remotes = standby._put_many([puts[h] for h in names])
+                        for r in remotes:
+                            r._finalizer.detach()  # the appliance takes them over
+                        mapping = {h: r.handle for h, r in zip(names, remotes, strict=True)}
+                        standby.register_model(remap(e.body, mapping))
+            except DjinnError as exc:
+                log.info("no warm standby: %s", exc)
+                standby.close()
+                return
+            if old is not None:
+                old.close()
+            self.standby = standby
+            self.standby_s.append(time.perf_counter() - started)
+
+    def close(self) -> None:
+        with self._standby_lock:
+            if self.standby is not None:
+                self.standby.close()
+                self.standby = None
 
     def stats(self) -> dict[str, Any]:
         return {
             "recoveries": self.recoveries,
             "recovery_s": list(self.recovery_s),
             "replay_s": list(self.replay_s),
+            "recovered_at": list(self.recovered_at),
+            "replayed": list(self.replayed),
+            "replay_kinds": list(self.replay_kinds),
+            "standby_worker": None if self.standby is None else self.standby.worker,
+            "standby_s": list(self.standby_s),
             "checkpoints": self.checkpoints,
             "journal_entries": len(self.entries),
             "journal_bytes": self.nbytes,

@@ -51,7 +51,7 @@ def _u8(n: int) -> torch.Tensor:
 
 
 class Session:
-    def __init__(self, client: Client, *, recover: bool = False) -> None:
+    def __init__(self, client: Client, *, recover: bool = False, avoid: int | None = None) -> None:
         self.client = client
         self._lost: str | None = None
         self._gone: DjinnError | None = None  # the SESSION_ENDED / _EXPIRED that said why
@@ -71,14 +71,19 @@ class Session:
 
             self._lineage = lineage.Lineage(self, lineage.Policy.from_config(config.load()))
             self._lineage.remotes = weakref.WeakSet()
-        self._open()
+        self._open(avoid)
         self._resume()
 
-    def _open(self) -> None:
+    def _open(self, avoid: int | None = None, prefer: int | None = None) -> None:
         """Open the session on the appliance: a new connection handed to a worker."""
         self.channel = Channel(self.client.address, self._lost_error)
         self.channel.hello(self.client.token)
-        info = self.channel.call(Kind.SESSION_OPEN, {"client": "python"}).body
+        body: dict[str, Any] = {"client": "python"}
+        if avoid is not None:
+            body["avoid"] = avoid  # a warm standby wants another worker
+        if prefer is not None:
+            body["prefer"] = prefer  # a recovery wants its standby's worker
+        info = self.channel.call(Kind.SESSION_OPEN, body).body
         self.id: str = info["session"]
         self.worker: int = info["worker"]
         self.device: str = info.get("device", "")
@@ -97,7 +102,8 @@ class Session:
             self._release = []
         self._lost = None
         self._gone = None
-        self._open()
+        standby = self._lineage.standby if self._lineage is not None else None
+        self._open(prefer=standby.worker if standby is not None else None)
 
     def _resume(self) -> None:
         """Requests carry the GC's frees again; a heartbeat thread for this connection."""
@@ -220,6 +226,8 @@ class Session:
             return self._call(Kind.REGISTER, body).body
         reply, sent = self._lineage.run_body(lambda b: self._call(Kind.REGISTER, b).body, body)
         self._lineage.record(lineage.Entry("register", sent, nbytes=lineage.NODE_BYTES))
+        if "state" in sent or "path" in sent or reply.get("cached"):
+            self._lineage.warm_standby()
         return reply
 
     def call_model(self, body: dict[str, Any], segments: Sequence = ()) -> dict[str, Any]:
@@ -229,7 +237,9 @@ class Session:
         repeat = not lineage.sampled(body)
         attempt = lambda b: self._call(Kind.CALL, b, segments).body  # noqa: E731
         reply, sent = self._lineage.run_body(attempt, body, repeat)
-        self._lineage.record(lineage.Lineage.call_entry(sent, list(segments), reply))
+        entry = lineage.Lineage.call_entry(sent, list(segments), reply)
+        entry.seconds = self._lineage.took()
+        self._lineage.record(entry)
         return reply
 
     def memory_allocated(self) -> int:
@@ -364,7 +374,9 @@ class Session:
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         if self._lineage is not None:
             self._lineage.mark_views(body, kept)
-            self._lineage.record(lineage.Lineage.graph_entry(body, segments, out))
+            entry = lineage.Lineage.graph_entry(body, segments, out)
+            entry.seconds = self._lineage.took()
+            self._lineage.record(entry)
         tensors = iter(out["tensors"])
         fetched = [
             NOT_RUN if isinstance(v, dict) else next(tensors) if v is None else v
@@ -446,6 +458,8 @@ class Session:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._lineage is not None:
+            self._lineage.close()
         try:
             if self._lost is None:
                 self._call(Kind.SESSION_CLOSE)

@@ -141,6 +141,8 @@ BAD_VALUES = {
     "recovery_backoff_max": [-1, 301],
     "recovery_errors": ["SESSION_ENDED", "WORKER_LOST,OOPS"],
     "recovery_checkpoint_bytes": ["1KiB", "lots"],
+    "recovery_checkpoint_seconds": [0, "a while"],
+    "recovery_standby": ["maybe", 2],
     "prewarm": ["maybe", 2],
     "stats_window": [0, 100000],
     "metrics_port": [70000, -1],
