@@ -315,9 +315,10 @@ class MemoryManager:
     def _check_host_quota(self, session_id: str, nbytes: int) -> None:
         """A session at its host quota keeps its caches on the device (issue 9 §4)."""
         slabs = self.store.slabs
-        held = slabs.held.get(session_id, 0) + self._act(session_id).host_bytes
+        held = slabs.held.get(session_id, 0) + self.host_elsewhere(session_id)
         if slabs.host_max and held + nbytes > slabs.host_max:
             raise QuotaExceeded(f"session {session_id}: host quota full")
+        slabs.tenant_host(session_id, nbytes)  # Note [tenant quotas]
 
     def host_elsewhere(self, session_id: str) -> int:
         act = self.activity.get(session_id)

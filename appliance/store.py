@@ -7,6 +7,7 @@ is freed when the last handle viewing it is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,8 @@ class TensorStore:
         self.slabs = SlabAllocator(base, size, **shares)  # Note [arena shares] (slabs.py)
         self.vmu = vmu
         self.device_max = 0  # session_device_max (issue 9 §4); 0: no quota
+        # tenant_device_max (Note [tenant quotas], tenant_quota.py), set by the worker
+        self.tenant_check: Callable[[WorkerSession, int], None] = lambda s, n: None
         self._arena_ptr = 0
         if arena.size:
             self._arena_ptr = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
@@ -118,6 +121,7 @@ class TensorStore:
                 f"bytes, over its quota of {self.device_max} (session_device_max); "
                 "free handles or KV caches first"
             )
+        self.tenant_check(session, nbytes)
 
     def charge_objects(self, session: WorkerSession) -> int:
         """Re-measure the tensors remote objects hold (a KV cache grows every decode step)

@@ -141,6 +141,8 @@ class Supervisor:
                 "session_device_max": cfg.session_device_max,
                 "session_host_max": cfg.session_host_max,
                 "kv_recompute": cfg.kv_recompute,
+                "tenant_device_max": cfg.tenant_device_max,
+                "tenant_host_max": cfg.tenant_host_max,
                 "scheduler": cfg.scheduler,
                 "scheduler_slice_ms": cfg.scheduler_slice_ms,
                 "scheduler_small_graph": cfg.scheduler_small_graph,

@@ -55,6 +55,7 @@ from .residency import MemoryManager
 from .scheduler import Scheduler, Work, parse_weights, tenant_of, work_facts
 from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
+from .tenant_quota import TenantQuotas
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
 from .utilisation import Utilisation
 from .vmu.device import DeviceShort, DeviceVMU
@@ -146,6 +147,14 @@ class Worker:
         self.store.device_max = int(init.get("session_device_max") or 0)
         self.store.slabs.host_max = int(init.get("session_host_max") or 0)
         self.store.slabs.host_elsewhere = memory.host_elsewhere
+        tenants = TenantQuotas(  # Note [tenant quotas]
+            int(init.get("tenant_device_max") or 0),
+            int(init.get("tenant_host_max") or 0),
+            lambda: [s for s in self.sessions.values() if s.state == OPEN],
+            lambda sid: self.store.slabs.held.get(sid, 0) + memory.host_elsewhere(sid),
+        )
+        self.store.tenant_check = tenants.check_device
+        self.store.slabs.tenant_host = tenants.check_host
         return memory
 
     # -- main loop ----------------------------------------------------------------------

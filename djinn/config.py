@@ -225,6 +225,24 @@ SETTINGS: tuple[Setting, ...] = (
         low=0,
     ),
     Setting(
+        "tenant_device_max",
+        "0",
+        "Most device memory all open sessions of one tenant (a tenant token's holder, a "
+        "Unix user, a TCP client's address) may hold on one worker; 0: no quota. Over it: "
+        "QUOTA_EXCEEDED (Note [tenant quotas]).",
+        "bytes",
+        low=0,
+    ),
+    Setting(
+        "tenant_host_max",
+        "0",
+        "Most host-arena memory all open sessions of one tenant may hold on one worker "
+        "(slabs, and KV caches and tensors swapped out); 0: no quota. Over it: "
+        "QUOTA_EXCEEDED.",
+        "bytes",
+        low=0,
+    ),
+    Setting(
         "kv_recompute",
         "auto",
         "What happens to a KV cache the memory policy evicts (Note [kv recompute]): 'auto' "

@@ -46,6 +46,8 @@ class SlabAllocator:
         # and what else it holds in the host tier (its KV caches swapped out)
         self.host_max = 0
         self.host_elsewhere: Callable[[str], int] = lambda owner: 0
+        # tenant_host_max (Note [tenant quotas], tenant_quota.py), set by the worker
+        self.tenant_host: Callable[[str, int], None] = lambda owner, size: None
 
     def _check_share(self, owner: str, size: int) -> None:
         held = self.held.get(owner, 0) + size
@@ -55,6 +57,7 @@ class SlabAllocator:
                 f"bytes in the host tier, over its quota of {self.host_max} "
                 "(session_host_max); free handles or KV caches first"
             )
+        self.tenant_host(owner, size)
         # the quota protects other sessions: a session alone on the worker is bounded by
         # the reserve below only (a lone user may load a model over half the arena)
         if held > self.session_max and self.sessions() > 1:

@@ -59,3 +59,21 @@ def test_tensors_staged_for_an_upload_count_against_the_quota_once_it_is_over(fr
             [{"op": "aten::sum.default", "args": [small.ref()]}], fetch=[{"$v": 0}]
         )
         assert total.item() == 4
+
+
+def test_a_tenants_sessions_together_are_held_to_the_tenant_quota(fresh_appliance):
+    """Note [tenant quotas]: two TCP sessions from one address are one tenant
+    (host:127.0.0.1): together over tenant_device_max, the second is refused; a session
+    of another tenant (this Unix user) is not."""
+    from djinn.errors import QuotaExceeded
+
+    app = fresh_appliance(tenant_device_max="2MiB", inline_max_bytes="4MiB")
+    half = torch.ones(MIB // 16 * 5)  # 1.25 MiB, inline: device memory
+    with app.connect("tcp") as tcp, tcp.session() as a, tcp.session() as b:
+        kept = a.put(half)
+        with pytest.raises(QuotaExceeded, match="tenant_device_max"):
+            b.put(half)  # alone it fits a session; with a's, not the tenant
+        with app.connect() as unix, unix.session() as other:
+            assert torch.equal(other.put(half).cpu(), half)  # another tenant
+        b.put(torch.ones(16))  # what fits the tenant still goes in
+        assert torch.equal(kept.cpu(), half)

@@ -115,6 +115,8 @@ BAD_VALUES = {
     "session_device_max": ["lots", -1],
     "session_host_max": ["some", -5],
     "kv_recompute": ["sometimes", "", ["auto"]],
+    "tenant_device_max": ["lots", -1],
+    "tenant_host_max": ["some", -5],
     "scheduler": ["lru", "", ["fifo"]],
     "scheduler_slice_ms": [0, -1, "short"],
     "scheduler_small_graph": [0, 2.5],
