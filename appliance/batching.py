@@ -22,6 +22,11 @@ for a batched step as for a lone one. A member that turns out not to be a plain 
 step (its cache is not a DynamicCache, a padded attention mask, an error in its
 arguments), or a batch that cannot get the memory it needs, simply runs alone.
 
+``generate()`` takes part too: a plain greedy ``generate()`` runs as a loop of decode
+steps (generate_steps.py) that pauses at every token with a ``DecodeStep``; paused loops
+and model calls of the same model are batched alike, so sessions join and leave the
+batch token by token (iteration-level batching, as Orca and vLLM do).
+
 Batching is only done for model families whose attention honours a left-padding mask
 with explicit position ids (``FAMILIES``); results match the lone step to float
 rounding (tests/integration/test_batching.py: greedy tokens identical, logits within
@@ -94,10 +99,43 @@ class BatchStats:
 @dataclass
 class _Member:
     session: Any
-    frame: Any
+    fingerprint: str
+    oid: str | None  # the cache's remote object id (a generate() loop's own cache: None)
     ids: torch.Tensor
     cache: Any
     length: int
+
+
+class DecodeStep:
+    """What a paused ``generate()`` loop yields: the step it needs, and where the batch
+    leaves the result (a stand-in for the model's forward), if it ran it."""
+
+    __slots__ = ("key", "member", "result", "since")
+
+    def __init__(self, member: _Member) -> None:
+        self.key = "model:" + member.fingerprint
+        self.member = member
+        self.result: Callable[..., Any] | None = None
+        self.since = 0.0
+
+
+def plain_cache(cache: Any) -> int | None:
+    """The length of a KV cache that can be batched (a DynamicCache of full layers, batch
+    of one), else None."""
+    layers = getattr(cache, "layers", None)
+    if type(cache).__name__ != "DynamicCache" or not layers:
+        return None
+    if any(type(layer).__name__ != "DynamicLayer" or not layer.is_initialized for layer in layers):
+        return None
+    length = int(cache.get_seq_length())
+    for layer in layers:
+        if layer.keys.shape[0] != 1 or layer.keys.shape[-2] != length:
+            return None
+    return length
+
+
+def batchable_family(module: Any) -> bool:
+    return getattr(getattr(module, "config", None), "model_type", None) in FAMILIES
 
 
 class Batcher:
@@ -119,14 +157,18 @@ class Batcher:
 
     def precompute(self, w: Worker, works: list[Any]) -> None:
         """Run the decode steps of ``works`` (scheduler Work items of one batch key) as
-        one forward and leave each member's result for its handler. Members that are not
-        plain decode steps, or a batch that cannot run, are left to run alone."""
-        members = [m for m in (_member(w, work.session, work.frame) for work in works) if m]
-        self.stats.alone += len(works) - len(members)
-        if len(members) < 2:
+        one forward and leave each member's result for it (marking it ``batched``).
+        Members that are not plain decode steps, or a batch that cannot run, are left to
+        run alone."""
+        found = [(work, _step_of(w, work)) for work in works]
+        found = [(work, m) for work, m in found if m is not None]
+        if len(works) > 1:
+            self.stats.alone += len(works) - len(found)
+        if len(found) < 2:
             return
-        entry = w.models.get(members[0].frame.body["fingerprint"])
-        if getattr(getattr(entry.module, "config", None), "model_type", None) not in FAMILIES:
+        members = [m for _, m in found]
+        entry = w.models.get(members[0].fingerprint)
+        if not batchable_family(entry.module):
             self.stats.alone += len(members)
             return
         try:
@@ -136,12 +178,26 @@ class Batcher:
             log.debug("batch of %d decode steps runs alone: %s", len(members), exc)
             self.stats.alone += len(members)
             return
-        for m, stand_in in zip(members, results, strict=True):
-            self._ready[id(m.frame)] = stand_in
+        for (work, _), stand_in in zip(found, results, strict=True):
+            if work.step is not None:
+                work.step.result = stand_in
+            else:
+                self._ready[id(work.frame)] = stand_in
+            work.batched = True
         self.stats.batches += 1
         self.stats.calls += len(members)
         self.stats.largest = max(self.stats.largest, len(members))
         self.stats.sizes[len(members)] = self.stats.sizes.get(len(members), 0) + 1
+
+
+def _step_of(w: Worker, work: Any) -> _Member | None:
+    """The decode step of a paused generate() loop or of a model call, or None if it must
+    run alone."""
+    if work.step is not None:
+        return work.step.member
+    if work.steps is not None:
+        return None
+    return _member(w, work.session, work.frame)
 
 
 def _member(w: Worker, s: Any, frame: Any) -> _Member | None:
@@ -149,7 +205,8 @@ def _member(w: Worker, s: Any, frame: Any) -> _Member | None:
     from .skeleton import decode_args
 
     body = frame.body
-    if body.get("fingerprint") not in s.models:
+    fp = body.get("fingerprint")
+    if fp not in s.models:
         return None  # its handler says why
     device = w.device.torch_device
     try:
@@ -161,22 +218,17 @@ def _member(w: Worker, s: Any, frame: Any) -> _Member | None:
     cache = kwargs.get("past_key_values")
     if not isinstance(ids, torch.Tensor) or ids.shape != (1, 1) or ids.is_floating_point():
         return None
-    layers = getattr(cache, "layers", None)
-    if type(cache).__name__ != "DynamicCache" or not layers:
+    length = plain_cache(cache)
+    if length is None:
         return None
-    if any(type(layer).__name__ != "DynamicLayer" or not layer.is_initialized for layer in layers):
-        return None
-    length = int(cache.get_seq_length())
-    for layer in layers:
-        if layer.keys.shape[0] != 1 or layer.keys.shape[-2] != length:
-            return None
     mask = kwargs.get("attention_mask")
     if mask is not None:  # only the mask a lone step means anyway: every position attended
         if not isinstance(mask, torch.Tensor) or mask.shape != (1, length + 1):
             return None
         if not bool(mask.bool().all()):
             return None
-    return _Member(s, frame, ids.to(torch.long), cache, length)
+    oid = body["kwargs"]["past_key_values"]["$o"]
+    return _Member(s, fp, oid, ids.to(torch.long), cache, length)
 
 
 def _run(w: Worker, entry: Any, members: list[_Member]) -> list[Callable[..., Any]]:
@@ -197,7 +249,7 @@ def _run(w: Worker, entry: Any, members: list[_Member]) -> list[Callable[..., An
     try:
         for m in members:  # every member's model and cache resident, and pinned
             prepared.append(m.session)
-            w.memory.prepare(m.session, entry, {_oid(m)})
+            w.memory.prepare(m.session, entry, {m.oid} if m.oid else set())
         stack.reserve(need)
         try:
             out = _forward(entry.module, ids, members, longest, device)
@@ -222,10 +274,6 @@ def _run(w: Worker, entry: Any, members: list[_Member]) -> list[Callable[..., An
         )
         results.append(_stand_in(m.cache, grown, mine))
     return results
-
-
-def _oid(m: _Member) -> str:
-    return m.frame.body["kwargs"]["past_key_values"]["$o"]
 
 
 def _forward(

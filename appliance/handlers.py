@@ -21,6 +21,7 @@ from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import describe, from_wire, to_wire, validate
 
 from .executor.graph import GraphRun
+from .generate_steps import call_steps
 from .model_handlers import handle_call, handle_load, handle_register
 from .sessions import WorkerSession
 from .vmu.device import DeviceShort
@@ -234,4 +235,6 @@ HANDLERS = {
     Kind.CALL: handle_call,
 }
 # Requests that can be preempted between steps (Note [threading model] in scheduler.py).
-STEPPED = {Kind.EXEC: exec_steps}
+# A CALL: a plain greedy generate() pauses between tokens to be batched with other
+# sessions' decode steps (Note [cross-session batching]); other calls run whole.
+STEPPED = {Kind.EXEC: exec_steps, Kind.CALL: call_steps}

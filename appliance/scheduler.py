@@ -17,11 +17,15 @@ lock is needed anywhere: nothing runs concurrently, only interleaved at op bound
 A single op still runs to its end (a 2-second matmul holds the loop for 2 seconds).
 
 Decode steps of one model from different sessions are run as one batch (Note
-[cross-session batching], batching.py). The scheduler's part: a decode step is *held*
-(not chosen) for at most ``batch_wait_s`` while fewer steps of its model wait than
+[cross-session batching], batching.py). A decode step is either a model call of one
+token on a KV cache, or a ``generate()`` loop paused between two tokens: its generator
+yields a ``DecodeStep``, which ends the slice. The scheduler's part: a decode step is
+*held* (not chosen) for at most ``batch_wait_s`` while fewer steps of its model wait than
 sessions decoded it within the last ``DECODERS_RECENT_S``, so that their next steps can
-join; the step chosen takes the others of its model along (``take_riders``), and the
-slice's execution time is shared among them.
+join. When one is chosen, the ``batch`` callback computes it together with the other
+steps of its model that wait (at most ``batch_max``), and marks them ``batched``; they
+stay in the scheduler and are run (answered, or resumed) before anything else, each
+finding its result ready. The batch's time is shared among its members.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 from djinn.semantics.scheduling import SchedulerPolicy, SchedulingView, WorkFacts
 
-from .batching import batch_key
+from .batching import DecodeStep, batch_key
 
 log = logging.getLogger("djinn.appliance.scheduler")
 
@@ -45,7 +49,17 @@ DECODERS_RECENT_S = 1.0  # a session that decoded a model this recently will aga
 class Work:
     """One request in the scheduler."""
 
-    __slots__ = ("arrived", "facts", "frame", "key", "ran_s", "riders", "session", "steps")
+    __slots__ = (
+        "arrived",
+        "batched",
+        "facts",
+        "frame",
+        "key",
+        "ran_s",
+        "session",
+        "step",
+        "steps",
+    )
 
     def __init__(self, key: int, session: Any, frame: Any, facts: dict, arrived: float) -> None:
         self.key = key
@@ -54,8 +68,20 @@ class Work:
         self.facts = facts  # what the policy sees of it, besides times and usage
         self.arrived = arrived
         self.ran_s = 0.0
-        self.steps: Iterator[None] | None = None
-        self.riders: list[Work] = []  # decode steps of other sessions batched with it
+        self.steps: Iterator[Any] | None = None
+        self.step: DecodeStep | None = None  # a generate() loop paused at this decode step
+        self.batched = False  # its decode step was computed in a batch: run it soon
+
+    def pending_step(self) -> bool:
+        """A decode step not computed yet: a model call not started, or a paused loop."""
+        return (
+            bool(self.facts.get("batch"))
+            and not self.batched
+            and (self.steps is None or self.step is not None)
+        )
+
+    def waiting_since(self) -> float:
+        return self.step.since if self.step is not None else self.arrived
 
 
 class Usage:
@@ -215,10 +241,15 @@ class Scheduler:
         return work
 
     def run_slice(
-        self, start: Callable[[Work], Iterator[None]], done: Callable[[Work], None]
+        self,
+        start: Callable[[Work], Iterator[Any]],
+        done: Callable[[Work], None],
+        batch: Callable[[list[Work]], None] | None = None,
     ) -> Work | None:
         """Run the chosen request for one slice and return it; ``start(work)`` makes its
-        generator, ``done(work)`` is called once it has finished and left the scheduler."""
+        generator, ``done(work)`` is called once it has finished and left the scheduler;
+        ``batch(works)`` computes decode steps of one model together (marking those it
+        computed ``batched``)."""
         if not self._items:
             return None
         now = self.clock()
@@ -227,15 +258,24 @@ class Scheduler:
             return None  # every request waits for a batch to fill (wait_s says how long)
         if self._running is not None and self._running in self._items and work.key != self._running:
             self.preemptions += 1
+        if batch is not None and self.batch_max > 1 and work.pending_step():
+            self._run_batch(work, batch)
+        work.step, work.batched = None, False  # the step's result is ready, or it runs alone
         if work.steps is None:
             work.steps = start(work)
-        finished = False
+        finished = paused = False
         self._executing = work
         began = self.clock()
         deadline = began + self.slice_s
         try:
             while True:
-                next(work.steps)
+                value = next(work.steps)
+                if isinstance(value, DecodeStep):  # a generate() loop at its next token
+                    value.since = self.clock()
+                    work.step, work.facts["batch"] = value, value.key
+                    self._decoders.setdefault(value.key, {})[work.session.id] = value.since
+                    paused = True
+                    break
                 if self.clock() >= deadline:
                     break
         except StopIteration:
@@ -250,20 +290,38 @@ class Scheduler:
             ran = end - began
             self.longest_slice_s = max(self.longest_slice_s, ran)
             work.ran_s += ran
-            batch = [work, *work.riders]  # a batch's members share its time
-            for member in batch:
-                share = ran / len(batch)
-                self._tenants.add(session_tenant(member.session), share, end)
-                self._sessions.add(member.session.id, share, end)
+            self._charge(work, ran, end)
             if finished:
                 self._remove(work)
-                self.completed += len(batch)
+                self.completed += 1
         if finished:
             self._running = None
             done(work)
-        else:
-            self._running = work.key
+        else:  # a paused loop waits for its step: no preference to run it on
+            self._running = None if paused else work.key
         return work
+
+    def _charge(self, work: Work, seconds: float, end: float) -> None:
+        self._tenants.add(session_tenant(work.session), seconds, end)
+        self._sessions.add(work.session.id, seconds, end)
+
+    def _run_batch(self, work: Work, batch: Callable[[list[Work]], None]) -> None:
+        """Compute ``work``'s decode step with the others of its model that wait; the
+        batch's time is shared among its members."""
+        key = work.facts["batch"]
+        others = sorted(
+            (w for w in self._items.values() if w is not work and w.facts.get("batch") == key),
+            key=Work.waiting_since,
+        )
+        members = [work, *[w for w in others if w.pending_step()][: self.batch_max - 1]]
+        began = self.clock()
+        try:
+            batch(members)
+        finally:
+            end = self.clock()
+            for w in members:
+                w.ran_s += (end - began) / len(members)
+                self._charge(w, (end - began) / len(members), end)
 
     def _remove(self, work: Work) -> None:
         self._items.pop(work.key, None)
@@ -279,11 +337,11 @@ class Scheduler:
             return set()
         groups: dict[str, list[Work]] = {}
         for w in self._items.values():
-            if w.facts.get("batch") and w.steps is None:
+            if w.pending_step():
                 groups.setdefault(w.facts["batch"], []).append(w)
         held: set[int] = set()
         for key, members in groups.items():
-            oldest = min(w.arrived for w in members)
+            oldest = min(w.waiting_since() for w in members)
             if now - oldest >= self.batch_wait_s or len(members) >= self.batch_max:
                 continue
             decoders = self._decoders.get(key, {})
@@ -300,29 +358,13 @@ class Scheduler:
         held = self._held(now)
         if not self._items or len(held) < len(self._items):
             return 0.0
-        oldest = min(w.arrived for w in self._items.values())
+        oldest = min(w.waiting_since() for w in self._items.values())
         return max(0.0, oldest + self.batch_wait_s - now)
 
-    def take_riders(self, work: Work) -> list[Work]:
-        """The decode steps of other sessions that run in one batch with ``work``: they
-        leave the scheduler now, and are answered when the batch is done."""
-        key = work.facts.get("batch")
-        if not key or self.batch_max <= 1:
-            return []
-        others = sorted(
-            (
-                w
-                for w in self._items.values()
-                if w is not work and w.steps is None and w.facts.get("batch") == key
-            ),
-            key=lambda w: w.arrived,
-        )
-        work.riders = others[: self.batch_max - 1]
-        for w in work.riders:
-            self._remove(w)
-        return work.riders
-
     def _choose(self, now: float) -> Work | None:
+        batched = [w for w in self._items.values() if w.batched]
+        if batched:  # a batch's members first: their results are ready and held in memory
+            return min(batched, key=Work.waiting_since)
         held = self._held(now)
         ready = [w for w in self._items.values() if w.key not in held]
         if len(ready) <= 1:

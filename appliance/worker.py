@@ -191,7 +191,7 @@ class Worker:
             elif not self.scheduler.has(key.data):  # one request per session at a time
                 self.serve(key.data)
         if self.scheduler:
-            work = self.scheduler.run_slice(self._work_steps, self._work_done)
+            work = self.scheduler.run_slice(self._work_steps, self._work_done, self._batch)
             if work is not None and work.ran_s > self.lease_s / 4:
                 # Note [busy worker], slice by slice: while a long request is under way
                 # heartbeats are read between its slices, but late (a slice is one op, and
@@ -414,24 +414,14 @@ class Worker:
         for _ in self.dispatch_steps(s, frame, fresh=False):
             pass
 
-    def _work_steps(self, work: Work) -> Iterator[None]:
-        riders = self.scheduler.take_riders(work)
-        if riders:
-            return self._batch_steps(work, riders)
+    def _work_steps(self, work: Work) -> Iterator[Any]:
         return self.dispatch_steps(work.session, work.frame)
 
-    def _batch_steps(self, work: Work, riders: list[Work]) -> Iterator[None]:
-        """Decode steps of one model from several sessions: one batched forward, then
-        each member's own handler with its result (Note [cross-session batching])."""
-        members = [work, *riders]
-        try:
-            self.batcher.precompute(self, members)
-            for m in members:
-                yield from self.dispatch_steps(m.session, m.frame)
-        finally:
-            self.batcher.discard([m.frame for m in members])
-        for rider in riders:
-            self._work_done(rider)
+    def _batch(self, works: list[Work]) -> None:
+        """Decode steps of one model from several sessions, computed as one batched
+        forward (Note [cross-session batching]); each member finds its result when it
+        runs."""
+        self.batcher.precompute(self, works)
 
     def _work_done(self, work: Work) -> None:
         s = work.session
@@ -513,6 +503,7 @@ class Worker:
         finally:
             self.memory.end(s, frame.kind.name)
             self.busy.current = None
+            self.batcher.discard([frame])  # a batched result its handler never took
             if fresh:
                 self.free_frame_slabs(s)
             elapsed = time.perf_counter() - started
@@ -531,10 +522,10 @@ class Worker:
         try:
             while True:
                 try:
-                    next(steps)
+                    value = next(steps)
                 except StopIteration as stop:
                     return stop.value
-                yield
+                yield value
                 self.busy.current = busy
         finally:
             steps.close()  # closed early (its session ended): its finally blocks run now

@@ -159,3 +159,49 @@ def test_a_step_that_is_not_plain_runs_alone_beside_a_batch(fresh_appliance):
         local = model(prompt, use_cache=True)
         want = model(ids, past_key_values=local.past_key_values, attention_mask=mask).logits
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_generate_on_the_appliance_joins_the_batches(fresh_appliance):
+    """Plain greedy generate() calls of several sessions run as decode steps batched
+    together (generate_steps.py), and each returns what transformers' generate() does."""
+    from djinn.frontend import remote_module
+    from djinn.protocol.tensors import to_wire
+    from djinn.runtime.remote import RemoteTensor
+
+    app = fresh_appliance(batch_max=8, batch_wait_us=300_000)
+    model = _model("gpt2")
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 500, (1, n)) for n in PROMPT_LENGTHS[:3]]
+    barrier, got, errors = threading.Barrier(len(prompts)), {}, []
+
+    def run(i: int) -> None:
+        try:
+            with app.connect() as client, client.session() as s:
+                fp = remote_module.register(model, s)["fingerprint"]
+                desc, flat = to_wire(prompts[i])
+                body = {
+                    "fingerprint": fp,
+                    "method": "generate",
+                    "args": [{"$t": 0, "desc": desc}],
+                    "kwargs": {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0},
+                }
+                barrier.wait(timeout=60)
+                out = s.call_model(body, [flat.numpy()])["out"]
+                got[i] = RemoteTensor(s, out["$h"], out).cpu()
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(got[i], want), i
+    with app.connect() as client:
+        batching = client.stats()["scheduler"][0]["batching"]
+    assert batching["batches"] >= 1 and batching["largest"] >= 2, batching

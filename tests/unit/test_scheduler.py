@@ -234,68 +234,120 @@ def test_only_plain_single_token_steps_on_a_cache_are_batchable():
     assert work_facts(s, generate)["batch"] == ""
 
 
+class Batches:
+    """The worker's side, faked: a batch marks its members batched; each request, when it
+    runs, logs whether its step was computed in a batch (and with whom)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.batches: list[list[str]] = []
+        self.ran: list[str] = []
+
+    def batch(self, works) -> None:
+        if len(works) > 1:
+            self.batches.append([w.session.id for w in works])
+            for w in works:
+                w.batched = True
+
+    def start(self, work):
+        self.ran.append(work.session.id)
+        return iter(())
+
+    def slice(self):
+        return self.sched.run_slice(self.start, lambda w: None, self.batch)
+
+    def drain(self) -> None:
+        while self.sched and self.slice() is not None:
+            pass
+
+
+def _submit(sched: Scheduler, s: FakeSession) -> None:
+    sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
 def test_a_decode_step_waits_for_the_other_decoders_then_takes_them_along(policy):
     clock = Clock()
     sched = Scheduler(policy, batch_max=8, batch_wait_s=0.002, clock=clock)
-    sessions = [FakeSession(x) for x in "abc"]
-    for s in sessions:  # all three decoded this model a moment ago
-        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
-    ran: list[list[str]] = []
-
-    def start(w):
-        ran.append([w.session.id] + [r.session.id for r in sched.take_riders(w)])
-        return iter(())
-
-    sched.run_slice(start, lambda w: None)
-    assert ran == [["a", "b", "c"]] and not sched  # one batch, nobody left behind
+    fake = Batches(sched)
+    a, b, c = sessions = [FakeSession(x) for x in "abc"]
+    for s in sessions:  # all three decode this model
+        _submit(sched, s)
+    fake.drain()
+    assert fake.batches == [["a", "b", "c"]] and sorted(fake.ran) == ["a", "b", "c"]
     clock.now += 0.01
     # next step: a and b are back, c is not yet; they wait for it, but not for ever
-    for s in sessions[:2]:
-        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
-    assert sched.run_slice(start, lambda w: None) is None
+    _submit(sched, a)
+    _submit(sched, b)
+    assert fake.slice() is None
     assert 0 < sched.wait_s() <= 0.002
     clock.now += 0.001
-    sched.submit(sessions[2], _decode_step(), work_facts(sessions[2], _decode_step()))
-    sched.run_slice(start, lambda w: None)  # c arrived: the batch is complete
-    assert sorted(ran[-1]) == ["a", "b", "c"]
+    _submit(sched, c)  # c arrived: the batch is complete
+    fake.drain()
+    assert sorted(fake.batches[-1]) == ["a", "b", "c"]
     # c stops decoding: a's next step waits batch_wait_s at most, then runs alone
     clock.now += 0.01
-    sched.submit(sessions[0], _decode_step(), work_facts(sessions[0], _decode_step()))
-    assert sched.run_slice(start, lambda w: None) is None
+    _submit(sched, a)
+    assert fake.slice() is None
     clock.now += 0.002
     assert sched.wait_s() == 0.0
-    sched.run_slice(start, lambda w: None)
-    assert ran[-1] == ["a"]
+    fake.drain()
+    assert fake.ran[-1] == "a" and len(fake.batches) == 2
     # and once nobody else decoded it within DECODERS_RECENT_S, it does not wait at all
     clock.now += 2.0
-    sched.submit(sessions[0], _decode_step(), work_facts(sessions[0], _decode_step()))
+    _submit(sched, a)
     assert sched.wait_s() == 0.0
 
 
 def test_a_held_decode_step_lets_other_work_run_and_batches_are_capped():
     clock = Clock()
     sched = Scheduler(SemanticScheduler(), batch_max=2, batch_wait_s=0.5, clock=clock)
+    fake = Batches(sched)
     a, b, c, t = (FakeSession(x) for x in "abct")
     for s in (a, b, c):
-        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
-    ran: list[list[str]] = []
-
-    def start(w):
-        ran.append([w.session.id] + [r.session.id for r in sched.take_riders(w)])
-        return iter(())
-
-    sched.run_slice(start, lambda w: None)
-    assert ran == [["a", "b"]]  # batch_max: c is left for the next batch
-    assert sched.run_slice(start, lambda w: None) is None  # c waits for a's and b's next
+        _submit(sched, s)
+    fake.slice()
+    assert fake.batches == [["a", "b"]] and fake.ran == ["a"]  # batch_max
+    fake.slice()
+    assert fake.ran == ["a", "b"]  # a batch's members run before anything else
+    assert fake.slice() is None  # c waits for a's and b's next steps
     sched.submit(t, frame(Kind.EXEC, nodes=[{}] * 10), {"kind": "EXEC", "nodes": 10})
-    sched.run_slice(start, lambda w: None)
-    assert ran[-1] == ["t"]  # the held step did not block other work
+    fake.slice()
+    assert fake.ran[-1] == "t"  # the held step did not block other work
     clock.now += 0.01
     for s in (a, b):
-        sched.submit(s, _decode_step(), work_facts(s, _decode_step()))
-    sched.run_slice(start, lambda w: None)
-    assert ran[-1] == ["c", "a"]  # the oldest first, two at most
+        _submit(sched, s)
+    fake.slice()
+    assert fake.batches[-1] == ["c", "a"]  # the oldest first, two at most
+
+
+def test_a_paused_generate_loop_is_batched_with_model_calls():
+    """A generate() loop yields a DecodeStep at each token: its slice ends there, and the
+    paused loop waits like a model call's decode step and joins the same batches."""
+    from djinn.appliance.batching import DecodeStep, _Member
+
+    clock = Clock()
+    sched = Scheduler(SemanticScheduler(), batch_max=8, batch_wait_s=0.5, clock=clock)
+    fake = Batches(sched)
+    g, a = FakeSession("g"), FakeSession("a")
+    tokens = []
+
+    def loop():
+        for i in range(2):
+            yield DecodeStep(_Member(g, "f" * 32, None, None, None, i))
+            tokens.append(i)
+
+    fake.start = lambda work: loop() if work.session is g else iter(())
+    sched.submit(g, frame(Kind.CALL, method="generate"), {"kind": "CALL", "method": "generate"})
+    fake.slice()
+    assert tokens == [] and sched.has(g)  # paused at its first token, the slice over
+    _submit(sched, a)
+    fake.drain()
+    assert sorted(fake.batches[0]) == ["a", "g"]  # one batch: the loop's step and a's
+    assert tokens == [0]  # resumed once, paused again at its second token
+    clock.now += 1.0
+    fake.drain()
+    assert tokens == [0, 1] and not sched  # nobody joined: it went on alone
 
 
 def test_sessions_show_their_share_of_execution_time_and_their_class():
