@@ -24,9 +24,11 @@ from typing import Any
 
 from .summary import summarize
 
-# Settings the actor decides itself: where the appliance listens and with which token.
+# Settings the actor decides itself: where the appliance listens, with which token, and
+# which GPUs it serves (those Ray granted it, never the head's list).
 OWN_SETTINGS = frozenset(
     {"address", "socket_path", "tcp_enabled", "tcp_host", "tcp_port", "token", "token_file"}
+    | {"gpus"}
 )
 STOP_TIMEOUT_S = 15.0
 DIR_PREFIX = "djinn-fleet-"
@@ -66,8 +68,7 @@ class ApplianceActor:
             if key not in OWN_SETTINGS:
                 env["DJINN_" + key.upper()] = _env_value(value)
         gpu_ids = [str(int(g)) for g in ray.get_gpu_ids()]
-        if gpu_ids:
-            env["DJINN_GPUS"] = ",".join(gpu_ids)
+        env["DJINN_GPUS"] = ",".join(gpu_ids) if gpu_ids else "none"
         self.host = bind_host or self.node_ip
         env.update(
             DJINN_SOCKET_PATH=self.socket_path,
