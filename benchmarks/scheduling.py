@@ -27,30 +27,10 @@ import torch
 from _appliance import appliance, connect, unwind_on_sigterm, wait_warm
 from _common import MiB, note, save_json
 from _report import md_table
+from _workloads import trainer
 
 POLICIES = ("fifo", "semantic")
 N = 256
-
-
-def chain(handle: str, pairs: int) -> list[dict[str, Any]]:
-    nodes: list[dict[str, Any]] = []
-    for i in range(pairs):
-        x = {"$h": handle} if i == 0 else {"$v": len(nodes) - 1}
-        nodes.append({"op": "aten::mm.default", "args": [x, {"$h": handle}]})
-        nodes.append({"op": "aten::tanh.default", "args": [{"$v": len(nodes) - 1}]})
-    return nodes
-
-
-def trainer(unix: str, pairs: int, stop: Any, done: Any) -> None:
-    """Long graphs back to back until ``stop``; counts them in ``done``."""
-    from djinn.runtime.client import Client
-
-    with Client(unix) as client, client.session() as s:
-        h = s.put(torch.randn(N, N) / N**0.5)
-        nodes = chain(h.handle, pairs)
-        while not stop.is_set():
-            s.execute(nodes, fetch=[{"$v": len(nodes) - 1}])
-            done.value += 1
 
 
 def interactive(app: Any, iters: int, gap_s: float) -> list[float]:
@@ -84,7 +64,7 @@ def one_run(policy: str, args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
         interactive(app, 20, 0.0)  # warm the worker's kernels and caches
         alone = summary(interactive(app, args.iters, args.gap_ms / 1e3))
         stop, done = ctx.Event(), ctx.Value("i", 0)
-        proc = ctx.Process(target=trainer, args=(app.unix, args.chain, stop, done))
+        proc = ctx.Process(target=trainer, args=(app.unix, "", N, args.chain, stop, done))
         proc.start()
         while done.value == 0:  # the trainer is up and has run a graph
             time.sleep(0.05)

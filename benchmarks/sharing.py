@@ -37,6 +37,7 @@ import torch
 from _appliance import appliance, connect, unwind_on_sigterm, wait_warm
 from _common import MiB, note, save_json
 from _report import md_table
+from _workloads import chain, trainer
 
 PROMPT = 8  # prompt tokens of each decoding session
 VOCAB = 50257
@@ -91,27 +92,6 @@ def decoder(address: str, token: str, layers: int, seed: int, steps: int, gap_s:
             if gap_s:
                 time.sleep(gap_s)
     out.put((seed, tokens, lat))
-
-
-def chain(handle: str, pairs: int) -> list[dict[str, Any]]:
-    nodes: list[dict[str, Any]] = []
-    for i in range(pairs):
-        x = {"$h": handle} if i == 0 else {"$v": len(nodes) - 1}
-        nodes.append({"op": "aten::mm.default", "args": [x, {"$h": handle}]})
-        nodes.append({"op": "aten::tanh.default", "args": [{"$v": len(nodes) - 1}]})
-    return nodes
-
-
-def trainer(address: str, token: str, size: int, pairs: int, stop: Any, done: Any) -> None:
-    """Training-step graphs back to back until ``stop``; counts them in ``done``."""
-    from djinn.runtime.client import Client
-
-    with Client(address, token or None) as client, client.session() as s:
-        h = s.put(torch.randn(size, size) / size**0.5)
-        nodes = chain(h.handle, pairs)
-        while not stop.is_set():
-            s.execute(nodes, fetch=[{"$v": len(nodes) - 1}])
-            done.value += 1
 
 
 def fresh(path: Path) -> Path:

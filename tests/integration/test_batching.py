@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
+from tests.model_calls import model_call as _call
 
 transformers = pytest.importorskip("transformers")
 SESSIONS = 4
@@ -31,21 +32,6 @@ def _model(family: str):
         vocab_size=500,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def _call(session, fp: str, ids: torch.Tensor, past: str | None = None):
-    """One forward on the appliance, as a decode loop sends it: (logits, the cache's id)."""
-    from djinn.protocol.tensors import to_wire
-    from djinn.runtime.remote import RemoteTensor
-
-    desc, flat = to_wire(ids)
-    kwargs: dict = {"use_cache": True}
-    if past is not None:
-        kwargs["past_key_values"] = {"$o": past}
-    body = {"fingerprint": fp, "args": [{"$t": 0, "desc": desc}], "kwargs": kwargs}
-    fields = session.call_model(body, [flat.numpy()])["out"]["fields"]
-    logits = fields["logits"]
-    return RemoteTensor(session, logits["$h"], logits).cpu(), fields["past_key_values"]["$o"]
 
 
 def _local_steps(model, prompt: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
+from tests.model_calls import model_call as _call
 
 transformers = pytest.importorskip("transformers")
 POLICIES = ["semantic", "lru"]
@@ -18,25 +19,6 @@ def _gpt2(seed: int):
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000)
     return transformers.GPT2LMHeadModel(cfg).eval()
-
-
-def _call(session, fp: str, ids: torch.Tensor, past: str | None = None, free=(), **extra):
-    """One forward on the appliance: (logits fetched to the CPU, the KV cache's id).
-    ``free``: remote objects (caches) the session no longer needs."""
-    from djinn.protocol.tensors import to_wire
-    from djinn.runtime.remote import RemoteTensor
-
-    desc, flat = to_wire(ids)
-    kwargs: dict = {"use_cache": True}
-    if past is not None:
-        kwargs["past_key_values"] = {"$o": past}
-    body = {"fingerprint": fp, "args": [{"$t": 0, "desc": desc}], "kwargs": kwargs}
-    if free:
-        body["free_objects"] = list(free)
-    body.update(extra)
-    fields = session.call_model(body, [flat.numpy()])["out"]["fields"]
-    logits = fields["logits"]
-    return RemoteTensor(session, logits["$h"], logits).cpu(), fields["past_key_values"]["$o"]
 
 
 def _memory_row(client, fp: str) -> dict:
