@@ -32,13 +32,23 @@ Where the data lives:
   grew them, step by step (recompute; the same arithmetic, so the same bytes).
 
 Note [lineage truncation]: the journal would grow with every step of a loop. Once its
-bytes since the last cut pass ``recovery_checkpoint_bytes``, the session reads back the
-value of every live handle (one GET) and the journal becomes: the model registrations
-(with the weights they need) and one put of those values. The client then holds the
-live state once (the snapshot) plus at most the budget, whatever the number of steps.
-A cut is put off while the session holds a remote object (a KV cache cannot be read
-back; its calls stay) or a handle that views another's storage (two separately restored
-tensors would no longer share bytes); the next request tries again.
+bytes since the last cut pass ``recovery_checkpoint_bytes``, or replaying what it
+recorded since would take longer than ``recovery_checkpoint_seconds`` (as long as those
+requests took) and than the last cut took, the session reads back the value of every
+live handle (one GET, before its next request) and the journal becomes: the weights
+handed over to REGISTER, the registrations, one put of those values, and for each live
+view the one op that makes it again from its base (a view restored apart from its base
+would no longer share its bytes). The client then holds the live state once plus at
+most the budget, whatever the number of steps, and a replay costs about the budget in
+time. A cut is put off while the session holds a remote object (a KV cache cannot be
+read back; the calls that grew it stay) or a view made by more than an op on handles;
+the next request tries again. Measured: a 1,000-step Adam loop (tracemalloc), see the
+report in benchmarks/README.md (chaos.py) and operations.md.
+
+Where this falls short of a perfect recovery, it says so rather than guess: a put
+source written in place since (its version counter moved), a ``generate()`` that
+sampled on the appliance whose outputs are still used, a replayed model call that
+returns a different structure, all give RECOVERY_FAILED naming the original fault.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("djinn.runtime.lineage")
 NODE_BYTES = 700  # what one recorded graph node costs the client (its dicts; tracemalloc)
 MAPS_KEPT = 16  # handle renamings kept for requests built before a recovery
+STANDBY_TRIES = 240  # 0.5 s apart: how long a standby waits for another worker
 
 
 @dataclass(frozen=True)
@@ -526,9 +537,18 @@ class Lineage:
                 self.recovery_s[-1],
             )
 
+    def _remotes(self) -> list[RemoteTensor]:
+        """Every RemoteTensor of the session (another thread may be adding one)."""
+        for _ in range(100):
+            try:
+                return list(self.remotes or ())
+            except RuntimeError:  # the WeakSet changed size while it was copied
+                continue
+        return list(self.remotes or ())
+
     def _live(self) -> dict[str, RemoteTensor]:
         live: dict[str, RemoteTensor] = {}
-        for r in list(self.remotes or ()):
+        for r in self._remotes():
             if r._finalizer.alive:
                 live.setdefault(r.handle, r)
         return live
@@ -659,7 +679,7 @@ class Lineage:
 
     def _rebind(self, mapping: dict[str, str]) -> None:
         """Point the program's handles and objects at their replayed twins, in place."""
-        for r in list(self.remotes or ()):
+        for r in self._remotes():
             if not r._finalizer.alive:
                 continue
             new = mapping.get(r.handle)
@@ -759,7 +779,7 @@ class Lineage:
                 self.standby = old  # still on another worker: nothing to do
                 return
             standby = None
-            for _ in range(40):  # a replacement worker may take seconds to be ready
+            for _ in range(STANDBY_TRIES):  # a replacement may take a while to be ready
                 if self.s._closed.is_set():
                     return
                 try:
