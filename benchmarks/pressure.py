@@ -280,7 +280,8 @@ def summarise(policy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "p99_ms": med("p99_ms"),
         "elapsed_s": med("elapsed_s"),
         "memory": {
-            k: mem(k) for k in ("swaps_in", "swaps_out", "bytes_in", "bytes_out", "swap_in_s")
+            k: mem(k)
+            for k in ("swaps_in", "swaps_out", "bytes_in", "bytes_out", "swap_in_s", "recomputes")
         },
     }
 
@@ -318,6 +319,7 @@ def render(doc: dict[str, Any]) -> str:
                 f"{r['p50_ms']:.1f}",
                 f"{r['p99_ms']:.1f}",
                 str(m["swaps_in"]),
+                str(m.get("recomputes", 0)),
                 f"{(m['bytes_in'] + m['bytes_out']) / MiB:.0f}",
                 f"{gbps:.2f} ({gbps / doc['memcpy_gbps']:.2f}x)" if m["swaps_in"] else "-",
                 f"{r['elapsed_s']:.1f}",
@@ -332,6 +334,7 @@ def render(doc: dict[str, Any]) -> str:
                 "step p50 ms",
                 "step p99 ms",
                 "swap-ins",
+                "recomputes",
                 "MiB moved",
                 "swap-in GB/s (x memcpy)",
                 "wall s",
