@@ -268,6 +268,8 @@ class Worker:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
         s.outbox.clear()  # drop reply bytes before the memory they view is freed
         cancelled = self.scheduler.cancel(s)  # a half-run graph gives back what it held
+        if cancelled is not None:
+            self.batcher.discard([cancelled.frame])  # a batched step it will never take
         if cancelled is not None and state != CLOSED:  # its client waits for the answer
             gone: DjinnError = (
                 SessionEnded(s.end_reason)
