@@ -116,3 +116,53 @@ def test_a_cache_another_object_views_is_never_dropped():
     _, oid = _call(kv, s, model, torch.tensor([[1, 2, 3]]))
     s.objects["alias"] = list(_tensors_in(s.objects[oid]))[:1]  # a view of its storage
     assert kv.recomputable(s, oid, _storages(s.objects[oid])) is None
+
+
+def test_the_memory_manager_drops_a_cache_the_host_tier_has_no_room_for_and_rebuilds_it():
+    """The wiring (residency.py): under 'auto', a victim cache that cannot be swapped
+    (an 8 KiB arena) is dropped, not refused, and rebuilt before the call that names it."""
+    from djinn.appliance.models import ModelCache
+    from djinn.appliance.residency import MemoryManager
+    from djinn.appliance.store import TensorStore
+    from djinn.appliance.vmu.device import DeviceVMU
+    from djinn.appliance.vmu.tiers import TierMover
+    from djinn.plugins.memory_policies import LruPolicy
+
+    arena = torch.empty(8 << 10, dtype=torch.uint8)
+    store = TensorStore(SimpleNamespace(size=0), 0, arena.numel(), DeviceVMU(256 << 20))
+    models = ModelCache(store.vmu["text"], ["transformers."])
+    s = SimpleNamespace(
+        id="s1",
+        objects={},
+        object_ids={},
+        storages={},
+        handles={},
+        phase="llm_decode",
+        data_bytes=0,
+        object_bytes=0,
+    )
+    mover = TierMover(torch.device("cpu"), store.slabs, lambda off, n: arena[off : off + n])
+    memory = MemoryManager(store, models, lambda: [s], mover, LruPolicy())
+    model = _gpt2()
+    entry = models.add("f" * 16, "gpt2", model)
+    prompt = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+    oid = "c1"
+    s.objects[oid], s.object_ids[id(out.past_key_values)] = out.past_key_values, oid
+    memory.kv.note_call(s, entry.fingerprint, "forward", [prompt], {"use_cache": True}, out, 0.1)
+    held = store.charge_objects(s)
+    assert held > arena.numel()  # it cannot go to the host
+
+    memory._swap_out(f"o:{s.id}:{oid}")
+    assert (s.id, oid) in memory.kv.dropped and store.charge_objects(s) == 0
+    assert memory.total.evictions == 1 and memory.total.swaps_out == 0
+
+    memory.prepare(s, entry, {oid})  # the next call's working set: rebuilt
+    memory.finish(s)
+    assert memory.total.recomputes == 1 and store.charge_objects(s) == held
+    nxt = out.logits[:, -1:].argmax(-1)
+    with torch.no_grad():
+        got = model(nxt, past_key_values=s.objects[oid], use_cache=True).logits
+        want = model(torch.cat([prompt, nxt], 1)).logits[:, -1:]
+    assert (got - want).abs().max().item() <= 1e-5
