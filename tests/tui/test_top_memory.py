@@ -55,6 +55,11 @@ def test_sessions_models_and_workers_show_tiers_swaps_and_the_queue():
     assert w["memory"] == "semantic, 2 waiting (1.5s)"
 
 
+def test_caches_recomputed_instead_of_swapped_show_beside_the_swaps():
+    doc = {**DOC, "sessions": [{**DOC["sessions"][0], "recomputes": 4}]}
+    assert _cells(session_rows(doc), SESSION_COLUMNS, "s1")["swaps"] == "2/3 +4 rec"
+
+
 def test_an_appliance_without_memory_figures_shows_dashes():
     old = {k: v for k, v in DOC.items() if k != "memory"}
     old["sessions"] = [{"id": "s1", "bytes": 1}]

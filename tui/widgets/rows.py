@@ -91,12 +91,15 @@ def _count(value: Any) -> Any:
 
 
 def _swaps_cell(row: dict[str, Any]) -> Cell:
-    """Swaps in/out between device and host (issue 9 §5), sorted by their sum."""
+    """Swaps in/out between device and host (issue 9 §5), sorted by their sum; KV caches
+    rebuilt from their tokens instead follow as ``+N rec`` (Note [kv recompute])."""
     ins, outs = _num(row.get("swaps_in")), _num(row.get("swaps_out"))
     if ins is None and outs is None:
         return Cell("-", None, numeric=True)
     ins, outs = int(ins or 0), int(outs or 0)
-    return Cell(f"{ins}/{outs}", ins + outs, numeric=True)
+    rec = int(_num(row.get("recomputes")) or 0)
+    text = f"{ins}/{outs} +{rec} rec" if rec else f"{ins}/{outs}"
+    return Cell(text, ins + outs + rec, numeric=True)
 
 
 def _memory_cell(m: dict[str, Any] | None) -> Cell:
