@@ -77,3 +77,16 @@ def test_a_tenants_sessions_together_are_held_to_the_tenant_quota(fresh_applianc
             assert torch.equal(other.put(half).cpu(), half)  # another tenant
         b.put(torch.ones(16))  # what fits the tenant still goes in
         assert torch.equal(kept.cpu(), half)
+
+
+def test_a_tenants_sessions_together_are_held_to_the_tenant_host_quota(fresh_appliance):
+    """Two sessions of one Unix user: their arena slabs count together against
+    tenant_host_max."""
+    from djinn.errors import QuotaExceeded
+
+    app = fresh_appliance(tenant_host_max="6MiB")
+    with app.connect() as client, client.session() as a, client.session() as b:
+        kept = a.put(torch.ones(MIB))  # 4 MiB through the arena
+        with pytest.raises(QuotaExceeded, match="tenant_host_max"):
+            b.put(torch.ones(MIB))  # 4 MiB more for the same tenant
+        assert torch.equal(kept.cpu(), torch.ones(MIB))
