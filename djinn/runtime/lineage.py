@@ -42,8 +42,8 @@ would no longer share its bytes). The client then holds the live state once plus
 most the budget, whatever the number of steps, and a replay costs about the budget in
 time. A cut is put off while the session holds a remote object (a KV cache cannot be
 read back; the calls that grew it stay) or a view made by more than an op on handles;
-the next request tries again. Measured: a 1,000-step Adam loop (tracemalloc), see the
-report in benchmarks/README.md (chaos.py) and operations.md.
+the next request tries again. Measured over a 1,000-step Adam loop (tracemalloc,
+benchmarks/lineage_memory.py): the journal peaked at 2.7 MiB with the default cuts.
 
 Where this falls short of a perfect recovery, it says so rather than guess: a put
 source written in place since (its version counter moved), a ``generate()`` that
