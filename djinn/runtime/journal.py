@@ -1,0 +1,256 @@
+"""The lineage journal's entries and what can be read from them without an appliance:
+renaming handles, pairing a replayed reply with the recorded one, which entries a replay
+needs (Note [lineage pruning]) and which views a cut makes again from their bases
+(Note [lineage truncation]). The journal itself and its replay: lineage.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.errors import RecoveryFailed
+
+if TYPE_CHECKING:
+    from .remote import RemoteTensor
+
+
+@dataclass
+class Entry:
+    """One recorded request: ``body`` as sent, ``data`` (put: ``(tensor, version)``
+    pairs; graph and call: inline segments as bytes), ``out`` what it created (put:
+    handles; exec: kept handles or None; call: the reply skeleton; load: name ->
+    handle)."""
+
+    kind: str
+    body: Any = None
+    data: list[Any] = field(default_factory=list)
+    out: Any = None
+    nbytes: int = 0
+    replayable: bool = True
+    seconds: float = 0.0  # how long it took: what replaying it costs, roughly
+
+
+def remap(x: Any, mapping: dict[str, str]) -> Any:
+    """``x`` with every string that is an old handle or object id replaced by its new one
+    (both are 128-bit random strings: nothing else can collide with them)."""
+    if isinstance(x, str):
+        return mapping.get(x, x)
+    if isinstance(x, list):
+        return [remap(v, mapping) for v in x]
+    if isinstance(x, dict):
+        return {k: remap(v, mapping) for k, v in x.items()}
+    return x
+
+
+def strings_in(x: Any, found: set[str]) -> set[str]:
+    if isinstance(x, str):
+        found.add(x)
+    elif isinstance(x, list):
+        for v in x:
+            strings_in(v, found)
+    elif isinstance(x, dict):
+        for v in x.values():
+            strings_in(v, found)
+    return found
+
+
+def pair_ids(old: Any, new: Any, mapping: dict[str, str]) -> None:
+    """Map the handles (``$h``) and object ids (``$o``) of a recorded reply skeleton to
+    those of its replay; a different structure means the replay did not reproduce it."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for tag in ("$h", "$o"):
+            if tag in old:
+                if tag not in new:
+                    raise RecoveryFailed("a replayed model call returned something else")
+                mapping[old[tag]] = new[tag]
+        for k, v in old.items():
+            if k not in ("$h", "$o"):
+                pair_ids(v, new.get(k), mapping)
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for a, b in zip(old, new, strict=True):
+            pair_ids(a, b, mapping)
+    elif isinstance(old, (list, dict)):
+        raise RecoveryFailed("a replayed model call returned something else")
+
+
+def sampled(body: dict[str, Any]) -> bool:
+    """A model call whose result the appliance's own generator decides (sampling): its
+    replay would not give the same values."""
+    kwargs = body.get("kwargs") or {}
+    return bool(kwargs.get("do_sample"))
+
+
+_VIEWS: dict[str, tuple[bool, ...]] = {}
+_WRITES: dict[str, tuple[tuple[int, str], ...] | None] = {}
+
+
+def _schema(op: str) -> Any:
+    ns, _, rest = op.partition("::")
+    name, _, overload = rest.rpartition(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)._schema
+
+
+def written_handles(node: dict[str, Any]) -> set[str]:
+    """Handles a graph node writes into (its schema's ``Tensor(a!)`` arguments); every
+    handle it names when the op cannot be looked up."""
+    op = str(node.get("op", ""))
+    if op not in _WRITES:
+        try:
+            _WRITES[op] = tuple(
+                (i, a.name)
+                for i, a in enumerate(_schema(op).arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        except (AttributeError, RuntimeError):
+            _WRITES[op] = None
+    where = _WRITES[op]
+    if where is None:
+        return _handles_in(node)
+    args, kwargs = node.get("args") or [], node.get("kwargs") or {}
+    found: set[str] = set()
+    for i, name in where:
+        _handles_in(args[i] if i < len(args) else kwargs.get(name), found)
+    return found
+
+
+def needed(entries: list[Entry], live: set[str]) -> list[bool]:
+    """Note [lineage pruning]: which entries a replay must run for the ``live`` handles
+    and objects. Walking back from the end, an entry is needed when it makes or writes
+    into something needed later, and then what it reads is needed too. Aliasing is
+    kept whole: every id of a graph that makes a view, and every id a model call names
+    or returns (a cache, its outputs), are one group, needed together. Registrations,
+    loads, puts and frees are always kept (puts are lazy, frees of what was not made
+    are skipped). A finished sequence's decode steps, or an abandoned branch, cost no
+    replay."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.get(x, x) != x:
+            parent[x] = parent.get(parent[x], parent[x])
+            x = parent[x]
+        return x
+
+    def union(ids: set[str]) -> None:
+        it = iter(ids)
+        first = next(it, None)
+        if first is not None:
+            root = find(first)
+            for other in it:
+                r = find(other)
+                if r != root:
+                    parent[r] = root
+
+    refs: list[tuple[set[str], set[str]]] = []  # (made or written, read) per entry
+    for e in entries:
+        if e.kind == "exec":
+            nodes = e.body.get("nodes", [])
+            made = {h for h in e.out if h is not None}
+            written: set[str] = set()
+            aliasing = False
+            for n in nodes:
+                written |= written_handles(n)
+                aliasing = aliasing or any(view_outputs(str(n.get("op", ""))))
+            read = _handles_in(e.body)
+            if aliasing:
+                union(made | read)
+            refs.append((made | written, read))
+        elif e.kind == "call":
+            ids = _handles_in(e.body) | _objects_in(e.body) | _handles_in(e.out)
+            ids |= _objects_in(e.out)
+            union(ids)
+            refs.append((ids, ids))
+        else:
+            refs.append((set(), set()))
+    want = {find(x) for x in live}
+    keep = [True] * len(entries)
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i].kind not in ("exec", "call"):
+            continue
+        out, read = refs[i]
+        if any(find(x) in want for x in out):
+            want |= {find(x) for x in read}
+        else:
+            keep[i] = False
+    return keep
+
+
+def _objects_in(x: Any, found: set[str] | None = None) -> set[str]:
+    found = set() if found is None else found
+    if isinstance(x, dict):
+        if "$o" in x:
+            found.add(x["$o"])
+        for v in x.values():
+            _objects_in(v, found)
+    elif isinstance(x, list):
+        for v in x:
+            _objects_in(v, found)
+    return found
+
+
+def view_outputs(op: str) -> tuple[bool, ...]:
+    """Per output of ``op`` (``aten::t.default``), whether it may alias an input."""
+    known = _VIEWS.get(op)
+    if known is None:
+        known = ()
+        try:
+            known = tuple(r.alias_info is not None for r in _schema(op).returns)
+        except (AttributeError, RuntimeError):
+            known = (True,) * 8  # an op we cannot name: assume the worst
+        _VIEWS[op] = known
+    return known
+
+
+def _from_handles_only(node: dict[str, Any]) -> bool:
+    """Whether a graph node's tensor inputs are all handles (no other node's output, no
+    inline bytes): it can run alone again on the handles' replayed twins."""
+
+    def ok(x: Any) -> bool:
+        if isinstance(x, dict):
+            if "$v" in x or "$t" in x:
+                return False
+            return all(ok(v) for v in x.values())
+        if isinstance(x, list):
+            return all(ok(v) for v in x)
+        return True
+
+    return ok(node.get("args")) and ok(node.get("kwargs"))
+
+
+def _remade_views(live: dict[str, RemoteTensor]) -> dict[str, tuple[dict, dict]] | None:
+    """The live views a cut makes again from their bases, in an order that makes bases
+    first: ``{handle: (node, its keep ref)}``; None when one cannot be (made by an op
+    that took more than handles, or from a base no longer held: two such views may share
+    it, and restored apart they would not)."""
+    views = {h: r.view for h, r in live.items() if r.view}
+    if any(v is True for v in views.values()):
+        return None
+    ordered: dict[str, tuple[dict, dict]] = {}
+    while len(ordered) < len(views):
+        progress = False
+        for h, (node, k) in views.items():
+            if h in ordered:
+                continue
+            bases = {x for x in _handles_in(node) if x != h}
+            if not bases <= set(live):
+                return None
+            if all(b not in views or b in ordered for b in bases):
+                ordered[h] = (node, k)
+                progress = True
+        if not progress:
+            return None
+    return ordered
+
+
+def _handles_in(x: Any, found: set[str] | None = None) -> set[str]:
+    found = set() if found is None else found
+    if isinstance(x, dict):
+        if "$h" in x:
+            found.add(x["$h"])
+        for v in x.values():
+            _handles_in(v, found)
+    elif isinstance(x, list):
+        for v in x:
+            _handles_in(v, found)
+    return found
