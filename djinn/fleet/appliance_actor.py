@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +95,13 @@ class ApplianceActor:
         self.endpoint = f"tcp://{advertised}:{m.group(1)}"
 
     def _wait_ready(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if ready:
-                line = self.proc.stdout.readline()
-                if line.startswith("djinn ready"):
-                    return line.strip()
-            if self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"appliance {self.id} did not start: {self._log_tail()}")
+        from djinn.runtime.embedded import readiness
+
+        line = readiness(self.proc, timeout)
+        if line is None:
+            self.stop()
+            raise RuntimeError(f"appliance {self.id} did not start: {self._log_tail()}")
+        return line
 
     def _log_tail(self) -> str:
         try:

@@ -40,18 +40,11 @@ class EmbeddedAppliance:
         atexit.register(self.stop)
 
     def _wait_ready(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if ready:
-                line = self.proc.stdout.readline()
-                if line.startswith("djinn ready"):
-                    return line.strip()
-            if self.proc.poll() is not None:
-                break
-        self.stop()
-        raise Unavailable("the embedded appliance did not start (see its messages above)")
+        line = readiness(self.proc, timeout)
+        if line is None:
+            self.stop()
+            raise Unavailable("the embedded appliance did not start (see its messages above)")
+        return line
 
     @property
     def address(self) -> str:
@@ -75,3 +68,19 @@ def embedded_address(timeout: float, config_path: str | None = None) -> str:
         if _embedded is None or _embedded.proc.poll() is not None:
             _embedded = EmbeddedAppliance(timeout, config_path)
         return _embedded.address
+
+
+def readiness(proc: subprocess.Popen[str], timeout: float) -> str | None:
+    """The readiness line a starting `djinn serve` prints on its stdout, or None if it
+    exits or stays silent for ``timeout`` seconds."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("djinn ready"):
+                return line.strip()
+        if proc.poll() is not None:
+            break
+    return None
