@@ -107,6 +107,8 @@ class DjinnTop(App[None]):
             doc = await off_thread(self.source.poll)
         finally:
             self._polling_since = None
+        if not self.screen_stack:  # the app closed while the poll was in flight
+            return
         if doc is not None:
             self.doc = doc
             self._show(doc)
