@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from djinn.semantics.registry import default_registry
 from djinn.semantics.scheduling import SchedulerPolicy, SchedulingView, WorkFacts
 
 from .batching import DecodeStep, batch_key
@@ -441,3 +442,20 @@ class Scheduler:
             "completed": self.completed,
             "longest_slice_s": round(self.longest_slice_s, 4),
         }
+
+
+def scheduler_from(init: dict[str, Any]) -> Scheduler:
+    """The worker's scheduler, from the settings the supervisor sent it."""
+    name = init.get("scheduler", "semantic")
+    policy = default_registry().scheduler(name)
+    if policy is None:
+        log.warning("scheduler %r did not load: requests run in arrival order", name)
+    return Scheduler(
+        policy,
+        slice_s=float(init.get("scheduler_slice_ms", 5.0)) / 1e3,
+        small_graph_nodes=int(init.get("scheduler_small_graph", 64)),
+        max_wait_s=float(init.get("scheduler_max_wait_ms", 500.0)) / 1e3,
+        weights=parse_weights(str(init.get("scheduler_weights", ""))),
+        batch_max=int(init.get("batch_max", 8)),
+        batch_wait_s=float(init.get("batch_wait_us", 2000)) / 1e6,
+    )

@@ -41,7 +41,7 @@ from djinn.semantics.registry import default_registry
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
-from . import control, prewarm
+from . import control, prewarm, worker_stats
 from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
@@ -52,7 +52,7 @@ from .memtrim import keep_heap_warm, trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
 from .residency import MemoryManager
-from .scheduler import Scheduler, Work, parse_weights, tenant_of, work_facts
+from .scheduler import Work, scheduler_from, tenant_of, work_facts
 from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
 from .store import TensorStore
 from .tenant_quota import TenantQuotas
@@ -115,7 +115,7 @@ class Worker:
         self._dirty = True
         self._last_push = 0.0
         self._trim_due = False  # Note [heap trim] (memtrim.py)
-        self.scheduler = self._scheduler(init)  # Note [threading model] (scheduler.py)
+        self.scheduler = scheduler_from(init)  # Note [threading model] (scheduler.py)
         self.batcher = Batcher(self.scheduler.batch_max)  # Note [cross-session batching]
         self.graphs = GraphTemplates()  # Note [graph templates]
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
@@ -532,21 +532,6 @@ class Worker:
         finally:
             steps.close()  # closed early (its session ended): its finally blocks run now
 
-    def _scheduler(self, init: dict[str, Any]) -> Scheduler:
-        name = init.get("scheduler", "semantic")
-        policy = default_registry().scheduler(name)
-        if policy is None:
-            log.warning("scheduler %r did not load: requests run in arrival order", name)
-        return Scheduler(
-            policy,
-            slice_s=float(init.get("scheduler_slice_ms", 5.0)) / 1e3,
-            small_graph_nodes=int(init.get("scheduler_small_graph", 64)),
-            max_wait_s=float(init.get("scheduler_max_wait_ms", 500.0)) / 1e3,
-            weights=parse_weights(str(init.get("scheduler_weights", ""))),
-            batch_max=int(init.get("batch_max", 8)),
-            batch_wait_s=float(init.get("batch_wait_us", 2000)) / 1e6,
-        )
-
     def free_piggybacked(self, s: WorkerSession, handles: Any, objects: Any = None) -> None:
         """Handles and remote objects the client's garbage collector released, sent along
         with a request."""
@@ -607,38 +592,7 @@ class Worker:
     def _send_stats(self, now: float, serving_thread: bool = True) -> None:
         self._last_push = now
         self._dirty = False
-        shares = self.scheduler.session_stats()  # execution share, priority class
-        sessions = [
-            # device and host tiers, and what the scheduler gave it
-            {
-                **s.stats(now),
-                **self.memory.session_stats(s.id),
-                **shares.get(s.id, {"exec_share": 0.0, "class": ""}),
-            }
-            for s in list(self.sessions.values())
-            if s.state == OPEN
-        ]
-        msg = {
-            "op": "stats",
-            "vmu": self.store.vmu.stats(),
-            "arena": self.store.slabs.stats(),
-            # only the serving thread moves the window's ring (Note [recent window])
-            "requests": self.requests.snapshot(roll=serving_thread),
-            "models": [
-                {**e.stats(), **self.memory.model_stats(e.fingerprint, e.nbytes)}
-                for e in self.models.entries.values()
-            ],
-            "memory": {**self.memory.stats(), "admission": self.admission.stats(now)},
-            "busy": self.busy.describe(now),
-            "utilisation": self.utilisation.sample(),
-            "prewarm": self.prewarm.state,
-            "scheduler": {
-                **self.scheduler.stats(),
-                "graph_templates": self.graphs.stats(),
-                "batching": self.batcher.stats.as_dict(),
-            },
-            "adopted": self.adopted,
-        }
+        sessions, msg = worker_stats.build(self, now, serving_thread)
         try:
             # Note [stats in parts]: one datagram holds at most ~200 KB (the socket's send
             # buffer), about 800 sessions' rows. Rows go first in parts of
