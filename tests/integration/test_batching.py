@@ -47,39 +47,49 @@ def _local_steps(model, prompt: torch.Tensor) -> tuple[list[int], list[torch.Ten
     return tokens, logits_seen
 
 
+def _in_threads(n: int, run, barrier=None) -> None:
+    """``run(i)`` for i in range(n), each in its own thread; the first error of any is
+    raised here (and aborts ``barrier``, so the others do not wait for it)."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            run(i)
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+            if barrier is not None:
+                barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+
+
 def _decode_together(app, model, prompts, barrier=None):
     """One session per prompt, each in its own thread and connection, all decoding the
     same registered model step by step at the same time."""
     from djinn.frontend import remote_module
 
     results: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            with app.connect() as client, client.session() as s:
-                fp = remote_module.register(model, s)["fingerprint"]
-                logits, cache = _call(s, fp, prompts[i])
-                tokens, seen = [], []
-                for _ in range(STEPS):
-                    nxt = logits[:, -1:].argmax(-1)
-                    tokens.append(int(nxt))
-                    if barrier is not None:
-                        barrier.wait(timeout=60)  # the steps arrive together
-                    logits, cache = _call(s, fp, nxt, past=cache)
-                    seen.append(logits)
-                results[i] = (tokens, seen)
-        except BaseException as exc:  # reported by the test's thread
-            errors.append(exc)
-            if barrier is not None:
-                barrier.abort()
+        with app.connect() as client, client.session() as s:
+            fp = remote_module.register(model, s)["fingerprint"]
+            logits, cache = _call(s, fp, prompts[i])
+            tokens, seen = [], []
+            for _ in range(STEPS):
+                nxt = logits[:, -1:].argmax(-1)
+                tokens.append(int(nxt))
+                if barrier is not None:
+                    barrier.wait(timeout=60)  # the steps arrive together
+                logits, cache = _call(s, fp, nxt, past=cache)
+                seen.append(logits)
+            results[i] = (tokens, seen)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    _in_threads(len(prompts), run, barrier)
     return results
 
 
@@ -158,32 +168,23 @@ def test_generate_on_the_appliance_joins_the_batches(fresh_appliance):
     model = _model("gpt2")
     torch.manual_seed(2)
     prompts = [torch.randint(0, 500, (1, n)) for n in PROMPT_LENGTHS[:3]]
-    barrier, got, errors = threading.Barrier(len(prompts)), {}, []
+    barrier, got = threading.Barrier(len(prompts)), {}
 
     def run(i: int) -> None:
-        try:
-            with app.connect() as client, client.session() as s:
-                fp = remote_module.register(model, s)["fingerprint"]
-                desc, flat = to_wire(prompts[i])
-                body = {
-                    "fingerprint": fp,
-                    "method": "generate",
-                    "args": [{"$t": 0, "desc": desc}],
-                    "kwargs": {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0},
-                }
-                barrier.wait(timeout=60)
-                out = s.call_model(body, [flat.numpy()])["out"]
-                got[i] = RemoteTensor(s, out["$h"], out).cpu()
-        except BaseException as exc:
-            errors.append(exc)
-            barrier.abort()
+        with app.connect() as client, client.session() as s:
+            fp = remote_module.register(model, s)["fingerprint"]
+            desc, flat = to_wire(prompts[i])
+            body = {
+                "fingerprint": fp,
+                "method": "generate",
+                "args": [{"$t": 0, "desc": desc}],
+                "kwargs": {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0},
+            }
+            barrier.wait(timeout=60)
+            out = s.call_model(body, [flat.numpy()])["out"]
+            got[i] = RemoteTensor(s, out["$h"], out).cpu()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    _in_threads(len(prompts), run, barrier)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
