@@ -43,6 +43,7 @@ from .batching import DecodeStep, batch_key
 
 log = logging.getLogger("djinn.appliance.scheduler")
 
+MAX_TENANT_ROWS = 32  # tenants listed in the stats document (each TCP host is one)
 USAGE_HALF_LIFE_S = 10.0  # fair shares look at recent execution time, decayed
 DECODERS_RECENT_S = 1.0  # a session that decoded a model this recently will again soon
 
@@ -200,6 +201,10 @@ class Scheduler:
         self._executing: Work | None = None
         self._tenants = Usage()
         self._sessions = Usage()
+        # execution seconds since the start (tenants) or since the session opened, undecayed:
+        # what an operator, or a check of the weights, compares
+        self._tenant_exec_s: dict[str, float] = {}
+        self._session_exec_s: dict[str, float] = {}
         self._policy_failed = False
         self.slices = 0
         self.preemptions = 0
@@ -232,6 +237,7 @@ class Scheduler:
         answer). The request running right now ends by itself: None."""
         work = self._by_session.get(session.id)
         self._sessions.forget(session.id)
+        self._session_exec_s.pop(session.id, None)
         for decoders in self._decoders.values():
             decoders.pop(session.id, None)
         if work is None or work is self._executing:
@@ -303,8 +309,12 @@ class Scheduler:
         return work
 
     def _charge(self, work: Work, seconds: float, end: float) -> None:
-        self._tenants.add(session_tenant(work.session), seconds, end)
+        tenant = session_tenant(work.session)
+        self._tenants.add(tenant, seconds, end)
         self._sessions.add(work.session.id, seconds, end)
+        self._tenant_exec_s[tenant] = self._tenant_exec_s.get(tenant, 0.0) + seconds
+        sid = work.session.id
+        self._session_exec_s[sid] = self._session_exec_s.get(sid, 0.0) + seconds
 
     def _run_batch(self, work: Work, batch: Callable[[list[Work]], None]) -> None:
         """Compute ``work``'s decode step with the others of its model that wait; the
@@ -405,13 +415,18 @@ class Scheduler:
 
     def session_stats(self) -> dict[str, dict[str, Any]]:
         """Per session: its share of the worker's recent execution time (decayed, as the
-        fair shares see it) and the class its waiting request has under the policy
-        (``classify``, if the policy has one; "" when nothing of it waits)."""
+        fair shares see it), its execution seconds since it opened, and the class its
+        waiting request has under the policy (``classify``, if the policy has one; "" when
+        nothing of it waits)."""
         now = self.clock()
         used = {sid: self._sessions.get(sid, now) for sid in self._sessions.sessions()}
         total = sum(used.values())
         rows = {
-            sid: {"exec_share": round(u / total, 4) if total else 0.0, "class": ""}
+            sid: {
+                "exec_share": round(u / total, 4) if total else 0.0,
+                "exec_s": round(self._session_exec_s.get(sid, 0.0), 4),
+                "class": "",
+            }
             for sid, u in used.items()
         }
         classify = getattr(self.policy, "classify", None)
@@ -423,7 +438,9 @@ class Scheduler:
                 max_wait_s=self.max_wait_s,
             )
             for facts in view.items:
-                row = rows.setdefault(facts.session, {"exec_share": 0.0, "class": ""})
+                row = rows.setdefault(
+                    facts.session, {"exec_share": 0.0, "exec_s": 0.0, "class": ""}
+                )
                 try:
                     row["class"] = str(classify(facts, view))[:32]
                 except Exception:  # a plugin's bug costs a column, never the stats
@@ -441,7 +458,14 @@ class Scheduler:
             "preemptions": self.preemptions,
             "completed": self.completed,
             "longest_slice_s": round(self.longest_slice_s, 4),
+            "tenants": self.tenant_stats(),
         }
+
+    def tenant_stats(self) -> dict[str, dict[str, float]]:
+        """Per tenant that ran here (the ``MAX_TENANT_ROWS`` that ran longest): its weight
+        and its execution seconds since the worker started."""
+        ranked = sorted(self._tenant_exec_s.items(), key=lambda kv: -kv[1])[:MAX_TENANT_ROWS]
+        return {t: {"weight": self.weights.get(t, 1.0), "exec_s": round(s, 4)} for t, s in ranked}
 
 
 def scheduler_from(init: dict[str, Any]) -> Scheduler:

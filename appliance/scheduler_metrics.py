@@ -46,6 +46,12 @@ def collect(doc: dict[str, Any]) -> Iterator[Any]:
         "of its waiting request ('' when none waits)",
         labels=["worker", "session", "class"],
     )
+    tenant_exec = CounterMetricFamily(
+        "djinn_tenant_exec_seconds",
+        "Execution seconds each tenant has had on a worker since it started (the weights of "
+        "scheduler_weights share these out)",
+        labels=["worker", "tenant"],
+    )
     for row in doc.get("scheduler", []):
         worker, policy = str(row.get("worker")), str(row.get("policy", ""))
         queued.add_metric([worker, policy], row.get("queued", 0))
@@ -57,6 +63,8 @@ def collect(doc: dict[str, Any]) -> Iterator[Any]:
         batches.add_metric([worker, "batches"], batching.get("batches", 0))
         batches.add_metric([worker, "steps"], batching.get("calls", 0))
         largest.add_metric([worker], batching.get("largest", 0))
+        for tenant, t in (row.get("tenants") or {}).items():
+            tenant_exec.add_metric([worker, str(tenant)], t.get("exec_s", 0.0))
     for s in doc.get("sessions", []):
         if isinstance(s.get("exec_share"), (int, float)):
             labels = [str(s.get("worker")), str(s.get("id")), str(s.get("class", ""))]
@@ -68,3 +76,4 @@ def collect(doc: dict[str, Any]) -> Iterator[Any]:
     yield batches
     yield largest
     yield share
+    yield tenant_exec

@@ -34,6 +34,7 @@ def opening_row(session_id: str, peer: str, age_s: float = 0.0) -> dict:
         "objects": 0,
         "tenant": "",  # known once its worker reports it
         "exec_share": 0.0,
+        "exec_s": 0.0,
         "class": "",
     }
 

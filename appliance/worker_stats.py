@@ -19,7 +19,7 @@ def build(w: Worker, now: float, serving_thread: bool) -> tuple[list[dict], dict
         {
             **s.stats(now),
             **w.memory.session_stats(s.id),
-            **shares.get(s.id, {"exec_share": 0.0, "class": ""}),
+            **shares.get(s.id, {"exec_share": 0.0, "exec_s": 0.0, "class": ""}),
         }
         for s in list(w.sessions.values())
         if s.state == OPEN

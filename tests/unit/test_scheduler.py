@@ -118,6 +118,9 @@ def test_weighted_fair_shares_between_tenants():
     ran_a = sum(1 for name, _ in log if name == "a")
     ran_b = sum(1 for name, _ in log if name == "b")
     assert ran_a / (ran_a + ran_b) == pytest.approx(2 / 3, abs=0.05)
+    tenants = sched.stats()["tenants"]  # the undecayed account an operator compares
+    assert tenants["uid:1"]["weight"] == 2 and tenants["uid:2"]["weight"] == 1
+    assert tenants["uid:1"]["exec_s"] / tenants["uid:2"]["exec_s"] == pytest.approx(2, rel=0.1)
 
 
 def test_ageing_lets_throughput_work_through_a_stream_of_interactive_work():
@@ -362,6 +365,7 @@ def test_sessions_show_their_share_of_execution_time_and_their_class():
     rows = sched.session_stats()
     assert rows["a"]["exec_share"] == pytest.approx(0.75, abs=0.01)
     assert rows["b"]["exec_share"] == pytest.approx(0.25, abs=0.01)
+    assert (rows["a"]["exec_s"], rows["b"]["exec_s"]) == pytest.approx((0.3, 0.1), abs=1e-6)
     sched.submit(a, _decode_step(), work_facts(a, _decode_step()))
     sched.submit(b, frame(Kind.EXEC), {"kind": "EXEC", "nodes": 500})
     rows = sched.session_stats()
@@ -380,6 +384,7 @@ def test_prometheus_has_the_batches_and_the_session_shares():
                 "worker": 0,
                 "policy": "semantic",
                 "batching": {"batches": 3, "calls": 10, "largest": 4},
+                "tenants": {"token:alice": {"weight": 3.0, "exec_s": 1.5}},
             }
         ],
         "sessions": [{"id": "s1", "worker": 0, "exec_share": 0.4, "class": "latency"}],
@@ -394,3 +399,5 @@ def test_prometheus_has_the_batches_and_the_session_shares():
     assert samples[("djinn_scheduler_largest_batch", (("worker", "0"),))] == 4
     key = ("djinn_session_exec_share", (("class", "latency"), ("session", "s1"), ("worker", "0")))
     assert samples[key] == 0.4
+    key = ("djinn_tenant_exec_seconds_total", (("tenant", "token:alice"), ("worker", "0")))
+    assert samples[key] == 1.5
