@@ -22,8 +22,9 @@ from djinn.errors import (
     UnsupportedOp,
 )
 from djinn.protocol.frames import Frame
-from djinn.protocol.tensors import describe
+from djinn.protocol.tensors import describe, dtype_name
 
+from .recompute import call_ids
 from .sessions import WorkerSession
 from .uploads import Parked
 from .vmu.device import DeviceShort
@@ -253,9 +254,31 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     # the KV caches it was given are pinned, and swapped back in if they were out.
     try:  # a prepare that fails must unpin too, or others cannot evict what it pinned
         w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
-        return _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
+        reply = _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
     finally:
         w.memory.finish(s)
+    if body.get("echo_ids") is True and method == "forward":
+        _echo_ids(reply[0], args, kwargs)
+    return reply
+
+
+# Note [echoed ids]: a decode step's ids are usually a handle (the argmax of the last
+# logits, computed here), so the client never saw their values. A recovering client asks
+# for them back: with them its journal can rebuild the KV cache with one prefill instead
+# of replaying every step (Note [kv prefill replay] in djinn/runtime/kv_replay.py). A
+# few integers per step; a large input is not echoed (its replay stays as recorded).
+ECHO_IDS_MAX = 4096
+
+
+def _echo_ids(reply: dict[str, Any], args: list, kwargs: dict) -> None:
+    ids = call_ids(args, kwargs)
+    if ids is not None and ids.numel() <= ECHO_IDS_MAX:
+        values = ids.tolist()
+        reply["ids"] = {
+            "dtype": dtype_name(ids.dtype),
+            "strides": list(ids.stride()),
+            "values": values,
+        }
 
 
 def _run_call(

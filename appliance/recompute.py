@@ -84,7 +84,8 @@ def _cache_of(x: Any) -> Any:
     return cache if callable(length) and callable(getattr(cache, "crop", None)) else None
 
 
-def _ids(args: list, kwargs: dict) -> torch.Tensor | None:
+def call_ids(args: list, kwargs: dict) -> torch.Tensor | None:
+    """The integer ids (batch, tokens) a forward was given, or None."""
     ids = kwargs.get("input_ids")
     if ids is None and len(args) == 1:
         ids = args[0]
@@ -121,7 +122,7 @@ class KvRecompute:
         given = kwargs.get("past_key_values")
         given_oid = s.object_ids.get(id(given)) if given is not None else None
         cache = _cache_of(out) if method == "forward" else None
-        ids = _ids(args, kwargs) if method == "forward" else None
+        ids = call_ids(args, kwargs) if method == "forward" else None
         safe = ids is not None and set(kwargs) <= SAFE_KWARGS
         prev = self.records.get((s.id, given_oid)) if given_oid is not None else None
         if given is not None and (prev is None or prev.fingerprint != fingerprint):

@@ -477,6 +477,15 @@ SETTINGS: tuple[Setting, ...] = (
         "again: faster recoveries for one more copy of the models in the appliance.",
         "bool",
     ),
+    Setting(
+        "recovery_kv",
+        "prefill",
+        "How a recovery rebuilds a live KV cache (Note [kv prefill replay]): prefill (its "
+        "decode steps as one forward of their tokens: a few calls, the cache equal to "
+        "float rounding) or steps (every decode step replayed as it ran: bit-exact, one "
+        "forward per token).",
+        choices=("prefill", "steps"),
+    ),
     # -- a fleet of appliances on Ray (djinn fleet, issue 13) -------------------------
     Setting(
         "fleet_placement",

@@ -30,6 +30,8 @@ class Entry:
     nbytes: int = 0
     replayable: bool = True
     seconds: float = 0.0  # how long it took: what replaying it costs, roughly
+    ids: torch.Tensor | None = None  # call: ids read from a handle, as the worker echoed
+    merged: int = 1  # call: how many decode steps it stands for (Note [kv prefill replay])
 
 
 def remap(x: Any, mapping: dict[str, str]) -> Any:

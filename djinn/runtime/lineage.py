@@ -13,7 +13,8 @@ and replays the journal there; every handle and object id the replay produces is
 to the one it replaces, the program's ``RemoteTensor`` and ``RemoteObject`` objects are
 pointed at the new ones in place (nothing the program holds changes identity), and the
 request that failed is sent again. Ops on one kind of worker are deterministic, so the
-replayed values are the values the program computed, bit for bit.
+replayed values are the values the program computed, bit for bit (but for a KV cache
+rebuilt by a prefill, and what is computed from it: to float rounding).
 
 Where the data lives:
 - *put data* is the client's own tensor, referenced, not copied: the program usually
@@ -29,7 +30,9 @@ Where the data lives:
   appliance host is registered from that path again (nothing held on the client). A
   worker that already holds the model (cached) skips the upload.
 - *KV caches* are remote objects; they are rebuilt by replaying the model calls that
-  grew them, step by step (recompute; the same arithmetic, so the same bytes).
+  grew them: a live cache's plain decode steps merged into one prefill of their tokens
+  (Note [kv prefill replay] in kv_replay.py: equal to float rounding), other calls
+  step by step as recorded (``recovery_kv = "steps"``: all of them, bit for bit).
 
 Note [lineage truncation]: the journal would grow with every step of a loop. Once its
 bytes since the last cut pass ``recovery_checkpoint_bytes``, or replaying what it
@@ -64,6 +67,7 @@ import torch
 
 from djinn.errors import DjinnError, RecoveryFailed, SessionLost, Unavailable, WorkerLost
 
+from . import kv_replay
 from .journal import (  # noqa: F401 - Entry and the helpers are this module's API too
     Entry,
     _from_handles_only,
@@ -98,6 +102,7 @@ class Policy:
     checkpoint_bytes: int = 64 << 20
     checkpoint_seconds: float = 1.0
     standby: bool = False
+    kv_prefill: bool = True  # Note [kv prefill replay]; False: every step, bit-exact
 
     @classmethod
     def from_config(cls, cfg: Any) -> Policy:
@@ -109,6 +114,7 @@ class Policy:
             checkpoint_bytes=int(cfg.recovery_checkpoint_bytes),
             checkpoint_seconds=float(cfg.recovery_checkpoint_seconds),
             standby=bool(cfg.recovery_standby),
+            kv_prefill=str(cfg.recovery_kv) == "prefill",
         )
 
 
@@ -183,7 +189,8 @@ class Lineage:
     def call_entry(body: dict[str, Any], segments: list, reply: dict[str, Any]) -> Entry:
         data = [bytes(s) for s in segments]
         nbytes = sum(len(d) for d in data) + 4 * NODE_BYTES
-        return Entry("call", body, data, reply.get("out"), nbytes, not sampled(body))
+        out, ids = reply.get("out"), kv_replay.echoed(reply)
+        return Entry("call", body, data, out, nbytes, not sampled(body), ids=ids)
 
     def mark_views(self, body: dict[str, Any], kept: list[Any]) -> None:
         """Handles that may share storage with another: made again from their bases after
@@ -341,7 +348,10 @@ class Lineage:
         objects = self._objects()
         with s._lists_lock:  # dropped while the worker was dying: not needed
             dropped = set(s._pending_free) | set(s._pending_free_objects)
-        keep = needed(entries, (set(live) | set(objects)) - dropped)
+        held = (set(live) | set(objects)) - dropped
+        if self.policy.kv_prefill:  # Note [kv prefill replay]
+            entries = kv_replay.coalesce(entries, held, live)
+        keep = needed(entries, held)
 
         def materialize(names: set[str]) -> None:
             need = [h for h in names if h in pending]
@@ -368,7 +378,7 @@ class Lineage:
         for i, e in enumerate(entries):
             now = time.perf_counter()
             spent[last] = spent.get(last, 0.0) + now - t_last
-            last, t_last = e.kind, now
+            last, t_last = "prefill" if e.merged > 1 else e.kind, now
             if e.kind == "put":
                 pending.update(zip(e.out, e.data, strict=True))
                 continue
@@ -427,7 +437,9 @@ class Lineage:
             elif e.kind == "call":
                 reply = s._call_raw("CALL", body, e.data)
                 pair_ids(e.out, reply.get("out"), mapping)
-                out.append(Entry("call", body, e.data, reply.get("out"), e.nbytes))
+                ids = kv_replay.echoed(reply) if e.ids is None else e.ids
+                made = reply.get("out")
+                out.append(Entry("call", body, e.data, made, e.nbytes, ids=ids, merged=e.merged))
             elif e.kind == "load":
                 reply = s._call_raw("LOAD", body)
                 made = {t["name"]: t["handle"] for t in reply["tensors"]}

@@ -32,7 +32,7 @@ from djinn.protocol import templates
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import from_wire, to_wire, validate
 
-from . import lineage
+from . import kv_replay, lineage
 from .channel import Channel
 from .remote import RemoteTensor
 
@@ -235,6 +235,8 @@ class Session:
         if self._lineage is None:
             return self._call(Kind.CALL, body, segments).body
         repeat = not lineage.sampled(body)
+        if self._lineage.policy.kv_prefill:  # Note [echoed ids]
+            body = kv_replay.ask_echo(body)
         attempt = lambda b: self._call(Kind.CALL, b, segments).body  # noqa: E731
         reply, sent = self._lineage.run_body(attempt, body, repeat)
         entry = lineage.Lineage.call_entry(sent, list(segments), reply)

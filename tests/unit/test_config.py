@@ -145,6 +145,7 @@ BAD_VALUES = {
     "recovery_checkpoint_bytes": ["1KiB", "lots"],
     "recovery_checkpoint_seconds": [0, "a while"],
     "recovery_standby": ["maybe", 2],
+    "recovery_kv": ["both", 1],
     "prewarm": ["maybe", 2],
     "stats_window": [0, 100000],
     "metrics_port": [70000, -1],
