@@ -152,6 +152,17 @@ def fresh_appliance(tmp_path):
         app.stop(timeout=10)
 
 
+def run_together(*calls: dict) -> list[subprocess.CompletedProcess]:
+    """Run independent commands at the same time, each given as the keyword arguments of
+    ``subprocess.run``; their results in the order given. (A remote run and the local
+    run it is compared with share nothing: neither need wait for the other's start-up.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(subprocess.run, **kwargs) for kwargs in calls]
+        return [f.result() for f in futures]
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     """Poll until predicate() is truthy; return its value or raise AssertionError."""
     deadline = time.monotonic() + timeout

@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import minilm_dir
+from tests.conftest import minilm_dir, run_together
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _run(appliance, *argv: str) -> subprocess.CompletedProcess:
+def _call(appliance, *argv: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     env["DJINN_ADDRESS"] = appliance.unix
-    return subprocess.run(
-        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300
-    )
+    return dict(args=[sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _run(appliance, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(**_call(appliance, *argv))
 
 
 def test_explicit_device_example_trains_like_local(appliance):
@@ -35,20 +37,22 @@ def test_quickstart_example(appliance):
 
 
 def test_gpt2_generate_under_djinn_run_matches_local(appliance):
-    remote = _run(
-        appliance,
-        "-m",
-        "djinn.cli.main",
-        "run",
-        str(EXAMPLES / "gpt2_generate_cuda.py"),
-        "--tokens",
-        "6",
-    )
-    local = subprocess.run(
-        [sys.executable, str(EXAMPLES / "gpt2_generate_cuda.py"), "--tokens", "6"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    remote, local = run_together(
+        _call(
+            appliance,
+            "-m",
+            "djinn.cli.main",
+            "run",
+            str(EXAMPLES / "gpt2_generate_cuda.py"),
+            "--tokens",
+            "6",
+        ),
+        dict(
+            args=[sys.executable, str(EXAMPLES / "gpt2_generate_cuda.py"), "--tokens", "6"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ),
     )
     assert remote.returncode == 0, remote.stderr
     tokens = [line for line in remote.stdout.splitlines() if line.startswith("tokens:")]

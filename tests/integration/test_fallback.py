@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.conftest import run_together
+
 PROBE = textwrap.dedent("""
     import torch, djinn
     x = torch.arange(6.0, device="remote_accelerator:0").reshape(2, 3)
@@ -28,10 +30,18 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code], env=_env(**env), capture_output=True, text=True, timeout=180
+def _python_call(code: str, **env: str) -> dict:
+    return dict(
+        args=[sys.executable, "-c", code],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(**_python_call(code, **env))
 
 
 def test_local_fallback_runs_the_remote_device_here_with_one_warning(tmp_path):
@@ -45,15 +55,17 @@ def test_local_fallback_runs_the_remote_device_here_with_one_warning(tmp_path):
 def test_local_fallback_under_djinn_run_prints_the_numbers_of_a_cpu_run(tmp_path):
     script = tmp_path / "train_cuda.py"
     script.write_text(CUDA_SCRIPT)
-    remote = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
-        env=_env(DJINN_FALLBACK="local"),
-        capture_output=True,
-        text=True,
-        timeout=180,
+    remote, local = run_together(
+        dict(
+            args=[sys.executable, "-m", "djinn.cli.main", "run", str(script)],
+            env=_env(DJINN_FALLBACK="local"),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        ),
+        _python_call(CUDA_SCRIPT.replace(".cuda()", "")),
     )
     assert remote.returncode == 0, remote.stderr
-    local = _python(CUDA_SCRIPT.replace(".cuda()", ""))
     assert remote.stdout == local.stdout
 
 

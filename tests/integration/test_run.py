@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_together
+
 SCRIPT = textwrap.dedent("""
     import sys
     import torch
@@ -62,19 +64,21 @@ def scripts(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_unmodified_cuda_script_prints_the_same_numbers_as_local_cpu(appliance, scripts):
     cuda, cpu = scripts
-    remote = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(cuda), "7", "--some-flag"],
-        env=_env(DJINN_ADDRESS=appliance.unix),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    local = subprocess.run(
-        [sys.executable, str(cpu), "7", "--some-flag"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    remote, local = run_together(
+        dict(
+            args=[sys.executable, "-m", "djinn.cli.main", "run", str(cuda), "7", "--some-flag"],
+            env=_env(DJINN_ADDRESS=appliance.unix),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ),
+        dict(
+            args=[sys.executable, str(cpu), "7", "--some-flag"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ),
     )
     assert local.returncode == 7
     assert remote.returncode == 7, remote.stderr  # exit code passed through
@@ -157,16 +161,22 @@ def test_missing_script_is_a_clear_error(tmp_path):
 def test_with_no_appliance_configured_an_embedded_one_serves_and_stops(tmp_path, scripts):
     cuda, cpu = scripts
     env = _env(DJINN_SOCKET_PATH=str(tmp_path / "none.sock"), DJINN_ARENA_BYTES="64MiB")
-    remote = subprocess.run(
-        [sys.executable, "-m", "djinn.cli.main", "run", str(cuda), "0"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    local = subprocess.run(
-        [sys.executable, str(cpu), "0"], env=_env(), capture_output=True, text=True, timeout=120
+    remote, local = run_together(
+        dict(
+            args=[sys.executable, "-m", "djinn.cli.main", "run", str(cuda), "0"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        ),
+        dict(
+            args=[sys.executable, str(cpu), "0"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ),
     )
     assert remote.returncode == 0, remote.stderr
     assert remote.stdout == local.stdout

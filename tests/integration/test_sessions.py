@@ -13,10 +13,33 @@ import pytest
 import torch
 
 from djinn.errors import NotFound, SessionExpired
-from tests.conftest import wait_for
+from tests.conftest import start_appliance, wait_for
 
 LEASE = {"heartbeat_interval": 0.5, "heartbeat_misses": 2}  # lease = 1 s
 BOUND_S = 0.5 * 2 + 1.0  # interval * misses + 1 s
+
+
+@pytest.fixture(scope="module")
+def _lease_appliance(tmp_path_factory):
+    app = start_appliance(tmp_path_factory.mktemp("lease"), **LEASE)
+    yield app
+    app.stop()
+
+
+@pytest.fixture
+def lease_appliance(_lease_appliance):
+    """The module's appliance with a 1 s lease, as a fresh one would be for each test
+    that uses it: alive, with no session of an earlier test left and no tensor on its
+    device (what each test then frees is measured from its own start)."""
+    app = _lease_appliance
+    assert app.proc.poll() is None, app.log()[-2000:]
+
+    def idle() -> bool:
+        st = app.stats()
+        return not st["sessions"] and st["vmu"]["devices"][0]["data"]["used"] == 0
+
+    wait_for(idle)
+    return app
 
 
 def _holder(address: str, token: str | None = None) -> subprocess.Popen:
@@ -48,8 +71,8 @@ def _arena_used(app) -> int:
 
 
 @pytest.mark.parametrize("via", ["unix", "tcp"])
-def test_sigkilled_client_loses_session_and_slabs_within_the_lease_bound(fresh_appliance, via):
-    app = fresh_appliance(**LEASE)
+def test_sigkilled_client_loses_session_and_slabs_within_the_lease_bound(lease_appliance, via):
+    app = lease_appliance
     base = _arena_used(app)
     proc = _holder(app.unix if via == "unix" else app.tcp, app.token if via == "tcp" else None)
     sid = proc.stdout.readline().strip()
@@ -63,8 +86,8 @@ def test_sigkilled_client_loses_session_and_slabs_within_the_lease_bound(fresh_a
     assert app.stats()["vmu"]["devices"][0]["data"]["used"] == 0
 
 
-def test_silent_client_expires_and_its_next_call_gets_session_expired(fresh_appliance):
-    app = fresh_appliance(**LEASE)
+def test_silent_client_expires_and_its_next_call_gets_session_expired(lease_appliance):
+    app = lease_appliance
     base = _arena_used(app)
     proc = _holder(app.unix)
     sid = proc.stdout.readline().strip()
@@ -88,16 +111,16 @@ def test_silent_client_expires_and_its_next_call_gets_session_expired(fresh_appl
     proc.wait()
 
 
-def test_quiet_client_keeps_its_session_through_heartbeats(fresh_appliance):
-    app = fresh_appliance(**LEASE)
+def test_quiet_client_keeps_its_session_through_heartbeats(lease_appliance):
+    app = lease_appliance
     with app.connect() as client, client.session() as s:
         r = s.put(torch.arange(10))
         time.sleep(2.5)  # > two leases with no request: only heartbeats keep it
         assert torch.equal(r.cpu(), torch.arange(10))
 
 
-def test_expired_session_raises_session_expired_in_process(fresh_appliance):
-    app = fresh_appliance(**LEASE)
+def test_expired_session_raises_session_expired_in_process(lease_appliance):
+    app = lease_appliance
     with app.connect() as client:
         s = client.session()
         r = s.put(torch.ones(2))
@@ -162,8 +185,8 @@ def test_every_session_appears_in_the_stats_with_its_peer(appliance):
             assert key in row
 
 
-def test_a_request_longer_than_the_lease_expires_nobody(fresh_appliance):
-    app = fresh_appliance(**LEASE)  # lease 1 s
+def test_a_request_longer_than_the_lease_expires_nobody(lease_appliance):
+    app = lease_appliance  # lease 1 s
     with app.connect() as client:
         busy, idle = client.session(), client.session()
         keep = idle.put(torch.ones(3))

