@@ -151,6 +151,7 @@ class Supervisor:
                 "batch_max": cfg.batch_max,
                 "batch_wait_us": cfg.batch_wait_us,
                 "log_level": cfg.log_level,
+                "cpu_threads": cfg.cpu_threads,
                 "model_roots": cfg.model_roots,
                 "model_allowlist": cfg.model_allowlist,
                 "model_methods": cfg.model_methods,

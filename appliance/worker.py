@@ -80,6 +80,10 @@ class Worker:
         self.device = open_device(init["device"], init["cpu_worker_memory"])
         if self.device.torch_device.type == "cpu":
             keep_heap_warm()  # Note [warm heap]: swap-ins copy into warm pages
+            if int(init.get("cpu_threads") or 0) > 0:  # its share of the cores
+                import torch
+
+                torch.set_num_threads(int(init["cpu_threads"]))
         self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
         capacity = self.device.capacity(init["workers"])

@@ -22,6 +22,12 @@ with the session closed and the appliance stopped: /dev/shm bytes left, the clie
 open fds against before, the supervisor's fds against before the first kill, and the
 VMU's data/stack bytes with no session open.
 
+Each CPU worker runs torch with ``--cpu-threads`` threads (``cpu_threads``; default
+its share of the cores, cores / workers: two workers of two threads each on two cores
+keep OpenMP threads waiting on each other, a GPT-2 prefill 7x slower on a loaded host;
+0: torch's default). The load average (``os.getloadavg``) is reported at the start and
+the end: the machine may be shared.
+
     python benchmarks/chaos.py [--kills 20] [--interval 4] [--workers 2] [--json PATH]
 """
 
@@ -170,15 +176,30 @@ def main() -> int:
         default=True,
         help="recovery_standby: keep GPT-2 on a second worker too (Note [warm standby])",
     )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="cpu_threads of each worker (default: cores / workers; 0: torch's default)",
+    )
     parser.add_argument("--json", default="benchmarks/results/chaos.json")
     args = parser.parse_args()
     unwind_on_sigterm()
     import transformers
 
     started = time.monotonic()
+    load_before = os.getloadavg()
+    threads = args.cpu_threads
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // args.workers)
     arena = (1536 * MiB) * args.workers
     with tempfile.TemporaryDirectory() as tmp:
-        extra = {"cpu_workers": args.workers, "restart_backoff_max": 2.0, "log_level": "error"}
+        extra = {
+            "cpu_workers": args.workers,
+            "cpu_threads": threads,
+            "restart_backoff_max": 2.0,
+            "log_level": "error",
+        }
         with appliance(Path(tmp), arena, "none", **extra) as app:
             wait_warm(app)
             os.environ["DJINN_ADDRESS"] = app.unix
@@ -235,6 +256,8 @@ def main() -> int:
     diff = max((a - b).abs().max().item() for a, b in zip(got_params, ref_params, strict=True))
     vmu = after["vmu"]["devices"]
     data_left = sum(d["data"]["used"] + d["stack"]["used"] for d in vmu)
+    load_after = os.getloadavg()
+    by_loop = {"decode": recovery[:decode_kills], "training": recovery[decode_kills:]}
     arena_left = after["vmu"]["host_arena"]["used"]
     doc = {
         "kills": kills,
@@ -254,6 +277,9 @@ def main() -> int:
             "p99": pct(recovery, 0.99),
             "all": recovery,
         },
+        "recovery_s_by_loop": {
+            k: {"p50": pct(v, 0.5), "max": max(v, default=float("nan"))} for k, v in by_loop.items()
+        },
         "replay_s": {"p50": pct(stats["replay_s"], 0.5), "p99": pct(stats["replay_s"], 0.99)},
         "kill_to_recovered_s": {"p50": pct(to_recovered, 0.5), "p99": pct(to_recovered, 0.99)},
         "replayed_requests": stats["replayed"],
@@ -271,12 +297,14 @@ def main() -> int:
             "host_arena_bytes": arena_left,
         },
         "elapsed_s": round(time.monotonic() - started, 1),
+        "cpu_threads": threads,
+        "loadavg": {"start": list(load_before), "end": list(load_after)},
         "torch": torch.__version__,
     }
     mode = "warm standby" if args.standby else "no standby"
     print(
         f"\n# Chaos: {kills} SIGKILLs of the session's worker "
-        f"({args.workers} CPU workers, {mode})\n"
+        f"({args.workers} CPU workers of {threads or 'default'} threads, {mode})\n"
     )
     rows = [
         ["recoveries", f"{recovered}/{kills}", "20/20"],
@@ -290,6 +318,11 @@ def main() -> int:
             "recovery p50 / p99 (s)",
             f"{pct(recovery, 0.5):.2f} / {pct(recovery, 0.99):.2f}",
             "p99 <= 2 s",
+        ],
+        *[
+            [f"  {k} recoveries p50 / max (s)", f"{pct(v, 0.5):.2f} / {max(v):.2f}", ""]
+            for k, v in by_loop.items()
+            if v
         ],
         [
             "  of which replay p50 / p99 (s)",
@@ -314,6 +347,11 @@ def main() -> int:
         ],
         ["VMU data+stack bytes, no session", str(data_left), "0"],
         ["host arena bytes, no session", str(arena_left), "0"],
+        [
+            "load average 1/5/15 min, start / end",
+            " / ".join(" ".join(f"{x:.2f}" for x in la) for la in (load_before, load_after)),
+            "",
+        ],
     ]
     print(md_table(["measure", "result", "goal"], rows))
     print(f"\n{doc['elapsed_s']} s; JSON: {args.json}")

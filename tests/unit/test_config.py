@@ -146,6 +146,7 @@ BAD_VALUES = {
     "recovery_checkpoint_seconds": [0, "a while"],
     "recovery_standby": ["maybe", 2],
     "recovery_kv": ["both", 1],
+    "cpu_threads": [-1, "all"],
     "prewarm": ["maybe", 2],
     "stats_window": [0, 100000],
     "metrics_port": [70000, -1],
