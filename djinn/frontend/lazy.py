@@ -145,13 +145,29 @@ def spec_of(t: torch.Tensor) -> TensorSpec:
 
 
 # -- capture -------------------------------------------------------------------------------
+# Note [pointwise keys]: the meta cache's key holds the values of an op's scalars and of
+# small local tensors, because some ops' output shapes depend on them (view sizes, arange's
+# bounds, interpolate's scale factors). A pointwise op's output metadata never does: its
+# shape is its tensor operands' broadcast, its dtype follows the scalars' *kinds* (bool,
+# integer, floating, complex), not their values. Keyed by value, an optimizer's step,
+# whose bias corrections are new Python floats every step, added a cache entry per op
+# per step (a 1,000-step Adam loop grew the client by 3.8 MB until the cache's
+# wholesale clear at 65,536 entries). For pointwise ops the key holds the kind alone.
+SCALAR_KINDS = (bool, int, float, complex)
+
+
+def _values_matter(func: Any) -> bool:
+    return torch.Tag.pointwise not in getattr(func, "tags", ())
+
+
 class _Args:
     """One pass over an op's arguments: refs for the node, a cache key, meta inputs."""
 
-    __slots__ = ("flat", "key", "trace")
+    __slots__ = ("by_value", "flat", "key", "trace")
 
-    def __init__(self, trace: trace_mod.Trace) -> None:
+    def __init__(self, trace: trace_mod.Trace, by_value: bool = True) -> None:
         self.trace = trace
+        self.by_value = by_value  # Note [pointwise keys]
         self.flat: list[Any] = []  # tensor inputs in traversal order (original objects)
         self.key: list[Any] | None = []
 
@@ -178,7 +194,8 @@ class _Args:
             if self.key is not None:
                 # Small local tensors can steer output shapes (tensor_split indices): their
                 # values are part of the signature. Large ones never do in practice.
-                values = tuple(x.reshape(-1).tolist()) if x.numel() <= SMALL_KEY else None
+                small = self.by_value and x.numel() <= SMALL_KEY
+                values = tuple(x.reshape(-1).tolist()) if small else None
                 meta = (x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
                 self.key.append(("C", meta, values))
             return _snapshot(x)
@@ -187,6 +204,9 @@ class _Args:
                 self.key.append(("(", len(x)))
             return [self.ref(v) for v in x]
         if self.key is not None:
+            if not self.by_value and type(x) in SCALAR_KINDS:
+                self.key.append((type(x),))
+                return x
             try:
                 hash(x)
                 self.key.append((type(x), x))
@@ -271,7 +291,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     trace = current()
-    a = _Args(trace)
+    a = _Args(trace, _values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
     for k, v in kwargs.items():

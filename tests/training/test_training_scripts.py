@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import djinn  # noqa: F401 - torch.load of the scripts' remote tensors needs the device
+
 HERE = Path(__file__).parent
 SCRIPTS = ["cnn_amp", "transformer_checkpoint", "dataloader_pinned", "optimizers", "resume"]
 

@@ -45,3 +45,25 @@ def test_capture_needs_no_meta_run_for_a_cached_signature():
     size = meta.cache_size()
     _ = x + x
     assert meta.cache_size() == size
+
+
+def test_a_pointwise_op_keys_its_scalars_by_kind_and_a_shape_op_by_value():
+    """Note [pointwise keys]: an optimizer's new float every step reuses one cache entry;
+    the scalar's kind still decides the dtype, and where a value decides a shape (arange's
+    step, a view's sizes) it is still part of the key."""
+    from djinn.frontend import meta
+
+    x = torch.empty(5, 5, device="remote_accelerator:0")
+    i = torch.empty(5, 5, dtype=torch.long, device="remote_accelerator:0")
+    _ = x.div(0.5)
+    size = meta.cache_size()
+    for k in range(20):
+        assert x.div(1.0 + k / 7).dtype == torch.float32
+    assert meta.cache_size() == size
+    assert (i * 2).dtype == torch.long and (i * 3).dtype == torch.long
+    assert (i * 2.5).dtype == torch.float32  # a float: another kind, another entry
+    assert (i * True).dtype == torch.long
+    assert x.view(25).shape == (25,) and x.view(1, 25).shape == (1, 25)
+    for step in (0.5, 0.25, 1.0):
+        n = int(4 / step)
+        assert torch.arange(0, 4, step, device="remote_accelerator:0").shape == (n,)
