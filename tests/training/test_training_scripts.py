@@ -5,7 +5,6 @@ parameter within 1e-5 (the scripts save them with torch.save, itself under test)
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,27 +12,29 @@ import pytest
 import torch
 
 import djinn  # noqa: F401 - torch.load of the scripts' remote tensors needs the device
+from tests.conftest import run_together
 
 HERE = Path(__file__).parent
 SCRIPTS = ["cnn_amp", "transformer_checkpoint", "dataloader_pinned", "optimizers", "resume"]
 
 
-def _run(script: str, out: Path, remote_address: str | None) -> dict:
+def _call(script: str, out: Path, remote_address: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     if remote_address:
         env["DJINN_ADDRESS"] = remote_address
         cmd = [sys.executable, "-m", "djinn.cli.main", "run", str(HERE / f"{script}.py"), str(out)]
     else:
         cmd = [sys.executable, str(HERE / f"{script}.py"), str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out)  # written a moment ago by our own script
+    return dict(args=cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_under_djinn_run_matches_local_cpu(appliance, tmp_path, script):
-    local = _run(script, tmp_path / "local.pt", None)
-    remote = _run(script, tmp_path / "remote.pt", appliance.unix)
+    outs = [tmp_path / "local.pt", tmp_path / "remote.pt"]
+    # the local run and the remote one share nothing: both at once
+    for done in run_together(_call(script, outs[0], None), _call(script, outs[1], appliance.unix)):
+        assert done.returncode == 0, done.stderr[-3000:]
+    local, remote = (torch.load(out) for out in outs)  # written just now by our own script
     torch.testing.assert_close(
         torch.tensor(remote["losses"]), torch.tensor(local["losses"]), rtol=1e-5, atol=1e-5
     )
