@@ -79,6 +79,7 @@ def decoder(address: str, token: str, layers: int, seed: int, steps: int, gap_s:
     from djinn.frontend import remote_module
     from djinn.runtime.client import Client
 
+    torch.set_num_threads(1)  # the client is not the subject: the cores are the worker's
     model = gpt2(layers)
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
     with Client(address, token or None) as client, client.session() as s:
