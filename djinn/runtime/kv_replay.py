@@ -23,7 +23,10 @@ request that must still run (another model call, a registration), stops the merg
 before that step. The last merged step's outputs may be live when it returned logits
 only, its logits kept whole, and the model takes ``logits_to_keep``: its logits then
 come back from the merged call. Later steps (their logits still held) are replayed one
-by one, with their ids inline so the graphs that picked them need not run again.
+by one, with their ids inline so the graphs that picked them need not run again. A
+token the journal knows (echoed) is computed from nothing: where the program still
+holds it, or a graph that must run reads it, it is put back from its value (a lazy put)
+instead of being picked again, unless it is a view or was written since.
 
 A run is at most PREFILL_TOKENS tokens (a longer one goes as several, each extending
 the cache the last left): a prefill's attention scores grow with the square of its
@@ -321,6 +324,9 @@ def _first_blocked(
 
 def _inline(e: Entry, ids: torch.Tensor) -> Entry:
     """``e`` with its ids sent inline (their values are known) instead of by handle."""
+    ref = _ids_ref(e.body)
+    if isinstance(ref, dict) and "$t" in ref:
+        return e  # inline already
     desc, raw = to_wire(ids)
     ref = {"$t": len(e.data), "desc": desc}
     body = {**e.body, "args": list(e.body.get("args") or [])}
@@ -366,13 +372,13 @@ def coalesce(
     for e in entries:
         if e.kind == "call":
             _objects_in(e.out, caches)
-    known: dict[str, torch.Tensor] | None = None
+    known = known_values(entries, live, fits)
+    if known:
+        entries = _put_back(entries, known)
     for oid in sorted(caches & live):
         chain = _chain(entries, oid)
         if len(chain) < 2:
             continue
-        if known is None:
-            known = known_values(entries, live, fits)
         blocked = _first_blocked(entries, chain, live, known)
         keep = takes_logits_to_keep(classes.get(chain[0].fingerprint))
         # the last merged step: the blocked one when its logits can come back from the
@@ -385,6 +391,30 @@ def coalesce(
         merged = chain[: last + 1]
         entries = _rewrite(entries, merged, min(last + 1, blocked), keep, known)
     return entries
+
+
+def _put_back(entries: list[Entry], known: dict[str, torch.Tensor]) -> list[Entry]:
+    """The graphs that made only known values become puts of them, and the plain steps
+    that read one get it inline: nothing then ties a token the program holds to the
+    calls and logits it was picked from (a finished sequence's last token, still held,
+    would otherwise replay the whole sequence: a model call and what it names are needed
+    together, Note [lineage pruning])."""
+    names = set(known)
+    out: list[Entry] = []
+    for i, e in enumerate(entries):
+        if e.kind == "exec":
+            made = _exec_made(e)
+            if made and made <= names:
+                for h in (h for h in e.out if h is not None):
+                    t = known[h]
+                    out.append(Entry("put", None, [(t, t._version)], [h], t.numel() * t.itemsize))
+                continue
+        elif e.kind == "call" and _reads(e, names):
+            st = step_of(e, i)
+            if st is not None:
+                e = _inline(e, st.ids)
+        out.append(e)
+    return out
 
 
 def _classes(entries: list[Entry]) -> dict[str, Any]:

@@ -255,8 +255,26 @@ def test_steps_that_are_not_plain_forwards_replay_as_recorded():
     unknown = _decode_journal(4)
     unknown[-2].ids = None  # an appliance that did not echo the ids
     assert [c.merged for c in _calls(coalesce(unknown, {"C", "l4"}))] == [4, 1]
-    journal = _decode_journal(4)
-    assert coalesce(journal, {"l4"}) is journal  # no cache held: nothing to merge
+    out = coalesce(_decode_journal(4), {"l4"})  # no cache held: nothing to merge
+    assert [c.merged for c in _calls(out)] == [1] * 5 and "exec" not in _kinds(out)
+
+
+def test_a_held_token_of_a_finished_sequence_is_put_back_without_its_sequence():
+    """The program dropped the sequence (its cache freed) but still holds its last token:
+    the token comes back from its value; no call of the sequence is needed for it."""
+    entries = [*_decode_journal(5), Entry("free_objects", ["C"])]
+    out = coalesce(entries, {"t4"}, _holders("t4"))
+    keep = needed(out, {"t4"})
+    assert [e.kind for e, k in zip(out, keep, strict=True) if k and e.kind != "put"] == [
+        "register",
+        *["free"] * 5,
+        "free_objects",
+    ]
+    assert [e.out for e in out if e.kind == "put"][-1] == ["t4"]
+    # where it cannot be put back, the whole sequence replays to pick it again
+    out = coalesce(entries, {"t4"})
+    keep = needed(out, {"t4"})
+    assert sum(k for e, k in zip(out, keep, strict=True) if e.kind == "call") == 6
 
 
 def test_a_long_run_goes_as_several_prefills(monkeypatch):
