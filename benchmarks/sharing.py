@@ -6,7 +6,8 @@ Three parts, each on a fresh appliance with one CPU worker:
   weights from a config, registered once and shared by fingerprint) at the same time,
   greedy, each from its own prompt; once with cross-session batching (``batch_max``
   = sessions) and once without (``batch_max = 1``). Reported: aggregate tokens/s, the
-  p50/p99 step latency seen by the clients, the mean batch the worker ran, and whether
+  p50/p99 step latency seen by the clients, the mean batch the worker ran, the share of
+  the decoding time the worker spent executing (its scheduler's account), and whether
   every session's tokens were identical with and without batching.
 - **isolation**: one session decodes (a step every ``--gap-ms``) beside a session that
   runs back-to-back training-step graphs of about ``--train-s`` seconds each (a chain of
@@ -110,7 +111,7 @@ def pct(values: list[float], q: float) -> float:
 
 def run_decoders(ctx: Any, app: Any, args: argparse.Namespace, n: int, gap_s: float = 0.0,
                  steps: int | None = None) -> dict[str, Any]:  # fmt: skip
-    start, out = ctx.Barrier(n), ctx.Queue()
+    start, out = ctx.Barrier(n + 1), ctx.Queue()  # and this process: it reads the stats
     procs = [
         ctx.Process(
             target=decoder,
@@ -121,6 +122,9 @@ def run_decoders(ctx: Any, app: Any, args: argparse.Namespace, n: int, gap_s: fl
     for p in procs:
         p.start()
     t0 = time.perf_counter()
+    with connect(app, "unix") as client:
+        start.wait(args.timeout)  # every decoder has registered and prefilled
+        began, exec0 = time.perf_counter(), worker_exec_s(client)
     results, deadline = [], time.monotonic() + args.timeout
     while len(results) < len(procs):
         try:
@@ -131,6 +135,10 @@ def run_decoders(ctx: Any, app: Any, args: argparse.Namespace, n: int, gap_s: fl
                 for p in procs:
                     p.kill()
                 raise RuntimeError(f"a decoding session failed (exit codes {failed})") from None
+    decoding_s = time.perf_counter() - began
+    time.sleep(0.2)  # the worker pushes its stats every 0.1 s
+    with connect(app, "unix") as client:
+        busy = (worker_exec_s(client) - exec0) / decoding_s
     for p in procs:
         p.join(60)
     lat = [x for _, _, ls in results for x in ls]
@@ -141,13 +149,31 @@ def run_decoders(ctx: Any, app: Any, args: argparse.Namespace, n: int, gap_s: fl
         "p50_ms": 1e3 * statistics.median(lat),
         "p99_ms": 1e3 * pct(lat, 0.99),
         "wall_s": time.perf_counter() - t0,
+        "worker_busy": busy,  # of the decoding time, the share the worker was executing
     }
 
 
-def ceiling(layers: int, rows: int, reps: int = 5) -> dict[str, float]:
+def worker_exec_s(client: Any) -> float:
+    """The worker's execution seconds so far, every tenant's (its scheduler's account)."""
+    tenants = client.stats()["scheduler"][0]["tenants"]
+    return sum(t["exec_s"] for t in tenants.values())
+
+
+def ceiling(layers: int, rows: int, threads: int, reps: int = 5) -> dict[str, float]:
     """The most batching can give here: one decode step of ``rows`` rows against one of a
-    single row, in this process with no appliance (a CPU decode step is not bound by
-    reading the weights alone: its compute grows with the rows too)."""
+    single row, in this process with no appliance, on the worker's torch threads (a CPU
+    decode step is not bound by reading the weights alone: its compute grows with the
+    rows too)."""
+    default = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        return _ceiling(layers, rows, reps)
+    finally:
+        torch.set_num_threads(default)
+
+
+def _ceiling(layers: int, rows: int, reps: int) -> dict[str, float]:
     model = gpt2(layers)
     per_row = {}
     with torch.no_grad():
@@ -166,10 +192,14 @@ def ceiling(layers: int, rows: int, reps: int = 5) -> dict[str, float]:
 
 
 def throughput(ctx: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    runs: dict[str, Any] = {"ceiling": ceiling(args.layers, args.sessions)}
+    runs: dict[str, Any] = {"ceiling": ceiling(args.layers, args.sessions, args.cpu_threads)}
     for label, batch_max in (("unbatched", 1), ("batched", args.sessions)):
         note(f"throughput: {args.sessions} sessions decoding, {label}")
-        settings = {"batch_max": batch_max, "batch_wait_us": args.batch_wait_us}
+        settings = {
+            "batch_max": batch_max,
+            "batch_wait_us": args.batch_wait_us,
+            "cpu_threads": args.cpu_threads,
+        }
         with appliance(fresh(tmp / label), 2048 * MiB, "none", cpu_worker_memory="4GiB",
                        **settings) as app:  # fmt: skip
             wait_warm(app)
@@ -265,14 +295,16 @@ def report(doc: dict[str, Any], args: argparse.Namespace) -> None:
         t = doc["throughput"]
         print(f"\nThroughput: {args.sessions} sessions decoding GPT-2 ({args.layers} layers)")
         print(md_table(
-            ["", "tokens/s", "step p50 ms", "step p99 ms", "mean batch"],
+            ["", "tokens/s", "step p50 ms", "step p99 ms", "mean batch", "worker busy"],
             [[label, f"{t[label]['tokens_per_s']:.1f}", f"{t[label]['p50_ms']:.1f}",
-              f"{t[label]['p99_ms']:.1f}", str(t[label]["batching"]["mean"] or "-")]
+              f"{t[label]['p99_ms']:.1f}", str(t[label]["batching"]["mean"] or "-"),
+              f"{t[label]['worker_busy']:.0%}"]
              for label in ("unbatched", "batched")],
         ))  # fmt: skip
         speedup = t["batched"]["tokens_per_s"] / t["unbatched"]["tokens_per_s"]
         print(f"batched / unbatched: {speedup:.2f}x; tokens identical: {t['identical']} "
-              f"(batch_max {args.sessions}, batch_wait_us {args.batch_wait_us})")  # fmt: skip
+              f"(batch_max {args.sessions}, batch_wait_us {args.batch_wait_us}, "
+              f"cpu_threads {args.cpu_threads})")  # fmt: skip
         c = t["ceiling"]
         print(f"ceiling in this process, same run: a step of {args.sessions} rows "
               f"{c['step_batch_ms']:.1f} ms, of 1 row {c['step1_ms']:.1f} ms: at most "
@@ -328,6 +360,14 @@ def main() -> int:
         default=50_000,
         help="batch_wait_us of the batched run: on a CPU worker with 8 client processes on "
         "2 cores, the clients take tens of ms to send their next steps",
+    )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="throughput: the worker's cpu_threads, and the ceiling's (0: torch's default). "
+        "The 8 clients run on the worker's 2 cores here: with 2 threads the worker's "
+        "OpenMP threads wait for a sibling a client has descheduled at every op",
     )
     parser.add_argument(
         "--parts", default="throughput,isolation,fairness", help="which parts to run"
