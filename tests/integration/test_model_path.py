@@ -141,7 +141,9 @@ CLIENT = textwrap.dedent("""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(7)
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)
-    model = GPT2LMHeadModel(cfg).eval().to("remote_accelerator:0")
+    model = GPT2LMHeadModel(cfg).eval()
+    sys.stdin.readline()  # started early: the test says when to go on
+    model = model.to("remote_accelerator:0")
     print("uploaded", model._djinn.info["uploaded"], flush=True)
     print("logits", round(model(torch.tensor([[1, 2, 3]])).logits.sum().item(), 4), flush=True)
     sys.stdin.readline()
@@ -172,10 +174,18 @@ def test_two_clients_share_one_upload_and_one_copy(appliance):
     before: set[str] = set()
     before = {m["fingerprint"] for m in appliance.stats()["models"]}
     base_text = models()[1]
-    first = start()
+    # both start (torch, transformers, the model) at once; neither opens a session
+    # before it is told to go on, the second only once the first has uploaded
+    first, second = start(), start()
+
+    def go(p: subprocess.Popen) -> None:
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+    go(first)
     assert first.stdout.readline().split() == ["uploaded", "True"]
     logits_a = first.stdout.readline()
-    second = start()
+    go(second)
     assert second.stdout.readline().split() == ["uploaded", "False"]  # nothing sent
     assert second.stdout.readline() == logits_a  # both correct, same numbers
     listed, text = wait_for(lambda: (m := models())[0] and m[0][0]["sessions"] == 2 and m)
