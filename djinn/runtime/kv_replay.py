@@ -35,7 +35,10 @@ bit (measured: ~1e-6 on GPT-2, float32; the parity bar is 1e-5), and so do the l
 computed from it; greedy tokens stay the same unless two logits tie within that. With
 ``recovery_kv = "steps"`` nothing is merged and the replay is bit-exact. Calls that are
 not plain steps (generate(), an attention mask, float embeddings) are always replayed
-as recorded.
+as recorded. A merged call the worker refuses fails the recovery like any replayed
+request (RECOVERY_FAILED, naming the original fault); it asks nothing a step did not
+(the same model, arguments and positions), but for ``logits_to_keep``, which is only
+sent to a class whose forward declares it.
 """
 
 from __future__ import annotations
