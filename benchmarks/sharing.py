@@ -227,7 +227,7 @@ def isolation(ctx: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     for policy in ("fifo", "semantic"):
         note(f"isolation: a decoder beside {args.train_s:.1f} s training steps, {policy}")
         with appliance(fresh(tmp / f"iso-{policy}"), 2048 * MiB, "none", scheduler=policy,
-                       cpu_worker_memory="4GiB") as app:  # fmt: skip
+                       cpu_worker_memory="4GiB", cpu_threads=args.cpu_threads) as app:  # fmt: skip
             wait_warm(app)
             pairs = calibrate(app, args.size, args.train_s)
             steps = args.iso_steps
@@ -251,7 +251,8 @@ def fairness(ctx: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     tenants = tmp / "fair" / "tenants"
     tenants.write_text("".join(f"{name} {tok}\n" for name, tok in tokens.items()))
     with appliance(tmp / "fair", 256 * MiB, "none", tenant_tokens_file=str(tenants),
-                   scheduler_weights="token:light=1, token:heavy=3") as app:  # fmt: skip
+                   scheduler_weights="token:light=1, token:heavy=3",
+                   cpu_threads=args.cpu_threads) as app:  # fmt: skip
         wait_warm(app)
         pairs = calibrate(app, args.size, args.fair_graph_s)
         stop = ctx.Event()
@@ -365,7 +366,7 @@ def main() -> int:
         "--cpu-threads",
         type=int,
         default=1,
-        help="throughput: the worker's cpu_threads, and the ceiling's (0: torch's default). "
+        help="every part: the worker's cpu_threads, and the ceiling's (0: torch's default). "
         "The 8 clients run on the worker's 2 cores here: with 2 threads the worker's "
         "OpenMP threads wait for a sibling a client has descheduled at every op",
     )
