@@ -37,24 +37,13 @@ from typing import Any
 import torch
 
 from djinn.errors import ExecutionError
+from djinn.protocol.kv import SAFE_KWARGS
 
 from .store import _tensors_in
 
 log = logging.getLogger("djinn.appliance.recompute")
 
 MODES = ("auto", "always", "never")
-# forward() arguments that leave a cache a function of its token ids alone
-SAFE_KWARGS = frozenset(
-    {
-        "input_ids",
-        "past_key_values",
-        "use_cache",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "logits_to_keep",
-    }
-)
 PREFILL_MIN_TOKENS = 16  # a call with this many new tokens and no past measures the prefill
 DEFAULT_COPY_BPS = 5e9  # host -> device bytes/s before the first swap-in is measured
 EWMA = 0.3

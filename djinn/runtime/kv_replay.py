@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import DjinnError
+from djinn.protocol.kv import SAFE_KWARGS
 from djinn.protocol.tensors import contiguous_strides, from_wire, parse_dtype, to_wire, validate
 
 from .journal import (
@@ -66,19 +67,6 @@ from .journal import (
 if TYPE_CHECKING:
     from .remote import RemoteTensor
 
-# forward() arguments that leave a cache a function of its token ids alone: the same set
-# as appliance/recompute.py's (Note [kv recompute]; a unit test keeps them equal)
-SAFE_KWARGS = frozenset(
-    {
-        "input_ids",
-        "past_key_values",
-        "use_cache",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "logits_to_keep",
-    }
-)
 PREFILL_TOKENS = 512  # per merged call (its attention scores grow with its square)
 UNMERGED = frozenset({"input_ids", "past_key_values", "logits_to_keep"})
 
