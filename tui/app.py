@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
 from djinn.errors import DjinnError
@@ -109,10 +110,13 @@ class DjinnTop(App[None]):
             self._polling_since = None
         if not self.screen_stack:  # the app closed while the poll was in flight
             return
-        if doc is not None:
-            self.doc = doc
-            self._show(doc)
-        self._show_status()
+        try:
+            if doc is not None:
+                self.doc = doc
+                self._show(doc)
+            self._show_status()
+        except NoMatches:  # the app is closing: its panels are already gone
+            return
         # On the dashboard's own screen, not `self.screen` (that may be the kill dialog).
         self.screen_stack[0].set_class(doc is None and self.doc is not None, "-stale")
         self.polls += 1
