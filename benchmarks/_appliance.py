@@ -9,7 +9,6 @@ import json
 import os
 import re
 import secrets
-import select
 import signal
 import subprocess
 import sys
@@ -118,19 +117,12 @@ def appliance(workdir: Path, arena_bytes: int, gpus: str, **extra: object) -> It
 
 
 def wait_ready(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if readable:
-            line = proc.stdout.readline()
-            if line.startswith("djinn ready"):
-                return line.strip()
-            if not line and proc.poll() is not None:
-                break
-        elif proc.poll() is not None:
-            break
-    raise RuntimeError(f"djinn serve did not become ready (exit code {proc.poll()})")
+    from djinn.runtime.embedded import readiness
+
+    line = readiness(proc, READY_TIMEOUT_S)
+    if line is None:
+        raise RuntimeError(f"djinn serve did not become ready (exit code {proc.poll()})")
+    return line
 
 
 def device_of(readiness: str) -> str:
