@@ -87,14 +87,17 @@ class Work:
 
 
 class Usage:
-    """Exponentially decayed execution seconds per key (tenant or session)."""
+    """Execution seconds per key (tenant or session): exponentially decayed (what fair
+    shares look at) and in total (what an operator compares with the weights)."""
 
     def __init__(self, half_life_s: float = USAGE_HALF_LIFE_S) -> None:
         self._rate = math.log(2) / half_life_s
         self._values: dict[str, tuple[float, float]] = {}  # key -> (value, at)
+        self.totals: dict[str, float] = {}
 
     def add(self, key: str, seconds: float, now: float) -> None:
         self._values[key] = (self.get(key, now) + seconds, now)
+        self.totals[key] = self.totals.get(key, 0.0) + seconds
 
     def get(self, key: str, now: float) -> float:
         value, at = self._values.get(key, (0.0, now))
@@ -102,6 +105,7 @@ class Usage:
 
     def forget(self, key: str) -> None:
         self._values.pop(key, None)
+        self.totals.pop(key, None)
 
     def sessions(self) -> list[str]:
         return list(self._values)
@@ -201,10 +205,6 @@ class Scheduler:
         self._executing: Work | None = None
         self._tenants = Usage()
         self._sessions = Usage()
-        # execution seconds since the start (tenants) or since the session opened, undecayed:
-        # what an operator, or a check of the weights, compares
-        self._tenant_exec_s: dict[str, float] = {}
-        self._session_exec_s: dict[str, float] = {}
         self._policy_failed = False
         self.slices = 0
         self.preemptions = 0
@@ -237,7 +237,6 @@ class Scheduler:
         answer). The request running right now ends by itself: None."""
         work = self._by_session.get(session.id)
         self._sessions.forget(session.id)
-        self._session_exec_s.pop(session.id, None)
         for decoders in self._decoders.values():
             decoders.pop(session.id, None)
         if work is None or work is self._executing:
@@ -309,12 +308,8 @@ class Scheduler:
         return work
 
     def _charge(self, work: Work, seconds: float, end: float) -> None:
-        tenant = session_tenant(work.session)
-        self._tenants.add(tenant, seconds, end)
+        self._tenants.add(session_tenant(work.session), seconds, end)
         self._sessions.add(work.session.id, seconds, end)
-        self._tenant_exec_s[tenant] = self._tenant_exec_s.get(tenant, 0.0) + seconds
-        sid = work.session.id
-        self._session_exec_s[sid] = self._session_exec_s.get(sid, 0.0) + seconds
 
     def _run_batch(self, work: Work, batch: Callable[[list[Work]], None]) -> None:
         """Compute ``work``'s decode step with the others of its model that wait; the
@@ -424,7 +419,7 @@ class Scheduler:
         rows = {
             sid: {
                 "exec_share": round(u / total, 4) if total else 0.0,
-                "exec_s": round(self._session_exec_s.get(sid, 0.0), 4),
+                "exec_s": round(self._sessions.totals.get(sid, 0.0), 4),
                 "class": "",
             }
             for sid, u in used.items()
@@ -464,7 +459,8 @@ class Scheduler:
     def tenant_stats(self) -> dict[str, dict[str, float]]:
         """Per tenant that ran here (the ``MAX_TENANT_ROWS`` that ran longest): its weight
         and its execution seconds since the worker started."""
-        ranked = sorted(self._tenant_exec_s.items(), key=lambda kv: -kv[1])[:MAX_TENANT_ROWS]
+        totals = self._tenants.totals
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:MAX_TENANT_ROWS]
         return {t: {"weight": self.weights.get(t, 1.0), "exec_s": round(s, 4)} for t, s in ranked}
 
 

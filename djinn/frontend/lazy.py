@@ -156,8 +156,15 @@ def spec_of(t: torch.Tensor) -> TensorSpec:
 SCALAR_KINDS = (bool, int, float, complex)
 
 
+_values_matter_of: dict[Any, bool] = {}  # per op: capture is a hot path, tags a list
+
+
 def _values_matter(func: Any) -> bool:
-    return torch.Tag.pointwise not in getattr(func, "tags", ())
+    matter = _values_matter_of.get(func)
+    if matter is None:
+        matter = torch.Tag.pointwise not in getattr(func, "tags", ())
+        _values_matter_of[func] = matter
+    return matter
 
 
 class _Args:
