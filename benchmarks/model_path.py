@@ -44,7 +44,7 @@ def main() -> int:
     ids = torch.randint(0, cfg.vocab_size, (1, args.prefill))
 
     def wire() -> int:
-        return channel.bytes_sent + channel.bytes_received
+        return channel.call_bytes()
 
     def remote_round() -> tuple[float, list[float], list[int], int]:
         b0 = wire()

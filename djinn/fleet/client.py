@@ -56,6 +56,7 @@ from .session import FleetSession
 log = logging.getLogger("djinn.fleet.client")
 
 DIRECTORY_TIMEOUT_S = 30.0
+CLOSE_WAIT_S = 5.0  # how long close() waits for the watcher's directory call to end
 PROBE_TIMEOUT_S = 1.0
 UNREACHABLE_S = 10.0  # an appliance this client could not reach is not asked for again
 
@@ -215,8 +216,15 @@ class FleetClient:
         self._closed.set()
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
+            watcher = self._watcher
         for c in clients:
             c.close()
+        # The watcher may be inside a directory call: waited for, so that nothing of this
+        # client touches Ray after close (an actor call after the program's ray.shutdown()
+        # would quietly connect the process to the cluster again). A directory that does
+        # not answer holds the close up for a few seconds, not the call's whole timeout.
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(CLOSE_WAIT_S)
 
     def __enter__(self) -> FleetClient:
         return self

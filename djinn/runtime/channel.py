@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,10 @@ class Channel:
         self.closed = False
         self.bytes_sent = 0  # on the socket, both directions: what a call costs on the wire
         self.bytes_received = 0
+        # The same bytes by the kind of request they belong to: the heartbeat thread shares
+        # this channel, so what one call costs is the totals less what heartbeats took.
+        self.sent_by_kind: Counter[Kind] = Counter()
+        self.received_by_kind: Counter[Kind] = Counter()
 
     def hello(self, token: str | None) -> dict[str, Any]:
         body = {"client": CLIENT_NAME, "protocol": VERSION, "pid": os.getpid()}
@@ -54,7 +59,9 @@ class Channel:
             rid = next(self._ids)
             try:
                 buffers = encode_frame(kind, rid, body, list(segments))
-                self.bytes_sent += sum(memoryview(b).nbytes for b in buffers)
+                sent = sum(memoryview(b).nbytes for b in buffers)
+                self.bytes_sent += sent
+                self.sent_by_kind[kind] += sent
                 send_buffers(self.sock, buffers)
                 self.reader.sink = sink or default_sink
                 frame = None
@@ -67,13 +74,20 @@ class Channel:
                 self.close()
                 raise
             h = frame.header
-            self.bytes_received += HEADER_SIZE + h.body_len + h.payload_len
+            received = HEADER_SIZE + h.body_len + h.payload_len
+            self.bytes_received += received
+            self.received_by_kind[kind] += received
             if frame.kind == Kind.ERROR:
                 raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
             if frame.request_id != rid:
                 self.close()
                 raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
             return frame
+
+    def call_bytes(self) -> int:
+        """Bytes both ways on this channel so far, heartbeats left out."""
+        beats = self.sent_by_kind[Kind.HEARTBEAT] + self.received_by_kind[Kind.HEARTBEAT]
+        return self.bytes_sent + self.bytes_received - beats
 
     def close(self) -> None:
         if not self.closed:

@@ -92,6 +92,11 @@ class Fleet:
         finally:
             ray.shutdown()
             self.cluster.shutdown()
+            # a node killed without grace left its appliance's arena; the next `djinn
+            # serve` on this host would sweep it, and no later test starts one here
+            from appliance.vmu.arena import sweep_stale
+
+            sweep_stale()
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,21 @@ def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _sent(fn) -> tuple[int, torch.Tensor]:
-    """Bytes ``fn`` sends (handles freed earlier, which ride along with the next request,
-    are sent first)."""
+    """Bytes of the graphs ``fn`` sends (handles freed earlier, which ride along with the
+    next request, are sent first). Only EXEC counts: heartbeats (the session's thread,
+    whenever it has been idle for half an interval) and a recovering session's checkpoint
+    GETs (on a timer, Note [lineage journal]) are not the graph's."""
     session = default_session()
     gc.collect()
     session._call(Kind.HEARTBEAT)
     channel = session.channel
-    before = channel.bytes_sent
+
+    def sent() -> int:
+        return channel.sent_by_kind[Kind.EXEC]
+
+    before = sent()
     out = fn()
-    return channel.bytes_sent - before, out
+    return sent() - before, out
 
 
 def test_a_repeated_graph_costs_the_same_bytes_whatever_its_length(remote):

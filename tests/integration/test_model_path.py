@@ -13,6 +13,7 @@ import torch
 
 from djinn.frontend.lazy import LazyTensor
 from djinn.frontend.remote_module import RemoteObject
+from djinn.protocol.frames import Kind
 from tests.conftest import wait_for
 
 transformers = pytest.importorskip("transformers")
@@ -81,9 +82,16 @@ def _decode_step_bytes(model, context: int) -> tuple[int, int]:
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     nxt.cpu()  # settle the argmax so the measured step is the model call alone
     channel = model._djinn.session.channel
-    sent, received = channel.bytes_sent, channel.bytes_received
+
+    def wire() -> tuple[int, int]:
+        # the step is one CALL; heartbeats and a recovering session's timed checkpoint GETs
+        # (Note [lineage journal]) share the channel and are not the step's
+        return channel.sent_by_kind[Kind.CALL], channel.received_by_kind[Kind.CALL]
+
+    sent, received = wire()
     step = model(nxt, past_key_values=out.past_key_values, use_cache=True)
-    measured = (channel.bytes_sent - sent, channel.bytes_received - received)
+    now = wire()
+    measured = (now[0] - sent, now[1] - received)
     del step, out
     return measured
 
