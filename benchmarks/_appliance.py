@@ -67,7 +67,8 @@ def toml_value(value: object) -> str:
 @contextlib.contextmanager
 def appliance(workdir: Path, arena_bytes: int, gpus: str, **extra: object) -> Iterator[Appliance]:
     """``djinn serve`` with a private socket, an ephemeral TCP port and a fresh token
-    (and ``extra`` settings); stopped with SIGTERM on the way out, whatever happens."""
+    (and ``extra`` settings), its workers warm; stopped with SIGTERM on the way out,
+    whatever happens."""
     token = "bench-" + secrets.token_hex(16)
     settings: dict[str, object] = {
         "socket_path": str(workdir / "djinn.sock"),
@@ -105,6 +106,10 @@ def appliance(workdir: Path, arena_bytes: int, gpus: str, **extra: object) -> It
         if unix is None or tcp is None:
             raise RuntimeError(f"unexpected readiness line: {line!r}")
         app.unix, app.tcp, app.readiness = f"unix://{unix[1]}", f"tcp://{tcp[1]}", line
+        # Note [prewarm]: a worker imports model code in the background after it is ready;
+        # nothing is timed while that import takes the CPU (it made tiny round trips 5x
+        # slower in transport.py, which did not wait)
+        wait_warm(app)
         yield app
     except BaseException:
         tail = app.log_tail()

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _appliance import appliance, unwind_on_sigterm, wait_warm
+from _appliance import appliance, unwind_on_sigterm
 from _common import MiB, note, save_json
 from _report import md_table
 
@@ -201,7 +201,6 @@ def main() -> int:
             "log_level": "error",
         }
         with appliance(Path(tmp), arena, "none", **extra) as app:
-            wait_warm(app)
             os.environ["DJINN_ADDRESS"] = app.unix
             os.environ["DJINN_RECOVERY_STANDBY"] = "true" if args.standby else "false"
             os.environ["DJINN_RECOVERY_RETRIES"] = "5"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _appliance import appliance, connect, unwind_on_sigterm, wait_warm
+from _appliance import appliance, connect, unwind_on_sigterm
 from _common import MiB, note, save_json
 from _report import md_table
 
@@ -130,7 +130,6 @@ def main() -> int:
     unwind_on_sigterm()
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, appliance(Path(tmp), 256 * MiB, "none") as app:
-        wait_warm(app)  # Note [prewarm]: not while it imports model code
         alone = victim(app, args.iters)
         # the machine's share: as many processes that only burn CPU, no appliance traffic
         stop = ctx.Event()

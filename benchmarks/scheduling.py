@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _appliance import appliance, connect, unwind_on_sigterm, wait_warm
+from _appliance import appliance, connect, unwind_on_sigterm
 from _common import MiB, note, save_json
 from _report import md_table
 from _workloads import trainer
@@ -60,7 +60,6 @@ def one_run(policy: str, args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
         tempfile.TemporaryDirectory() as tmp,
         appliance(Path(tmp), 256 * MiB, "none", scheduler=policy) as app,
     ):
-        wait_warm(app)  # Note [prewarm]: not while it imports model code
         interactive(app, 20, 0.0)  # warm the worker's kernels and caches
         alone = summary(interactive(app, args.iters, args.gap_ms / 1e3))
         stop, done = ctx.Event(), ctx.Value("i", 0)

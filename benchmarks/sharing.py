@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _appliance import appliance, connect, unwind_on_sigterm, wait_warm
+from _appliance import appliance, connect, unwind_on_sigterm
 from _common import MiB, note, save_json
 from _report import md_table
 from _workloads import chain, trainer
@@ -202,7 +202,6 @@ def throughput(ctx: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         }
         with appliance(fresh(tmp / label), 2048 * MiB, "none", cpu_worker_memory="4GiB",
                        **settings) as app:  # fmt: skip
-            wait_warm(app)
             runs[label] = run_decoders(ctx, app, args, args.sessions)
             with connect(app, "unix") as client:
                 runs[label]["batching"] = client.stats()["scheduler"][0]["batching"]
@@ -228,7 +227,6 @@ def isolation(ctx: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         note(f"isolation: a decoder beside {args.train_s:.1f} s training steps, {policy}")
         with appliance(fresh(tmp / f"iso-{policy}"), 2048 * MiB, "none", scheduler=policy,
                        cpu_worker_memory="4GiB", cpu_threads=args.cpu_threads) as app:  # fmt: skip
-            wait_warm(app)
             pairs = calibrate(app, args.size, args.train_s)
             steps = args.iso_steps
             alone = run_decoders(ctx, app, args, 1, args.gap_ms / 1e3, steps)
@@ -253,7 +251,6 @@ def fairness(ctx: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     with appliance(tmp / "fair", 256 * MiB, "none", tenant_tokens_file=str(tenants),
                    scheduler_weights="token:light=1, token:heavy=3",
                    cpu_threads=args.cpu_threads) as app:  # fmt: skip
-        wait_warm(app)
         pairs = calibrate(app, args.size, args.fair_graph_s)
         stop = ctx.Event()
         done = {name: ctx.Value("i", 0) for name in tokens}
