@@ -87,6 +87,9 @@ def _stage(w: Worker, s: WorkerSession, frame: Frame, item: Any) -> tuple[torch.
 
 def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     items = _list(frame.body, "tensors", 4096)
+    lease = frame.body.get("lease", [])
+    if not isinstance(lease, list) or not all(type(n) is int and n > 0 for n in lease):
+        raise InvalidArgument("lease must be a list of positive sizes")
     # Note [staged uploads]: weights a session uploads for REGISTER stay in their arena
     # slabs (the host tier) until the model is built from them, so they never compete
     # with session data for device memory. A session is uploading between a REGISTER
@@ -113,7 +116,24 @@ def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
             if slab is not None:
                 w.store.slabs.free(slab)
         raise
-    return {"handles": handles}, []
+    return {"handles": handles, **_lease_ahead(w, s, lease)}, []
+
+
+LEASE_AHEAD_MAX = 16  # slabs one PUT may lease ahead
+
+
+def _lease_ahead(w: Worker, s: WorkerSession, sizes: list[int]) -> dict[str, list[int]]:
+    """Note [lease ahead]: slabs for the client's next PUTs, leased with this one, as far
+    as the session's arena share allows (best effort: the PUT itself has succeeded)."""
+    if not s.via_unix or not sizes:
+        return {}
+    leased: list[int] = []
+    for n in sizes[:LEASE_AHEAD_MAX]:
+        try:
+            leased.append(w.store.lease(s, n))
+        except ResourceExhausted:  # QuotaExceeded too
+            break  # the client ALLOCs when it needs one
+    return {"leased": leased}
 
 
 def handle_free(w: Worker, s: WorkerSession, frame: Frame) -> Reply:

@@ -176,12 +176,15 @@ class TensorStore:
                 self.slabs.free(ref.slab)
 
     def release_slabs(self, session: WorkerSession, offsets: object) -> None:
-        """Reply slabs the client has finished reading (it lists them in a later request)."""
+        """Reply slabs the client has finished reading, and slabs it leased ahead and
+        gives back unused (Note [lease ahead]); it lists them in a later request."""
         if not isinstance(offsets, list):
             return
-        for off in offsets:
+        for off in offsets[:65536]:
             if off in session.pending_release:
                 session.pending_release.remove(off)
+                self.slabs.free(off)
+            elif type(off) is int and session.leases.pop(off, None) is not None:
                 self.slabs.free(off)
 
     def release_pending(self, session: WorkerSession) -> None:

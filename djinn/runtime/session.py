@@ -23,6 +23,7 @@ import torch
 from djinn.errors import (
     DjinnError,
     NotFound,
+    ResourceExhausted,
     SessionEnded,
     SessionExpired,
     SessionLost,
@@ -35,6 +36,7 @@ from djinn.protocol.tensors import from_wire, to_wire, validate
 from . import kv_replay, lineage
 from .channel import Channel
 from .remote import RemoteTensor
+from .slabs import LeasedSlabs, copy_bytes
 
 if TYPE_CHECKING:
     from .client import Client
@@ -90,6 +92,8 @@ class Session:
         self.inline_max: int = info["inline_max"]
         self.heartbeat_interval: float = info["heartbeat_interval"]
         self.arena = self.client._map_arena(info["arena"]) if "arena" in info else None
+        # Note [lease ahead]; a rebuilt session has none of the old worker's slabs
+        self._spares = LeasedSlabs(self.arena.size if self.arena is not None else 0)
         self._last_call = time.monotonic()
 
     def _reopen(self) -> None:
@@ -275,14 +279,45 @@ class Session:
             else:
                 entries.append({"desc": desc, "seg": len(segments)})
                 segments.append(memoryview(flat.numpy()) if flat.numel() else b"")
+        body: dict[str, Any] = {"tensors": entries}
         if bulk:
-            slabs = self._call(Kind.ALLOC, {"sizes": [f.numel() for _, f in bulk]}).body["slabs"]
+            sizes = [f.numel() for _, f in bulk]
+            slabs = self._spares.take(sizes)
+            missing = [n for n, off in zip(sizes, slabs, strict=True) if off is None]
+            if missing:
+                try:
+                    fresh = iter(self._alloc(missing))
+                except DjinnError:
+                    with self._lists_lock:  # the spares it took go back
+                        self._release.extend(off for off in slabs if off is not None)
+                    raise
+                slabs = [next(fresh) if off is None else off for off in slabs]
             for (i, flat), off in zip(bulk, slabs, strict=True):
-                self._arena_tensor(off, flat.numel()).copy_(flat)
+                copy_bytes(self._arena_tensor(off, flat.numel()), flat)
                 entries[i]["slab"] = off
-        reply = self._call(Kind.PUT, {"tensors": entries}, segments).body
+            lease, unused = self._spares.plan(sizes)
+            if lease:
+                body["lease"] = lease
+            if unused:
+                with self._lists_lock:
+                    self._release.extend(unused)
+        reply = self._call(Kind.PUT, body, segments).body
+        self._spares.add(reply.get("leased", ()), body.get("lease", ()))
         handles = reply["handles"]
         return [RemoteTensor(self, h, e["desc"]) for h, e in zip(handles, entries, strict=True)]
+
+    def _alloc(self, sizes: list[int]) -> list[int]:
+        """New slabs; if the arena refuses while this session holds spare slabs, they are
+        given back with a second try (Note [lease ahead])."""
+        try:
+            return self._call(Kind.ALLOC, {"sizes": sizes}).body["slabs"]
+        except ResourceExhausted:
+            spare = self._spares.drain()
+            if not spare:
+                raise
+        with self._lists_lock:
+            self._release.extend(spare)
+        return self._call(Kind.ALLOC, {"sizes": sizes}).body["slabs"]
 
     def get(self, remote: RemoteTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Fetch a remote tensor's value. With ``out`` (a CPU tensor of the same shape and
@@ -438,7 +473,7 @@ class Session:
             if "slab" in item:
                 nbytes = _nbytes(item["desc"])
                 raw = direct if direct is not None else _u8(nbytes)
-                raw.copy_(self._arena_tensor(item["slab"], nbytes))
+                copy_bytes(raw, self._arena_tensor(item["slab"], nbytes))
                 with self._lists_lock:
                     self._release.append(item["slab"])
             else:
