@@ -65,10 +65,13 @@ def toml_value(value: object) -> str:
 
 
 @contextlib.contextmanager
-def appliance(workdir: Path, arena_bytes: int, gpus: str, **extra: object) -> Iterator[Appliance]:
+def appliance(
+    workdir: Path, arena_bytes: int, gpus: str, *, warm: bool = True, **extra: object
+) -> Iterator[Appliance]:
     """``djinn serve`` with a private socket, an ephemeral TCP port and a fresh token
-    (and ``extra`` settings), its workers warm; stopped with SIGTERM on the way out,
-    whatever happens."""
+    (and ``extra`` settings), its workers warm unless ``warm=False`` (a benchmark of
+    what a user pays the moment the appliance is up); stopped with SIGTERM on the way
+    out, whatever happens."""
     token = "bench-" + secrets.token_hex(16)
     settings: dict[str, object] = {
         "socket_path": str(workdir / "djinn.sock"),
@@ -109,7 +112,8 @@ def appliance(workdir: Path, arena_bytes: int, gpus: str, **extra: object) -> It
         # Note [prewarm]: a worker imports model code in the background after it is ready;
         # nothing is timed while that import takes the CPU (it made tiny round trips 5x
         # slower in transport.py, which did not wait)
-        wait_warm(app)
+        if warm:
+            wait_warm(app)
         yield app
     except BaseException:
         tail = app.log_tail()

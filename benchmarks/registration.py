@@ -61,7 +61,10 @@ def main() -> int:
 
     models = [model(0), model(1)]
     floor, nbytes = floor_s(models[0])
-    with tempfile.TemporaryDirectory() as tmp, appliance(Path(tmp), 2048 * MiB, "none") as app:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        appliance(Path(tmp), 2048 * MiB, "none", warm=False) as app,
+    ):
         os.environ["DJINN_ADDRESS"] = app.unix
         from djinn.frontend import remote_module
         from djinn.runtime.client import Client
