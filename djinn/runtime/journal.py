@@ -97,7 +97,17 @@ def _schema(op: str) -> Any:
 def written_handles(node: dict[str, Any]) -> set[str]:
     """Handles a graph node writes into (its schema's ``Tensor(a!)`` arguments); every
     handle it names when the op cannot be looked up."""
-    op = str(node.get("op", ""))
+    where = _writes(str(node.get("op", "")))
+    if where is None:
+        return _handles_in(node)
+    args, kwargs = node.get("args") or [], node.get("kwargs") or {}
+    found: set[str] = set()
+    for i, name in where:
+        _handles_in(args[i] if i < len(args) else kwargs.get(name), found)
+    return found
+
+
+def _writes(op: str) -> tuple[tuple[int, str], ...] | None:
     if op not in _WRITES:
         try:
             _WRITES[op] = tuple(
@@ -107,14 +117,64 @@ def written_handles(node: dict[str, Any]) -> set[str]:
             )
         except (AttributeError, RuntimeError):
             _WRITES[op] = None
-    where = _WRITES[op]
-    if where is None:
-        return _handles_in(node)
-    args, kwargs = node.get("args") or [], node.get("kwargs") or {}
-    found: set[str] = set()
-    for i, name in where:
-        _handles_in(args[i] if i < len(args) else kwargs.get(name), found)
+    return _WRITES[op]
+
+
+def _refs_in(x: Any, alias: list[set[str]], found: set[str]) -> set[str]:
+    """Handles named in ``x``, and those the graph nodes it names may alias."""
+    if isinstance(x, dict):
+        if "$h" in x:
+            found.add(x["$h"])
+        if "$v" in x and type(x["$v"]) is int and 0 <= x["$v"] < len(alias):
+            found |= alias[x["$v"]]
+        for v in x.values():
+            _refs_in(v, alias, found)
+    elif isinstance(x, list):
+        for v in x:
+            _refs_in(v, alias, found)
     return found
+
+
+def written_anywhere(entries: list[Entry]) -> set[str]:
+    """Note [unchanged puts]: every handle the journal's requests may have written into,
+    directly or through a view (in the same graph, or a view kept as a handle and
+    written by a later one). A put whose handle is not among them still holds the bytes
+    it was put with, so a cut keeps the put instead of reading the value back. Model
+    calls count as writing every handle they name; an op that cannot be looked up, as
+    writing everything it names."""
+    bases: dict[str, set[str]] = {}  # a handle kept as a view -> handles it may alias
+    written: set[str] = set()
+    for e in entries:
+        if e.kind == "call":
+            written |= _handles_in(e.body) | _handles_in(e.out)
+            continue
+        if e.kind != "exec":
+            continue
+        nodes = e.body.get("nodes", [])
+        alias: list[set[str]] = []  # per node: the handles its outputs may alias
+        for n in nodes:
+            op = str(n.get("op", ""))
+            args, kwargs = n.get("args") or [], n.get("kwargs") or {}
+            where = _writes(op)
+            if where is None:
+                written |= _refs_in([args, kwargs], alias, set())
+            else:
+                for i, name in where:
+                    arg = args[i] if i < len(args) else kwargs.get(name)
+                    written |= _refs_in(arg, alias, set())
+            views = view_outputs(op)
+            alias.append(_refs_in([args, kwargs], alias, set()) if any(views) else set())
+        for ref, kept in zip(e.body.get("keep", []), e.out or [], strict=False):
+            if kept is not None and isinstance(ref, dict):
+                bases.setdefault(kept, set()).update(_refs_in(ref, alias, set()) - {kept})
+    # a view written is its bases written (and theirs, ...)
+    todo = list(written)
+    while todo:
+        for base in bases.get(todo.pop(), ()):
+            if base not in written:
+                written.add(base)
+                todo.append(base)
+    return written
 
 
 def needed(entries: list[Entry], live: set[str]) -> list[bool]:

@@ -78,6 +78,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     sampled,
     strings_in,
     view_outputs,
+    written_anywhere,
     written_handles,
 )
 
@@ -140,6 +141,7 @@ class Lineage:
         self.replayed: list[int] = []  # requests each replay sent
         self.replay_kinds: list[dict[str, float]] = []  # its seconds by kind of request
         self.checkpoints = 0
+        self.read_back_bytes = 0  # values the cuts read back from the appliance
         self.peak_bytes = 0
         self.cut_due = False
         self.replay_cost = 0.0  # seconds the requests since the last cut took
@@ -521,12 +523,26 @@ class Lineage:
                 keep.insert(
                     0, Entry("put", None, [d for _, d in handed], [h for h, _ in handed], nbytes)
                 )
-            handles = [h for h in live if h not in remade]
+            # Note [unchanged puts]: a live put nothing has written into since is kept
+            # as it is (the client holds its bytes already); only the rest is read back
+            written = written_anywhere(self.entries)
+            unchanged: dict[str, tuple[torch.Tensor, int]] = {}
+            for e in self.entries:
+                if e.kind == "put":
+                    for h, (t, version) in zip(e.out, e.data, strict=True):
+                        fresh = t._version == version  # not written locally either
+                        if h in live and h not in remade and h not in written and fresh:
+                            unchanged[h] = (t, version)
+            if unchanged:
+                nbytes = sum(t.numel() * t.element_size() for t, _ in unchanged.values())
+                keep.append(Entry("put", None, list(unchanged.values()), list(unchanged), nbytes))
+            handles = [h for h in live if h not in remade and h not in unchanged]
             values = self.s._get_many([live[h] for h in handles]) if handles else []
             if handles:
                 data = [(v, v._version) for v in values]
                 nbytes = sum(v.numel() * v.element_size() for v in values)
                 keep.append(Entry("put", None, data, handles, nbytes))
+                self.read_back_bytes += nbytes
             for h, (node, ref) in remade.items():  # views, made again from their bases
                 body = {"nodes": [node], "keep": [ref], "fetch": []}
                 keep.append(Entry("exec", body, [], [h], NODE_BYTES))
@@ -624,6 +640,7 @@ class Lineage:
             "standby_worker": None if self.standby is None else self.standby.worker,
             "standby_s": list(self.standby_s),
             "checkpoints": self.checkpoints,
+            "checkpoint_read_bytes": self.read_back_bytes,
             "journal_entries": len(self.entries),
             "journal_bytes": self.nbytes,
             "journal_base_bytes": self.base_bytes,
