@@ -175,7 +175,10 @@ def agents(policy: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
                 with lock:
                     errors.append(f"{type(exc).__name__}: {str(exc)[:120]}")
 
-    with appliance(workdir_for(workdir, f"agents-{policy}"), 512 * MiB, "none", **settings) as app:
+    # the host tier holds the weights' copy and every cache swapped out (issue 9 §1):
+    # the arena is sized for all of them, at the issue's full scale too
+    arena = max(512 * MiB, wbytes + args.sessions * kv * 3 // 2 + 256 * MiB)
+    with appliance(workdir_for(workdir, f"agents-{policy}"), arena, "none", **settings) as app:
         t0 = time.perf_counter()
         threads = [threading.Thread(target=agent, args=(i,)) for i in range(args.sessions)]
         for t in threads:
@@ -276,6 +279,7 @@ def summarise(policy: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(runs),
         "completed": min(r["completed"] for r in runs),
         "errors": max(r["errors"] for r in runs),
+        "first_errors": sorted({e for r in runs for e in r["first_errors"]})[:3],
         "p50_ms": med("p50_ms"),
         "p99_ms": med("p99_ms"),
         "elapsed_s": med("elapsed_s"),
@@ -345,6 +349,11 @@ def render(doc: dict[str, Any]) -> str:
     out.append("")
     out.append(f"memcpy ceiling, same run: {doc['memcpy_gbps']:.2f} GB/s (goal: swap-in >= 0.7x)")
     out.append("")
+    for r in doc["agents"]:
+        for e in r.get("first_errors", []):
+            out.append(f"- {r['policy']}: {e}")
+    if any(r.get("first_errors") for r in doc["agents"]):
+        out.append("")
     m0 = doc["many_models"][0]
     out.append(
         f"## Many models: 4 models of {m0['weights_bytes'][0] / MiB:.0f} MiB round-robin, "
