@@ -81,6 +81,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     written_anywhere,
     written_handles,
 )
+from .standby import make_standby
 
 if TYPE_CHECKING:
     from .remote import RemoteTensor
@@ -89,7 +90,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("djinn.runtime.lineage")
 NODE_BYTES = 700  # what one recorded graph node costs the client (its dicts; tracemalloc)
 MAPS_KEPT = 16  # handle renamings kept for requests built before a recovery
-STANDBY_TRIES = 240  # 0.5 s apart: how long a standby waits for another worker
 
 
 @dataclass(frozen=True)
@@ -567,8 +567,6 @@ class Lineage:
         threading.Thread(target=self._make_standby, name="djinn-standby", daemon=True).start()
 
     def _make_standby(self) -> None:
-        from .session import Session
-
         with self._standby_lock:
             started = time.perf_counter()
             with self.lock:
@@ -579,44 +577,8 @@ class Lineage:
             if old is not None and old.usable and old.worker != self.s.worker:
                 self.standby = old  # still on another worker: nothing to do
                 return
-            standby = None
-            for _ in range(STANDBY_TRIES):  # a replacement may take a while to be ready
-                if self.s._closed.is_set():
-                    return
-                try:
-                    standby = Session(self.s.client, avoid=self.s.worker)
-                except DjinnError:
-                    standby = None
-                if standby is not None and standby.worker != self.s.worker:
-                    break
-                if standby is not None:
-                    standby.close()
-                    standby = None
-                time.sleep(0.5)
+            standby = make_standby(self.s, entries)
             if standby is None:
-                return
-            try:
-                puts: dict[str, torch.Tensor] = {}
-                cached: dict[str, bool] = {}
-                for e in entries:
-                    if e.kind == "put":
-                        puts.update((h, t) for h, (t, _) in zip(e.out, e.data, strict=True))
-                    elif e.kind == "register":
-                        fp = e.body.get("fingerprint")
-                        if "state" not in e.body and "path" not in e.body:
-                            cached[fp] = bool(standby.register_model(e.body).get("cached"))
-                            continue
-                        if cached.get(fp):
-                            continue
-                        names = [h for h in strings_in(e.body, set()) if h in puts]
-                        remotes = standby._put_many([puts[h] for h in names])
-                        for r in remotes:
-                            r._finalizer.detach()  # the appliance takes them over
-                        mapping = {h: r.handle for h, r in zip(names, remotes, strict=True)}
-                        standby.register_model(remap(e.body, mapping))
-            except DjinnError as exc:
-                log.info("no warm standby: %s", exc)
-                standby.close()
                 return
             if old is not None:
                 old.close()

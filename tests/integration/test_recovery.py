@@ -4,6 +4,7 @@ a typed error naming the fault; never a wrong answer."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -260,3 +261,38 @@ def test_a_cut_keeps_unwritten_puts_and_reads_back_what_was_written(recovering, 
     assert torch.equal(row.cpu(), want[3])
     assert torch.equal(wr.cpu(), w)
     assert s.recovery_stats()["recoveries"] == 1
+
+
+def test_a_warm_standby_holds_the_model_and_takes_over_after_a_kill(fresh_appliance, monkeypatch):
+    """Note [warm standby]: with ``recovery_standby`` the registered model is kept on a
+    second worker too; after a kill the session goes there and finds it cached."""
+    import transformers
+
+    import djinn  # noqa: F401 - registers the remote_accelerator device
+    from djinn.frontend import session
+
+    app = fresh_appliance(cpu_workers=2, restart_backoff_max=1.0)
+    monkeypatch.setenv("DJINN_ADDRESS", app.unix)
+    monkeypatch.setenv("DJINN_RECOVERY_STANDBY", "true")
+    session.reset()
+    try:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+        local = transformers.GPT2LMHeadModel(cfg).eval()
+        model = copy.deepcopy(local).to(R)
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            want = local(ids).logits
+        assert torch.allclose(model(ids).logits.cpu(), want, atol=1e-5)
+        s = session.default_session()
+        first = s.worker
+        standby = wait_for(
+            lambda: (w := s.recovery_stats()["standby_worker"]) not in (None, first) and w,
+            timeout=60,
+        )
+        _kill_worker(app, s)
+        assert torch.allclose(model(ids).logits.cpu(), want, atol=1e-5)
+        stats = s.recovery_stats()
+        assert stats["recoveries"] == 1 and s.worker == standby
+    finally:
+        session.reset()
