@@ -32,6 +32,11 @@ class Entry:
     seconds: float = 0.0  # how long it took: what replaying it costs, roughly
     ids: torch.Tensor | None = None  # call: ids read from a handle, as the worker echoed
     merged: int = 1  # call: how many decode steps it stands for (Note [kv prefill replay])
+    # what it writes and which kept handles are views of which: computed once, on the
+    # first cut that needs it (Note [unchanged puts])
+    writes: tuple[set[str], dict[str, set[str]]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
 
 def remap(x: Any, mapping: dict[str, str]) -> Any:
@@ -135,6 +140,34 @@ def _refs_in(x: Any, alias: list[set[str]], found: set[str]) -> set[str]:
     return found
 
 
+def entry_writes(e: Entry) -> tuple[set[str], dict[str, set[str]]]:
+    """(handles ``e`` may write into, {handle it kept as a view: handles it may alias})."""
+    if e.kind == "call":
+        return _handles_in(e.body) | _handles_in(e.out), {}
+    if e.kind != "exec":
+        return set(), {}
+    written: set[str] = set()
+    bases: dict[str, set[str]] = {}
+    nodes = e.body.get("nodes", [])
+    alias: list[set[str]] = []  # per node: the handles its outputs may alias
+    for n in nodes:
+        op = str(n.get("op", ""))
+        args, kwargs = n.get("args") or [], n.get("kwargs") or {}
+        where = _writes(op)
+        if where is None:
+            written |= _refs_in([args, kwargs], alias, set())
+        else:
+            for i, name in where:
+                arg = args[i] if i < len(args) else kwargs.get(name)
+                written |= _refs_in(arg, alias, set())
+        views = view_outputs(op)
+        alias.append(_refs_in([args, kwargs], alias, set()) if any(views) else set())
+    for ref, kept in zip(e.body.get("keep", []), e.out or [], strict=False):
+        if kept is not None and isinstance(ref, dict):
+            bases.setdefault(kept, set()).update(_refs_in(ref, alias, set()) - {kept})
+    return written, bases
+
+
 def written_anywhere(entries: list[Entry]) -> set[str]:
     """Note [unchanged puts]: every handle the journal's requests may have written into,
     directly or through a view (in the same graph, or a view kept as a handle and
@@ -145,28 +178,11 @@ def written_anywhere(entries: list[Entry]) -> set[str]:
     bases: dict[str, set[str]] = {}  # a handle kept as a view -> handles it may alias
     written: set[str] = set()
     for e in entries:
-        if e.kind == "call":
-            written |= _handles_in(e.body) | _handles_in(e.out)
-            continue
-        if e.kind != "exec":
-            continue
-        nodes = e.body.get("nodes", [])
-        alias: list[set[str]] = []  # per node: the handles its outputs may alias
-        for n in nodes:
-            op = str(n.get("op", ""))
-            args, kwargs = n.get("args") or [], n.get("kwargs") or {}
-            where = _writes(op)
-            if where is None:
-                written |= _refs_in([args, kwargs], alias, set())
-            else:
-                for i, name in where:
-                    arg = args[i] if i < len(args) else kwargs.get(name)
-                    written |= _refs_in(arg, alias, set())
-            views = view_outputs(op)
-            alias.append(_refs_in([args, kwargs], alias, set()) if any(views) else set())
-        for ref, kept in zip(e.body.get("keep", []), e.out or [], strict=False):
-            if kept is not None and isinstance(ref, dict):
-                bases.setdefault(kept, set()).update(_refs_in(ref, alias, set()) - {kept})
+        if e.writes is None:
+            e.writes = entry_writes(e)
+        written |= e.writes[0]
+        for kept, of in e.writes[1].items():
+            bases.setdefault(kept, set()).update(of)
     # a view written is its bases written (and theirs, ...)
     todo = list(written)
     while todo:

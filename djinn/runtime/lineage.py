@@ -72,6 +72,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     Entry,
     _from_handles_only,
     _remade_views,
+    entry_writes,
     needed,
     pair_ids,
     remap,
@@ -157,6 +158,9 @@ class Lineage:
         return getattr(self._tls, "took", 0.0)
 
     def record(self, entry: Entry) -> None:
+        # what it writes, worked out now rather than in the next cut, whose time decides
+        # how soon the one after it comes (Note [unchanged puts])
+        entry.writes = entry_writes(entry)
         with self.lock:
             self.entries.append(entry)
             self.nbytes += entry.nbytes
