@@ -32,8 +32,8 @@ class Entry:
     seconds: float = 0.0  # how long it took: what replaying it costs, roughly
     ids: torch.Tensor | None = None  # call: ids read from a handle, as the worker echoed
     merged: int = 1  # call: how many decode steps it stands for (Note [kv prefill replay])
-    # what it writes and which kept handles are views of which: computed once, on the
-    # first cut that needs it (Note [unchanged puts])
+    # what it writes and which kept handles are views of which (entry_writes): worked
+    # out when it is recorded, read by every cut (Note [unchanged puts])
     writes: tuple[set[str], dict[str, set[str]]] | None = field(
         default=None, repr=False, compare=False
     )
@@ -102,14 +102,7 @@ def _schema(op: str) -> Any:
 def written_handles(node: dict[str, Any]) -> set[str]:
     """Handles a graph node writes into (its schema's ``Tensor(a!)`` arguments); every
     handle it names when the op cannot be looked up."""
-    where = _writes(str(node.get("op", "")))
-    if where is None:
-        return _handles_in(node)
-    args, kwargs = node.get("args") or [], node.get("kwargs") or {}
-    found: set[str] = set()
-    for i, name in where:
-        _handles_in(args[i] if i < len(args) else kwargs.get(name), found)
-    return found
+    return _node_writes(node, [])
 
 
 def _writes(op: str) -> tuple[tuple[int, str], ...] | None:
@@ -140,6 +133,38 @@ def _refs_in(x: Any, alias: list[set[str]], found: set[str]) -> set[str]:
     return found
 
 
+def _node_writes(node: dict[str, Any], alias: list[set[str]]) -> set[str]:
+    """Handles a graph node writes into (its schema's ``Tensor(a!)`` arguments), also
+    through the earlier nodes' outputs it writes that may alias handles (``alias``);
+    every one it names when the op cannot be looked up."""
+    args, kwargs = node.get("args") or [], node.get("kwargs") or {}
+    where = _writes(str(node.get("op", "")))
+    if where is None:
+        return _refs_in([args, kwargs], alias, set())
+    found: set[str] = set()
+    for i, name in where:
+        _refs_in(args[i] if i < len(args) else kwargs.get(name), alias, found)
+    return found
+
+
+def unchanged_puts(
+    entries: list[Entry], live: set[str] | dict[str, Any], skip: set[str] | dict[str, Any]
+) -> dict[str, tuple[torch.Tensor, int]]:
+    """Note [unchanged puts]: the live handles (not in ``skip``) made by a put whose
+    source is as it was put and that no request has written into since: their bytes are
+    the client's tensor."""
+    written = written_anywhere(entries)
+    out: dict[str, tuple[torch.Tensor, int]] = {}
+    for e in entries:
+        if e.kind != "put":
+            continue
+        for h, (t, version) in zip(e.out, e.data, strict=True):
+            fresh = t._version == version  # not written locally either
+            if h in live and h not in skip and h not in written and fresh:
+                out[h] = (t, version)
+    return out
+
+
 def entry_writes(e: Entry) -> tuple[set[str], dict[str, set[str]]]:
     """(handles ``e`` may write into, {handle it kept as a view: handles it may alias})."""
     if e.kind == "call":
@@ -151,16 +176,9 @@ def entry_writes(e: Entry) -> tuple[set[str], dict[str, set[str]]]:
     nodes = e.body.get("nodes", [])
     alias: list[set[str]] = []  # per node: the handles its outputs may alias
     for n in nodes:
-        op = str(n.get("op", ""))
+        written |= _node_writes(n, alias)
         args, kwargs = n.get("args") or [], n.get("kwargs") or {}
-        where = _writes(op)
-        if where is None:
-            written |= _refs_in([args, kwargs], alias, set())
-        else:
-            for i, name in where:
-                arg = args[i] if i < len(args) else kwargs.get(name)
-                written |= _refs_in(arg, alias, set())
-        views = view_outputs(op)
+        views = view_outputs(str(n.get("op", "")))
         alias.append(_refs_in([args, kwargs], alias, set()) if any(views) else set())
     for ref, kept in zip(e.body.get("keep", []), e.out or [], strict=False):
         if kept is not None and isinstance(ref, dict):

@@ -78,6 +78,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     remap,
     sampled,
     strings_in,
+    unchanged_puts,
     view_outputs,
     written_anywhere,
     written_handles,
@@ -529,14 +530,7 @@ class Lineage:
                 )
             # Note [unchanged puts]: a live put nothing has written into since is kept
             # as it is (the client holds its bytes already); only the rest is read back
-            written = written_anywhere(self.entries)
-            unchanged: dict[str, tuple[torch.Tensor, int]] = {}
-            for e in self.entries:
-                if e.kind == "put":
-                    for h, (t, version) in zip(e.out, e.data, strict=True):
-                        fresh = t._version == version  # not written locally either
-                        if h in live and h not in remade and h not in written and fresh:
-                            unchanged[h] = (t, version)
+            unchanged = unchanged_puts(self.entries, live, remade)
             if unchanged:
                 nbytes = sum(t.numel() * t.element_size() for t, _ in unchanged.values())
                 keep.append(Entry("put", None, list(unchanged.values()), list(unchanged), nbytes))

@@ -288,8 +288,7 @@ class Session:
                 try:
                     fresh = iter(self._alloc(missing))
                 except DjinnError:
-                    with self._lists_lock:  # the spares it took go back
-                        self._release.extend(off for off in slabs if off is not None)
+                    self._give_back(off for off in slabs if off is not None)  # spares taken
                     raise
                 slabs = [next(fresh) if off is None else off for off in slabs]
             for (i, flat), off in zip(bulk, slabs, strict=True):
@@ -298,13 +297,17 @@ class Session:
             lease, unused = self._spares.plan(sizes)
             if lease:
                 body["lease"] = lease
-            if unused:
-                with self._lists_lock:
-                    self._release.extend(unused)
+            self._give_back(unused)
         reply = self._call(Kind.PUT, body, segments).body
         self._spares.add(reply.get("leased", ()), body.get("lease", ()))
         handles = reply["handles"]
         return [RemoteTensor(self, h, e["desc"]) for h, e in zip(handles, entries, strict=True)]
+
+    def _give_back(self, offsets: Iterable[int]) -> None:
+        """Slabs to release with the next request: reply slabs copied out, spare slabs
+        unused (Note [lease ahead])."""
+        with self._lists_lock:
+            self._release.extend(offsets)
 
     def _alloc(self, sizes: list[int]) -> list[int]:
         """New slabs; if the arena refuses while this session holds spare slabs, they are
@@ -315,8 +318,7 @@ class Session:
             spare = self._spares.drain()
             if not spare:
                 raise
-        with self._lists_lock:
-            self._release.extend(spare)
+        self._give_back(spare)
         return self._call(Kind.ALLOC, {"sizes": sizes}).body["slabs"]
 
     def get(self, remote: RemoteTensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -474,8 +476,7 @@ class Session:
                 nbytes = _nbytes(item["desc"])
                 raw = direct if direct is not None else _u8(nbytes)
                 copy_bytes(raw, self._arena_tensor(item["slab"], nbytes))
-                with self._lists_lock:
-                    self._release.append(item["slab"])
+                self._give_back([item["slab"]])
             else:
                 seg = frame.segments[item["seg"]]
                 raw = torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else _u8(0)
