@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from djinn.errors import InvalidArgument, UnsupportedOp
+from djinn.protocol.fingerprint import same_bytes_key
 from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
@@ -102,17 +103,13 @@ def _config_json(module: torch.nn.Module) -> str:
     return json.dumps(module.config.to_dict(), sort_keys=True, default=str)
 
 
-def _same_bytes_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-
-
 def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
     """Put every tensor (bulk through the arena), with a progress line for big models.
     Tied weights (one tensor under two names) travel once; both names get its handle."""
     unique: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
     for name, t in state.items():
-        first = unique.setdefault(_same_bytes_key(t), name)
+        first = unique.setdefault(same_bytes_key(t), name)
         if first != name:
             aliases[name] = first
     state = {n: t for n, t in state.items() if n not in aliases}

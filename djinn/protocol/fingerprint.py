@@ -28,6 +28,11 @@ import torch
 from .tensors import dtype_name
 
 
+def same_bytes_key(t: torch.Tensor) -> tuple:
+    """Equal for two tensors that are the same bytes (tied weights under two names)."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
 def model_fingerprint(
     class_path: str,
     config_json: str,
@@ -50,7 +55,7 @@ def model_fingerprint(
     layout: list[tuple[str, int, int]] = []  # per tensor: its header and its pieces
     for name, t in items:
         header = f"\0{name}:{dtype_name(t.dtype)}:{list(t.shape)}"
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        key = same_bytes_key(t)
         if t.numel() and key in first:
             layout.append((header, *first[key]))  # hashed once, listed again
             continue
