@@ -70,6 +70,11 @@ def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:
     return order
 
 
+def is_dense(shape: list[int], strides: list[int]) -> bool:
+    """Whether a layout is dense and non-overlapping: it goes over the wire as it is."""
+    return _dense_order(shape, strides) is not None
+
+
 def validate(desc: Any) -> tuple[torch.dtype, list[int], list[int], int]:
     """Check a descriptor from the wire; return (dtype, shape, strides, nbytes)."""
     if not isinstance(desc, dict):

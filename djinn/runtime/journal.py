@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import RecoveryFailed
+from djinn.protocol.tensors import is_dense
 
 if TYPE_CHECKING:
     from .remote import RemoteTensor
@@ -296,6 +297,102 @@ def view_outputs(op: str) -> tuple[bool, ...]:
             known = (True,) * 8  # an op we cannot name: assume the worst
         _VIEWS[op] = known
     return known
+
+
+def mark_views(body: dict[str, Any], kept: list[Any]) -> None:
+    """Handles that may share storage with another: made again from their bases after
+    a cut when the op that made them took handles only, else a cut waits for them."""
+    nodes, keep = body.get("nodes", []), body.get("keep", [])
+    private: set[int] | None = None
+    # this graph's outputs kept as handles: a view of one is made again from it
+    named = {
+        (r["$v"], r.get("i")): k.handle
+        for r, k in zip(keep, kept, strict=False)
+        if k is not None and isinstance(r, dict) and type(r.get("$v")) is int
+    }
+    for i, (ref, remote) in enumerate(zip(keep, kept, strict=False)):
+        if remote is None or not isinstance(ref, dict) or "$v" not in ref:
+            continue
+        views = view_outputs(str(nodes[ref["$v"]].get("op", "")))
+        k = ref.get("i", 0)
+        if k >= len(views) or views[k]:
+            node = _on_handles(nodes[ref["$v"]], named)
+            if _from_handles_only(node):
+                # the node, and how the graph named this output (``i`` only when multi)
+                remote.view = ({**node}, {**ref, "$v": 0})
+                continue
+            if private is None:
+                private = private_views(body, kept)
+            # Note [private views]: read back and put again, it is the same tensor
+            dense = is_dense(list(remote.shape), list(remote.strides))
+            remote.view = not (i in private and dense)
+
+
+def _on_handles(node: dict[str, Any], named: dict[tuple[int, Any], str]) -> dict[str, Any]:
+    """``node`` with its inputs that are outputs of the same graph kept as handles
+    (``named``: (node, output) -> handle) named by those handles."""
+
+    def sub(x: Any) -> Any:
+        if isinstance(x, dict):
+            if type(x.get("$v")) is int and (x["$v"], x.get("i")) in named:
+                return {"$h": named[(x["$v"], x.get("i"))]}
+            return {k: sub(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [sub(v) for v in x]
+        return x
+
+    return {k: sub(v) if k in ("args", "kwargs") else v for k, v in node.items()}
+
+
+def private_views(body: dict[str, Any], kept: list[Any]) -> set[int]:
+    """Note [private views]: which kept outputs of a graph (by position in ``keep``)
+    are views only of storage this graph made and kept nowhere else: no handle, no
+    other kept output shares their bytes, so their value read back and put again is
+    the same tensor to every later request."""
+    nodes, keep = body.get("nodes", []), body.get("keep", [])
+    roots: list[set[str]] = []  # per node: the storages its outputs may alias
+    for j, n in enumerate(nodes):
+        views = view_outputs(str(n.get("op", "")))
+        mine = {f"#{j}"}
+        roots.append(
+            _roots_in([n.get("args"), n.get("kwargs")], roots, mine) if any(views) else mine
+        )
+
+    def of(ref: Any) -> set[str]:
+        if not isinstance(ref, dict) or type(ref.get("$v")) is not int:
+            return _roots_in(ref, roots, set()) | {"?"}  # a handle kept again, or unknown
+        j = ref["$v"]
+        if not 0 <= j < len(nodes):
+            return {"?"}
+        views, k = view_outputs(str(nodes[j].get("op", ""))), ref.get("i", 0)
+        return roots[j] if k >= len(views) or views[k] else {f"#{j}"}
+
+    each = [of(ref) if r is not None else set() for ref, r in zip(keep, kept, strict=False)]
+    out: set[int] = set()
+    for i, mine in enumerate(each):
+        others = set().union(*(o for k, o in enumerate(each) if k != i))
+        if mine and all(x.startswith("#") for x in mine) and not mine & others:
+            out.add(i)
+    return out
+
+
+def _roots_in(x: Any, roots: list[set[str]], found: set[str]) -> set[str]:
+    """The storages ``x`` names: handles by name, inline tensors by segment, other
+    nodes' outputs by what ``roots`` says of them."""
+    if isinstance(x, dict):
+        if "$h" in x:
+            found.add(str(x["$h"]))
+        elif "$t" in x:
+            found.add(f"$t{x['$t']}")
+        elif "$v" in x:
+            j = x["$v"]
+            found |= roots[j] if type(j) is int and 0 <= j < len(roots) else {"?"}
+        for v in x.values():
+            _roots_in(v, roots, found)
+    elif isinstance(x, list):
+        for v in x:
+            _roots_in(v, roots, found)
+    return found
 
 
 def _from_handles_only(node: dict[str, Any]) -> bool:

@@ -45,7 +45,16 @@ would no longer share its bytes). The client then holds the live state once plus
 most the budget, whatever the number of steps, and a replay costs about the budget in
 time. A cut is put off while the session holds a remote object (a KV cache cannot be
 read back; the calls that grew it stay) or a view made by more than an op on handles;
-the next request tries again. Measured over a 1,000-step Adam loop (tracemalloc,
+it is tried again after an eighth of the replay that made it due (resetting the clock
+instead let a training journal grow to twice its budget whenever a cut fell between
+``backward()`` and the optimizer step; chaos.py's training recoveries reached 2.9 s).
+
+Note [private views]: autograd keeps a weight's gradient as a view, the transpose of a
+product its own graph made and kept nowhere else. No handle shares those bytes, so read
+back and put again (the wire keeps any dense layout) it is the same tensor to every
+later request: such a view does not hold a cut back (``journal.private_views``). A view
+of another output the same graph kept (a weight uploaded inline and its transpose) is
+made again from that output's handle. Measured over a 1,000-step Adam loop (tracemalloc,
 benchmarks/lineage_memory.py): the journal peaked at 2.7 MiB with the default cuts.
 
 Where this falls short of a perfect recovery, it says so rather than guess: a put
@@ -73,6 +82,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     _from_handles_only,
     _remade_views,
     entry_writes,
+    mark_views,
     needed,
     pair_ids,
     remap,
@@ -147,6 +157,8 @@ class Lineage:
         self.peak_bytes = 0
         self.cut_due = False
         self.replay_cost = 0.0  # seconds the requests since the last cut took
+        self.cut_after: float | None = None  # replay seconds for the next try, once put off
+        self.cuts_put_off = 0
         self.last_cut_s = 0.0
         self._tls = threading.local()  # how long this thread's last request took
         self.standby: Session | None = None  # Note [warm standby]
@@ -171,8 +183,22 @@ class Lineage:
             # when the journal outgrew its bytes, or when replaying it would take longer
             # than recovery_checkpoint_seconds and than the last cut did (a cut's cost
             # is repaid by the replay it saves)
-            slow = self.replay_cost >= max(self.policy.checkpoint_seconds, 2 * self.last_cut_s)
+            due = self.cut_after if self.cut_after is not None else self._cut_seconds()
+            slow = self.replay_cost >= due
             self.cut_due = slow or self.nbytes - self.base_bytes >= self.next_cut
+
+    def _cut_seconds(self) -> float:
+        """Replay seconds after which a cut is due."""
+        return max(self.policy.checkpoint_seconds, 2 * self.last_cut_s)
+
+    def _cut_later(self, share: int) -> bool:
+        """A cut must wait: try again after an eighth of the replay (and a ``share`` of
+        the bytes) that makes one due, not after as much again; a journal that has
+        passed its budget still grows by at most an eighth before the next try."""
+        self.cut_after = self.replay_cost + self._cut_seconds() / 8
+        self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // share
+        self.cuts_put_off += 1
+        return False
 
     def record_put(self, tensors: list[torch.Tensor], remotes: list[RemoteTensor]) -> None:
         data = [(t.detach(), t._version) for t in tensors]
@@ -199,20 +225,9 @@ class Lineage:
         out, ids = reply.get("out"), kv_replay.echoed(reply)
         return Entry("call", body, data, out, nbytes, not sampled(body), ids=ids)
 
-    def mark_views(self, body: dict[str, Any], kept: list[Any]) -> None:
-        """Handles that may share storage with another: made again from their bases after
-        a cut when the op that made them took handles only, else a cut waits for them."""
-        nodes = body.get("nodes", [])
-        for ref, remote in zip(body.get("keep", []), kept, strict=False):
-            if remote is None or not isinstance(ref, dict) or "$v" not in ref:
-                continue
-            views = view_outputs(str(nodes[ref["$v"]].get("op", "")))
-            k = ref.get("i", 0)
-            if k >= len(views) or views[k]:
-                node = nodes[ref["$v"]]
-                # the node, and how the graph named this output (``i`` only when multi)
-                keep_ref = {**ref, "$v": 0}
-                remote.view = ({**node}, keep_ref) if _from_handles_only(node) else True
+    @staticmethod
+    def mark_views(body: dict[str, Any], kept: list[Any]) -> None:
+        mark_views(body, kept)
 
     # -- retrying ----------------------------------------------------------------------
     def run(self, attempt: Callable[[Any], Any], body: Any = None, repeat: bool = True) -> Any:
@@ -500,15 +515,11 @@ class Lineage:
         started = time.perf_counter()
         with self.lock:
             if self._objects():
-                self.replay_cost = 0.0  # try again after as much replay again
-                self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 4
-                return False
+                return self._cut_later(4)
             live = self._live()
             remade = _remade_views(live)
             if remade is None:
-                self.replay_cost = 0.0
-                self.next_cut = self.nbytes - self.base_bytes + self.policy.checkpoint_bytes // 8
-                return False
+                return self._cut_later(8)
             # puts handed over to the appliance (a model's weights, before or after the
             # REGISTER that takes them): neither held by the program nor freed
             with self.s._lists_lock:
@@ -549,6 +560,7 @@ class Lineage:
             self.next_cut = self.policy.checkpoint_bytes
             self.checkpoints += 1
             self.replay_cost = 0.0
+            self.cut_after = None
             self.last_cut_s = time.perf_counter() - started
             return True
 
@@ -600,6 +612,7 @@ class Lineage:
             "standby_worker": None if self.standby is None else self.standby.worker,
             "standby_s": list(self.standby_s),
             "checkpoints": self.checkpoints,
+            "checkpoints_put_off": self.cuts_put_off,
             "checkpoint_read_bytes": self.read_back_bytes,
             "journal_entries": len(self.entries),
             "journal_bytes": self.nbytes,

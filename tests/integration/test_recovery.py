@@ -45,7 +45,9 @@ def _kill_worker(app, session) -> None:
     wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
 
 
-def _train(steps: int, kill_at: int | None = None, app=None) -> list[torch.Tensor]:
+def _train(
+    steps: int, kill_at: int | None = None, app=None, after_backward: bool = False
+) -> list[torch.Tensor]:
     from djinn.frontend.session import default_session
 
     torch.manual_seed(0)
@@ -56,11 +58,13 @@ def _train(steps: int, kill_at: int | None = None, app=None) -> list[torch.Tenso
     for step in range(steps):
         x = torch.randn(4, 8, device=R)  # a random op: replayed with its generator state
         y = torch.randn(4, 2)
-        if step == kill_at:
+        if step == kill_at and not after_backward:
             _kill_worker(app, default_session())
         loss = torch.nn.functional.mse_loss(model(x), y.to(R))
         opt.zero_grad()
         loss.backward()
+        if step == kill_at and after_backward:  # the gradients are live, Adam not run
+            _kill_worker(app, default_session())
         opt.step()
     return [p.detach().cpu() for p in model.parameters()]
 
@@ -80,6 +84,23 @@ def test_adam_training_interrupted_by_a_worker_kill_ends_with_the_same_parameter
     stats = session.default_session().recovery_stats()
     assert stats["recoveries"] == 1
     assert (stats["checkpoints"] > 3) == (cut_after_s == "0.01")
+    for a, b in zip(clean, interrupted, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
+def test_a_cut_between_backward_and_step_keeps_the_gradients(recovering, monkeypatch):
+    """Note [private views]: autograd keeps a weight's gradient as a view (the transpose
+    of a product) of storage only it holds. A cut reads it back instead of waiting, and
+    a kill before the optimizer step restores it from that value."""
+    from djinn.frontend import session
+
+    monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", "0.01")
+    session.reset()
+    clean = _train(8)
+    interrupted = _train(8, kill_at=5, app=recovering, after_backward=True)
+    stats = session.default_session().recovery_stats()
+    assert stats["recoveries"] == 1
+    assert stats["checkpoints"] > 3 and stats["checkpoints_put_off"] == 0
     for a, b in zip(clean, interrupted, strict=True):
         assert (a - b).abs().max().item() <= 1e-6
 
