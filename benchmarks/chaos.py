@@ -284,7 +284,7 @@ def main() -> int:
         "replayed_requests": stats["replayed"],
         "replay_kinds": stats["replay_kinds"],
         "journal": {
-            k: v for k, v in journal.items() if k.startswith("journal") or k == "checkpoints"
+            k: v for k, v in journal.items() if k.startswith(("journal", "checkpoint"))
         },
         "leaks": {
             "shm_bytes": shm_after,
