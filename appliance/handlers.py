@@ -156,12 +156,14 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     """EXEC one op at a time (the worker's scheduler may run other requests between two
     ops: Note [threading model] in scheduler.py). A graph may come as a template's
     fingerprint, or ask to be kept as one (Note [graph templates])."""
-    body, kept_as = frame.body, None
+    body, kept_as, template = frame.body, None, None
     if "graph" in body:
+        template = body["graph"]
         body = w.graphs.expand(body)
     elif body.get("cache") is True:
         kept_as = w.graphs.keep(body)
     run = GraphRun(body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"])
+    run.template = template
     run.input_storages = lambda: list(s.storages)
     try:
         keep, fetch = yield from run.steps()

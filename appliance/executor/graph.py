@@ -16,6 +16,7 @@ the stack segment. Only then does the real kernel run.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -35,6 +36,8 @@ from ..vmu.device import DeviceShort, Segment
 from . import metacheck, opargs, opchecks, oppolicy
 
 _OP_CACHE: dict[str, Any] = {}
+MAX_PLANS = 256  # templates whose last uses are kept (the worker keeps as many templates)
+_LAST_USES: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
 
 
 def resolve_op(name: Any) -> Any:
@@ -91,6 +94,9 @@ class GraphRun:
         self.stack = stack
         self._stack_refs: dict[int, list[int]] = {}  # storage ptr -> [nbytes, live values]
         self._inputs: set[int] | None = None
+        # the fingerprint of the graph template this request instantiates, if any: what
+        # depends only on the graph's structure is worked out once per template
+        self.template: str | None = None
         self.input_storages: Callable[[], list[int]] = lambda: []
 
     def run(self) -> tuple[list[Any], list[Any]]:
@@ -220,7 +226,20 @@ class GraphRun:
         return self._inputs
 
     def _last_uses(self) -> dict[int, list[int]]:
-        """node index -> node outputs whose last reader it is (kept/fetched ones excluded)."""
+        """node index -> node outputs whose last reader it is (kept/fetched ones excluded);
+        a graph template's, worked out once (its structure is the template's)."""
+        if self.template is None:
+            return self._find_last_uses()
+        known = _LAST_USES.get(self.template)
+        if known is None:
+            known = _LAST_USES[self.template] = self._find_last_uses()
+            if len(_LAST_USES) > MAX_PLANS:
+                _LAST_USES.popitem(last=False)
+        else:
+            _LAST_USES.move_to_end(self.template)
+        return dict(known)  # steps() pops from it; the lists are only read
+
+    def _find_last_uses(self) -> dict[int, list[int]]:
         last: dict[int, int] = {}
 
         def visit(x: Any, reader: int, depth: int = 0) -> None:

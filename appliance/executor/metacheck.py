@@ -122,6 +122,7 @@ class _Unkeyable(Exception):
 def signature(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple:
     """Everything a meta run of ``op`` sees, as a hashable key (Note [meta signatures])."""
     storages: dict[int, int] = {}
+    loose = _shape_free(op)
 
     def sig(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -132,11 +133,34 @@ def signature(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple:
             return (type(x) is list, tuple(sig(v) for v in x))
         if x is None:
             return None
+        if loose and type(x) in (int, float, complex):
+            return (type(x),)  # Note [number-free signatures]
         if isinstance(x, _SCALARS):
             return (type(x), x)  # 1, 1.0 and True are different arguments
         raise _Unkeyable
 
     return (op, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()))
+
+
+# Note [number-free signatures]: Adam's step sizes and bias corrections are new Python
+# floats at every step, so its ``_foreach_*`` ops (a few hundred tensors each) missed
+# the cache at every step and re-ran their meta kernels: most of a small model's
+# training step on the worker. For pointwise ops (``torch.Tag.pointwise``) and the
+# ``_foreach_`` family, a number's value decides neither an output's shape nor its dtype
+# (type promotion looks at its kind: bool, int, float, complex), so the key keeps the
+# kind only. A value check a meta kernel would have made (an integer tensor to a
+# negative power) is made again by the real kernel: the request still gets its
+# EXECUTION_ERROR, and nothing is allocated on the strength of a wrong size.
+_SHAPE_FREE: dict[Any, bool] = {}
+
+
+def _shape_free(op: Any) -> bool:
+    known = _SHAPE_FREE.get(op)
+    if known is None:
+        name = op._schema.name
+        known = name.startswith("aten::_foreach_") or torch.Tag.pointwise in op.tags
+        _SHAPE_FREE[op] = known
+    return known
 
 
 def checked_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any]:

@@ -164,3 +164,32 @@ def test_views_outside_their_storage_are_caught_after_any_op():
 
 def test_autograd_view_ops_named_unsafe_are_allowed():
     assert resolve_op("aten::_unsafe_view.default") is torch.ops.aten._unsafe_view.default
+
+
+def test_a_templates_last_uses_are_worked_out_once(monkeypatch):
+    from djinn.appliance.executor import graph
+
+    monkeypatch.setattr(graph, "_LAST_USES", type(graph._LAST_USES)())
+    found = []
+    real = GraphRun._find_last_uses
+
+    def counting(self):
+        found.append(self.template)
+        return real(self)
+
+    monkeypatch.setattr(GraphRun, "_find_last_uses", counting)
+    nodes = [
+        {"op": "aten::add.Tensor", "args": [{"$h": "a"}, {"$h": "b"}]},
+        {"op": "aten::mul.Tensor", "args": [{"$v": 0}, 2.0]},
+        {"op": "aten::neg.default", "args": [{"$v": 1}]},
+    ]
+    results = []
+    for template in ("fp", "fp", None):
+        stack = DeviceVMU(1 << 30)["stack"]
+        g = GraphRun({"nodes": nodes, "keep": [], "fetch": [{"$v": 2}]}, _lookup, [],
+                     torch.device("cpu"), stack)  # fmt: skip
+        g.template = template
+        results.append(g.run()[1][0])
+        assert stack.used == 0  # intermediates released as the plan says, every time
+    assert found == ["fp", None]
+    assert all(torch.equal(r, -(HANDLES["a"] + HANDLES["b"]) * 2) for r in results)

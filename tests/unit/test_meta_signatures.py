@@ -44,7 +44,7 @@ def test_a_repeated_signature_reuses_the_verdict(runs):
         lambda a: [a.double(), 2.0],  # other dtype
         lambda a: [a[1:], 2.0],  # other offset and sizes
         lambda a: [a, 2],  # an int, not a float
-        lambda a: [a, 3.0],  # another value
+        lambda a: [a, True],  # a bool
     ],
 )
 def test_anything_the_meta_kernel_sees_is_part_of_the_signature(runs, other):
@@ -52,6 +52,42 @@ def test_anything_the_meta_kernel_sees_is_part_of_the_signature(runs, other):
     metacheck.checked_run(aten.mul.Tensor, [a, 2.0], {})
     metacheck.checked_run(aten.mul.Tensor, other(torch.randn(4, 4)), {})
     assert len(runs) == 2
+
+
+def test_a_numbers_value_is_part_of_the_signature_where_it_may_decide_a_shape(runs):
+    a = metacheck.checked_run(aten.arange.start_step, [0.0, 4.0, 1.0], {"dtype": torch.float32})
+    b = metacheck.checked_run(aten.arange.start_step, [0.0, 8.0, 1.0], {"dtype": torch.float32})
+    assert len(runs) == 2 and a[1].shape == (4,) and b[1].shape == (8,)
+
+
+def test_pointwise_and_foreach_ops_key_numbers_by_kind(runs):
+    """Note [number-free signatures]: Adam's new step sizes every step reuse the verdict."""
+    a, b = torch.randn(4), torch.randn(3)
+    metacheck.checked_run(aten.mul.Tensor, [a, 2.0], {})
+    metacheck.checked_run(aten.mul.Tensor, [torch.randn(4), 3.5], {})
+    assert len(runs) == 1
+    for step in (0.1, 0.2, 0.3):
+        metacheck.checked_run(aten._foreach_mul_.ScalarList, [[a, b], [step, -step]], {})
+    assert len(runs) == 2
+    metacheck.checked_run(aten._foreach_mul_.ScalarList, [[a, b], [1, 2]], {})  # ints
+    assert len(runs) == 3
+
+
+def test_a_value_check_a_reused_verdict_skips_is_the_real_kernels():
+    from djinn.appliance.executor.graph import GraphRun
+    from djinn.appliance.vmu.device import DeviceVMU
+
+    ints = torch.arange(4)
+
+    def pow_(exponent):
+        node = {"op": "aten::pow.Tensor_Scalar", "args": [{"$h": "i"}, exponent]}
+        body = {"nodes": [node], "keep": [], "fetch": [{"$v": 0}]}
+        stack = DeviceVMU(1 << 20)["stack"]
+        return GraphRun(body, {"i": ints}.__getitem__, [], torch.device("cpu"), stack).run()
+
+    assert torch.equal(pow_(2)[1][0], ints**2)
+    with pytest.raises(ExecutionError, match="negative integer powers"):
+        pow_(-1)
 
 
 def test_shared_storage_is_part_of_the_signature(runs):
