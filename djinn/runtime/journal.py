@@ -120,17 +120,10 @@ def _writes(op: str) -> tuple[tuple[int, str], ...] | None:
 
 
 def _refs_in(x: Any, alias: list[set[str]], found: set[str]) -> set[str]:
-    """Handles named in ``x``, and those the graph nodes it names may alias."""
-    if isinstance(x, dict):
-        if "$h" in x:
-            found.add(x["$h"])
-        if "$v" in x and type(x["$v"]) is int and 0 <= x["$v"] < len(alias):
-            found |= alias[x["$v"]]
-        for v in x.values():
-            _refs_in(v, alias, found)
-    elif isinstance(x, list):
-        for v in x:
-            _refs_in(v, alias, found)
+    """Handles named in ``x``, and those the graph nodes it names may alias (``alias``:
+    per node, handles): ``_roots_in`` without its marks for storages that are not
+    handles (handles are hex strings: none starts with a mark)."""
+    found.update(r for r in _roots_in(x, alias, set()) if r[:1] not in "#$?")
     return found
 
 
