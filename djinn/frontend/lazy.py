@@ -238,7 +238,8 @@ def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         ref = Pending(node, 0)
         bind(x, ref)
     elif isinstance(ref, Pending) and not ref.node.executed and ref.node.trace is not trace:
-        flush(ref.node.trace)  # captured by another thread: run it there first
+        if ref.node.inflight is None:  # captured by another thread: send it now, and go on
+            flush(ref.node.trace, wait=False)  # Note [asynchronous flushes] (trace.py)
         ref = x._ref
     return trace_mod.resolved(ref)
 

@@ -1,4 +1,4 @@
-"""A client's connection to the appliance: one blocking socket, one request at a time.
+"""A client's connection to the appliance: one blocking socket, requests answered in order.
 
 Requests are serialised by a lock (the heartbeat thread shares the session's channel);
 the lock covers only the socket exchange, so copying a large reply out of the arena never
@@ -32,6 +32,8 @@ class Channel:
         self._ids = itertools.count(1)
         self._on_lost = on_lost
         self.closed = False
+        self._awaiting: list[tuple[int, Kind, Sink | None]] = []  # sent, reply not read
+        self._stash: dict[int, Frame | DjinnError] = {}  # read, not yet asked for
         self.bytes_sent = 0  # on the socket, both directions: what a call costs on the wire
         self.bytes_received = 0
         # The same bytes by the kind of request they belong to: the heartbeat thread shares
@@ -54,35 +56,89 @@ class Channel:
         sink: Sink | None = None,
     ) -> Frame:
         with self.lock:
-            if self.closed:
-                raise self._on_lost("connection already closed")
-            rid = next(self._ids)
+            self._drain()
+            rid = self._send(kind, body, segments)
+            return self._receive(kind, rid, sink)
+
+    def send(
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        segments: Sequence[Any] = (),
+        sink: Sink | None = None,
+    ) -> int:
+        """Send a request without waiting for its reply (Note [asynchronous flushes] in
+        djinn/frontend/trace.py); its id, for ``receive``. Replies come in the order of
+        the requests: a ``call`` made meanwhile reads this one's first and keeps it."""
+        with self.lock:
+            rid = self._send(kind, body, segments)
+            self._awaiting.append((rid, kind, sink))
+            return rid
+
+    def receive(self, rid: int) -> Frame:
+        """The reply to ``send``'s request ``rid`` (its error raised)."""
+        with self.lock:
+            self._drain(until=rid)
+            got = self._stash.pop(rid, None)
+        if got is None:
+            raise ProtocolError(f"no reply awaited for request {rid}")
+        if isinstance(got, DjinnError):
+            raise got
+        return got
+
+    def _drain(self, until: int | None = None) -> None:
+        """Read the replies of requests sent without waiting (all, or up to ``until``)."""
+        while self._awaiting:
+            rid, kind, sink = self._awaiting.pop(0)
             try:
-                buffers = encode_frame(kind, rid, body, list(segments))
-                sent = sum(memoryview(b).nbytes for b in buffers)
-                self.bytes_sent += sent
-                self.sent_by_kind[kind] += sent
-                send_buffers(self.sock, buffers)
-                self.reader.sink = sink or default_sink
-                frame = None
-                while frame is None:
-                    frame = self.reader.poll()
-            except (PeerClosed, OSError) as exc:
-                self.close()
-                raise self._on_lost(str(exc)) from None
-            except ProtocolError:
-                self.close()
-                raise
-            h = frame.header
-            received = HEADER_SIZE + h.body_len + h.payload_len
-            self.bytes_received += received
-            self.received_by_kind[kind] += received
-            if frame.kind == Kind.ERROR:
-                raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
-            if frame.request_id != rid:
-                self.close()
-                raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
-            return frame
+                self._stash[rid] = self._receive(kind, rid, sink)
+            except DjinnError as exc:
+                self._stash[rid] = exc
+            if rid == until:
+                return
+
+    def _send(self, kind: Kind, body: dict[str, Any] | None, segments: Sequence[Any]) -> int:
+        if self.closed:
+            raise self._on_lost("connection already closed")
+        rid = next(self._ids)
+        try:
+            buffers = encode_frame(kind, rid, body, list(segments))
+            sent = sum(memoryview(b).nbytes for b in buffers)
+            self.bytes_sent += sent
+            self.sent_by_kind[kind] += sent
+            send_buffers(self.sock, buffers)
+        except (PeerClosed, OSError) as exc:
+            self.close()
+            raise self._on_lost(str(exc)) from None
+        except ProtocolError:
+            self.close()
+            raise
+        return rid
+
+    def _receive(self, kind: Kind, rid: int, sink: Sink | None) -> Frame:
+        if self.closed:
+            raise self._on_lost("connection already closed")
+        try:
+            self.reader.sink = sink or default_sink
+            frame = None
+            while frame is None:
+                frame = self.reader.poll()
+        except (PeerClosed, OSError) as exc:
+            self.close()
+            raise self._on_lost(str(exc)) from None
+        except ProtocolError:
+            self.close()
+            raise
+        h = frame.header
+        received = HEADER_SIZE + h.body_len + h.payload_len
+        self.bytes_received += received
+        self.received_by_kind[kind] += received
+        if frame.kind == Kind.ERROR:
+            raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
+        if frame.request_id != rid:
+            self.close()
+            raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
+        return frame
 
     def call_bytes(self) -> int:
         """Bytes both ways on this channel so far, heartbeats left out."""

@@ -242,14 +242,7 @@ class Lineage:
         session. Returns the result and the body that produced it. ``repeat=False``: the
         session is rebuilt but the request is not sent again (its result would differ:
         sampling on the appliance)."""
-        with self.lock:  # a recovery under way in another thread finishes first
-            gen = self.generation
-            if self.cut_due:
-                self.cut_due = False
-                try:
-                    self.checkpoint()
-                except DjinnError as exc:  # the worker is going: the journal stays whole
-                    log.info("lineage cut put off: %s", exc)
+        gen = self.before_request()
         tries = 0
         while True:
             try:
@@ -273,6 +266,31 @@ class Lineage:
                         f"{exc.message}; the session was rebuilt, but this request samples "
                         "on the appliance and is not sent again (its result would differ)"
                     ) from exc
+
+    def before_request(self) -> int:
+        """Cut the journal if a cut is due; the generation the request is sent in."""
+        with self.lock:  # a recovery under way in another thread finishes first
+            gen = self.generation
+            if self.cut_due:
+                self.cut_due = False
+                try:
+                    self.checkpoint()
+                except DjinnError as exc:  # the worker is going: the journal stays whole
+                    log.info("lineage cut put off: %s", exc)
+            return gen
+
+    def resend(
+        self, fault: DjinnError, gen: int, attempt: Callable[[Any], Any], body: Any
+    ) -> tuple[Any, Any]:
+        """A request sent without waiting whose reply was ``fault`` (Note [asynchronous
+        flushes]): rebuild the session as ``run_body`` does, then send it again and wait."""
+        if fault.code not in self.policy.errors or isinstance(fault, RecoveryFailed):
+            raise fault
+        self.recover(fault, gen)
+        with self.lock:
+            for g in range(gen, self.generation):
+                body = remap(body, self.maps.get(g, {}))
+        return self.run_body(attempt, body)
 
     def _give_up(self, fault: DjinnError, why: str) -> RecoveryFailed:
         err = RecoveryFailed(

@@ -12,6 +12,7 @@ PUT frame and the worker receives them straight into a slab.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -65,6 +66,10 @@ class Session:
         self.objects_lock = threading.Lock()  # dedupes RemoteObjects (remote_module)
         self._closed = threading.Event()
         self._replaying = False  # a recovery replays the journal: nothing rides along
+        # Note [asynchronous flushes]: an EXEC sent without waiting; every other request
+        # reads its reply first (replies come in the order of the requests)
+        self._flight: Flight | None = None
+        self._flight_lock = threading.RLock()
         # Note [lineage journal]: a recovering session records what it asks for, to
         # rebuild it on another worker when its own dies
         self._lineage: lineage.Lineage | None = None
@@ -135,6 +140,18 @@ class Session:
     def _call(
         self, kind: Kind, body: dict[str, Any] | None = None, segments: Sequence = (), **kw: Any
     ) -> Any:
+        self._settle()
+        body = self._outgoing(body)
+        try:
+            frame = self.channel.call(kind, body, segments, **kw)
+        except DjinnError as exc:
+            self._not_done(exc, body)
+            raise
+        self._done(body)
+        return frame
+
+    def _outgoing(self, body: dict[str, Any] | None) -> dict[str, Any]:
+        """``body`` with what rides along with the next request: frees and slabs."""
         body = dict(body or {})
         with self._lists_lock:  # finalizers append from any thread
             if self._pending_free and not self._replaying:
@@ -144,22 +161,22 @@ class Session:
             if self._pending_free_objects and not self._replaying:
                 body["free_objects"], self._pending_free_objects = self._pending_free_objects, []
         self._last_call = time.monotonic()
-        try:
-            frame = self.channel.call(kind, body, segments, **kw)
-        except (SessionEnded, SessionExpired) as exc:
+        return body
+
+    def _not_done(self, exc: DjinnError, body: dict[str, Any]) -> None:
+        if isinstance(exc, (SessionEnded, SessionExpired)):
             self._gone = exc  # the appliance freed it: nothing more will work
             self._unsent(body)
-            raise
-        except (WorkerLost, SessionLost):
+        elif isinstance(exc, (WorkerLost, SessionLost)):
             self._unsent(body)
-            raise
+
+    def _done(self, body: dict[str, Any]) -> None:
         if (
             self._lineage is not None
             and not self._replaying
             and ("free" in body or "free_objects" in body)
         ):
             self._lineage.record_frees(body.get("free"), body.get("free_objects"))
-        return frame
 
     def _unsent(self, body: dict[str, Any]) -> None:
         """A recovering session frees, after its recovery, what rode along with a lost
@@ -217,6 +234,8 @@ class Session:
                 return  # the session was rebuilt: its own thread beats for it
             if time.monotonic() - self._last_call < self.heartbeat_interval / 2:
                 continue
+            if self._flight is not None:
+                continue  # a graph under way keeps the session alive; its reply is not ours
             try:
                 self._call(Kind.HEARTBEAT)
             except DjinnError:
@@ -410,11 +429,18 @@ class Session:
             out = self._exec_body(body, segments)
         else:
             out, body = self._lineage.run_body(lambda b: self._exec_body(b, segments), body)
+        seconds = self._lineage.took() if self._lineage is not None else 0.0
+        return self._finish_exec(body, segments, out, seconds)
+
+    def _finish_exec(
+        self, body: dict[str, Any], segments: list, out: dict[str, Any], seconds: float
+    ) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
+        """An EXEC's reply as (kept, fetched, failure), recorded in the journal."""
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         if self._lineage is not None:
             self._lineage.mark_views(body, kept)
             entry = lineage.Lineage.graph_entry(body, segments, out)
-            entry.seconds = self._lineage.took()
+            entry.seconds = seconds
             self._lineage.record(entry)
         tensors = iter(out["tensors"])
         fetched = [
@@ -426,25 +452,118 @@ class Session:
     def _exec_body(self, body: dict[str, Any], segments: list) -> dict[str, Any]:
         """EXEC ``body``: a graph the appliance keeps goes by fingerprint (Note [graph
         templates] in djinn/protocol/templates.py), a new one whole, asking it to keep it."""
-        if len(body["nodes"]) < TEMPLATE_MIN_NODES:
-            return self._unpack(self._call(Kind.EXEC, body, segments, sink=self._sink))
-        tpl, inputs, scalars = templates.template(body)
-        fp = templates.fingerprint(tpl)
-        if fp in self._graphs:
-            short = {"graph": fp, "inputs": inputs, "scalars": scalars}
-            if body.get("partial"):
-                short["partial"] = True
+        sent, fp = self._exec_form(body)
+        if "graph" in sent:
             try:
-                return self._unpack(self._call(Kind.EXEC, short, segments, sink=self._sink))
+                return self._unpack(self._call(Kind.EXEC, sent, segments, sink=self._sink))
             except NotFound as exc:
-                if "graph template" not in exc.message:
+                if not _template_gone(exc):
                     raise
                 self._graphs.discard(fp)  # the appliance let it go: send it whole again
-        whole = {**body, "cache": True}
-        out = self._unpack(self._call(Kind.EXEC, whole, segments, sink=self._sink))
-        if out.get("graph") == fp:
-            self._graphs.add(fp)
+            sent = {**body, "cache": True}
+        out = self._unpack(self._call(Kind.EXEC, sent, segments, sink=self._sink))
+        self._kept_graph(sent, fp, out)
         return out
+
+    def _exec_form(self, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """What goes on the wire for ``body``, and its template's fingerprint: the short
+        form when the appliance keeps the template, else the whole graph."""
+        if len(body["nodes"]) < TEMPLATE_MIN_NODES:
+            return body, None
+        tpl, inputs, scalars = templates.template(body)
+        fp = templates.fingerprint(tpl)
+        if fp not in self._graphs:
+            return {**body, "cache": True}, fp
+        short = {"graph": fp, "inputs": inputs, "scalars": scalars}
+        if body.get("partial"):
+            short["partial"] = True
+        return short, fp
+
+    def _kept_graph(self, sent: dict[str, Any], fp: str | None, out: dict[str, Any]) -> None:
+        if fp is not None and sent.get("cache") and out.get("graph") == fp:
+            self._graphs.add(fp)
+
+    # -- Note [asynchronous flushes] ----------------------------------------------------
+    def run_graph_async(self, nodes: Any, keep: Sequence, inline: Sequence) -> Flight:
+        """Send a graph that fetches nothing and go on: ``Flight.outcome()`` gives what
+        ``run_graph`` would have. The next request of the session reads its reply
+        first; a worker lost meanwhile is recovered from then, as for any request."""
+        segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
+        body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True}
+        self._settle()
+        f = Flight(self, body, segments)
+        with self._serial():
+            if self._lineage is not None:
+                f.gen = self._lineage.before_request()
+            sent, f.fp = self._exec_form(body)
+            f.sent = self._outgoing(sent)
+            f.started = time.perf_counter()
+            try:
+                f.rid = self.channel.send(Kind.EXEC, f.sent, segments, sink=self._sink)
+            except DjinnError as exc:
+                f.error = exc  # _settle deals with it as with a failed reply
+            self._flight = f
+        return f
+
+    def _serial(self) -> Any:
+        """The lock under which a graph in flight is sent and settled. Taken after the
+        journal's (whose cuts and recoveries make requests), never before it."""
+        if self._lineage is None:
+            return self._flight_lock
+        both = contextlib.ExitStack()
+        both.enter_context(self._lineage.lock)
+        both.enter_context(self._flight_lock)
+        return both
+
+    def _settle(self) -> None:
+        """Read the reply of the graph in flight, if any (Note [asynchronous flushes]), and
+        record it, before the session's next request is sent or recorded."""
+        if self._flight is None:
+            return
+        with self._serial():
+            f, self._flight = self._flight, None
+            if f is None:
+                return
+            body = f.body
+            try:
+                try:
+                    out = self._flight_reply(f)
+                except DjinnError as exc:
+                    out, body = self._flight_again(f, exc)
+                seconds = time.perf_counter() - f.started
+                f.result = self._finish_exec(body, f.segments, out, seconds)
+            except DjinnError as exc:
+                f.error = exc  # raised where the program waits for this graph
+            finally:
+                f.landed = True
+
+    def _flight_reply(self, f: Flight) -> dict[str, Any]:
+        if f.error is not None:  # it could not even be sent
+            error, f.error = f.error, None
+            self._not_done(error, f.sent)
+            raise error
+        try:
+            frame = self.channel.receive(f.rid)
+        except DjinnError as exc:
+            self._not_done(exc, f.sent)
+            raise
+        self._done(f.sent)
+        out = self._unpack(frame)
+        self._kept_graph(f.sent, f.fp, out)
+        return out
+
+    def _flight_again(self, f: Flight, exc: DjinnError) -> tuple[dict[str, Any], Any]:
+        """Send a graph in flight again, waiting this time: its template was let go, or
+        its worker was lost (the session is rebuilt first, as ``run_body`` does)."""
+        attempt = lambda b: self._exec_body(b, f.segments)  # noqa: E731
+        if isinstance(exc, NotFound) and _template_gone(exc):
+            self._graphs.discard(f.fp)
+            if self._lineage is None:
+                return attempt(f.body), f.body
+            return self._lineage.run_body(attempt, f.body)
+        if self._lineage is None:
+            raise exc
+        return self._lineage.resend(exc, f.gen, attempt, f.body)
 
     @staticmethod
     def _sink(_header: Any, _body: Any, lengths: list[int]) -> list[memoryview]:
@@ -525,3 +644,35 @@ def _bytes_of(t: torch.Tensor, desc: dict[str, Any]) -> torch.Tensor | None:
 
 def _nbytes(desc: dict[str, Any]) -> int:
     return validate(desc)[3]
+
+
+def _template_gone(exc: NotFound) -> bool:
+    return "graph template" in exc.message
+
+
+class Flight:
+    """A graph sent without waiting for its reply (Note [asynchronous flushes])."""
+
+    __slots__ = ("body", "error", "fp", "gen", "landed", "result", "rid", "segments", "sent",
+                 "session", "started")  # fmt: skip
+
+    def __init__(self, session: Session, body: dict[str, Any], segments: list) -> None:
+        self.session = session
+        self.body, self.segments = body, segments
+        self.sent: dict[str, Any] = body
+        self.fp: str | None = None
+        self.gen = 0
+        self.rid = 0
+        self.started = 0.0
+        self.landed = False
+        self.result: tuple[list[Any], list[Any], dict[str, Any] | None] | None = None
+        self.error: DjinnError | None = None
+
+    def outcome(self) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
+        """(kept, fetched, failure), as ``Session.run_graph``; its error if it failed."""
+        if not self.landed:
+            self.session._settle()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result

@@ -1,0 +1,119 @@
+"""Note [asynchronous flushes] (djinn/frontend/trace.py): a graph one thread reads from
+another's capture is sent without waiting, the session's next request reads its reply
+first, and its failures land where a synchronous flush would have put them."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from djinn.errors import DjinnError
+from djinn.runtime.session import Session
+from tests.conftest import wait_for
+
+R = "remote_accelerator:0"
+
+
+@pytest.fixture
+def frontend(fresh_appliance):
+    """The transparent frontend on an appliance of its own."""
+    import djinn  # noqa: F401 - registers the remote_accelerator device
+    from djinn.frontend import session
+
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
+    old = os.environ.get("DJINN_ADDRESS")
+    os.environ["DJINN_ADDRESS"] = app.unix
+    session.reset()
+    yield app
+    session.reset()
+    if old is None:
+        os.environ.pop("DJINN_ADDRESS", None)
+    else:
+        os.environ["DJINN_ADDRESS"] = old
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _train(model, device: str, steps: int = 4) -> list[torch.Tensor]:
+    model = model.to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def test_backward_sends_its_graphs_without_waiting_and_matches_eager(frontend, monkeypatch):
+    sent = []
+    real = Session.run_graph_async
+
+    def counting(self, nodes, keep, inline):
+        sent.append(len(nodes))
+        return real(self, nodes, keep, inline)
+
+    monkeypatch.setattr(Session, "run_graph_async", counting)
+    want = _train(_model(), "cpu")
+    got = _train(_model(), R)
+    # per step: the forward (sent by backward's thread) and the backward (at its end)
+    assert len(sent) >= 2 * 4 - 1
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_a_request_made_while_a_graph_is_in_flight_reads_its_reply_first(frontend):
+    from djinn.frontend.session import default_session
+
+    s = default_session()
+    a = s.put(torch.arange(6.0))
+    nodes = [{"op": "aten::mul.Tensor", "args": [{"$h": a.handle}, 3.0]}]
+    flight = s.run_graph_async(nodes, [{"$v": 0}], [])
+    b = s.put(torch.ones(2))  # a request of its own while the graph's reply is unread
+    assert torch.equal(b.cpu(), torch.ones(2))
+    kept, fetched, failure = flight.outcome()
+    assert failure is None and fetched == []
+    assert torch.equal(kept[0].cpu(), torch.arange(6.0) * 3)
+
+
+def test_a_graph_that_fails_in_flight_fails_what_depends_on_it(frontend):
+    """The forward graph, sent by backward's thread, fails on the appliance (an index out
+    of range is only seen by the real kernel): the gradients hold the typed error, and
+    the session goes on."""
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    remote_w = torch.nn.Parameter(w.detach().to(R))
+    bad = torch.tensor([0, 7])  # row 7 of 4
+    with pytest.raises(DjinnError):
+        loss = remote_w.index_select(0, bad.to(R)).sum()
+        loss.backward()
+        remote_w.grad.cpu()
+    ok = torch.nn.Parameter(torch.randn(4, 3))
+    remote_ok = torch.nn.Parameter(ok.detach().to(R))
+    (remote_ok * 2).sum().backward()
+    assert torch.equal(remote_ok.grad.cpu(), torch.full((4, 3), 2.0))
+
+
+def test_a_worker_lost_with_a_graph_in_flight_is_recovered(frontend):
+    """The worker dies before the graph's reply is read: the recovering session is
+    rebuilt and the graph sent again, with the same result."""
+    from djinn.frontend.session import default_session
+
+    s = default_session()
+    a = s.put(torch.arange(4.0))
+    pid = next(w["pid"] for w in frontend.stats()["workers"] if w["id"] == s.worker)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in frontend.stats()["workers"]))
+    nodes = [{"op": "aten::add.Tensor", "args": [{"$h": a.handle}, 1.0]}]
+    flight = s.run_graph_async(nodes, [{"$v": 0}], [])
+    kept, _, failure = flight.outcome()
+    assert failure is None
+    assert torch.equal(kept[0].cpu(), torch.arange(4.0) + 1)
+    assert s.recovery_stats()["recoveries"] == 1
