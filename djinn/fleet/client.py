@@ -161,13 +161,17 @@ class FleetClient:
         it died, and the session's loss is the ordinary SESSION_LOST)."""
         import ray
 
-        with contextlib.suppress(Exception):
-            state, now_at = ray.get(self.directory.states.remote(), timeout=5).get(
-                appliance, ("dead", "")
-            )
-            if state == "dead" or now_at != endpoint:
-                row = ray.get(self.directory.describe.remote(appliance), timeout=5)
-                return f"the fleet lost it: {row.get('why') or 'Ray reports it dead'}"
+        # asked from a session's heartbeat thread too, when close() cut its connection:
+        # a Ray call after the program's ray.shutdown() would connect it again (Ray's
+        # auto-init), and the driver could then not take its own cluster down
+        if not self._closed.is_set() and ray.is_initialized():
+            with contextlib.suppress(Exception):
+                state, now_at = ray.get(self.directory.states.remote(), timeout=5).get(
+                    appliance, ("dead", "")
+                )
+                if state == "dead" or now_at != endpoint:
+                    row = ray.get(self.directory.describe.remote(appliance), timeout=5)
+                    return f"the fleet lost it: {row.get('why') or 'Ray reports it dead'}"
         addr = parse_address(endpoint)
         try:
             socket.create_connection((addr.host, addr.port), PROBE_TIMEOUT_S).close()
@@ -191,6 +195,8 @@ class FleetClient:
                 sessions = [s for s in self._sessions if s.usable]
             if not sessions:
                 continue
+            if self._closed.is_set() or not ray.is_initialized():
+                return  # (as in verdict: never a Ray call after ray.shutdown())
             try:
                 states = ray.get(self.directory.states.remote(), timeout=DIRECTORY_TIMEOUT_S)
             except Exception as exc:  # the directory is unreachable: sessions go on

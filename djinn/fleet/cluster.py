@@ -72,6 +72,12 @@ def start_directory(settings: dict[str, Any], token: str, *, detached: bool = Tr
     }
     if detached:
         options["lifetime"] = "detached"
+    # on the node that starts it (the head, for `djinn fleet start`), never left to the
+    # scheduler: an appliance node that dies must not take the fleet's directory with it
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
     actor = (
         ray.remote(FleetDirectory)
         .options(**options)

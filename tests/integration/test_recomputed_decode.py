@@ -36,8 +36,11 @@ def _interrupted_decode(app, steps: int = 5) -> tuple[list[int], list[int], dict
             logits, cache = _call(s, fp, nxt, past=cache)
 
         def row():
+            # the worker pushes its stats now and then: wait until the row counts every
+            # eviction and what brought each cache back (a swap-in or a recompute)
             r = next(r for r in client.stats()["sessions"] if r["id"] == s.id)
-            return r if r["evictions"] >= steps - 1 else None
+            back = r["swaps_in"] + r["recomputes"]
+            return r if r["evictions"] >= steps - 1 and back >= steps - 1 else None
 
         stats = wait_for(row)
     with torch.no_grad():

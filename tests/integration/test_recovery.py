@@ -187,7 +187,8 @@ def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recoverin
 
     model = _gpt2()
     ids = torch.tensor([[5, 6, 7]])
-    clean = model.generate(ids, max_new_tokens=120, do_sample=False).tolist()
+    # long enough that the kill, made once the stats show the call, lands inside it
+    clean = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
     session = default_session()
 
     def killer() -> None:  # kill the worker while it runs generate()
@@ -202,7 +203,7 @@ def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recoverin
 
     t = threading.Thread(target=killer)
     t.start()
-    interrupted = model.generate(ids, max_new_tokens=120, do_sample=False).tolist()
+    interrupted = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
     t.join()
     assert interrupted == clean
     assert session.recovery_stats()["recoveries"] == 1
