@@ -283,9 +283,7 @@ def main() -> int:
         "kill_to_recovered_s": {"p50": pct(to_recovered, 0.5), "p99": pct(to_recovered, 0.99)},
         "replayed_requests": stats["replayed"],
         "replay_kinds": stats["replay_kinds"],
-        "journal": {
-            k: v for k, v in journal.items() if k.startswith(("journal", "checkpoint"))
-        },
+        "journal": {k: v for k, v in journal.items() if k.startswith(("journal", "checkpoint"))},
         "leaks": {
             "shm_bytes": shm_after,
             "client_fds": len(fds_after) - len(fds_before),
