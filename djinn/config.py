@@ -416,6 +416,18 @@ SETTINGS: tuple[Setting, ...] = (
         high=3600.0,
     ),
     Setting(
+        "graph_chunk_ops",
+        4096,
+        "A thread that has captured this many ops without needing a value sends them to "
+        "the appliance without waiting (Note [streamed graphs]). This bounds the graph a "
+        "loop that never reads a value builds (an appliance takes at most 100,000 ops a "
+        "graph); the default leaves a model's forward whole, which measures fastest on a "
+        "CPU worker. 0: a graph is sent only when a value is needed.",
+        "int",
+        low=0,
+        high=100_000,
+    ),
+    Setting(
         "fallback",
         "error",
         "What a client does when the appliance it is configured to use (address, "

@@ -297,8 +297,16 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     return capture(func, args, kwargs)
 
 
+def _streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
+    """``trace``, its ops sent first if it holds a part's worth (Note [streamed graphs]);
+    called before an op is captured, when every earlier op's outputs are bound."""
+    if trace.chunk_ops and len(trace.nodes) >= trace.chunk_ops:
+        trace_mod.stream(trace)
+    return trace
+
+
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
-    trace = current()
+    trace = _streamed(current())
     a = _Args(trace, _values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
@@ -577,8 +585,9 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
             bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
             return dst
         if isinstance(ref, torch.Tensor) and ref.stride() == dst.stride():
-            node = Node(torch.ops.aten.clone.default, [ref], {}, current(), 1)
-            current().add(node)
+            trace = _streamed(current())
+            node = Node(torch.ops.aten.clone.default, [ref], {}, trace, 1)
+            trace.add(node)
             bind(dst, Pending(node, 0))
             return dst
     return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)

@@ -123,6 +123,7 @@ class Trace:
         self.lock = threading.RLock()
         self.recorders: list[Any] = []  # djinn.capture() blocks building an SRG
         self.backward_task = -1  # graph task whose end flushes this trace
+        self.chunk_ops = _chunk_ops()  # Note [streamed graphs]; 0: never streamed
 
     def _after_backward(self) -> None:
         self.backward_task = -1
@@ -148,6 +149,32 @@ class Trace:
             recorders = AUTOGRAD_RECORDERS
         for recorder in recorders:
             recorder.on_node(node)
+
+
+def _chunk_ops() -> int:
+    from djinn import config
+
+    return int(config.load().graph_chunk_ops)
+
+
+# -- Note [streamed graphs] -----------------------------------------------------------------
+# A thread that captures a long run of ops without reading a value (a model's forward, a
+# loop that only ever writes) sends every `graph_chunk_ops` ops as a graph of their own,
+# without waiting (Note [asynchronous flushes]). Without it a loop that never reads built
+# one unbounded graph, and past the appliance's 100,000 ops a graph it failed as a whole
+# (INVALID_ARGUMENT) when a value was finally read. The cut is made before an op is
+# captured, never inside one: every earlier op's outputs are bound to their LazyTensors by
+# then, so what is still alive (the residual stream, the current op's arguments) is kept as
+# a handle, exactly as at any `.item()`. Counting restarts at every flush, so a loop cuts
+# at the same ops each time and its parts repeat as cached templates.
+# Why the default (4096) leaves a model's forward whole: cutting lets the worker run one
+# part while the client captures the next, but on a CPU worker sharing the client's cores
+# the overlap loses to the contention and the extra round trips (benchmarks/capture.py,
+# GPT-2 12 layers, 807 ops: one graph 1.46x local; cut every 400 ops 1.55x, 64 ops 1.89x,
+# 16 ops 1.98x).
+def stream(trace: Trace) -> None:
+    """Send what ``trace`` captured so far, without waiting (Note [streamed graphs])."""
+    flush(trace, wait=False)
 
 
 _local = threading.local()
