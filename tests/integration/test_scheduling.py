@@ -81,7 +81,10 @@ def _race(app, small_kind: str) -> tuple[list[str], torch.Tensor, dict]:
         order.append("small")
         t.join(120)
         assert "error" not in done, done
-        sched = app.stats()["scheduler"][0]
+        # the stats row is pushed apart from replies (at most every STATS_PUSH_S): wait
+        # until it counts all five requests (ALLOC and PUT of the matrix, the small put,
+        # the graph, the small request); stop 23's suite read a row without the preemption
+        sched = wait_for(lambda: (row := app.stats()["scheduler"][0])["completed"] >= 5 and row)
     return order, done["y"], sched
 
 
