@@ -189,6 +189,8 @@ def test_generate_on_the_appliance_joins_the_batches(fresh_appliance):
         with torch.no_grad():
             want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(got[i], want), i
-    with app.connect() as client:
-        batching = client.stats()["scheduler"][0]["batching"]
-    assert batching["batches"] >= 1 and batching["largest"] >= 2, batching
+    with app.connect() as client:  # the stats row is pushed apart from replies: wait for it
+        batching = wait_for(
+            lambda: (b := client.stats()["scheduler"][0]["batching"])["batches"] and b
+        )
+    assert batching["largest"] >= 2, batching
