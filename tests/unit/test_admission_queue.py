@@ -24,17 +24,13 @@ def test_a_new_request_never_inherits_the_deadline_of_an_old_one():
     first = _frame(1)
     assert q.park(s, first, short, used=1000)
     q.ready(0)  # memory was freed: taken out to run again ...
-    old = id(first)
-    del first  # ... and answered on a path that never called ran() (an internal error)
-    time.sleep(0.1)  # the old request's deadline has passed
-    kept = []
-    for rid in range(2, 10_000):  # a new frame at the freed address (CPython reuses it)
-        frame = _frame(rid)
-        if id(frame) == old:
-            break
-        kept.append(frame)
-    else:
-        raise AssertionError("no frame reused the address")
+    time.sleep(0.1)  # ... and answered on a path that never called ran() (an internal
+    # error), and the old request's deadline has passed. The next request's frame may be
+    # a new object at the freed address (CPython reuses them, but not reliably enough for
+    # a test: CI once found none in 10,000 tries): the same object, carrying the new
+    # request, has that address for certain.
+    frame = first
+    frame.header = Header(Kind.CALL, 0, 2, 0, 0)
     assert q.park(s, frame, short, used=1000), "a fresh request was refused without waiting"
 
 
