@@ -41,7 +41,7 @@ from djinn.semantics.registry import default_registry
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
-from . import control, prewarm, worker_stats
+from . import control, gc_freeze, prewarm, worker_stats
 from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
@@ -103,6 +103,8 @@ class Worker:
         # Note [prewarm]: once ready, unless the operator turned it off
         wanted = prewarm.modules_for(allowlist) if init.get("prewarm", True) else ()
         self.prewarm = prewarm.Prewarm(wanted)
+        self.freezer = gc_freeze.FreezeImports()  # Note [frozen imports]
+        self.adopted = 0  # sessions ever adopted
         self.memory = self._memory_manager(init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
@@ -169,6 +171,7 @@ class Worker:
         )
         self.push_stats(force=True)
         self.busy.start()  # Note [busy stats] (busy.py)
+        self.freezer.at_ready()  # Note [frozen imports] (gc_freeze.py)
         self.prewarm.start()
         while not self.stopping:
             try:
@@ -201,6 +204,9 @@ class Worker:
                 # heartbeats are read between its slices, but late (a slice is one op, and
                 # an op can take seconds): nobody's lease runs out until it is over.
                 self.busy_until = time.monotonic()
+        if not self.freezer.decided:  # Note [frozen imports]
+            pristine = not self.adopted and not self.models.entries
+            self.freezer.after_prewarm(self.prewarm.state, pristine)
         if self.admission.queue:
             self.admit()
         while self.ready:  # parked requests whose wait is over
@@ -252,6 +258,7 @@ class Worker:
         ref = weakref.ref(session)
         reader.sink = lambda h, b, lengths: self.sink(ref(), h, b, lengths)
         self.sessions[sock.fileno()] = session
+        self.adopted += 1
         self.sel.register(sock, selectors.EVENT_READ, session)
         reply = {
             "session": session.id,
