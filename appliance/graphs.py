@@ -29,14 +29,19 @@ class GraphTemplates:
         self.hits = 0
         self.kept = 0
 
-    def expand(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The whole graph a ``{"graph": fp, "inputs", "scalars"}`` request stands for."""
-        fp = body.get("graph")
+    def template(self, fp: Any) -> dict[str, Any]:
+        """The template a request names (NOT_FOUND when it was let go)."""
         tpl = self._kept.get(fp) if isinstance(fp, str) else None
         if tpl is None:
             raise NotFound(f"no graph template {str(fp)[:40]!r} on this worker: send it whole")
         self._kept.move_to_end(fp)
         self.hits += 1
+        return tpl
+
+    def expand(self, body: dict[str, Any], tpl: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The whole graph a ``{"graph": fp, "inputs", "scalars"}`` request stands for."""
+        if tpl is None:
+            tpl = self.template(body.get("graph"))
         whole = templates.instantiate(tpl, body.get("inputs"), body.get("scalars"))
         if body.get("partial") is True:
             whole["partial"] = True

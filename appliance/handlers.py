@@ -7,7 +7,7 @@ no handler leaves a half-done change behind (a failing multi-tensor PUT keeps no
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import describe, from_wire, to_wire, validate
 
 from .executor.graph import GraphRun
+from .executor.plan import PlanRun, input_signature
 from .generate_steps import call_steps
 from .model_handlers import handle_call, handle_load, handle_register
 from .sessions import WorkerSession
@@ -156,19 +157,20 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     """EXEC one op at a time (the worker's scheduler may run other requests between two
     ops: Note [threading model] in scheduler.py). A graph may come as a template's
     fingerprint, or ask to be kept as one (Note [graph templates])."""
-    body, kept_as, template = frame.body, None, None
+    body, kept_as, record = frame.body, None, None
     if "graph" in body:
-        template = body["graph"]
-        body = w.graphs.expand(body)
-    elif body.get("cache") is True:
-        kept_as = w.graphs.keep(body)
-    run = GraphRun(body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"])
-    run.template = template
+        run, record = _template_run(w, s, frame)
+    else:
+        if body.get("cache") is True:
+            kept_as = w.graphs.keep(body)
+        run = GraphRun(body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"])
     run.input_storages = lambda: list(s.storages)
     try:
         keep, fetch = yield from run.steps()
     finally:
         w.store.recharge(s)  # an op may have grown a handle's storage (out=, in place)
+    if record is not None:
+        record()
     kept: list[Any] = []
     try:
         for value in keep:
@@ -203,6 +205,36 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
         node, exc = run.failed
         body["failed"] = {"node": node, "code": exc.code, "message": exc.message}
     return body, segments
+
+
+def _template_run(
+    w: Worker, s: WorkerSession, frame: Frame
+) -> tuple[GraphRun, Callable[[], Any] | None]:
+    """The run of a request that names a graph template: by its plan when one fits its
+    inputs, else interpreted, recording a plan when the template has come back often
+    enough (Note [graph plans]). Also what to call once an interpreted run completed."""
+    body, device, stack = frame.body, w.device.torch_device, w.store.vmu["stack"]
+    fp = body.get("graph")
+    tpl = w.graphs.template(fp)
+    inputs, scalars = body.get("inputs"), body.get("scalars")
+    tensors, signature = None, None
+    if w.plans.after > 0 and isinstance(inputs, list) and isinstance(scalars, list):
+        try:
+            tensors = [s.tensor(h) for h in inputs]
+        except NotFound:
+            tensors = None  # the interpreted run says which (if a node reads it)
+    if tensors is not None and all(type(v) is float for v in scalars):
+        signature = input_signature(tensors)
+        plan = w.plans.find(fp, signature, scalars)
+        if plan is not None:
+            return PlanRun(plan, fp, body, inputs, tensors, s.tensor, frame.segments, device,
+                           stack), None  # fmt: skip
+    run = GraphRun(w.graphs.expand(body, tpl), s.tensor, frame.segments, device, stack)
+    run.template = fp
+    if signature is None or not w.plans.should_record(fp):
+        return run, None
+    run.recording = []
+    return run, lambda: w.plans.record(fp, tpl, run, signature, scalars, len(inputs), device)
 
 
 def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:

@@ -156,6 +156,7 @@ class Supervisor:
                 "model_allowlist": cfg.model_allowlist,
                 "model_methods": cfg.model_methods,
                 "prewarm": cfg.prewarm,
+                "graph_plan_after": cfg.graph_plan_after,
             }
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:

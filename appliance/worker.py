@@ -46,6 +46,7 @@ from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
 from .executor.device import open_device
+from .executor.plan import GraphPlans
 from .graphs import GraphTemplates
 from .handlers import HANDLERS, STEPPED
 from .memtrim import keep_heap_warm, trim_heap
@@ -124,6 +125,7 @@ class Worker:
         self.scheduler = scheduler_from(init)  # Note [threading model] (scheduler.py)
         self.batcher = Batcher(self.scheduler.batch_max)  # Note [cross-session batching]
         self.graphs = GraphTemplates()  # Note [graph templates]
+        self.plans = GraphPlans(int(init.get("graph_plan_after", 2)))  # Note [graph plans]
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
@@ -271,7 +273,6 @@ class Worker:
         if session.via_unix:
             reply["arena"] = {"name": self.arena.name, "size": self.arena.size}
         self.reply(session, msg["request_id"], reply, [])
-        self.adopted += 1
         self._dirty = True
         self.push_stats(force=True)
 

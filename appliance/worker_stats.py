@@ -41,6 +41,7 @@ def build(w: Worker, now: float, serving_thread: bool) -> tuple[list[dict], dict
         "scheduler": {
             **w.scheduler.stats(),
             "graph_templates": w.graphs.stats(),
+            "graph_plans": w.plans.stats(),  # Note [graph plans]
             "batching": w.batcher.stats.as_dict(),
         },
         "adopted": w.adopted,

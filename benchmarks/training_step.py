@@ -15,20 +15,30 @@ to instead of CPU flash attention, rounds differently).
     python benchmarks/training_step.py            # 20 steps, 3 repeats
     python benchmarks/training_step.py --steps 5 --repeat 1
 
-With DJINN_ADDRESS unset an embedded appliance is started (one CPU worker). Goal
-(issue 11): remote at most 1.20x local eager.
+The remote loop runs on two private appliances (``djinn serve``, one CPU worker each,
+the same settings) that differ only in ``graph_plan_after``: the default, where the
+worker runs a repeated step by its execution plan (Note [graph plans]), and 0, where it
+interprets every step op by op. Repeats interleave local, remote and remote without
+plans, so all three see the same machine. Goal (issue 11): remote at most 1.20x local
+eager.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
-from _common import save_json
+from _appliance import appliance
+from _common import GiB, save_json
 from _report import md_table
 
 R = "remote_accelerator:0"
@@ -61,6 +71,27 @@ def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
     return time.perf_counter() - t0, params
 
 
+@contextlib.contextmanager
+def using(address: str) -> Iterator[None]:
+    """The transparent frontend's default session on the appliance at ``address``."""
+    from djinn.frontend import session
+
+    os.environ["DJINN_ADDRESS"] = address
+    session.reset()
+    try:
+        yield
+    finally:
+        session.reset()
+        os.environ.pop("DJINN_ADDRESS", None)
+
+
+def stats_plans(address: str) -> dict:
+    import djinn
+
+    with djinn.connect(address) as client:
+        return client.stats()["scheduler"][0]["graph_plans"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=64)
@@ -80,16 +111,34 @@ def main() -> int:
          torch.randn(args.batch, args.seq, 1, generator=gen))
         for _ in range(args.steps)
     ]  # fmt: skip
-    loop(model, batches[:2], R)  # warm: the appliance's kernels, the meta caches
-    loop(model, batches[:2], "cpu")
-    local_s, remote_s, diffs = [], [], []
-    for _ in range(args.repeat):
-        took, want = loop(model, batches, "cpu")
-        local_s.append(took)
-        took, got = loop(model, batches, R)
-        remote_s.append(took)
-        diffs.append(max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)))
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        (work / "plans").mkdir()
+        (work / "interpreted").mkdir()
+        planned = stack.enter_context(appliance(work / "plans", GiB, "none"))
+        interpreted = stack.enter_context(
+            appliance(work / "interpreted", GiB, "none", graph_plan_after=0)
+        )
+        for app in (planned, interpreted):
+            with using(app.unix):
+                loop(model, batches[:2], R)  # warm: the appliance's kernels, the meta caches
+        loop(model, batches[:2], "cpu")
+        local_s, remote_s, interp_s, diffs = [], [], [], []
+        for _ in range(args.repeat):
+            took, want = loop(model, batches, "cpu")
+            local_s.append(took)
+            with using(planned.unix):
+                took, got = loop(model, batches, R)
+            remote_s.append(took)
+            diffs.append(max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)))
+            with using(interpreted.unix):
+                took, other = loop(model, batches, R)
+            interp_s.append(took)
+            if any(not torch.equal(a, b) for a, b in zip(got, other, strict=True)):
+                raise AssertionError("a plan's results differ from the interpreted run's")
+        plans = stats_plans(planned.unix)
     local, remote = statistics.median(local_s), statistics.median(remote_s)
+    interp = statistics.median(interp_s)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     _, other = loop(model, batches, "cpu")
@@ -100,10 +149,15 @@ def main() -> int:
          "local vs local, other thread count"],
         [[f"{args.steps} Adam steps, TransformerEncoder {args.layers}x{args.width}",
           f"{local:.3f}", f"{remote:.3f}", f"{remote / local:.2f}x", f"{max(diffs):.1e}",
-          f"{floor:.1e}"]],
+          f"{floor:.1e}"],
+         ["same, the worker interpreting every step (graph_plan_after = 0)", f"{local:.3f}",
+          f"{interp:.3f}", f"{interp / local:.2f}x", "bit-identical to the row above", ""]],
     ))  # fmt: skip
+    print(f"\nplans: {plans['runs']} requests run by {plans['plans']} plans "
+          f"({plans['nodes']} nodes); refused templates: {plans['refused']}")  # fmt: skip
     print(f"\n(batch {args.batch} x {args.seq} tokens; medians of {args.repeat}; goal <= 1.20x)")
-    save_json({"local_s": local_s, "remote_s": remote_s, "max_param_diff": max(diffs),
+    save_json({"local_s": local_s, "remote_s": remote_s, "interpreted_s": interp_s,
+               "plans": plans, "max_param_diff": max(diffs),
                "local_threads_diff": floor,
                "args": vars(args), "torch": torch.__version__}, args.json)  # fmt: skip
     return 0

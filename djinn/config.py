@@ -428,6 +428,18 @@ SETTINGS: tuple[Setting, ...] = (
         high=100_000,
     ),
     Setting(
+        "graph_plan_after",
+        2,
+        "Runs of one graph template (a repeated forward, training or optimizer step) a "
+        "worker interprets op by op, every check included, before it records an execution "
+        "plan of it; later runs with inputs of the same shapes, strides and dtypes run the "
+        "plan: the same kernels without decoding or re-checking each op (Note [graph "
+        "plans]). 0: never.",
+        "int",
+        low=0,
+        high=1_000_000,
+    ),
+    Setting(
         "fallback",
         "error",
         "What a client does when the appliance it is configured to use (address, "

@@ -97,6 +97,9 @@ class GraphRun:
         # the fingerprint of the graph template this request instantiates, if any: what
         # depends only on the graph's structure is worked out once per template
         self.template: str | None = None
+        # Note [graph plans]: (op, bytes, meta output) of each node, while a plan of this
+        # run's template is being recorded
+        self.recording: list[tuple[Any, int, Any]] | None = None
         self.input_storages: Callable[[], list[int]] = lambda: []
 
     def run(self) -> tuple[list[Any], list[Any]]:
@@ -145,30 +148,54 @@ class GraphRun:
         kwargs = self._decode(node.get("kwargs", {}), i, 0)
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise InvalidArgument(f"node {i}: args must be a list and kwargs an object")
-        meta = self._check(op, args, kwargs, i)
+        need, meta = self._check(op, args, kwargs, i)
+        if self.recording is not None:  # Note [graph plans]: what the checks found
+            self.recording.append((op, need, meta))
+        self._call(i, op, node.get("op"), args, kwargs, meta, last_use)
+
+    def _call(
+        self,
+        i: int,
+        op: Any,
+        name: Any,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        meta: Any,
+        last_use: dict[int, list[int]],
+    ) -> None:
+        """The real kernel, once the node's checks passed, and what follows it: the
+        dtype the client was told, the bounds of what it returned, the stack's account,
+        and the intermediates this node was the last to read."""
         self.wrote = self.wrote or _writes(op)
         try:
             out = op(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
-            raise ExecutionError(f"{node.get('op')} (node {i}): {exc}") from None
+            raise ExecutionError(f"{name} (node {i}): {exc}") from None
         out = _like_meta(out, meta)
-        oppolicy.check_bounds(out, node.get("op"))
+        oppolicy.check_bounds(out, name)
         self.values[i] = out
         self._account(out, +1)
         for j in last_use.pop(i, ()):
             self._account(self.values.pop(j, None), -1)  # intermediate no longer needed
 
-    def _check(self, op: Any, args: list[Any], kwargs: dict[str, Any], i: int) -> Any:
+    def _check(self, op: Any, args: list[Any], kwargs: dict[str, Any], i: int) -> tuple[int, Any]:
         """Before the real kernel: arguments against the schema, then a meta run whose
         output must fit in what is left of the stack (Note [op validation]). Returns the
-        meta output (None when the op has no meta kernel)."""
+        bytes the op allocates and its meta output ((-1, None) when the op has no meta
+        kernel)."""
         try:
             opchecks.check(op, opargs.bind(op, args, kwargs, self.device))
             need, meta = metacheck.checked_run(op, args, kwargs)  # Note [meta signatures]
         except metacheck.NoMetaKernel:
-            return None
+            return -1, None
         except (InvalidArgument, ExecutionError) as exc:
             raise type(exc)(f"node {i}: {exc.message}") from None
+        self._make_room(op, need, i)
+        return need, meta
+
+    def _make_room(self, op: Any, need: int, i: int) -> None:
+        """``need`` bytes of stack for node ``i``, evicting what the policy gives up;
+        DeviceShort (the request may wait and run again) or RESOURCE_EXHAUSTED."""
         free = self.stack.vmu.make_room(need)  # Note [one device budget] (vmu/device.py)
         if need > free:
             text = (
@@ -178,7 +205,6 @@ class GraphRun:
             if self.wrote:  # Note [rerunnable graphs]: cannot wait and run again
                 raise ResourceExhausted(text + " (not queued: earlier ops wrote in place)")
             raise DeviceShort(text, need - free)
-        return meta
 
     def _seed(self, k: Any) -> None:
         """Random ops carry the client generator's state so a CPU worker draws exactly the

@@ -135,6 +135,7 @@ BAD_VALUES = {
     "restart_backoff_reset": [-1],
     "embedded_start_timeout": [0],
     "graph_chunk_ops": [-1, 100_001, 2.5, "many"],
+    "graph_plan_after": [-1, 1_000_001, 0.5, "often"],
     "fallback": ["remote", "", ["local"]],
     "fleet_placement": ["nearest", ""],
     "fleet_report_interval": [0, 61, "often"],

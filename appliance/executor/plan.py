@@ -1,0 +1,370 @@
+"""Execution plans for graph templates: a repeated graph run without re-interpreting it.
+
+Note [graph plans]: a template that keeps coming back (a training step, a forward, an
+optimizer step; Note [graph templates]) was interpreted node by node every time: the
+template instantiated into a whole graph, each argument decoded from tagged JSON, checked
+against its op's schema (``opargs``) and the op's extra checks (``opchecks``), and its
+meta outcome looked up under a signature computed from its arguments (``metacheck``,
+Note [meta signatures]). For one template, every one of those results is a function of
+the graph's inputs' metadata (dtype, sizes, strides, storage offset and size, which
+inputs share a storage) and of the floats that reach an op whose output may depend on
+their value (an op that is not number-free, Note [number-free signatures]); the graph's
+structure (ops, integers, inline tensors' descriptions) is the template itself.
+
+So once a template has run ``graph_plan_after`` times, its next run *records* while it
+runs with every check: per node the resolved op, the bytes its meta run said it
+allocates and its meta output. If that run completes, the record becomes a plan: per
+node the op, closures that build its arguments with every constant decoded once, the
+bytes, the meta output. A later request of the same template whose inputs have the same
+signature (and the same values for the floats above) runs the plan: the stack is asked
+for the recorded bytes (the VMU still decides, and evicts), the real kernel runs, then
+everything that follows a kernel in an interpreted run (the dtype the client was told,
+the bounds of what it returned, the stack's account, intermediates freed at their last
+use). Random ops are seeded per node as before. The kernels and their arguments are the
+same, so results are bit-identical to the interpreted run.
+
+What a plan cannot vouch for runs interpreted: inputs of another signature (a plan per
+signature, a few per template), a template with an op that has no meta kernel (its
+output's size depends on values, so later nodes' checks cannot be known in advance:
+the template is *refused* and never recorded again), a recording run that failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from djinn.errors import InvalidArgument
+from djinn.protocol.values import decode_constant, inline_tensor
+
+from ..vmu.device import Segment
+from . import metacheck
+from .graph import MAX_NODES, GraphRun, _writes
+
+log = logging.getLogger("djinn.appliance.plan")
+
+PLANS_PER_TEMPLATE = 4  # input signatures of one template with a plan each (LRU)
+MAX_PLAN_NODES = 200_000  # nodes of all plans together: a worker keeps as many templates
+
+# A compiled argument: (True, the constant) or (False, a getter of the run).
+Getter = Callable[["PlanRun"], Any]
+
+
+class PlanNode:
+    __slots__ = ("args", "kwargs", "meta", "name", "need", "op", "rng", "writes")
+
+    def __init__(
+        self,
+        op: Any,
+        name: str,
+        args: Getter,
+        kwargs: Getter,
+        need: int,
+        meta: Any,
+        rng: int | None,
+    ) -> None:
+        self.op, self.name, self.args, self.kwargs = op, name, args, kwargs
+        self.need, self.meta, self.rng = need, meta, rng
+        self.writes = _writes(op)
+
+
+class Plan:
+    def __init__(
+        self,
+        tpl: dict[str, Any],
+        nodes: list[PlanNode],
+        last_use: dict[int, list[int]],
+        signature: tuple,
+        key_scalars: tuple[int, ...],
+        scalar_values: tuple[float, ...],
+        inputs: int,
+        scalars: int,
+    ) -> None:
+        self.nodes = nodes
+        self.keep, self.fetch = tpl["keep"], tpl["fetch"]  # references, inputs as {"$in": j}
+        self.last_use = last_use
+        self.signature = signature
+        self.key_scalars = key_scalars  # scalars whose value an op's checks may depend on
+        self.scalar_values = scalar_values
+        self.inputs, self.scalars = inputs, scalars  # how many the template takes
+
+    def fits(self, signature: tuple, scalars: list[float]) -> bool:
+        return (
+            signature == self.signature
+            and len(scalars) == self.scalars
+            and tuple(scalars[k] for k in self.key_scalars) == self.scalar_values
+        )
+
+
+def input_signature(tensors: list[torch.Tensor]) -> tuple:
+    """What a graph's checks see of its inputs (Note [graph plans])."""
+    shared: dict[int, int] = {}
+    out = []
+    for t in tensors:
+        st = t.untyped_storage()
+        out.append(
+            (
+                t.dtype,
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+                st.nbytes(),
+                shared.setdefault(st._cdata, len(shared)),
+            )
+        )
+    return tuple(out)
+
+
+class PlanRun(GraphRun):
+    """A template's request run by its plan; stepping, partial graphs, the stack's
+    account and the reply are ``GraphRun``'s."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        fp: str,
+        body: dict[str, Any],
+        inputs: list[str],
+        tensors: list[torch.Tensor],
+        lookup: Callable[[str], torch.Tensor],
+        segments: list[memoryview],
+        device: torch.device,
+        stack: Segment,
+    ) -> None:
+        whole = {
+            "nodes": plan.nodes,
+            "keep": _refs(plan.keep, inputs),
+            "fetch": _refs(plan.fetch, inputs),
+            "partial": body.get("partial") is True,
+        }
+        super().__init__(whole, lookup, segments, device, stack)
+        self.plan = plan
+        self.template = fp
+        self.ins = tensors
+        self.scs: list[float] = body["scalars"]
+
+    def _last_uses(self) -> dict[int, list[int]]:
+        return dict(self.plan.last_use)
+
+    def _node(self, i: int, node: Any, last_use: dict[int, list[int]]) -> None:
+        if node.rng is not None:
+            self._seed(node.rng)
+        args, kwargs = node.args(self), node.kwargs(self)
+        if node.need >= 0:  # an op with no meta kernel never makes it into a plan
+            self._make_room(node.op, node.need, i)
+        self._call(i, node.op, node.name, args, kwargs, node.meta, last_use)
+
+
+def _refs(refs: Any, inputs: list[str]) -> list[dict[str, Any]]:
+    """A template's keep / fetch references with its inputs put back."""
+    return [{"$h": inputs[r["$in"]]} if "$in" in r else r for r in refs]
+
+
+class GraphPlans:
+    """The worker's plans, by template fingerprint and input signature (bounded LRU),
+    and the counts the stats document shows."""
+
+    def __init__(self, after: int, max_nodes: int = MAX_PLAN_NODES) -> None:
+        self.after = after  # interpreted runs of a template before one records; 0: never
+        self.max_nodes = max_nodes
+        self._plans: OrderedDict[str, list[Plan]] = OrderedDict()
+        self._nodes = 0
+        self._runs: dict[str, int] = {}  # interpreted runs since the template's last plan
+        self._refused: set[str] = set()  # templates no plan can serve
+        self.plan_runs = 0
+        self.recorded = 0
+        self.refused = 0
+
+    def find(self, fp: str, signature: tuple, scalars: list[float]) -> Plan | None:
+        plans = self._plans.get(fp)
+        if plans:
+            for plan in plans:
+                if plan.fits(signature, scalars):
+                    self._plans.move_to_end(fp)
+                    self.plan_runs += 1
+                    return plan
+        return None
+
+    def should_record(self, fp: str) -> bool:
+        """Count an interpreted run of ``fp``; whether this one records a plan."""
+        if self.after <= 0 or fp in self._refused:
+            return False
+        runs = self._runs[fp] = self._runs.get(fp, 0) + 1
+        if len(self._runs) > 4 * MAX_NODES:  # fingerprints only ever seen once or twice
+            self._runs.clear()
+        return runs > self.after
+
+    def record(
+        self,
+        fp: str,
+        tpl: dict[str, Any],
+        run: GraphRun,
+        signature: tuple,
+        scalars: list[float],
+        inputs: int,
+        device: torch.device,
+    ) -> Plan | None:
+        """Make a plan of ``tpl`` from a completed run that recorded (Note [graph plans])."""
+        recording = run.recording
+        if recording is None or run.failed is not None or len(recording) != len(tpl["nodes"]):
+            return None  # it failed part-way: the next run records again
+        if any(meta is None for _op, _need, meta in recording):
+            log.info("graph template %s: no plan (an op without a meta kernel)", fp[:12])
+            self._refused.add(fp)  # data-dependent sizes: never plannable
+            self._runs.pop(fp, None)
+            self.refused += 1
+            return None
+        nodes, key_scalars = [], set()
+        for node, (op, need, meta) in zip(tpl["nodes"], recording, strict=True):
+            args, kwargs = (
+                _compile(node.get("args", []), device),
+                _compile(node.get("kwargs", {}), device),
+            )
+            if not metacheck._shape_free(op):
+                _scalars_in(node.get("args"), key_scalars)
+                _scalars_in(node.get("kwargs"), key_scalars)
+            rng = node.get("rng")
+            nodes.append(
+                PlanNode(
+                    op,
+                    node.get("op"),
+                    _getter(args),
+                    _getter(kwargs),
+                    need,
+                    meta,
+                    rng if type(rng) is int else None,
+                )
+            )
+        keys = tuple(sorted(key_scalars))
+        plan = Plan(
+            tpl,
+            nodes,
+            run._last_uses(),
+            signature,
+            keys,
+            tuple(scalars[k] for k in keys),
+            inputs,
+            len(scalars),
+        )
+        plans = self._plans.setdefault(fp, [])
+        plans.insert(0, plan)
+        self._nodes += len(nodes)
+        while len(plans) > PLANS_PER_TEMPLATE:
+            self._nodes -= len(plans.pop().nodes)
+        self._plans.move_to_end(fp)
+        while self._nodes > self.max_nodes and self._plans:
+            _, old = self._plans.popitem(last=False)
+            self._nodes -= sum(len(p.nodes) for p in old)
+        self._runs.pop(fp, None)
+        self.recorded += 1
+        log.info("graph template %s: plan recorded (%d nodes)", fp[:12], len(nodes))
+        return plan
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "plans": sum(len(p) for p in self._plans.values()),
+            "nodes": self._nodes,
+            "runs": self.plan_runs,
+            "recorded": self.recorded,
+            "refused": self.refused,
+        }
+
+
+# -- compiling a template's arguments --------------------------------------------------------
+def _compile(x: Any, device: torch.device) -> tuple[bool, Any]:
+    """A template value as (True, its decoded constant) or (False, a getter of the run)."""
+    if isinstance(x, list):
+        parts = [_compile(v, device) for v in x]
+        if all(const for const, _ in parts):
+            return True, [v for _, v in parts]
+        base = [v if const else None for const, v in parts]
+        dyn = [(k, g) for k, (const, g) in enumerate(parts) if not const]
+
+        def build_list(run: PlanRun) -> list[Any]:
+            out = base.copy()
+            for k, g in dyn:
+                out[k] = g(run)
+            return out
+
+        return False, build_list
+    if not isinstance(x, dict):
+        return True, x
+    if len(x) == 1 and "$in" in x:
+        j = x["$in"]
+        return False, lambda run: run.ins[j]
+    if len(x) == 1 and "$s" in x:
+        k = x["$s"]
+        return False, lambda run: run.scs[k]
+    if "$v" in x:
+        n, i = x["$v"], x.get("i")
+        if i is None:
+            return False, lambda run: run.values[n]
+        return False, lambda run: run.values[n][i]
+    if "$h" in x:  # a handle the template kept as it is (one with more keys than "$h")
+        handle = x["$h"]
+        return False, lambda run: run.lookup(handle)
+    if "$t" in x:
+        return False, lambda run: inline_tensor(x, run.segments, run.device)
+    if any(isinstance(k, str) and k.startswith("$") for k in x) and _has_scalar(x):
+        # a tagged constant made of floats ({"$complex": [re, im]}): decoded each run
+        return False, lambda run: decode_constant(_filled(x, run.scs), run.device)[1]
+    found, value = decode_constant(x, device)
+    if found:
+        return True, value
+    items = {k: _compile(v, device) for k, v in x.items()}
+    if all(const for const, _ in items.values()):
+        return True, {k: v for k, (_, v) in items.items()}
+    fixed = {k: v for k, (const, v) in items.items() if const}
+    moving = [(k, g) for k, (const, g) in items.items() if not const]
+
+    def build_dict(run: PlanRun) -> dict[str, Any]:
+        out = fixed.copy()
+        for k, g in moving:
+            out[k] = g(run)
+        return out
+
+    return False, build_dict
+
+
+def _getter(compiled: tuple[bool, Any]) -> Getter:
+    const, value = compiled
+    if not const:
+        return value
+    if isinstance(value, list):
+        return lambda run: value.copy()  # a fresh top-level list each run, as decoded
+    if isinstance(value, dict):
+        return lambda run: value.copy()
+    raise InvalidArgument("a node's args must be a list and its kwargs an object")
+
+
+def _scalars_in(x: Any, found: set[int]) -> None:
+    if isinstance(x, list):
+        for v in x:
+            _scalars_in(v, found)
+    elif isinstance(x, dict):
+        if len(x) == 1 and "$s" in x:
+            found.add(x["$s"])
+        else:
+            for v in x.values():
+                _scalars_in(v, found)
+
+
+def _has_scalar(x: Any) -> bool:
+    found: set[int] = set()
+    _scalars_in(x, found)
+    return bool(found)
+
+
+def _filled(x: Any, scalars: list[float]) -> Any:
+    """``x`` with its ``{"$s": k}`` put back."""
+    if isinstance(x, list):
+        return [_filled(v, scalars) for v in x]
+    if isinstance(x, dict):
+        if len(x) == 1 and "$s" in x:
+            return scalars[x["$s"]]
+        return {k: _filled(v, scalars) for k, v in x.items()}
+    return x

@@ -1,0 +1,243 @@
+"""Note [graph plans]: a template's plan runs the same kernels on the same arguments as
+the interpreted run it was recorded from, and is only used where its checks still hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from djinn.appliance.executor.graph import GraphRun
+from djinn.appliance.executor.plan import GraphPlans, PlanRun, input_signature
+from djinn.appliance.vmu.device import DeviceShort, DeviceVMU, Segment
+from djinn.errors import ExecutionError, NotFound, ResourceExhausted
+from djinn.protocol import templates
+
+CPU = torch.device("cpu")
+
+
+class Session:
+    def __init__(self, **handles: torch.Tensor) -> None:
+        self.handles = handles
+
+    def tensor(self, h: str) -> torch.Tensor:
+        try:
+            return self.handles[h]
+        except KeyError:
+            raise NotFound(h) from None
+
+
+def body_of(nodes, keep=(), fetch=(), **extra):
+    return {"nodes": nodes, "keep": list(keep), "fetch": list(fetch), **extra}
+
+
+def interpreted(body, s: Session, stack, plans: GraphPlans | None = None, segments=()):
+    """Run ``body`` as the worker runs a template's request without a plan; with
+    ``plans``, recording one. (keep, fetch), and the plan if one was recorded."""
+    tpl, inputs, scalars = templates.template(body)
+    fp = templates.fingerprint(tpl)
+    whole = templates.instantiate(tpl, inputs, scalars)
+    whole["partial"] = body.get("partial") is True
+    run = GraphRun(whole, s.tensor, list(segments), CPU, stack)
+    run.template = fp
+    signature = input_signature([s.tensor(h) for h in inputs])
+    if plans is not None:
+        run.recording = []
+    out = run.run()
+    plan = None
+    if plans is not None:
+        plan = plans.record(fp, tpl, run, signature, scalars, len(inputs), CPU)
+    return out, plan, run
+
+
+def planned(body, s: Session, stack, plans: GraphPlans, segments=()):
+    """The same request run by a plan, if one fits; None otherwise."""
+    tpl, inputs, scalars = templates.template(body)
+    fp = templates.fingerprint(tpl)
+    tensors = [s.tensor(h) for h in inputs]
+    plan = plans.find(fp, input_signature(tensors), scalars)
+    if plan is None:
+        return None
+    request = {"graph": fp, "inputs": inputs, "scalars": scalars}
+    if body.get("partial"):
+        request["partial"] = True
+    run = PlanRun(plan, fp, request, inputs, tensors, s.tensor, list(segments), CPU, stack)
+    return run.run(), run
+
+
+def stack_of(capacity: int = 1 << 30) -> Segment:
+    return DeviceVMU(capacity)["stack"]
+
+
+def _step(lr: float, beta: float):
+    """An optimizer-like graph: floats become the template's scalars."""
+    return body_of(
+        [
+            {"op": "aten::mul.Tensor", "args": [{"$h": "g"}, {"$h": "g"}]},
+            {"op": "aten::mul.Scalar", "args": [{"$h": "m"}, beta]},
+            {"op": "aten::add.Tensor", "args": [{"$v": 1}, {"$v": 0}], "kwargs": {"alpha": 0.1}},
+            {"op": "aten::topk.default", "args": [{"$v": 2}, 2]},
+            {
+                "op": "aten::sub_.Tensor",
+                "args": [{"$h": "w"}, {"$h": "g"}],
+                "kwargs": {"alpha": lr},
+            },
+            {
+                "op": "aten::sum.dim_IntList",
+                "args": [{"$v": 2}, [1]],
+                "kwargs": {"dtype": {"$dtype": "float64"}},
+            },
+        ],
+        keep=[{"$v": 2}],
+        fetch=[{"$v": 3, "i": 1}, {"$v": 5}, {"$h": "w"}],
+    )
+
+
+def _session():
+    torch.manual_seed(0)
+    return Session(g=torch.randn(4, 5), m=torch.randn(4, 5), w=torch.randn(4, 5))
+
+
+def test_a_plan_gives_what_the_interpreter_gives_with_other_scalars():
+    plans, stack = GraphPlans(after=1), stack_of()
+    a, b = _session(), _session()
+    _, plan, _ = interpreted(_step(0.1, 0.9), a, stack, plans)
+    assert plan is not None and plans.recorded == 1
+    interpreted(_step(0.1, 0.9), b, stack)
+    for lr, beta in ((0.01, 0.99), (0.5, 0.5)):  # new floats: the same plan
+        (want_keep, want_fetch), _, _ = interpreted(_step(lr, beta), a, stack)
+        (got_keep, got_fetch), _ = planned(_step(lr, beta), b, stack, plans)
+        for got, want in zip(got_keep + got_fetch, want_keep + want_fetch, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(a.handles["w"], b.handles["w"])  # the in-place update happened once
+    assert plans.plan_runs == 2
+    assert stack.used == 0  # every stack byte released, as after an interpreted run
+
+
+def test_inputs_of_another_signature_get_no_plan():
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = _session()
+    interpreted(_step(0.1, 0.9), s, stack, plans)
+    other = Session(g=torch.randn(3, 5), m=torch.randn(3, 5), w=torch.randn(3, 5))
+    assert planned(_step(0.1, 0.9), other, stack, plans) is None  # other sizes
+    strided = Session(g=torch.randn(5, 4).t(), m=torch.randn(4, 5), w=torch.randn(4, 5))
+    assert planned(_step(0.1, 0.9), strided, stack, plans) is None  # other strides
+    base = torch.randn(4, 5)
+    shared = Session(g=base, m=base, w=torch.randn(4, 5))
+    assert planned(_step(0.1, 0.9), shared, stack, plans) is None  # two inputs, one storage
+    as_double = Session(**{k: v.double() for k, v in s.handles.items()})
+    assert planned(_step(0.1, 0.9), as_double, stack, plans) is None  # another dtype
+
+
+def test_a_float_that_decides_a_shape_is_part_of_the_plans_key():
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = Session(x=torch.zeros(1))
+
+    def arange(end: float):
+        nodes = [
+            {"op": "aten::arange.start_step", "args": [0, end, 1],
+             "kwargs": {"dtype": {"$dtype": "float32"}}},
+            {"op": "aten::add.Tensor", "args": [{"$v": 0}, {"$h": "x"}]},
+        ]  # fmt: skip
+        return body_of(nodes, fetch=[{"$v": 1}])
+
+    interpreted(arange(5.0), s, stack, plans)
+    (_, fetch), _ = planned(arange(5.0), s, stack, plans)
+    assert torch.equal(fetch[0], torch.arange(0, 5.0, 1))
+    assert planned(arange(7.0), s, stack, plans) is None  # another length: interpreted
+    (_, fetch), _, _ = interpreted(arange(7.0), s, stack)
+    assert fetch[0].shape == (7,)
+
+
+def test_a_graph_with_data_dependent_sizes_is_never_planned():
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = Session(x=torch.tensor([0.0, 1.0, 0.0, 2.0]))
+    body = body_of([{"op": "aten::nonzero.default", "args": [{"$h": "x"}]}], fetch=[{"$v": 0}])
+    tpl, _, _ = templates.template(body)
+    fp = templates.fingerprint(tpl)
+    assert plans.should_record(fp) is False  # first run: interpreted, not recorded
+    assert plans.should_record(fp) is True
+    _, plan, _ = interpreted(body, s, stack, plans)
+    assert plan is None and plans.refused == 1
+    assert all(plans.should_record(fp) is False for _ in range(3))  # never again
+
+
+def test_a_failed_recording_run_makes_no_plan():
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = Session(x=torch.randn(3, 4), i=torch.tensor([0, 7]))
+    body = body_of(
+        [
+            {"op": "aten::index_select.default", "args": [{"$h": "x"}, 0, {"$h": "i"}]},
+            {"op": "aten::neg.default", "args": [{"$h": "x"}]},
+        ],
+        fetch=[{"$v": 1}],
+        partial=True,
+    )
+    _, plan, run = interpreted(body, s, stack, plans)
+    assert run.failed is not None and plan is None and plans.recorded == 0
+
+
+def test_a_plan_still_fails_where_the_kernel_refuses_values():
+    """Index values are not part of a plan's key: the kernel's own check still runs."""
+    plans, stack = GraphPlans(after=1), stack_of()
+    ok = Session(x=torch.randn(3, 4), i=torch.tensor([0, 2]))
+    body = body_of(
+        [{"op": "aten::index_select.default", "args": [{"$h": "x"}, 0, {"$h": "i"}]}],
+        fetch=[{"$v": 0}],
+    )
+    interpreted(body, ok, stack, plans)
+    bad = Session(x=ok.handles["x"], i=torch.tensor([0, 7]))
+    with pytest.raises(ExecutionError, match="index_select"):
+        planned(body, bad, stack, plans)
+    assert stack.used == 0
+
+
+def crowded() -> Segment:
+    """A 1 MiB stack 900 KiB of which another request holds."""
+    stack = stack_of(1 << 20)
+    stack.reserve(900 << 10)
+    return stack
+
+
+def test_a_plan_asks_the_stack_for_the_bytes_the_checks_found():
+    plans = GraphPlans(after=1)
+    s = Session(x=torch.randn(256, 256))
+    body = body_of([{"op": "aten::mm.default", "args": [{"$h": "x"}, {"$h": "x"}]}],
+                   fetch=[{"$v": 0}])  # fmt: skip
+    interpreted(body, s, stack_of(), plans)
+    with pytest.raises(DeviceShort):  # short while others hold the rest: may wait
+        planned(body, s, crowded(), plans)
+    inplace = body_of(
+        [
+            {"op": "aten::add_.Tensor", "args": [{"$h": "x"}, 1]},
+            {"op": "aten::mm.default", "args": [{"$h": "x"}, {"$h": "x"}]},
+        ],
+        fetch=[{"$v": 1}],
+    )
+    interpreted(inplace, s, stack_of(), plans)
+    with pytest.raises(ResourceExhausted, match="wrote in place"):  # cannot wait and rerun
+        planned(inplace, s, crowded(), plans)
+
+
+def test_random_ops_draw_from_the_state_each_request_sends():
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = Session(x=torch.ones(8, 8))
+    body = body_of(
+        [{"op": "aten::native_dropout.default", "args": [{"$h": "x"}, 0.5, True], "rng": 0}],
+        fetch=[{"$v": 0, "i": 0}],
+    )
+    states = [torch.manual_seed(k).get_state() for k in (1, 2)]
+    seg = [memoryview(st.numpy()) for st in states]
+    interpreted(body, s, stack, plans, segments=seg[:1])
+    for k in (0, 1):
+        (_, want), _, _ = interpreted(body, s, stack, segments=seg[k : k + 1])
+        (_, got), _ = planned(body, s, stack, plans, segments=seg[k : k + 1])
+        assert torch.equal(got[0], want[0])
+
+
+def test_plans_are_bounded_by_their_nodes():
+    plans, stack = GraphPlans(after=1, max_nodes=12), stack_of()
+    for n in range(1, 6):  # five templates of 5 nodes: at most two fit
+        nodes = [{"op": "aten::add.Tensor", "args": [{"$h": "x"}, n]}]
+        nodes += [{"op": "aten::neg.default", "args": [{"$v": k}]} for k in range(4)]
+        interpreted(body_of(nodes, fetch=[{"$v": 4}]), Session(x=torch.ones(2)), stack, plans)
+    assert plans.stats()["nodes"] <= 12 and plans.stats()["plans"] == 2
