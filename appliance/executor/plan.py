@@ -43,12 +43,13 @@ from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
 from . import metacheck
-from .graph import MAX_NODES, GraphRun, _writes
+from .graph import GraphRun, _writes
 
 log = logging.getLogger("djinn.appliance.plan")
 
 PLANS_PER_TEMPLATE = 4  # input signatures of one template with a plan each (LRU)
 MAX_PLAN_NODES = 200_000  # nodes of all plans together: a worker keeps as many templates
+MAX_COUNTED = 4096  # templates whose interpreted runs are counted (the worker keeps 256)
 
 # A compiled argument: (True, the constant) or (False, a getter of the run).
 Getter = Callable[["PlanRun"], Any]
@@ -194,7 +195,7 @@ class GraphPlans:
         if self.after <= 0 or fp in self._refused:
             return False
         runs = self._runs[fp] = self._runs.get(fp, 0) + 1
-        if len(self._runs) > 4 * MAX_NODES:  # fingerprints only ever seen once or twice
+        if len(self._runs) > MAX_COUNTED:  # templates let go since: count them again
             self._runs.clear()
         return runs > self.after
 
