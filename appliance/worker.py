@@ -65,6 +65,14 @@ from .vmu.tiers import TierMover
 log = logging.getLogger("djinn.appliance.worker")
 
 LOOP_TICK_S = 0.1  # lease sweep and stats push granularity
+SWEEP_S = 0.01  # the lease sweep runs at most this often (leases are seconds long)
+# Note [unscheduled heartbeats]: a HEARTBEAT or PING is answered as soon as it is read,
+# not queued for the scheduler. It does no work (its reply is the session's byte count),
+# so there is nothing to order, weigh or charge to a tenant, and its session has no other
+# request in the scheduler (the loop reads no frame of a session that has one). The
+# scheduler's submit, choice and accounting were a third of the worker's CPU time for a
+# heartbeat (benchmarks/transport.py's protocol floor).
+UNSCHEDULED = frozenset({Kind.HEARTBEAT, Kind.PING})
 STATS_PUSH_S = 0.1  # stats freshness when only byte counts changed
 STATS_PART_SESSIONS = 200  # session rows per stats datagram (Note [stats in parts])
 MAX_INLINE_FRAME = 256 << 20  # payload bytes one frame may make the worker buffer privately
@@ -106,6 +114,7 @@ class Worker:
         self.prewarm = prewarm.Prewarm(wanted)
         self.freezer = gc_freeze.FreezeImports()  # Note [frozen imports]
         self.adopted = 0  # sessions ever adopted
+        self._sweep_due = 0.0
         self.memory = self._memory_manager(init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
@@ -344,6 +353,9 @@ class Worker:
 
     def sweep(self) -> None:
         now = time.monotonic()
+        if now < self._sweep_due:
+            return  # every SWEEP_S: it looks at every session, and leases last seconds
+        self._sweep_due = now + SWEEP_S
         if self.uploads.by_fp:
             self.requeue(self.uploads.abandon("", now))  # past UPLOAD_WAIT_S
         for s in list(self.sessions.values()):
@@ -419,7 +431,11 @@ class Worker:
                 return
             if frame is None:
                 return
-            self.scheduler.submit(s, frame, work_facts(s, frame, self.graphs.size_of))
+            if frame.kind in UNSCHEDULED:  # Note [unscheduled heartbeats]
+                for _ in self.dispatch_steps(s, frame):
+                    pass
+            else:
+                self.scheduler.submit(s, frame, work_facts(s, frame, self.graphs.size_of))
             if not s.reader.buffered():
                 return  # nothing pipelined: skip a recv that would only say EAGAIN
 
