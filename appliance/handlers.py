@@ -234,7 +234,7 @@ def _template_run(
     if signature is None or not w.plans.should_record(fp):
         return run, None
     run.recording = []
-    return run, lambda: w.plans.record(fp, tpl, run, signature, scalars, len(inputs), device)
+    return run, lambda: w.plans.record(fp, tpl, run, signature, scalars, device)
 
 
 def handle_exec(w: Worker, s: WorkerSession, frame: Frame) -> Reply:

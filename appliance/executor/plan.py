@@ -43,7 +43,7 @@ from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
 from . import metacheck
-from .graph import GraphRun, _writes
+from .graph import GraphRun
 
 log = logging.getLogger("djinn.appliance.plan")
 
@@ -56,7 +56,7 @@ Getter = Callable[["PlanRun"], Any]
 
 
 class PlanNode:
-    __slots__ = ("args", "kwargs", "meta", "name", "need", "op", "rng", "writes")
+    __slots__ = ("args", "kwargs", "meta", "name", "need", "op", "rng")
 
     def __init__(
         self,
@@ -70,7 +70,6 @@ class PlanNode:
     ) -> None:
         self.op, self.name, self.args, self.kwargs = op, name, args, kwargs
         self.need, self.meta, self.rng = need, meta, rng
-        self.writes = _writes(op)
 
 
 class Plan:
@@ -82,7 +81,6 @@ class Plan:
         signature: tuple,
         key_scalars: tuple[int, ...],
         scalar_values: tuple[float, ...],
-        inputs: int,
         scalars: int,
     ) -> None:
         self.nodes = nodes
@@ -91,7 +89,7 @@ class Plan:
         self.signature = signature
         self.key_scalars = key_scalars  # scalars whose value an op's checks may depend on
         self.scalar_values = scalar_values
-        self.inputs, self.scalars = inputs, scalars  # how many the template takes
+        self.scalars = scalars  # how many the template takes
 
     def fits(self, signature: tuple, scalars: list[float]) -> bool:
         return (
@@ -206,7 +204,6 @@ class GraphPlans:
         run: GraphRun,
         signature: tuple,
         scalars: list[float],
-        inputs: int,
         device: torch.device,
     ) -> Plan | None:
         """Make a plan of ``tpl`` from a completed run that recorded (Note [graph plans])."""
@@ -248,7 +245,6 @@ class GraphPlans:
             signature,
             keys,
             tuple(scalars[k] for k in keys),
-            inputs,
             len(scalars),
         )
         plans = self._plans.setdefault(fp, [])

@@ -45,7 +45,7 @@ def interpreted(body, s: Session, stack, plans: GraphPlans | None = None, segmen
     out = run.run()
     plan = None
     if plans is not None:
-        plan = plans.record(fp, tpl, run, signature, scalars, len(inputs), CPU)
+        plan = plans.record(fp, tpl, run, signature, scalars, CPU)
     return out, plan, run
 
 
