@@ -36,6 +36,7 @@ RECORDED = frozenset(
         "aten::_pdist_forward.default",
         "aten::_prelu_kernel.default",
         "aten::_safe_softmax.default",
+        "aten::_scaled_dot_product_flash_attention_for_cpu.default",
         "aten::_softmax.default",
         "aten::_softmax_backward_data.default",
         "aten::_to_copy.default",

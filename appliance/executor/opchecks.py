@@ -82,7 +82,33 @@ def _pdist(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: p must be a non-negative finite number")
 
 
+def _flash_cpu(op: str, a: dict[str, Any]) -> None:
+    """The CPU flash-attention kernel (Note [fused attention] in djinn/frontend/attention.py)
+    reads the key and value at the query's batch and head indices, with the query's head
+    size, and steps through the last dimension one element at a time: it checks none of
+    that. Its meta kernel only derives the output from the query."""
+    q, k, v = a.get("query"), a.get("key"), a.get("value")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        raise InvalidArgument(f"{op}: query, key and value must be 4-D tensors")
+    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
+        raise InvalidArgument(f"{op}: query, key and value must share one floating dtype")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise InvalidArgument(
+            f"{op}: key and value must have the query's batch, heads and head size "
+            f"(query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)})"
+        )
+    if 0 in q.shape or 0 in k.shape:
+        raise InvalidArgument(f"{op}: empty query, key or value")
+    if any(t.stride(3) != 1 for t in (q, k, v)):
+        raise InvalidArgument(f"{op}: the last dimension must be contiguous")
+    if a.get("attn_mask") is not None:
+        raise InvalidArgument(f"{op}: attn_mask is not taken here (the math path is)")
+    if a.get("dropout_p", 0.0) != 0.0:
+        raise InvalidArgument(f"{op}: dropout_p must be 0")
+
+
 CHECKS: dict[str, Check] = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _flash_cpu,
     "aten::_pdist_forward": _pdist,
     "aten::_pdist_backward": _pdist,
     "aten::_native_batch_norm_legit": _per_channel,

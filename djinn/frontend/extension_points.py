@@ -10,7 +10,8 @@ PyTorch is as it was). Which holder, and so which scope, each one has:
 | BACKEND         | the PrivateUse1 backend and its device module    | ``import djinn``      |
 | KERNELS         | PrivateUse1 fallback, ``_to_copy`` (which also   | ``import djinn``      |
 |                 | routes ``model.to`` to the model path: Note      |                       |
-|                 | [module to]), autocast,                          |                       |
+|                 | [module to]), attention (Note [fused attention]),|                       |
+|                 | autocast,                                        |                       |
 |                 | pinned-memory kernels (dispatcher registrations) |                       |
 | SERIALIZATION   | a ``torch.serialization`` package                | ``import djinn``      |
 | FORWARD_HOOKS   | global module forward hooks (module paths)       | open ``capture()``    |
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from . import autocast, device_module, factories, hooks, pinned, serialization
+from . import attention, autocast, device_module, factories, hooks, pinned, serialization
 from .device import DEVICE_TYPE
 
 _lock = threading.RLock()
@@ -111,6 +112,12 @@ def _attach_kernels() -> list[torch.library.Library]:
     libraries.append(lib)
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_to_copy", factories.to_copy, "PrivateUse1")  # Note [to_copy kernel]
+    # Note [fused attention]: on the autograd key, above the op's own decomposition
+    lib.impl(
+        "scaled_dot_product_attention",
+        attention.scaled_dot_product_attention,
+        "AutogradPrivateUse1",
+    )
     libraries.append(lib)
     # autocast: every op falls through, the listed ones get CUDA's casts. A Python
     # *fallback* on this key makes PyTorch assert (func != nullptr, python_dispatch.cpp).

@@ -43,6 +43,15 @@ def default_session() -> Any:
         return _session
 
 
+def current_device_type() -> str | None:
+    """The device type (``cpu``, ``cuda``) of the default session's worker, or None when
+    there is no usable default session yet (none is started here)."""
+    session = _session
+    if session is None or not session.usable:
+        return None
+    return str(session.device).partition(":")[0] or None
+
+
 def _recovering() -> bool:
     """Note [lineage journal]: the default session is rebuilt after a worker is lost
     unless ``recovery_retries`` is 0."""

@@ -1,0 +1,71 @@
+"""``scaled_dot_product_attention`` on the remote device: the kernel local eager would use.
+
+Note [fused attention]: ``F.scaled_dot_product_attention`` picks its kernel by device
+type, through a C++ dispatch stub that only CPU and CUDA fill. On ``remote_accelerator``
+it found none and fell back to the math decomposition: about 30 captured ops per call
+(``bmm``, ``expand``, ``clone``, a causal mask built with ``tril`` and ``where``,
+``_safe_softmax``...) where local eager on a CPU runs one fused flash-attention kernel.
+A GPT-2 forward captured 845 ops remotely against 446 locally, and its attention ran
+other kernels than local eager's, with other rounding.
+
+So the remote device gets its own kernel for the op, on the autograd key (the op is
+composite: below autograd it would already be decomposed). When local eager on a CPU
+would take the flash kernel and the session's worker is a CPU worker, it captures that
+kernel, ``_scaled_dot_product_flash_attention_for_cpu``, as one op: inference only (no
+input needs a gradient), no dropout, no ``attn_mask``, 4-D query, key and value of one
+floating dtype with the query's batch, heads and head size and a contiguous last
+dimension (what the CPU kernel assumes; the appliance checks it again, Note [op
+validation]). Anything else takes PyTorch's own composite path, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as on a CPU
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    if attn_mask is None and not enable_gqa and _fused(query, key, value, dropout_p):
+        return _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    return _SDPA.decompose(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    if dropout_p != 0.0 or not torch.backends.cuda.flash_sdp_enabled():
+        return False  # (PyTorch's switch for flash attention covers the CPU kernel too)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES):
+        return False
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return False
+    if 0 in q.shape or 0 in k.shape or any(t.stride(3) != 1 for t in (q, k, v)):
+        return False
+    return _worker_is_cpu()
+
+
+def _worker_is_cpu() -> bool:
+    """Whether the process's default session, if it has one, runs on a CPU worker (a
+    capture with no session yet keeps the composite path: nothing is started here)."""
+    from .session import current_device_type
+
+    return current_device_type() == "cpu"

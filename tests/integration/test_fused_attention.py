@@ -1,0 +1,100 @@
+"""Note [fused attention]: on a CPU worker, remote attention in inference is the one fused
+kernel local eager runs (the same numbers, one captured op); where local eager would not
+fuse, or a gradient is needed, it is PyTorch's composite path as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from djinn.frontend.session import default_session
+
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu.default"
+
+
+@pytest.fixture
+def sent_ops(remote, monkeypatch):
+    """The ops of every graph the default session sends from now on."""
+    ops: list[str] = []
+    session = default_session()
+    real = session._exec_form
+
+    def spy(body):
+        ops.extend(n["op"] for n in body["nodes"])
+        return real(body)
+
+    monkeypatch.setattr(session, "_exec_form", spy)
+    return ops
+
+
+def _qkv(*shape: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g) for _ in range(3)]
+
+
+def test_inference_attention_is_the_fused_kernel_with_local_eagers_numbers(remote, sent_ops):
+    q, k, v = _qkv(2, 4, 16, 8)
+    with torch.no_grad():
+        got = F.scaled_dot_product_attention(*(t.to(remote) for t in (q, k, v)), is_causal=True)
+        got = got.cpu()
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert FLASH in sent_ops and "aten::bmm.default" not in sent_ops
+
+
+def test_a_gpt2_forward_captures_as_many_ops_as_local_eager_runs(remote, sent_ops):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (1, 12))
+    remote_model = GPT2LMHeadModel(model.config).train()
+    remote_model.load_state_dict(model.state_dict())
+    remote_model = remote_model.to(remote).eval()  # moved in training mode: the graph path
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with Count():
+            want = model(ids, use_cache=False).logits
+        remote_model(ids.to(remote), use_cache=False).logits.cpu()  # uploads the weights
+        del sent_ops[:]
+        got = remote_model(ids.to(remote), use_cache=False).logits.cpu()
+    assert (got - want).abs().max().item() <= 1e-5
+    assert sent_ops.count(FLASH) == 2  # one per layer
+    assert len(sent_ops) <= Count.n + 5  # no decomposed attention (it was ~30 ops a layer)
+
+
+@pytest.mark.parametrize("case", ["gradient", "mask", "math backend"])
+def test_where_local_eager_would_not_fuse_the_composite_path_runs(remote, sent_ops, case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _qkv(2, 4, 16, 8)
+    mask = torch.rand(16, 16) > 0.3
+    if case == "gradient":
+        leaves = [t.to(remote).requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        out.sum().backward()
+        got = [t.grad.cpu() for t in leaves]
+        local = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*local, is_causal=True).sum().backward()
+        for g, w in zip(got, local, strict=True):
+            assert (g - w.grad).abs().max().item() <= 1e-5
+    else:
+        with torch.no_grad():
+            args = [t.to(remote) for t in (q, k, v)]
+            if case == "mask":
+                got = F.scaled_dot_product_attention(*args, attn_mask=mask.to(remote)).cpu()
+                want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                with sdpa_kernel([SDPBackend.MATH]):
+                    got = F.scaled_dot_product_attention(*args, is_causal=True).cpu()
+                    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert (got - want).abs().max().item() <= 1e-5
+    assert FLASH not in sent_ops
