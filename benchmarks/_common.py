@@ -39,4 +39,6 @@ def save_json(doc: Any, target: str) -> Path | None:
 
 
 def note(msg: str) -> None:
-    print(f"[transport] {msg}", file=sys.stderr, flush=True)
+    """A progress line on stderr, named by the script that prints it (every benchmark
+    shares this helper: it said ``[transport]`` for all of them)."""
+    print(f"[{Path(sys.argv[0]).stem or 'benchmark'}] {msg}", file=sys.stderr, flush=True)
