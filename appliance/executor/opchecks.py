@@ -107,8 +107,36 @@ def _flash_cpu(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: dropout_p must be 0")
 
 
+def _flash_cpu_backward(op: str, a: dict[str, Any]) -> None:
+    """Its backward (allowed as the ``_backward`` of an allowed op) reads ``out`` and
+    ``grad_out`` at the query's indices, ``out`` with a unit last stride, and the
+    ``logsumexp`` at (batch, head, query row) as the accumulation dtype: it checks only
+    the head sizes."""
+    _flash_cpu(op, a)
+    q = a["query"]
+    out, grad, lse = a.get("out"), a.get("grad_out"), a.get("logsumexp")
+    if not all(isinstance(t, torch.Tensor) for t in (out, grad, lse)):
+        raise InvalidArgument(f"{op}: grad_out, out and logsumexp must be tensors")
+    if out.shape != q.shape or grad.shape != q.shape:
+        raise InvalidArgument(
+            f"{op}: out and grad_out must have the query's shape {list(q.shape)} "
+            f"(out {list(out.shape)}, grad_out {list(grad.shape)})"
+        )
+    if out.dtype != q.dtype or grad.dtype != q.dtype or out.stride(3) != 1:
+        raise InvalidArgument(
+            f"{op}: out and grad_out must be the query's dtype, out unit-strided last"
+        )
+    accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if lse.shape != q.shape[:3] or lse.dtype != accumulate:
+        raise InvalidArgument(
+            f"{op}: logsumexp must be {accumulate} of shape {list(q.shape[:3])} "
+            f"(got {lse.dtype} {list(lse.shape)})"
+        )
+
+
 CHECKS: dict[str, Check] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": _flash_cpu,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _flash_cpu_backward,
     "aten::_pdist_forward": _pdist,
     "aten::_pdist_backward": _pdist,
     "aten::_native_batch_norm_legit": _per_channel,

@@ -1,6 +1,7 @@
-"""Note [fused attention]: on a CPU worker, remote attention in inference is the one fused
-kernel local eager runs (the same numbers, one captured op); where local eager would not
-fuse, or a gradient is needed, it is PyTorch's composite path as before."""
+"""Note [fused attention]: on a CPU worker, remote attention is the one fused kernel local
+eager runs (the same numbers, one captured op; in training its backward too), with local
+eager's strides; where local eager would not fuse, it is PyTorch's composite path as
+before."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from djinn.frontend.session import default_session
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu.default"
+FLASH_BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default"
 
 
 @pytest.fixture
@@ -71,30 +73,59 @@ def test_a_gpt2_forward_captures_as_many_ops_as_local_eager_runs(remote, sent_op
     assert len(sent_ops) <= Count.n + 5  # no decomposed attention (it was ~30 ops a layer)
 
 
-@pytest.mark.parametrize("case", ["gradient", "mask", "math backend"])
+def _layouts(q: torch.Tensor) -> dict[str, torch.Tensor]:
+    b, h, n, e = q.shape
+    fused = torch.cat([q.transpose(1, 2).reshape(b, n, h * e)] * 3, dim=2)
+    return {
+        "contiguous": q.clone(),
+        "permuted": q.transpose(1, 2).contiguous().transpose(1, 2),
+        "split": fused.split(h * e, dim=2)[0].view(b, n, h, e).transpose(1, 2),  # as in GPT-2
+    }
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "split"])
+def test_the_output_has_local_eagers_strides_so_views_decided_on_the_client_hold(
+    remote, sent_ops, layout
+):
+    q, k, v = (_layouts(t)[layout] for t in _qkv(2, 4, 16, 8))
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q, k, v)
+        got = F.scaled_dot_product_attention(*(t.to(remote) for t in (q, k, v)))
+        assert got.stride() == want.stride()
+        merged = got.transpose(1, 2).reshape(2, 16, 32)  # a view or a copy, by the strides
+        assert torch.equal(merged.cpu(), want.transpose(1, 2).reshape(2, 16, 32))
+    assert FLASH in sent_ops
+
+
+def test_training_attention_runs_the_fused_kernel_and_its_backward(remote, sent_ops):
+    q, k, v = _qkv(2, 4, 16, 8)
+    leaves = [t.to(remote).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves)
+    (out * out).sum().backward()
+    local = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*local)
+    (want * want).sum().backward()
+    assert torch.equal(out.detach().cpu(), want.detach())
+    for g, w in zip(leaves, local, strict=True):
+        assert (g.grad.cpu() - w.grad).abs().max().item() <= 1e-5
+    assert FLASH in sent_ops and FLASH_BACKWARD in sent_ops
+    assert "aten::bmm.default" not in sent_ops
+
+
+@pytest.mark.parametrize("case", ["mask", "math backend"])
 def test_where_local_eager_would_not_fuse_the_composite_path_runs(remote, sent_ops, case):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = _qkv(2, 4, 16, 8)
     mask = torch.rand(16, 16) > 0.3
-    if case == "gradient":
-        leaves = [t.to(remote).requires_grad_() for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
-        out.sum().backward()
-        got = [t.grad.cpu() for t in leaves]
-        local = [t.clone().requires_grad_() for t in (q, k, v)]
-        F.scaled_dot_product_attention(*local, is_causal=True).sum().backward()
-        for g, w in zip(got, local, strict=True):
-            assert (g - w.grad).abs().max().item() <= 1e-5
-    else:
-        with torch.no_grad():
-            args = [t.to(remote) for t in (q, k, v)]
-            if case == "mask":
-                got = F.scaled_dot_product_attention(*args, attn_mask=mask.to(remote)).cpu()
-                want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            else:
-                with sdpa_kernel([SDPBackend.MATH]):
-                    got = F.scaled_dot_product_attention(*args, is_causal=True).cpu()
-                    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        assert (got - want).abs().max().item() <= 1e-5
+    with torch.no_grad():
+        args = [t.to(remote) for t in (q, k, v)]
+        if case == "mask":
+            got = F.scaled_dot_product_attention(*args, attn_mask=mask.to(remote)).cpu()
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            with sdpa_kernel([SDPBackend.MATH]):
+                got = F.scaled_dot_product_attention(*args, is_causal=True).cpu()
+                want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (got - want).abs().max().item() <= 1e-5
     assert FLASH not in sent_ops

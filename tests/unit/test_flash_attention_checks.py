@@ -64,3 +64,51 @@ def test_a_strided_last_dimension_a_mask_dropout_or_mixed_dtypes_are_refused():
         run(h, dropout_p=0.5)
     with pytest.raises(InvalidArgument, match="dtype"):
         run({**h, "v": h["v"].double()})
+
+
+BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+def run_backward(h: dict[str, torch.Tensor]):
+    names = ("grad_out", "q", "k", "v", "out", "lse")
+    node = {"op": BACKWARD, "args": [{"$h": n} for n in names] + [0.0, False], "kwargs": {}}
+    g = GraphRun(
+        {"nodes": [node], "fetch": [{"$v": 0, "i": 0}]},
+        h.__getitem__,
+        [],
+        torch.device("cpu"),
+        DeviceVMU(1 << 30)["stack"],
+    )
+    return g.run()[1][0]
+
+
+def forward_state():
+    h = {n: t.requires_grad_() for n, t in qkv().items()}
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(h["q"], h["k"], h["v"])
+    grad = torch.randn_like(out)
+    (out * grad).sum().backward()
+    state = {n: t.detach() for n, t in h.items()}
+    state.update(out=out.detach(), lse=lse.detach(), grad_out=grad)
+    return state, h["q"].grad
+
+
+def test_the_backward_on_well_formed_arguments_gives_autograds_gradient():
+    state, want = forward_state()
+    assert torch.equal(run_backward(state), want)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"lse": torch.zeros(2, 4, 4)},  # fewer rows than the query
+        {"lse": torch.zeros(2, 4, 8, dtype=torch.float64)},  # not the accumulation dtype
+        {"out": torch.zeros(2, 4, 4, 16)},  # out shorter than the query
+        {"grad_out": torch.zeros(1, 4, 8, 16)},  # grad_out of another batch
+        {"out": torch.zeros(2, 4, 16, 8).transpose(2, 3)},  # out strided last
+        {"k": torch.zeros(2, 2, 8, 16)},  # key with fewer heads
+    ],
+)
+def test_a_backward_that_would_read_past_its_tensors_is_refused(bad):
+    state, _ = forward_state()
+    with pytest.raises(InvalidArgument):
+        run_backward({**state, **bad})
