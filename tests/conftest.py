@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -175,18 +176,37 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         time.sleep(interval)
 
 
-@pytest.fixture(scope="session")
-def remote(appliance):
-    """The transparent frontend wired to the shared appliance (as DJINN_ADDRESS would)."""
+@contextlib.contextmanager
+def frontend_at(address: str):
+    """The transparent frontend's default session pointed at ``address`` (as
+    DJINN_ADDRESS would), reset on the way in and out."""
     import djinn  # noqa: F401 - registers the remote_accelerator device
     from djinn.frontend import session
 
     old = os.environ.get("DJINN_ADDRESS")
-    os.environ["DJINN_ADDRESS"] = appliance.unix
+    os.environ["DJINN_ADDRESS"] = address
     session.reset()
-    yield "remote_accelerator:0"
-    session.reset()
-    if old is None:
-        os.environ.pop("DJINN_ADDRESS", None)
-    else:
-        os.environ["DJINN_ADDRESS"] = old
+    try:
+        yield
+    finally:
+        session.reset()
+        if old is None:
+            os.environ.pop("DJINN_ADDRESS", None)
+        else:
+            os.environ["DJINN_ADDRESS"] = old
+
+
+@pytest.fixture(scope="session")
+def remote(appliance):
+    """The transparent frontend wired to the shared appliance."""
+    with frontend_at(appliance.unix):
+        yield "remote_accelerator:0"
+
+
+@pytest.fixture
+def own_frontend(fresh_appliance):
+    """The transparent frontend on an appliance of its own (one CPU worker that comes
+    back quickly), which a test may kill."""
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
+    with frontend_at(app.unix):
+        yield app

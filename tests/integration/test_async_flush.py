@@ -18,21 +18,9 @@ R = "remote_accelerator:0"
 
 
 @pytest.fixture
-def frontend(fresh_appliance):
+def frontend(own_frontend):
     """The transparent frontend on an appliance of its own."""
-    import djinn  # noqa: F401 - registers the remote_accelerator device
-    from djinn.frontend import session
-
-    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
-    old = os.environ.get("DJINN_ADDRESS")
-    os.environ["DJINN_ADDRESS"] = app.unix
-    session.reset()
-    yield app
-    session.reset()
-    if old is None:
-        os.environ.pop("DJINN_ADDRESS", None)
-    else:
-        os.environ["DJINN_ADDRESS"] = old
+    return own_frontend
 
 
 def _model():

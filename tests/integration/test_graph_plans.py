@@ -4,11 +4,9 @@ and the stats document says how many requests plans ran."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tests.conftest import wait_for
+from tests.conftest import frontend_at, wait_for
 
 R = "remote_accelerator:0"
 
@@ -16,12 +14,7 @@ R = "remote_accelerator:0"
 def _train(app, steps: int) -> list[torch.Tensor]:
     """An MLP with dropout (a random op in every step) trained with Adam on ``app``
     through the transparent frontend; its parameters after ``steps`` steps."""
-    from djinn.frontend import session
-
-    old = os.environ.get("DJINN_ADDRESS")
-    os.environ["DJINN_ADDRESS"] = app.unix
-    session.reset()
-    try:
+    with frontend_at(app.unix):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
@@ -35,12 +28,6 @@ def _train(app, steps: int) -> list[torch.Tensor]:
             loss.backward()
             opt.step()
         return [p.detach().cpu() for p in model.parameters()]
-    finally:
-        session.reset()
-        if old is None:
-            os.environ.pop("DJINN_ADDRESS", None)
-        else:
-            os.environ["DJINN_ADDRESS"] = old
 
 
 def _plans(app) -> dict:

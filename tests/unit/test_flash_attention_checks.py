@@ -13,8 +13,10 @@ from djinn.errors import InvalidArgument
 OP = "aten::_scaled_dot_product_flash_attention_for_cpu.default"
 
 
-def run(handles: dict[str, torch.Tensor], **kwargs):
-    node = {"op": OP, "args": [{"$h": "q"}, {"$h": "k"}, {"$h": "v"}], "kwargs": kwargs}
+def run_node(op: str, args: list, kwargs: dict, handles: dict[str, torch.Tensor]):
+    """The first output of one node run by the worker's graph executor, every check
+    included, on ``handles``."""
+    node = {"op": op, "args": args, "kwargs": kwargs}
     g = GraphRun(
         {"nodes": [node], "fetch": [{"$v": 0, "i": 0}]},
         handles.__getitem__,
@@ -23,6 +25,10 @@ def run(handles: dict[str, torch.Tensor], **kwargs):
         DeviceVMU(1 << 30)["stack"],
     )
     return g.run()[1][0]
+
+
+def run(handles: dict[str, torch.Tensor], **kwargs):
+    return run_node(OP, [{"$h": "q"}, {"$h": "k"}, {"$h": "v"}], kwargs, handles)
 
 
 def qkv(q=(2, 4, 8, 16), k=(2, 4, 8, 16), v=(2, 4, 8, 16), dtype=torch.float32):
@@ -71,15 +77,7 @@ BACKWARD = "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default"
 
 def run_backward(h: dict[str, torch.Tensor]):
     names = ("grad_out", "q", "k", "v", "out", "lse")
-    node = {"op": BACKWARD, "args": [{"$h": n} for n in names] + [0.0, False], "kwargs": {}}
-    g = GraphRun(
-        {"nodes": [node], "fetch": [{"$v": 0, "i": 0}]},
-        h.__getitem__,
-        [],
-        torch.device("cpu"),
-        DeviceVMU(1 << 30)["stack"],
-    )
-    return g.run()[1][0]
+    return run_node(BACKWARD, [{"$h": n} for n in names] + [0.0, False], {}, h)
 
 
 def forward_state():
