@@ -101,6 +101,12 @@ def _flash_cpu(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: empty query, key or value")
     if any(t.stride(3) != 1 for t in (q, k, v)):
         raise InvalidArgument(f"{op}: the last dimension must be contiguous")
+    meta = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device="meta")
+    if q.shape[3] > 1 and torch.empty_like(meta).stride(3) != 1:
+        # the output is empty_like(query), written as rows of unit stride: a query whose
+        # other dimensions overlap its last gets an output with gaps never written, that
+        # would hand back whatever the allocator held (another session's freed bytes)
+        raise InvalidArgument(f"{op}: the query's dimensions must not overlap")
     if a.get("attn_mask") is not None:
         raise InvalidArgument(f"{op}: attn_mask is not taken here (the math path is)")
     if a.get("dropout_p", 0.0) != 0.0:

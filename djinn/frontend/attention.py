@@ -64,6 +64,11 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) 
         return False
     if 0 in q.shape or 0 in k.shape or any(t.stride(3) != 1 for t in (q, k, v)):
         return False
+    sizes, strides = q.shape[:3], q.stride()[:3]
+    if any(n > 1 and st < q.shape[3] for n, st in zip(sizes, strides, strict=True)):
+        # a query whose rows overlap: its output (empty_like(query)) would not have unit
+        # stride last, and the kernel leaves gaps in it (the appliance refuses it too)
+        return False
     return _worker_is_cpu()
 
 

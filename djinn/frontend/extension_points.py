@@ -113,6 +113,7 @@ def _attach_kernels() -> list[torch.library.Library]:
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_to_copy", factories.to_copy, "PrivateUse1")  # Note [to_copy kernel]
     # Note [fused attention]: on the autograd key, above the op's own decomposition
+    # (torch.inference_mode() skips that key: there, attention stays decomposed)
     lib.impl(
         "scaled_dot_product_attention",
         attention.scaled_dot_product_attention,

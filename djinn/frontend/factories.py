@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from djinn.errors import UnsupportedOp
 
@@ -58,7 +59,11 @@ def to_copy(
     if adopted is not None:
         return adopted
     same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
-    # as is: the upload copies it anyway (eager semantics: later changes must not leak)
+    # as is: the upload copies it anyway (eager semantics: later changes must not leak).
+    # Not an expanded or otherwise overlapping tensor: eager's copy of one is dense
+    # (empty_like), and a remote allocation with its strides cannot be written into
+    # (copy_ refused it: "more than one element ... refers to a single memory location")
+    same = same and is_non_overlapping_and_dense_or_false(x)
     local = (
         x if same else torch.ops.aten._to_copy.default(x, dtype=dtype, memory_format=memory_format)
     )

@@ -18,7 +18,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import hooks
+from . import attention, hooks
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -291,10 +291,36 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special = SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
+    if _composite(func):
+        if func is _SDPA:  # Note [fused attention]: the kernel local eager would pick
+            return attention.scaled_dot_product_attention(*args, **kwargs)
+        return func.decompose(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
         return _run_locally(func, args, kwargs)
     return capture(func, args, kwargs)
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_composites: dict[Any, bool] = {}
+
+
+def _composite(func: Any) -> bool:
+    """Note [composite ops under inference mode]: an op with a CompositeImplicitAutograd
+    kernel (``linear``, ``scaled_dot_product_attention``...) is decomposed at the
+    autograd key and never reaches capture, except under ``torch.inference_mode()``,
+    which skips the autograd keys: it then arrived whole, and the appliance refused it
+    (UNSUPPORTED_OP: its allowlist holds what the ops decompose to). It is decomposed
+    here instead, as PyTorch's own fake tensors do."""
+    known = _composites.get(func)
+    if known is None:
+        known = _composites[func] = (
+            func not in SPECIAL
+            and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"
+            )
+        )
+    return known
 
 
 def _streamed(trace: trace_mod.Trace) -> trace_mod.Trace:

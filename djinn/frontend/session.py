@@ -49,7 +49,9 @@ def current_device_type() -> str | None:
     session = _session
     if session is None or not session.usable:
         return None
-    return str(session.device).partition(":")[0] or None
+    # from the instance: a fleet session not placed yet has no device, and reading the
+    # attribute would place it (Note [lazy placement]) in the middle of a dispatch
+    return str(vars(session).get("device", "")).partition(":")[0] or None
 
 
 def _recovering() -> bool:

@@ -217,6 +217,25 @@ def test_local_cpu_tensors_mixed_in_are_uploaded_with_eager_semantics():
     assert y.device.type == "remote_accelerator"
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(3.0).view(3, 1).expand(3, 5),  # broadcast: stride 0
+        lambda: torch.arange(12.0).as_strided((4, 8), (1, 1)),  # overlapping rows
+        lambda: torch.arange(24.0).view(4, 6)[:, ::2],  # gaps
+    ],
+)
+def test_a_tensor_that_is_not_dense_moves_as_eagers_copy_would(make):
+    """Eager's .to() of such a tensor makes a dense copy (empty_like); the remote move
+    kept the strides, and writing into an overlapping allocation failed (EXECUTION_ERROR
+    from copy_: "more than one element ... refers to a single memory location")."""
+    x = make()
+    moved = x.to(R)
+    assert moved.stride() == x.to("cpu", copy=True).stride()
+    assert torch.equal(moved.cpu(), x)
+    assert torch.equal((moved * 2).cpu(), x * 2)
+
+
 def test_autograd_backward_and_gradients_stay_remote_until_read():
     w_local = torch.randn(4, 3, requires_grad=True)
     w = w_local.detach().to(R).requires_grad_()

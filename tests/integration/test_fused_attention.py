@@ -112,6 +112,33 @@ def test_training_attention_runs_the_fused_kernel_and_its_backward(remote, sent_
     assert "aten::bmm.default" not in sent_ops
 
 
+def test_inference_mode_runs_the_fused_kernel_too(remote, sent_ops):
+    """inference_mode skips the autograd keys: the op reaches capture whole, and capture
+    decomposes it (Note [composite ops under inference mode]), fusing attention."""
+    q, k, v = _qkv(2, 4, 16, 8)
+    with torch.inference_mode():
+        got = F.scaled_dot_product_attention(*(t.to(remote) for t in (q, k, v)), is_causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert torch.equal(got.cpu(), want)
+    assert FLASH in sent_ops
+
+
+def test_an_overlapping_query_takes_the_math_path_and_gets_its_numbers(remote, sent_ops):
+    """The CPU kernel leaves gaps in the output of such a query (local eager returns
+    whatever memory held); the composite path computes every element."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    base = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    q = base.as_strided((4, 8, 1, 32), (0, 1, 0, 1))
+    k, v = _qkv(4, 8, 3, 32)[:2]
+    with torch.no_grad():
+        got = F.scaled_dot_product_attention(q.to(remote), k.to(remote), v.to(remote)).cpu()
+        with sdpa_kernel([SDPBackend.MATH]):
+            want = F.scaled_dot_product_attention(q, k, v)
+    assert (got - want).abs().max().item() <= 1e-5
+    assert FLASH not in sent_ops
+
+
 @pytest.mark.parametrize("case", ["mask", "math backend"])
 def test_where_local_eager_would_not_fuse_the_composite_path_runs(remote, sent_ops, case):
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -59,6 +59,14 @@ def test_shapes_the_kernel_would_read_past_are_refused(shapes):
         run(qkv(**shapes))
 
 
+def test_a_query_whose_dimensions_overlap_is_refused():
+    """Its output (empty_like(query)) would have gaps the kernel never writes: the bytes
+    the allocator held before, another session's perhaps (found by review)."""
+    overlapping = torch.zeros(40).as_strided((4, 8, 1, 32), (0, 1, 0, 1))
+    with pytest.raises(InvalidArgument, match="overlap"):
+        run({"q": overlapping, "k": torch.zeros(4, 8, 1, 32), "v": torch.zeros(4, 8, 1, 32)})
+
+
 def test_a_strided_last_dimension_a_mask_dropout_or_mixed_dtypes_are_refused():
     h = qkv()
     with pytest.raises(InvalidArgument, match="contiguous"):
