@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from djinn.errors import InvalidArgument
+from djinn.protocol import flash_attention
 
 Check = Callable[[str, dict[str, Any]], None]
 
@@ -83,30 +84,14 @@ def _pdist(op: str, a: dict[str, Any]) -> None:
 
 
 def _flash_cpu(op: str, a: dict[str, Any]) -> None:
-    """The CPU flash-attention kernel (Note [fused attention] in djinn/frontend/attention.py)
-    reads the key and value at the query's batch and head indices, with the query's head
-    size, and steps through the last dimension one element at a time: it checks none of
-    that. Its meta kernel only derives the output from the query."""
+    """The CPU flash-attention kernel checks none of the shapes it indexes by: the rule
+    the frontend captures it by (djinn/protocol/flash_attention.py)."""
     q, k, v = a.get("query"), a.get("key"), a.get("value")
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        raise InvalidArgument(f"{op}: query, key and value must be 4-D tensors")
-    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
-        raise InvalidArgument(f"{op}: query, key and value must share one floating dtype")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise InvalidArgument(
-            f"{op}: key and value must have the query's batch, heads and head size "
-            f"(query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)})"
-        )
-    if 0 in q.shape or 0 in k.shape:
-        raise InvalidArgument(f"{op}: empty query, key or value")
-    if any(t.stride(3) != 1 for t in (q, k, v)):
-        raise InvalidArgument(f"{op}: the last dimension must be contiguous")
-    meta = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device="meta")
-    if q.shape[3] > 1 and torch.empty_like(meta).stride(3) != 1:
-        # the output is empty_like(query), written as rows of unit stride: a query whose
-        # other dimensions overlap its last gets an output with gaps never written, that
-        # would hand back whatever the allocator held (another session's freed bytes)
-        raise InvalidArgument(f"{op}: the query's dimensions must not overlap")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise InvalidArgument(f"{op}: query, key and value must be tensors")
+    reason = flash_attention.refusal(q, k, v)
+    if reason is not None:
+        raise InvalidArgument(f"{op}: {reason}")
     if a.get("attn_mask") is not None:
         raise InvalidArgument(f"{op}: attn_mask is not taken here (the math path is)")
     if a.get("dropout_p", 0.0) != 0.0:

@@ -12,11 +12,10 @@ So the remote device gets its own kernel for the op, on the autograd key (the op
 composite: below autograd it would already be decomposed). When local eager on a CPU
 would take the flash kernel and the session's worker is a CPU worker, it captures that
 kernel, ``_scaled_dot_product_flash_attention_for_cpu``, as one op, and in training its
-backward as one op too (the kernel's own derivative): no dropout, no ``attn_mask``, 4-D
-query, key and value of one floating dtype with the query's batch, heads and head size
-and a contiguous last dimension (what the CPU kernel assumes; the appliance checks it
-again, Note [op validation]). Anything else takes PyTorch's own composite path, as
-before.
+backward as one op too (the kernel's own derivative): no dropout, no ``attn_mask``, and
+a query, key and value the kernel can read safely (``djinn/protocol/flash_attention.py``;
+the appliance refuses any other, Note [op validation]). Anything else takes PyTorch's
+own composite path, as before.
 
 Capture takes the output's strides from PyTorch's meta kernel (``empty_like(query)``);
 the CPU kernel lays its output out the same way, following the query, so a ``view``
@@ -30,9 +29,10 @@ from typing import Any
 
 import torch
 
+from djinn.protocol import flash_attention
+
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as on a CPU
 
 
 def scaled_dot_product_attention(
@@ -56,20 +56,7 @@ def scaled_dot_product_attention(
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
     if dropout_p != 0.0 or not torch.backends.cuda.flash_sdp_enabled():
         return False  # (PyTorch's switch for flash attention covers the CPU kernel too)
-    if not (q.dim() == k.dim() == v.dim() == 4):
-        return False
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES):
-        return False
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        return False
-    if 0 in q.shape or 0 in k.shape or any(t.stride(3) != 1 for t in (q, k, v)):
-        return False
-    sizes, strides = q.shape[:3], q.stride()[:3]
-    if any(n > 1 and st < q.shape[3] for n, st in zip(sizes, strides, strict=True)):
-        # a query whose rows overlap: its output (empty_like(query)) would not have unit
-        # stride last, and the kernel leaves gaps in it (the appliance refuses it too)
-        return False
-    return _worker_is_cpu()
+    return flash_attention.refusal(q, k, v) is None and _worker_is_cpu()
 
 
 def _worker_is_cpu() -> bool:

@@ -10,7 +10,6 @@ client never holds a tensor's data.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, hooks
+from . import attention, hooks, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -255,72 +254,18 @@ def _snapshot(t: torch.Tensor) -> Any:
     return default_session().put(t)
 
 
-def _size_query(func: Any, args: tuple, kwargs: dict) -> Any:
-    spec = args[0]._dyn
-    if func is _aten.sym_size.default:
-        return spec.shape
-    if func is _aten.sym_stride.default:
-        return spec.stride
-    if func is _aten.sym_numel.default:
-        return math.prod(spec.shape)
-    if func is _aten.sym_storage_offset.default:
-        return spec.offset
-    if func is _aten.dim.default:
-        return len(spec.shape)
-    m = meta_mod.meta_tensor(spec.dtype, spec.shape, spec.stride, spec.offset)
-    return func(m, *args[1:], **kwargs)  # is_contiguous and friends: ask a meta twin
-
-
-_aten = torch.ops.aten
-_SIZE_QUERIES = {
-    _aten.sym_size.default,
-    _aten.sym_stride.default,
-    _aten.sym_numel.default,
-    _aten.sym_storage_offset.default,
-    _aten.dim.default,
-    _aten.is_contiguous.default,
-    _aten.is_contiguous.memory_format,
-    _aten.is_strides_like_format.default,
-    _aten.is_non_overlapping_and_dense.default,
-}
-
-
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    if func in _SIZE_QUERIES:
-        return _size_query(func, args, kwargs)
+    if func in uncaptured.SIZE_QUERIES:
+        return uncaptured.size_query(func, args, kwargs)
     special = SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
-    if _composite(func):
-        if func is _SDPA:  # Note [fused attention]: the kernel local eager would pick
-            return attention.scaled_dot_product_attention(*args, **kwargs)
+    if uncaptured.composite(func):
         return func.decompose(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
         return _run_locally(func, args, kwargs)
     return capture(func, args, kwargs)
-
-
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_composites: dict[Any, bool] = {}
-
-
-def _composite(func: Any) -> bool:
-    """Note [composite ops under inference mode]: an op with a CompositeImplicitAutograd
-    kernel (``linear``, ``scaled_dot_product_attention``...) is decomposed at the
-    autograd key and never reaches capture, except under ``torch.inference_mode()``,
-    which skips the autograd keys: it then arrived whole, and the appliance refused it
-    (UNSUPPORTED_OP: its allowlist holds what the ops decompose to). It is decomposed
-    here instead, as PyTorch's own fake tensors do."""
-    known = _composites.get(func)
-    if known is None:
-        known = _composites[func] = (
-            func not in SPECIAL
-            and torch._C._dispatch_has_kernel_for_dispatch_key(
-                func.name(), "CompositeImplicitAutograd"
-            )
-        )
-    return known
 
 
 def _streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
@@ -619,7 +564,14 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
     return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)
 
 
+def _attention(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Reached whole only under inference_mode (Note [composite ops under inference mode]
+    in uncaptured.py): the kernel local eager would pick (Note [fused attention])."""
+    return attention.scaled_dot_product_attention(*args, **kwargs)
+
+
 SPECIAL = {
+    torch.ops.aten.scaled_dot_product_attention.default: _attention,
     torch.ops.aten._local_scalar_dense.default: _item,
     torch.ops.aten.is_nonzero.default: _item,
     torch.ops.aten.detach.default: _detach,

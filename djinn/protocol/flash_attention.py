@@ -1,0 +1,41 @@
+"""Which query, key and value the CPU flash-attention kernel may be given (pure).
+
+Note [fused attention] (``djinn/frontend/attention.py``): the frontend captures
+``_scaled_dot_product_flash_attention_for_cpu`` only for arguments this module accepts,
+and the appliance refuses any other (``appliance/executor/opchecks.py``): one rule, so a
+client and its appliance agree on it. The kernel itself checks none of it. It reads the
+key and value at the query's batch and head indices, with the query's head size, and
+steps through the last dimension one element at a time. It writes its output,
+``empty_like(query)``, as rows of unit stride. A query whose rows overlap (an expanded
+batch, say) gets an output of another layout, with gaps the kernel never writes: they
+would hand back whatever the allocator held before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # the CPU kernel's
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernel may not run on these arguments; None when it may."""
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return "query, key and value must be 4-D tensors"
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES):
+        return "query, key and value must share one floating dtype"
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return (
+            "key and value must have the query's batch, heads and head size "
+            f"(query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)})"
+        )
+    if 0 in q.shape or 0 in k.shape:
+        return "empty query, key or value"
+    if any(t.stride(3) != 1 for t in (q, k, v)):
+        return "the last dimension must be contiguous"
+    # rows of the query no closer than a head size: then empty_like(query) has unit
+    # stride last too (checked against torch over 200,000 random layouts)
+    head = q.shape[3]
+    if any(n > 1 and st < head for n, st in zip(q.shape[:3], q.stride()[:3], strict=True)):
+        return "the query's dimensions must not overlap"
+    return None
