@@ -60,8 +60,10 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) 
 
 
 def _worker_is_cpu() -> bool:
-    """Whether the process's default session, if it has one, runs on a CPU worker (a
-    capture with no session yet keeps the composite path: nothing is started here)."""
+    """Whether the process's default session runs on a CPU worker. It is opened if there is
+    none yet: a program's first attention call often comes before any request (the
+    tensors it read went inline), and deciding without a session sent it down the
+    composite path, with other numbers than local eager's fused kernel."""
     from .session import current_device_type
 
-    return current_device_type() == "cpu"
+    return current_device_type(start=True) == "cpu"

@@ -36,6 +36,10 @@ def _remote() -> torch.device:
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Tagged as seeded (its schema has a dropout probability) but never drawing: the CPU kernel
+# refuses any dropout but 0. Advancing the local generator for it ran the whole attention
+# on scratch tensors on the client, for nothing (Note [seeded ops]).
+_DRAWS_NOTHING = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
 
 
 class Uninit:
@@ -335,7 +339,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
-    if _SEEDED in func.tags:
+    if _SEEDED in func.tags and func not in _DRAWS_NOTHING:
         node.rng = _advance_local_generator(func, args, kwargs)
     trace.add(node)
     outs: list[Any] = []

@@ -43,10 +43,19 @@ def default_session() -> Any:
         return _session
 
 
-def current_device_type() -> str | None:
+def current_device_type(start: bool = False) -> str | None:
     """The device type (``cpu``, ``cuda``) of the default session's worker, or None when
-    there is no usable default session yet (none is started here)."""
+    there is no usable default session yet. With ``start``, the default session is opened
+    if there is none (a program's first capture may come before any request); one that
+    cannot be opened is None here and raises its typed error where it is used."""
     session = _session
+    if start and (session is None or not session.usable):
+        from djinn.errors import DjinnError
+
+        try:
+            session = default_session()
+        except DjinnError:
+            return None
     if session is None or not session.usable:
         return None
     # from the instance: a fleet session not placed yet has no device, and reading the

@@ -156,3 +156,57 @@ def test_where_local_eager_would_not_fuse_the_composite_path_runs(remote, sent_o
                 want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (got - want).abs().max().item() <= 1e-5
     assert FLASH not in sent_ops
+
+
+def test_the_fused_kernel_is_not_run_on_the_client_to_advance_its_generator(remote, monkeypatch):
+    """Note [seeded ops]: a random op runs locally on scratch tensors so the local generator
+    advances as eager's would. The CPU flash kernel is tagged seeded but refuses dropout, so
+    it never draws: running it on the client was a whole attention computed for nothing.
+    The generator still ends where local eager's does."""
+    from djinn.frontend import lazy
+
+    ran: list[object] = []
+    real = lazy._advance_local_generator
+
+    def advance(func, *args):
+        ran.append(func)
+        return real(func, *args)
+
+    monkeypatch.setattr(lazy, "_advance_local_generator", advance)
+    q, k, v = _qkv(2, 4, 16, 8)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        rq, rk, rv = (t.to(remote) for t in (q, k, v))
+        got = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True)
+        after = torch.randn(4, device=remote).cpu()
+        got = got.cpu()
+    torch.manual_seed(3)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(got, want)
+    assert torch.equal(after, torch.randn(4))
+    assert all("flash" not in str(f) for f in ran), ran
+
+
+def test_a_programs_first_attention_call_is_fused_too(appliance, monkeypatch):
+    """A program's first attention call may come before any request (its inputs went
+    inline): the default session is opened to learn the worker's device, so the call is
+    the fused kernel with local eager's numbers, not the composite path."""
+    from djinn.frontend import session
+    from djinn.runtime.session import Session
+    from tests.conftest import frontend_at
+
+    ops: list[str] = []
+    real = Session._exec_form
+
+    def spy(self, body):
+        ops.extend(n["op"] for n in body["nodes"])
+        return real(self, body)
+
+    monkeypatch.setattr(Session, "_exec_form", spy)
+    q, k, v = _qkv(2, 4, 16, 8)
+    with frontend_at(appliance.unix), torch.no_grad():
+        rq, rk, rv = (t.to("remote_accelerator:0") for t in (q, k, v))
+        assert session._session is None  # nothing has been sent yet
+        got = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True).cpu()
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert FLASH in ops
