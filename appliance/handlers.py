@@ -20,6 +20,7 @@ from djinn.errors import (
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import describe, from_wire, to_wire, validate
 
+from .executor import threads
 from .executor.graph import GraphRun
 from .executor.plan import PlanRun, input_signature
 from .generate_steps import call_steps
@@ -165,6 +166,10 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
             kept_as = w.graphs.keep(body)
         run = GraphRun(body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"])
     run.input_storages = lambda: list(s.storages)
+    # Note [a capturing client beside its worker]
+    run.threads = threads.for_graph(
+        w.device.torch_device.type, s.via_unix, run.partial, bool(run.fetch)
+    )
     try:
         keep, fetch = yield from run.steps()
     finally:

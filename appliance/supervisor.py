@@ -152,6 +152,7 @@ class Supervisor:
                 "batch_wait_us": cfg.batch_wait_us,
                 "log_level": cfg.log_level,
                 "cpu_threads": cfg.cpu_threads,
+                "cpu_threads_beside_client": cfg.cpu_threads_beside_client,
                 "model_roots": cfg.model_roots,
                 "model_allowlist": cfg.model_allowlist,
                 "model_methods": cfg.model_methods,

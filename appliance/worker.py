@@ -45,6 +45,7 @@ from . import control, gc_freeze, prewarm, worker_stats
 from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
+from .executor import threads
 from .executor.device import open_device
 from .executor.plan import GraphPlans
 from .graphs import GraphTemplates
@@ -90,9 +91,9 @@ class Worker:
         if self.device.torch_device.type == "cpu":
             keep_heap_warm()  # Note [warm heap]: swap-ins copy into warm pages
             if int(init.get("cpu_threads") or 0) > 0:  # its share of the cores
-                import torch
-
-                torch.set_num_threads(int(init["cpu_threads"]))
+                threads.configure(int(init["cpu_threads"]))
+            # Note [a capturing client beside its worker]
+            threads.beside_client = bool(init.get("cpu_threads_beside_client", True))
         self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
         capacity = self.device.capacity(init["workers"])

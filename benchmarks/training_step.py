@@ -15,12 +15,14 @@ to instead of CPU flash attention, rounds differently).
     python benchmarks/training_step.py            # 20 steps, 3 repeats
     python benchmarks/training_step.py --steps 5 --repeat 1
 
-The remote loop runs on two private appliances (``djinn serve``, one CPU worker each,
-the same settings) that differ only in ``graph_plan_after``: the default, where the
-worker runs a repeated step by its execution plan (Note [graph plans]), and 0, where it
-interprets every step op by op. Repeats interleave local, remote and remote without
-plans, so all three see the same machine. Goal (issue 11): remote at most 1.20x local
-eager.
+The remote loop runs on three private appliances (``djinn serve``, one CPU worker
+each): the defaults, where the worker runs a repeated step by its execution plan (Note
+[graph plans]) and a graph the client sent without waiting for it with one thread fewer
+(Note [a capturing client beside its worker]: its parameters are then local eager's at
+that thread count, which the last column measures); ``graph_plan_after = 0``, where it
+interprets every step op by op; and ``cpu_threads_beside_client = false``, every graph
+on all the worker's threads. Repeats interleave local and the three remote loops, so
+all see the same machine. Goal (issue 11): remote at most 1.20x local eager.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
     return time.perf_counter() - t0, params
 
 
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
 @contextlib.contextmanager
 def using(address: str) -> Iterator[None]:
     """The transparent frontend's default session on the appliance at ``address``."""
@@ -113,37 +119,44 @@ def main() -> int:
     ]  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        (work / "plans").mkdir()
-        (work / "interpreted").mkdir()
+        for name in ("plans", "interpreted", "all_threads"):
+            (work / name).mkdir()
         planned = stack.enter_context(appliance(work / "plans", GiB, "none"))
         interpreted = stack.enter_context(
             appliance(work / "interpreted", GiB, "none", graph_plan_after=0)
         )
-        for app in (planned, interpreted):
+        all_threads = stack.enter_context(
+            appliance(work / "all_threads", GiB, "none", cpu_threads_beside_client=False)
+        )
+        for app in (planned, interpreted, all_threads):
             with using(app.unix):
                 loop(model, batches[:2], R)  # warm: the appliance's kernels, the meta caches
         loop(model, batches[:2], "cpu")
-        local_s, remote_s, interp_s, diffs = [], [], [], []
+        local_s, remote_s, interp_s, all_s, diffs, all_diffs = [], [], [], [], [], []
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
             with using(planned.unix):
                 took, got = loop(model, batches, R)
             remote_s.append(took)
-            diffs.append(max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)))
+            diffs.append(max_diff(got, want))
             with using(interpreted.unix):
                 took, other = loop(model, batches, R)
             interp_s.append(took)
             if any(not torch.equal(a, b) for a, b in zip(got, other, strict=True)):
                 raise AssertionError("a plan's results differ from the interpreted run's")
+            with using(all_threads.unix):
+                took, other = loop(model, batches, R)
+            all_s.append(took)
+            all_diffs.append(max_diff(other, want))
         plans = stats_plans(planned.unix)
     local, remote = statistics.median(local_s), statistics.median(remote_s)
-    interp = statistics.median(interp_s)
+    interp, every = statistics.median(interp_s), statistics.median(all_s)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     _, other = loop(model, batches, "cpu")
     torch.set_num_threads(threads)
-    floor = max((a - b).abs().max().item() for a, b in zip(other, want, strict=True))
+    floor = max_diff(other, want)
     print(md_table(
         ["loop", "local eager s", "remote s", "remote / local", "max |param diff|",
          "local vs local, other thread count"],
@@ -151,12 +164,16 @@ def main() -> int:
           f"{local:.3f}", f"{remote:.3f}", f"{remote / local:.2f}x", f"{max(diffs):.1e}",
           f"{floor:.1e}"],
          ["same, the worker interpreting every step (graph_plan_after = 0)", f"{local:.3f}",
-          f"{interp:.3f}", f"{interp / local:.2f}x", "bit-identical to the row above", ""]],
+          f"{interp:.3f}", f"{interp / local:.2f}x", "bit-identical to the row above", ""],
+         ["same, every graph on all the worker's threads (cpu_threads_beside_client = "
+          "false)", f"{local:.3f}", f"{every:.3f}", f"{every / local:.2f}x",
+          f"{max(all_diffs):.1e}", ""]],
     ))  # fmt: skip
     print(f"\nplans: {plans['runs']} requests run by {plans['plans']} plans "
           f"({plans['nodes']} nodes); refused templates: {plans['refused']}")  # fmt: skip
     print(f"\n(batch {args.batch} x {args.seq} tokens; medians of {args.repeat}; goal <= 1.20x)")
     save_json({"local_s": local_s, "remote_s": remote_s, "interpreted_s": interp_s,
+               "all_threads_s": all_s, "all_threads_max_param_diff": max(all_diffs),
                "plans": plans, "max_param_diff": max(diffs),
                "local_threads_diff": floor,
                "args": vars(args), "torch": torch.__version__}, args.json)  # fmt: skip

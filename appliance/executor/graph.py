@@ -33,7 +33,7 @@ from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import DeviceShort, Segment
-from . import metacheck, opargs, opchecks, oppolicy
+from . import metacheck, opargs, opchecks, oppolicy, threads
 
 _OP_CACHE: dict[str, Any] = {}
 MAX_PLANS = 256  # templates whose last uses are kept (the worker keeps as many templates)
@@ -101,6 +101,9 @@ class GraphRun:
         # run's template is being recorded
         self.recording: list[tuple[Any, int, Any]] | None = None
         self.input_storages: Callable[[], list[int]] = lambda: []
+        # Note [a capturing client beside its worker] (threads.py): the intra-op threads
+        # its ops run with, when fewer than the worker's own
+        self.threads: int | None = None
 
     def run(self) -> tuple[list[Any], list[Any]]:
         steps = self.steps()
@@ -119,6 +122,8 @@ class GraphRun:
             for i, node in enumerate(self.nodes):
                 if i:
                     yield  # between two ops, never after the last: a finished run replies
+                if self.threads is not None:
+                    threads.use(self.threads)
                 try:
                     self._node(i, node, last_use)
                 except DjinnError as exc:
@@ -126,6 +131,9 @@ class GraphRun:
                         raise
                     self.failed = (i, exc)
                     break
+                finally:
+                    if self.threads is not None:
+                        threads.use(threads.base())
             return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
         finally:
             for nbytes, _refs in self._stack_refs.values():

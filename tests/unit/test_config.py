@@ -149,6 +149,7 @@ BAD_VALUES = {
     "recovery_standby": ["maybe", 2],
     "recovery_kv": ["both", 1],
     "cpu_threads": [-1, "all"],
+    "cpu_threads_beside_client": ["sometimes", 2],
     "prewarm": ["maybe", 2],
     "stats_window": [0, 100000],
     "metrics_port": [70000, -1],

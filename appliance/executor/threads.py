@@ -1,0 +1,57 @@
+"""A CPU worker's intra-op threads, and the fewer a graph runs with while its client
+captures beside it.
+
+Note [a capturing client beside its worker]: a session on the unix socket is on this
+host. A graph it sends without waiting for it (``partial`` and nothing fetched: Note
+[asynchronous flushes], Note [streamed graphs] in the frontend) runs while its client
+goes on capturing the next graph, a Python thread that keeps one core busy. A CPU
+worker whose OpenMP threads take every core then has one of them share a core with that
+client, and every parallel region ends only when that descheduled thread gets its time
+slice: on a 2-core host a training loop took 0.98 s with two threads and 0.70 s with
+one (``benchmarks/training_step.py``). So such a graph runs with one thread fewer than
+the worker has (``cpu_threads_beside_client``, on by default); a graph its client waits
+for (it fetches a value) runs with all of them, and so does every other request. Its
+results are then local eager's at that thread count, bit for bit (a reduction split
+over two threads rounds otherwise). The count is set before each of the graph's ops and
+put back after it, since the scheduler may run another request's op in between
+(``torch.set_num_threads`` costs about 0.2 µs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+beside_client = True  # the worker's cpu_threads_beside_client setting
+_base = 0  # the worker's own count; 0 until known
+_now = 0  # the count last set here; 0: not set here yet
+
+
+def base() -> int:
+    """The worker's own intra-op thread count (``cpu_threads``, else torch's default)."""
+    global _base
+    if not _base:
+        _base = torch.get_num_threads()
+    return _base
+
+
+def configure(n: int) -> None:
+    """The worker's own count, ``cpu_threads`` when it is set, at start-up."""
+    global _base, _now
+    torch.set_num_threads(n)
+    _base = _now = n
+
+
+def use(n: int) -> None:
+    global _now
+    if n != _now:
+        torch.set_num_threads(n)
+        _now = n
+
+
+def for_graph(device: str, same_host: bool, partial: bool, fetches: bool) -> int | None:
+    """The threads a graph's ops run with when fewer than the worker's own, else None: a
+    CPU worker's graph whose client sent it from this host without waiting for it."""
+    n = base()
+    if not beside_client or device != "cpu" or not same_host or not partial or fetches:
+        return None
+    return n - 1 if n > 1 else None
