@@ -38,6 +38,20 @@ def test_same_structure_same_fingerprint_other_structure_another():
     assert fingerprint(template(_graph("a", "b", 0.5, dim=0))[0]) != fp  # another dim
 
 
+def test_an_integer_past_64_bits_is_fingerprinted_too():
+    """orjson refuses it; the fingerprint falls back to json, and still tells them apart."""
+    big, bigger = _graph("a", "b", 0.5, dim=2**70), _graph("a", "b", 0.5, dim=2**70 + 1)
+    fp = fingerprint(template(big)[0])
+    assert fp == fingerprint(template(_graph("x", "y", 1.0, dim=2**70))[0])
+    assert fp != fingerprint(template(bigger)[0])
+
+
+def test_key_order_does_not_change_the_fingerprint():
+    body = _graph("a", "b", 0.5)
+    shuffled = {**body, "nodes": [dict(reversed(list(n.items()))) for n in body["nodes"]]}
+    assert fingerprint(template(shuffled)[0]) == fingerprint(template(body)[0])
+
+
 @pytest.mark.parametrize(
     ("inputs", "scalars"),
     [(["a"], [0.5]), (["a", "b"], []), (["a", 3], [0.5]), (["a", "b"], [1]), ("ab", [0.5])],
