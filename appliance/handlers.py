@@ -168,7 +168,7 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     run.input_storages = lambda: list(s.storages)
     # Note [a capturing client beside its worker]
     run.threads = threads.for_graph(
-        w.device.torch_device.type, s.via_unix, run.partial, bool(run.fetch)
+        w.device.torch_device.type, s.via_unix, body.get("unwaited") is True
     )
     try:
         keep, fetch = yield from run.steps()

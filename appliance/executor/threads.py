@@ -2,8 +2,8 @@
 captures beside it.
 
 Note [a capturing client beside its worker]: a session on the unix socket is on this
-host. A graph it sends without waiting for it (``partial`` and nothing fetched: Note
-[asynchronous flushes], Note [streamed graphs] in the frontend) runs while its client
+host. A graph it sends without waiting for it (``"unwaited": true`` in the EXEC body:
+Note [asynchronous flushes], Note [streamed graphs] in the frontend) runs while its client
 goes on capturing the next graph, a Python thread that keeps one core busy. A CPU
 worker whose OpenMP threads take every core then has one of them share a core with that
 client, and every parallel region ends only when that descheduled thread gets its time
@@ -12,9 +12,13 @@ one (``benchmarks/training_step.py``). So such a graph runs with one thread fewe
 the worker has (``cpu_threads_beside_client``, on by default); a graph its client waits
 for (it fetches a value) runs with all of them, and so does every other request. Its
 results are then local eager's at that thread count, bit for bit (a reduction split
-over two threads rounds otherwise). The count is set before each of the graph's ops and
-put back after it, since the scheduler may run another request's op in between
-(``torch.set_num_threads`` costs about 0.2 µs).
+over two threads rounds otherwise). The count is decided by the graph as sent, never by
+timing, so a program gets the same numbers every run, and a graph the lineage journal
+replays after a lost worker (its body as sent, ``unwaited`` included) gets the numbers
+it had the first time. (Switching to every thread once the client stops capturing and
+waits would give the rest of the graph other rounding depending on when it did.) The
+count is set before each of the graph's ops and put back after it, since the scheduler
+may run another request's op in between (``torch.set_num_threads``: about 0.2 µs).
 """
 
 from __future__ import annotations
@@ -48,10 +52,10 @@ def use(n: int) -> None:
         _now = n
 
 
-def for_graph(device: str, same_host: bool, partial: bool, fetches: bool) -> int | None:
+def for_graph(device: str, same_host: bool, unwaited: bool) -> int | None:
     """The threads a graph's ops run with when fewer than the worker's own, else None: a
     CPU worker's graph whose client sent it from this host without waiting for it."""
     n = base()
-    if not beside_client or device != "cpu" or not same_host or not partial or fetches:
+    if not beside_client or device != "cpu" or not same_host or not unwaited:
         return None
     return n - 1 if n > 1 else None

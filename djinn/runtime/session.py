@@ -475,8 +475,9 @@ class Session:
         if fp not in self._graphs:
             return {**body, "cache": True}, fp
         short = {"graph": fp, "inputs": inputs, "scalars": scalars}
-        if body.get("partial"):
-            short["partial"] = True
+        for flag in ("partial", "unwaited"):
+            if body.get(flag):
+                short[flag] = True
         return short, fp
 
     def _kept_graph(self, sent: dict[str, Any], fp: str | None, out: dict[str, Any]) -> None:
@@ -489,7 +490,8 @@ class Session:
         ``run_graph`` would have. The next request of the session reads its reply
         first; a worker lost meanwhile is recovered from then, as for any request."""
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
-        body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True}
+        # "unwaited": Note [a capturing client beside its worker] (appliance/executor)
+        body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True, "unwaited": True}
         self._settle()
         f = Flight(self, body, segments)
         with self._serial():

@@ -105,3 +105,25 @@ def test_a_worker_lost_with_a_graph_in_flight_is_recovered(frontend):
     assert failure is None
     assert torch.equal(kept[0].cpu(), torch.arange(4.0) + 1)
     assert s.recovery_stats()["recoveries"] == 1
+
+
+def test_a_graph_sent_without_waiting_says_so_whole_and_as_a_template(frontend, monkeypatch):
+    """Note [a capturing client beside its worker]: the worker gives a graph marked
+    "unwaited" one thread fewer. The mark is part of the graph as sent (whole or by
+    template), never of timing, so a replay of it gets the same thread count."""
+    sent: list[dict] = []
+    real = Session._exec_form
+
+    def spy(self, body):
+        form = real(self, body)
+        sent.append(form[0])
+        return form
+
+    monkeypatch.setattr(Session, "_exec_form", spy)
+    _train(_model(), R, steps=6)
+    unwaited = [b for b in sent if b.get("unwaited") is True]
+    waited = [b for b in sent if "unwaited" not in b]
+    assert any("graph" in b for b in unwaited)  # a repeated step, by its template
+    assert any("nodes" in b for b in unwaited)  # its first time, whole
+    assert all(b.get("fetch") == [] for b in unwaited if "nodes" in b)
+    assert waited  # reading the parameters back waits

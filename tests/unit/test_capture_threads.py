@@ -23,29 +23,26 @@ def two_threads():
 
 
 @pytest.mark.parametrize(
-    ("device", "same_host", "partial", "fetches", "want"),
+    ("device", "same_host", "unwaited", "want"),
     [
-        ("cpu", True, True, False, 1),  # sent without waiting: the client captures on
-        ("cpu", True, True, True, None),  # it waits for a value: all of them
-        ("cpu", True, False, False, None),  # a whole graph: the client waits for it
-        ("cpu", False, True, False, None),  # over TCP: the client is elsewhere
-        ("cuda", True, True, False, None),  # the kernels are not on the host's cores
+        ("cpu", True, True, 1),  # sent without waiting: the client captures on
+        ("cpu", True, False, None),  # the client waits for it: all of them
+        ("cpu", False, True, None),  # over TCP: the client is elsewhere
+        ("cuda", True, True, None),  # the kernels are not on the host's cores
     ],
 )
-def test_which_graphs_run_with_a_thread_fewer(
-    two_threads, device, same_host, partial, fetches, want
-):
-    assert threads.for_graph(device, same_host, partial, fetches) == want
+def test_which_graphs_run_with_a_thread_fewer(two_threads, device, same_host, unwaited, want):
+    assert threads.for_graph(device, same_host, unwaited) == want
 
 
 def test_a_worker_of_one_thread_keeps_it(two_threads):
     threads.configure(1)
-    assert threads.for_graph("cpu", True, True, False) is None
+    assert threads.for_graph("cpu", True, True) is None
 
 
 def test_the_setting_turns_it_off(two_threads, monkeypatch):
     monkeypatch.setattr(threads, "beside_client", False)
-    assert threads.for_graph("cpu", True, True, False) is None
+    assert threads.for_graph("cpu", True, True) is None
 
 
 def test_the_fewer_threads_hold_for_the_graphs_ops_only(two_threads, monkeypatch):
@@ -69,7 +66,7 @@ def test_the_fewer_threads_hold_for_the_graphs_ops_only(two_threads, monkeypatch
     }
     stack = DeviceVMU(1 << 30, 0, 0).segments["stack"]
     run = GraphRun(body, {"x": x}.__getitem__, [], CPU, stack)
-    run.threads = threads.for_graph("cpu", True, run.partial, bool(run.fetch))
+    run.threads = threads.for_graph("cpu", True, True)
     steps = run.steps()
     next(steps)  # the first op ran; another request's op may run now
     assert torch.get_num_threads() == 2
