@@ -6,9 +6,12 @@ Measures, in one run on one appliance:
 - its floor: the same forward through a bare wrapper subclass whose ``__torch_dispatch__``
   only builds its outputs (recorded on a first pass, replayed after): what any lazy
   tensor pays in PyTorch's dispatcher and Python, with no trace, no inference, no graph;
-- end to end: remote forward (capture + ship + execute + fetch logits) against local eager.
+- end to end: remote forward (capture + ship + execute + fetch logits) against local eager,
+  timed in turn in each of ``--repeat`` rounds so both see the same machine;
+- with ``--compiled``, the local model under ``torch.compile`` (inductor) in the same
+  rounds: what compiling buys on this machine (issue 11's "once compiled" target).
 
-    python benchmarks/capture.py [--layers 12] [--tokens 64] [--repeat 5] [--json PATH]
+    python benchmarks/capture.py [--layers 12] [--tokens 64] [--repeat 5] [--compiled]
 
 With DJINN_ADDRESS unset an embedded appliance is started. Design target: at most 20 µs
 per captured op (warm).
@@ -89,6 +92,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", default="benchmarks/results/capture.json")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time the local model under torch.compile (inductor; compiles for ~30 s)",
+    )
     args = parser.parse_args()
 
     import transformers
@@ -146,23 +154,29 @@ def main() -> int:
         fn()
         return time.perf_counter() - start
 
-    def timed(fn) -> float:
-        samples = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
     with torch.no_grad():
-        local_s = timed(lambda: local(ids).logits)
-        # streamed and unstreamed in turn, so both see the same machine
-        pairs = [
-            (timed_once(lambda: remote(rids).logits.cpu()), timed_once(unstreamed))
+        local(ids)  # warm
+        compiled = None
+        if args.compiled:
+            compiled = torch.compile(local)
+            start = time.perf_counter()
+            compiled(ids)
+            compile_s = time.perf_counter() - start
+        # local eager, remote streamed and unstreamed (and compiled) in turn each round,
+        # so every one sees the same machine
+        rounds = [
+            (
+                timed_once(lambda: local(ids).logits),
+                timed_once(lambda: remote(rids).logits.cpu()),
+                timed_once(unstreamed),
+                timed_once(lambda: compiled(ids).logits) if compiled is not None else 0.0,
+            )
             for _ in range(args.repeat)
         ]
-        remote_s = statistics.median(p[0] for p in pairs)
-        whole_s = statistics.median(p[1] for p in pairs)
+        local_s = statistics.median(r[0] for r in rounds)
+        remote_s = statistics.median(r[1] for r in rounds)
+        whole_s = statistics.median(r[2] for r in rounds)
+        compiled_s = statistics.median(r[3] for r in rounds)
         got = remote(rids).logits.cpu()
         want = local(ids).logits
     diff = (got - want).abs().max().item()
@@ -188,6 +202,10 @@ def main() -> int:
         "weights_upload_s": round(upload_s, 2),
         "target_us_per_op": 20,
     }
+    if compiled is not None:
+        result["local_compiled_ms"] = round(compiled_s * 1e3, 2)
+        result["local_compiled_over_eager"] = round(compiled_s / local_s, 3)
+        result["compile_s"] = round(compile_s, 1)
     print(f"\n{result['model']}, {args.tokens} tokens, {n_ops} ops per forward\n")
     print("| measure | value |")
     print("|---|---|")
@@ -206,6 +224,12 @@ def main() -> int:
         f"| remote unstreamed, one graph (ms; / local) | {result['remote_unstreamed_ms']}; "
         f"{result['remote_unstreamed_over_local']} |"
     )
+    if compiled is not None:
+        print(
+            f"| local torch.compile (inductor) forward (ms; / local eager; compile s) | "
+            f"{result['local_compiled_ms']}; {result['local_compiled_over_eager']}; "
+            f"{result['compile_s']} |"
+        )
     print(f"| max abs diff vs local | {diff:.2e} |")
     print(f"| weights upload + first forward (s) | {result['weights_upload_s']} |\n")
     save_json(result, args.json)
