@@ -93,7 +93,7 @@ class Worker:
             if int(init.get("cpu_threads") or 0) > 0:  # its share of the cores
                 threads.configure(int(init["cpu_threads"]))
             # Note [a capturing client beside its worker]
-            threads.beside_client = bool(init.get("cpu_threads_beside_client", True))
+            threads.beside_client = bool(init.get("cpu_threads_beside_client", False))
         self.arena = ArenaMapping(init["arena_name"], init["arena_size"])
         self.pinned = self.device.register_host_memory(self.arena.address(), self.arena.size)
         capacity = self.device.capacity(init["workers"])

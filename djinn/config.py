@@ -143,14 +143,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "cpu_threads_beside_client",
-        True,
-        "A CPU worker runs a graph that a client on this host sent without waiting for it "
-        "(it captures the next meanwhile: a training step's forward during its backward) "
-        "with one intra-op thread fewer, leaving that client a core; its OpenMP threads "
-        "would otherwise wait on a sibling sharing a core with it (a 2-core training loop: "
-        "0.70 s against 0.98 s). Results are then local eager's at that thread count; "
-        "false: every graph runs with cpu_threads (Note [a capturing client beside its "
-        "worker]).",
+        False,
+        "true: a CPU worker runs a graph that a client on this host sent without waiting "
+        "for it (it captures the next meanwhile: a training step's forward during its "
+        "backward) with one intra-op thread fewer, leaving that client a core; its OpenMP "
+        "threads otherwise wait on a sibling sharing a core with it (a 2-core training "
+        "loop: 0.70-0.78 s against 0.98 s). Its numbers are then local eager's at that "
+        "thread count, not the same script's on this CPU (Note [a capturing client beside "
+        "its worker]). false: every graph runs with cpu_threads.",
         "bool",
     ),
     Setting(

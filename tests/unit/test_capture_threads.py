@@ -15,7 +15,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    """A worker of two threads with ``cpu_threads_beside_client = true``."""
+    monkeypatch.setattr(threads, "beside_client", True)
     before = torch.get_num_threads()
     threads.configure(2)
     yield
