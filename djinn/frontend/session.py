@@ -9,6 +9,10 @@ from typing import Any
 _lock = threading.Lock()
 _client: Any = None
 _session: Any = None
+# current_device_type(start=True) could not open one: it does not try again (an appliance
+# that accepts but never answers would hold every attention call for an I/O timeout);
+# the next default_session() that succeeds, or reset(), clears it
+_start_failed = False
 
 
 def default_session() -> Any:
@@ -19,7 +23,7 @@ def default_session() -> Any:
     connection if the appliance itself restarted, instead of failing forever. A lost
     session is first rebuilt where it can be (Note [lineage journal] in
     djinn/runtime/lineage.py): it is replaced only once its recovery gave up."""
-    global _client, _session
+    global _client, _session, _start_failed
     session = _session
     if session is not None and session.usable:
         return session
@@ -40,6 +44,7 @@ def default_session() -> Any:
                 _client.close()
                 _client = connect()
                 _session = _client.session(recover=recover)
+        _start_failed = False
         return _session
 
 
@@ -48,13 +53,15 @@ def current_device_type(start: bool = False) -> str | None:
     there is no usable default session yet. With ``start``, the default session is opened
     if there is none (a program's first capture may come before any request); one that
     cannot be opened is None here and raises its typed error where it is used."""
+    global _start_failed
     session = _session
-    if start and (session is None or not session.usable):
+    if start and not _start_failed and (session is None or not session.usable):
         from djinn.errors import DjinnError
 
         try:
             session = default_session()
         except DjinnError:
+            _start_failed = True  # its error is raised where the session is used
             return None
     if session is None or not session.usable:
         return None
@@ -72,7 +79,8 @@ def _recovering() -> bool:
 
 
 def _close() -> None:
-    global _session, _client
+    global _session, _client, _start_failed
+    _start_failed = False
     if _session is not None:
         _session.close()
     if _client is not None:

@@ -210,3 +210,30 @@ def test_a_programs_first_attention_call_is_fused_too(appliance, monkeypatch):
         got = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True).cpu()
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert FLASH in ops
+
+
+def test_an_appliance_that_cannot_be_reached_is_tried_once_per_capture(tmp_path, monkeypatch):
+    """The first attention call opens the default session to learn the worker's device;
+    if that fails, later calls take the composite path without trying again (each try
+    against an appliance that never answers waits an I/O timeout), and the error is
+    raised where a value is read, as before."""
+    from djinn.errors import DjinnError
+    from djinn.runtime import client
+    from tests.conftest import frontend_at
+
+    tries: list[str] = []
+
+    def unreachable(*args, **kwargs):
+        tries.append("connect")
+        raise DjinnError("no appliance here")
+
+    monkeypatch.setattr(client, "connect", unreachable)
+    q, k, v = _qkv(2, 4, 16, 8)
+    with frontend_at(f"unix://{tmp_path}/none.sock"), torch.no_grad():
+        rq, rk, rv = (t.to("remote_accelerator:0") for t in (q, k, v))
+        out = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True)
+        out = F.scaled_dot_product_attention(out, rk, rv, is_causal=True)
+        out = F.scaled_dot_product_attention(out, rk, rv, is_causal=True)
+        assert tries == ["connect"]
+        with pytest.raises(DjinnError):
+            out.cpu()
