@@ -8,6 +8,7 @@ The peer is this file run as a script (``python benchmarks/_peers.py --peer unix
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import struct
 import subprocess
@@ -35,7 +36,9 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 def peer_main(transport: str, where: str) -> int:
     """Serve the parent's commands on one socket until it closes.
 
-    ``P n``: echo n messages of PING_BYTES, blocking recv. ``S n``: receive n bytes with
+    ``P n``: echo n messages of PING_BYTES, blocking recv. ``E n``: the same through an
+    epoll selector on a non-blocking socket, as a server that multiplexes many sessions
+    (the appliance's worker) must wait for them. ``S n``: receive n bytes with
     ``recv_into`` (into one warm buffer of min(n, SINK_RING) bytes, reused round-robin, so
     a 1 GiB stream does not cost the peer 1 GiB of memory), then ack one byte.
     """
@@ -55,6 +58,8 @@ def peer_main(transport: str, where: str) -> int:
                 for _ in range(arg):
                     recv_exact(sock, ping)
                     sock.sendall(ping)
+            elif cmd == b"E":
+                _echo_selected(sock, ping, arg)
             elif cmd == b"S":
                 if len(ring) < min(arg, SINK_RING):
                     ring.release()
@@ -69,6 +74,25 @@ def peer_main(transport: str, where: str) -> int:
         return 0
     finally:
         sock.close()
+
+
+def _echo_selected(sock: socket.socket, ping: memoryview, n: int) -> None:
+    sel = selectors.DefaultSelector()
+    sock.setblocking(False)
+    sel.register(sock, selectors.EVENT_READ)
+    try:
+        for _ in range(n):
+            got = 0
+            while got < len(ping):
+                sel.select()
+                k = sock.recv_into(ping[got:])
+                if k == 0:
+                    raise EOFError("peer closed the connection")
+                got += k
+            sock.sendmsg([ping])  # a 64-byte reply fits the socket buffer: no partial send
+    finally:
+        sel.close()
+        sock.setblocking(True)
 
 
 def peer_argv(argv: list[str]) -> tuple[str, str] | None:
@@ -103,10 +127,12 @@ class Peer:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ack = memoryview(bytearray(1))
 
-    def ping_pong(self, iterations: int, warmup: int) -> list[int]:
+    def ping_pong(self, iterations: int, warmup: int, selected: bool = False) -> list[int]:
+        """Round trips of PING_BYTES, the peer blocking in recv or, ``selected``, waiting
+        in an epoll selector first."""
         msg = memoryview(bytes(range(PING_BYTES)))
         back = memoryview(bytearray(PING_BYTES))
-        self.sock.sendall(_CMD.pack(b"P", warmup + iterations))
+        self.sock.sendall(_CMD.pack(b"E" if selected else b"P", warmup + iterations))
         samples: list[int] = []
         for i in range(warmup + iterations):
             t0 = clock()

@@ -62,6 +62,8 @@ def render(doc: dict[str, Any]) -> str:
                 f"{d['heartbeat']['p50_us']:.1f}",
                 f"{c['p50_us']:.1f}",
                 f"{c['p99_us']:.1f}",
+                f"{tiny['selected_ping_pong'][transport]['p50_us']:.1f}",
+                f"{d['heartbeat']['p50_us'] / c['p50_us']:.1f}x",
                 f"{tiny['roundtrip_vs_ping_pong'][transport]:.1f}x",
             ]
         )
@@ -74,13 +76,17 @@ def render(doc: dict[str, Any]) -> str:
         "HEARTBEAT p50",
         "raw ping-pong p50",
         "raw p99",
+        "selector ping-pong p50",
+        "HEARTBEAT / raw",
         "put+get / raw",
     ]
     out.append(md_table(headers, rows))
     out.append("")
     out.append(
         "Raw ping-pong: 64-byte message between two processes, blocking recv "
-        "(unix = socketpair, tcp = loopback, TCP_NODELAY). A put+get is two requests."
+        "(unix = socketpair, tcp = loopback, TCP_NODELAY). Selector ping-pong: the same, "
+        "the echoing peer waiting in epoll on a non-blocking socket first, as a server of "
+        "many sessions (the worker) must. A put+get is two requests."
     )
     out.append("")
     out.append("## Bulk put+get, GB/s (1e9 B/s): best of reps (median); ratios use best-of put+get")

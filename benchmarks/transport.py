@@ -98,6 +98,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     tiny["raw_ping_pong"] = {
                         t: latency(p.ping_pong(iterations, warmup)) for t, p in raw.items()
                     }
+                    # the same peer waiting in epoll on a non-blocking socket, as a
+                    # server of many sessions must: the floor for any such server
+                    tiny["selected_ping_pong"] = {
+                        t: latency(p.ping_pong(iterations, warmup, selected=True))
+                        for t, p in raw.items()
+                    }
                     tiny["roundtrip_vs_ping_pong"] = {
                         t: ratio(
                             tiny["djinn"][t]["roundtrip"]["p50_us"],
