@@ -3,28 +3,33 @@ captures beside it.
 
 Note [a capturing client beside its worker]: a session on the unix socket is on this
 host. A graph it sends without waiting for it (``"unwaited": true`` in the EXEC body:
-Note [asynchronous flushes], Note [streamed graphs] in the frontend) runs while its client
-goes on capturing the next graph, a Python thread that keeps one core busy. A CPU
-worker whose OpenMP threads take every core then has one of them share a core with that
-client, and every parallel region ends only when that descheduled thread gets its time
-slice: on a 2-core host a training loop took 0.98 s with two threads and 0.70 s with
-one (``benchmarks/training_step.py``). So, with ``cpu_threads_beside_client``, such a
-graph runs with one thread fewer than the worker has; a graph its client waits
-for (it fetches a value) runs with all of them, and so does every other request. Its
-results are then local eager's at that thread count, bit for bit (a reduction split
-over two threads rounds otherwise). The count is decided by the graph as sent, never by
-timing, so a program gets the same numbers every run, and a graph the lineage journal
+Note [asynchronous flushes], Note [streamed graphs] in the frontend) runs while its
+client goes on capturing the next graph, a Python thread that keeps one core busy. A
+CPU worker whose OpenMP threads take every core then has one of them share a core with
+that client, and every parallel region ends only when that descheduled thread gets its
+time slice: on a 2-core host a training loop took 0.98 s with two threads and 0.70-0.78
+s with one (``benchmarks/training_step.py``). So, with ``cpu_threads_beside_client``,
+such a graph runs with one thread fewer than the worker has; a graph its client waits
+for runs with all of them, and so does every other request. Its results are then local
+eager's at that thread count, bit for bit (a reduction split over two threads rounds
+otherwise).
+
+The count follows the graph as sent, never the moment: a graph the lineage journal
 replays after a lost worker (its body as sent, ``unwaited`` included) gets the numbers
 it had the first time. (Switching to every thread once the client stops capturing and
-waits would give the rest of the graph other rounding depending on when it did.)
+waits would give the rest of a graph other rounding depending on when it did.) Which
+graphs go unwaited follows what the program reads, though: a ``loss.item()`` before
+``backward()`` makes the forward a waited graph, so a log line moves the numbers by a
+rounding; and with several threads capturing, whether a graph is first read from
+another thread (and so sent unwaited) can depend on timing.
 
-It is off by default: a training step's numbers are then those of local eager at the
-worker's thread count less one, not those of the same script on this machine's CPU,
-which `djinn run` promises (a 20-step Adam loop ends 1.1e-4 away, as local eager does
-with one thread fewer). On a GPU worker it does nothing: the kernels are not on the
-host's cores. The
-count is set before each of the graph's ops and put back after it, since the scheduler
-may run another request's op in between (``torch.set_num_threads``: about 0.2 µs).
+So it is off by default: a training step's numbers would be those of local eager at
+one thread fewer, not those of the same script on this machine's CPU, which ``djinn
+run`` promises (a 20-step Adam loop ends 1.1e-4 away, as local eager does with one
+thread fewer). On a GPU worker it does nothing: the kernels are not on the host's
+cores. The count is set before each of the graph's ops and put back after it, since
+the scheduler may run another request's op in between (``torch.set_num_threads``:
+about 0.2 µs).
 """
 
 from __future__ import annotations

@@ -127,3 +127,34 @@ def test_a_graph_sent_without_waiting_says_so_whole_and_as_a_template(frontend, 
     assert any("nodes" in b for b in unwaited)  # its first time, whole
     assert all(b.get("fetch") == [] for b in unwaited if "nodes" in b)
     assert waited  # reading the parameters back waits
+
+
+@pytest.mark.parametrize("sent", ["waited", "unwaited"])
+def test_with_a_thread_left_to_the_client_a_replay_gives_the_first_runs_bits(fresh_appliance, sent):
+    """Note [a capturing client beside its worker], ``cpu_threads_beside_client = true``:
+    a graph runs with one thread fewer when it was sent unwaited and with all of them when
+    its client waited, and a replay after a lost worker runs it as it was sent: the same
+    bits (a sum of 4M floats rounds otherwise on one thread than on two)."""
+    from djinn.frontend.session import default_session
+    from tests.conftest import frontend_at
+
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0, cpu_threads_beside_client=True)
+    x = torch.randn(4, 1 << 20, generator=torch.Generator().manual_seed(0))
+    with frontend_at(app.unix):
+        s = default_session()
+        if sent == "waited":
+            total = x.to(R).sum()
+            first = total.cpu()  # a graph that fetches: its client waits for it
+        else:
+            a = s.put(x)
+            nodes = [{"op": "aten::sum.default", "args": [{"$h": a.handle}]}]
+            kept, _, failure = s.run_graph_async(nodes, [{"$v": 0}], []).outcome()
+            assert failure is None
+            total = kept[0]
+            first = total.cpu()
+        pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == s.worker)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
+        again = total.cpu()  # the worker is gone: the session is rebuilt by replaying
+        assert s.recovery_stats()["recoveries"] == 1
+    assert torch.equal(again, first)

@@ -46,6 +46,17 @@ def test_an_integer_past_64_bits_is_fingerprinted_too():
     assert fp != fingerprint(template(bigger)[0])
 
 
+def test_the_fingerprint_is_the_hash_of_the_templates_sorted_compact_json():
+    """Pinned: clients and appliances of other versions compute the same fingerprint for
+    the same template (the text json.dumps wrote before orjson did, for ASCII)."""
+    import hashlib
+    import json
+
+    tpl = template(_graph("a", "b", 0.5))[0]
+    text = json.dumps(tpl, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    assert fingerprint(tpl) == hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 def test_key_order_does_not_change_the_fingerprint():
     body = _graph("a", "b", 0.5)
     shuffled = {**body, "nodes": [dict(reversed(list(n.items()))) for n in body["nodes"]]}
