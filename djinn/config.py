@@ -461,15 +461,17 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("error", "local"),
     ),
     Setting(
-        "client_gc_freeze",
-        True,
-        "A client freezes the objects that exist when its first default session opens "
-        "(gc.freeze: its imported modules, its model) out of Python's collector, whose full "
-        "passes Djinn's capture makes frequent: each walked them all (about 150 ms every 20 "
-        "steps of a small training loop, 8 ms a step). A reference cycle among those objects "
-        "that becomes garbage later is then never collected (Note [frozen program]). false: "
-        "the collector is left as it is.",
-        "bool",
+        "client_gc_threshold",
+        10_000,
+        "When a client's first default session opens, it raises Python's young-generation "
+        "collection threshold (gc.set_threshold's first value, 700 in CPython 3.11) to this, "
+        "never lowering one the program set: capture keeps many objects alive until their "
+        "graph is sent, and at 700 they were promoted fast enough to trigger a full "
+        "collection, walking every object of the program (150 ms), every ~20 steps of a small "
+        "training loop (Note [collector pace]). 0: the collector is left as it is.",
+        "int",
+        low=0,
+        high=10_000_000,
     ),
     Setting(
         "recovery_retries",
