@@ -158,3 +158,25 @@ def test_with_a_thread_left_to_the_client_a_replay_gives_the_first_runs_bits(fre
         again = total.cpu()  # the worker is gone: the session is rebuilt by replaying
         assert s.recovery_stats()["recoveries"] == 1
     assert torch.equal(again, first)
+
+
+def test_a_session_whose_last_graph_was_not_read_yet_outlives_a_pause(fresh_appliance):
+    """Note [a beat after a flight] (djinn/runtime/session.py): the heartbeat thread skipped
+    its beats while a graph sent without waiting had not been read; once the worker had
+    answered it, the lease ran out in a pause of the program (SESSION_EXPIRED at its next
+    request). The heartbeat thread now reads the answer and beats on."""
+    import time
+
+    from djinn.frontend.session import default_session
+    from tests.conftest import frontend_at
+
+    app = fresh_appliance(heartbeat_interval=0.5, heartbeat_misses=2)  # a 1 s lease
+    with frontend_at(app.unix):
+        s = default_session()
+        a = s.put(torch.arange(4.0))
+        nodes = [{"op": "aten::add.Tensor", "args": [{"$h": a.handle}, 1.0]}]
+        flight = s.run_graph_async(nodes, [{"$v": 0}], [])
+        time.sleep(3.0)  # three leases: the program does something else
+        kept, _, failure = flight.outcome()
+        assert failure is None
+        assert torch.equal(kept[0].cpu(), torch.arange(4.0) + 1)
