@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import select
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -74,6 +75,17 @@ class Channel:
             rid = self._send(kind, body, segments)
             self._awaiting.append((rid, kind, sink))
             return rid
+
+    def reply_waiting(self) -> bool:
+        """Whether bytes of a reply wait on the connection (never blocks)."""
+        if self.reader.buffered():
+            return True
+        try:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed under us: the next request says so
+            return False
 
     def receive(self, rid: int) -> Frame:
         """The reply to ``send``'s request ``rid`` (its error raised)."""

@@ -13,7 +13,6 @@ PUT frame and the worker receives them straight into a slab.
 from __future__ import annotations
 
 import contextlib
-import select
 import threading
 import time
 import weakref
@@ -235,34 +234,17 @@ class Session:
                 return  # the session was rebuilt: its own thread beats for it
             if time.monotonic() - self._last_call < self.heartbeat_interval / 2:
                 continue
-            if self._flight is not None:
-                # Note [a beat after a flight]: a graph the worker is running keeps the
-                # session alive; once it has answered, the lease runs again, and a program
-                # that did not read the answer yet (a backward pass's last graph, then a
-                # pause) lost its session. The answer is read here, as the program's next
-                # request would read it first, and the beat goes on.
-                if not self._reply_arrived():
-                    continue
-                try:
-                    self._settle()
-                except DjinnError:
-                    return
+            # Note [a beat after a flight]: a graph the worker is running keeps the session
+            # alive; once it has answered, the lease runs again, and a program that did not
+            # read the answer yet (a backward pass's last graph, then a pause) lost its
+            # session. Once the answer has arrived the beat goes: its request reads the
+            # answer first (_call settles), as the program's next one would.
+            if self._flight is not None and not self.channel.reply_waiting():
+                continue
             try:
                 self._call(Kind.HEARTBEAT)
             except DjinnError:
                 return  # the next real call reports what happened
-
-    def _reply_arrived(self) -> bool:
-        """Whether bytes of a reply wait on the session's connection (never blocks)."""
-        channel = self.channel
-        if channel.reader.buffered():
-            return True
-        try:
-            poller = select.poll()
-            poller.register(channel.sock, select.POLLIN)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):  # closed under us: the next request says so
-            return False
 
     # -- the model path (docs/protocol.md: REGISTER, CALL) -----------------------------------
     def register_model(self, body: dict[str, Any]) -> dict[str, Any]:
