@@ -17,7 +17,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, hooks, uncaptured
+from . import attention, hooks, slicing, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -574,30 +574,8 @@ def _attention(func: Any, args: tuple, kwargs: dict) -> Any:
     return attention.scaled_dot_product_attention(*args, **kwargs)
 
 
-# op -> (position and name of start, of end, and the size of the sliced dimension)
-_SLICES: dict[Any, tuple[int, Any]] = {
-    torch.ops.aten.slice.Tensor: (2, lambda a, dim: a[0].shape[dim]),
-    torch.ops.aten.slice_scatter.default: (3, lambda a, dim: a[0].shape[dim]),
-    torch.ops.aten.slice_backward.default: (3, lambda a, dim: a[1][dim]),
-}
-
-
 def _slice(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``x[1:]`` is ``slice(x, dim, 1, 2**63 - 1)``: PyTorch's "to the end", which the
-    appliance refuses as an integer past 2**62 (Note [op validation]); autograd passes the
-    same bounds to ``slice_backward``. Bounds past the dimension's size are clamped to it,
-    as the kernels themselves do, so the op that travels is the same slice."""
-    first, size_of = _SLICES[func]
-    args, kwargs = list(args), dict(kwargs)
-    dim_pos = first - 1
-    dim = args[dim_pos] if len(args) > dim_pos else kwargs.get("dim", 0)
-    size = size_of(args, dim)
-    for pos, key in ((first, "start"), (first + 1, "end")):
-        where, at = (args, pos) if len(args) > pos else (kwargs, key)
-        v = where[at] if (where is args or at in where) else None
-        if type(v) is int and not -size <= v <= size:
-            where[at] = size if v > 0 else -size
-    return capture(func, tuple(args), kwargs)
+    return capture(func, *slicing.clamped(func, args, kwargs))  # Note [slices to the end]
 
 
 SPECIAL = {
@@ -606,5 +584,5 @@ SPECIAL = {
     torch.ops.aten.is_nonzero.default: _item,
     torch.ops.aten.detach.default: _detach,
     torch.ops.aten.copy_.default: _copy,
-    **dict.fromkeys(_SLICES, _slice),
+    **dict.fromkeys(slicing.OPS, _slice),
 }

@@ -1,7 +1,7 @@
 """``x[:, 1:]`` on a remote tensor is ``slice(x, 1, 1, 2**63 - 1)``, and its backward
 ``slice_backward(..., end=2**63 - 1)``: PyTorch's "to the end", an integer the appliance
 refuses (|x| <= 2**62). Capture clamps the bounds to the dimension, as the kernels do
-(lazy._slice); both were INVALID_ARGUMENT."""
+(Note [slices to the end], djinn/frontend/slicing.py); both were INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
