@@ -25,7 +25,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from djinn.errors import UnsupportedOp
 
-from . import lazy, meta, remote_module
+from . import lazy, meta, remote_module, ties
 from .device import DEVICE_TYPE
 
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -58,6 +58,9 @@ def to_copy(
     adopted = _model_path(x, dtype, device)
     if adopted is not None:
         return adopted
+    tied = ties.already_moved(x)  # Note [tied parameters]
+    if tied is not None:
+        return tied
     same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
     # as is: the upload copies it anyway (eager semantics: later changes must not leak).
     # Not an expanded or otherwise overlapping tensor: eager's copy of one is dense

@@ -17,7 +17,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, hooks, slicing, uncaptured
+from . import attention, embedding, hooks, slicing, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -578,6 +578,10 @@ def _slice(func: Any, args: tuple, kwargs: dict) -> Any:
     return capture(func, *slicing.clamped(func, args, kwargs))  # Note [slices to the end]
 
 
+def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    return embedding.dense_backward(*args, **kwargs)  # Note [embedding backward]
+
+
 SPECIAL = {
     torch.ops.aten.scaled_dot_product_attention.default: _attention,
     torch.ops.aten._local_scalar_dense.default: _item,
@@ -585,4 +589,5 @@ SPECIAL = {
     torch.ops.aten.detach.default: _detach,
     torch.ops.aten.copy_.default: _copy,
     **dict.fromkeys(slicing.OPS, _slice),
+    embedding.OP: _embedding_backward,
 }

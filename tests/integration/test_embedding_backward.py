@@ -1,0 +1,73 @@
+"""Note [embedding backward] (djinn/frontend/embedding.py): backward through nn.Embedding on
+the remote device gives local eager's weight gradient (it was UNSUPPORTED_OP), so GPT-2, its
+embedding tied to its head (Note [tied parameters]), trains on the graph path with local
+eager's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+R = "remote_accelerator:0"
+
+
+def _grads(device: str, n_ids: int, **emb_kwargs) -> torch.Tensor:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 8, **emb_kwargs)
+    ids = torch.randint(0, 50, (n_ids,), generator=torch.Generator().manual_seed(1))
+    ids[:3] = 7  # a repeated index, and the padding row below
+    out = emb.to(device)(ids.to(device))
+    (out * torch.arange(8.0).to(device)).sum().backward()
+    return emb.weight.grad.cpu()
+
+
+@pytest.mark.parametrize("emb_kwargs", [{}, {"padding_idx": 7}], ids=str)
+def test_the_weight_gradient_is_local_eagers(remote, emb_kwargs):
+    got, want = _grads(R, 64, **emb_kwargs), _grads("cpu", 64, **emb_kwargs)
+    assert torch.equal(got, want)  # summed in index order, as the kernel does
+
+
+def test_scaled_by_frequency_it_is_within_rounding(remote):
+    got, want = _grads(R, 64, scale_grad_by_freq=True), _grads("cpu", 64, scale_grad_by_freq=True)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)  # divided first, not scaled after
+
+
+def test_past_three_thousand_indices_it_is_within_rounding(remote):
+    got, want = _grads(R, 5000), _grads("cpu", 5000)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_index_out_of_range_fails_the_op_and_the_session_goes_on(remote):
+    """The kernel would write outside its allocation (no bounds check): the decomposition's
+    ``index_add`` checks, so the gradient fails with a typed error instead."""
+    from djinn.errors import DjinnError
+
+    grad = torch.ones(3, 2).to(R)
+    ids = torch.tensor([0, 9, 1]).to(R)
+    out = torch.ops.aten.embedding_dense_backward(grad, ids, 4, -1, False)
+    with pytest.raises(DjinnError, match="out of bounds"):
+        out.cpu()
+    assert torch.equal((grad * 2).cpu(), torch.full((3, 2), 2.0))
+
+
+def test_gpt2_trains_on_the_graph_path_with_local_eagers_numbers(remote):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+
+    def step(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config).train().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids.to(device), labels=ids.to(device)).loss.backward()
+            opt.step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    for got, want in zip(step(R), step("cpu"), strict=True):
+        assert (got - want).abs().max().item() <= 1e-5

@@ -1,0 +1,98 @@
+"""Note [tied parameters] (djinn/frontend/ties.py): a parameter shared by two modules stays
+one parameter through ``model.to(remote)``, as it does through ``model.to("cuda")``, so a
+tied model trains with local eager's numbers (it was two parameters that trained apart)."""
+
+from __future__ import annotations
+
+import torch
+
+R = "remote_accelerator:0"
+
+
+class Tied(torch.nn.Module):
+    """An encoder and a head sharing one weight, a second name for it inside one module,
+    and a buffer: the shapes of weight tying in language models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = torch.nn.Linear(6, 6, bias=False)
+        self.mid = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 6)
+        self.head.weight = self.enc.weight
+        self.mid.register_parameter("alias", self.mid.bias)
+        self.register_buffer("scale", torch.full((6,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.enc(x) * self.scale)
+        h = torch.tanh(self.mid(h) + self.mid.alias)
+        return self.head(h)
+
+
+def _trained(device: str, **to_kwargs) -> tuple[Tied, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Tied().to(device, **to_kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(device, **to_kwargs)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return model, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_shared_parameter_stays_one_object_and_trains_as_local_eager(remote):
+    model, got = _trained(R)
+    _, want = _trained("cpu")
+    assert model.head.weight is model.enc.weight
+    assert model.mid.alias is model.mid.bias
+    assert len(got) == len(want) == 4  # enc/head weight, mid weight, mid bias/alias, head bias
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert model.head.weight.grad is model.enc.weight.grad  # one gradient, both uses summed
+
+
+def test_the_module_is_left_with_plain_parameter_dicts_and_local_names(remote):
+    model = Tied().to(R)
+    assert all(type(m._parameters) is dict for m in model.modules())
+    local = Tied()
+    assert list(model.state_dict()) == list(local.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in local.named_parameters()]
+
+
+def test_a_move_that_casts_keeps_the_tie(remote):
+    model, got = _trained(R, dtype=torch.float64)
+    _, want = _trained("cpu", dtype=torch.float64)
+    assert model.head.weight is model.enc.weight and model.enc.weight.dtype == torch.float64
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_buffer_shared_by_two_modules_is_copied_apart_as_on_cuda(remote):
+    a, b = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    b.running_mean = a.running_mean
+    pair = torch.nn.Sequential(a, b).to(R)
+    assert pair[0].running_mean is not pair[1].running_mean
+    pair[0].running_mean.add_(1.0)
+    assert torch.equal(pair[1].running_mean.cpu(), torch.zeros(3))
+
+
+def test_a_shared_parameter_travels_once(remote, monkeypatch):
+    from djinn.frontend.session import default_session
+
+    enc, head = torch.nn.Embedding(512, 256), torch.nn.Linear(256, 512, bias=False)
+    head.weight = enc.weight  # 512 KiB: past the inline size, so moved by a put
+    want = enc.weight.detach().clone()
+    session = default_session()
+    uploaded: list[int] = []
+    real_put = session.put
+
+    def counting_put(t, *args, **kwargs):
+        uploaded.append(t.numel() * t.element_size())
+        return real_put(t, *args, **kwargs)
+
+    monkeypatch.setattr(session, "put", counting_put)
+    model = torch.nn.Sequential(enc, head).to(R)
+    monkeypatch.undo()
+    assert uploaded == [512 * 256 * 4]
+    assert model[1].weight is model[0].weight
+    assert torch.equal(model[1].weight.cpu(), want)
