@@ -54,7 +54,13 @@ class Client:
     def _map_arena(self, info: dict[str, Any]) -> ArenaMapping:
         arena = self._arenas.get(info["name"])
         if arena is None:
-            arena = self._arenas[info["name"]] = ArenaMapping(info["name"], info["size"])
+            # An appliance has one arena, so another name means it restarted (a session
+            # rebuilt on the new one, Note [lineage journal]): the old segment is unlinked,
+            # and this mapping was all that kept its pages allocated.
+            for gone in self._arenas.values():
+                gone.close()
+            self._arenas = {info["name"]: ArenaMapping(info["name"], info["size"])}
+            arena = self._arenas[info["name"]]
         return arena
 
     def close(self) -> None:

@@ -80,3 +80,32 @@ def test_after_an_operator_ends_the_session_new_tensors_get_a_new_one(tmp_path):
     assert lines[:2] == ["before [2.0, 2.0, 2.0]", "killed True"]
     assert lines[2:4] == ["old SessionEnded", "read SessionEnded"]
     assert lines[4] == "new [3.0, 3.0, 3.0]"
+
+
+def _arena_maps() -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "djinn" in line]
+
+
+def test_a_session_rebuilt_after_a_restart_lets_the_old_arena_go(tmp_path):
+    """The old appliance's arena is unlinked when it stops, but its pages stay allocated
+    while anyone maps them: the client kept its mapping of every arena it had seen."""
+    import torch
+
+    from djinn.runtime.client import connect
+    from tests.conftest import start_appliance
+
+    app = start_appliance(tmp_path / "a")
+    try:
+        with connect(app.unix) as client, client.session(recover=True) as session:
+            kept = session.put(torch.ones(1 << 20))  # 4 MiB: through the arena
+            old = session.arena.name
+            assert any(old.lstrip("/") in line for line in _arena_maps())
+            app.stop()
+            app = start_appliance(tmp_path / "a")  # the same socket path
+            assert torch.equal(session.get(kept), torch.ones(1 << 20))  # rebuilt, replayed
+            assert session.arena.name != old
+            maps = _arena_maps()
+            assert not any(old.lstrip("/") in line for line in maps), maps
+            assert any(session.arena.name.lstrip("/") in line for line in maps), maps
+    finally:
+        app.stop()
