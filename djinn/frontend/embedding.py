@@ -6,12 +6,16 @@ kernel indexes a counts array and the gradient rows by the client's indices with
 bounds check, so a hostile index writes outside the allocation. Capture sends what the
 kernel computes instead: zeros, and each gradient row added to its index's row in index
 order. ``index_add`` does exactly that, one ``add`` per index in order, with the bounds
-checked, so the result is the kernel's to the bit at every size (``index_put`` with
-``accumulate`` is not: past 32K elements it adds in parallel, in no fixed order).
+checked, so for float32 and float64 the result is the kernel's to the bit at every size
+(``index_put`` with ``accumulate`` is not: past 32K elements it adds in parallel, in no
+fixed order). For float16 and bfloat16 ``index_add`` adds in float32 and rounds once, as
+CUDA's kernel does, where the CPU kernel rounds after every add: a row hit often differs
+from CPU eager's by the dtype's rounding, and a row hit very often by more, CPU eager's sum
+having stalled (a bfloat16 row hit 4,000 times by 1.0 sums to 256 there, 4,000 here).
 Indices equal to ``padding_idx`` add a zero row, which leaves that row zero as the
-kernel's skip does. With ``scale_grad_by_freq`` each row is divided by its index's count
-before it is added; the kernel multiplies inside the add (one rounding fewer), so that case
-is within a rounding of eager, not equal to it.
+kernel's skip does. With ``scale_grad_by_freq`` each row is scaled by 1 / its index's
+count before it is added; the kernel multiplies inside the add (one rounding fewer), so
+that case is within a rounding of eager, not equal to it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ def dense_backward(
     rows = grad.reshape(flat.numel(), grad.shape[-1])
     rows = rows.masked_fill((flat == padding_idx).unsqueeze(-1), 0)
     if scale_grad_by_freq:
-        counts = rows.new_zeros(num_weights).index_add(0, flat, rows.new_ones(flat.numel()))
-        rows = rows * counts.reciprocal().index_select(0, flat).unsqueeze(-1)
+        # counted in the indices' integer type (a float16 count stops at 2048), each row
+        # scaled by 1.0 / count in the precision the kernel multiplies in
+        counts = flat.new_zeros(num_weights).index_add(0, flat, torch.ones_like(flat))
+        wide = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        scale = counts.index_select(0, flat).to(torch.float64).reciprocal().to(wide)
+        rows = (rows.to(wide) * scale.unsqueeze(-1)).to(rows.dtype)
     return rows.new_zeros(num_weights, grad.shape[-1]).index_add(0, flat, rows)

@@ -58,7 +58,8 @@ def to_copy(
     adopted = _model_path(x, dtype, device)
     if adopted is not None:
         return adopted
-    tied = ties.already_moved(x)  # Note [tied parameters]
+    at = ties.slot(x)  # Note [tied parameters]
+    tied = ties.converting(at, x, dtype or x.dtype, lazy._remote())
     if tied is not None:
         return tied
     same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
@@ -72,7 +73,9 @@ def to_copy(
     )
     spec = lazy.spec_of(local)
     dst = lazy.LazyTensor(spec, lazy.Uninit(spec))
-    return lazy.copy_into(dst, local)
+    out = lazy.copy_into(dst, local)
+    ties.converted(at, x)
+    return out
 
 
 # Note [module to]: `model.to(remote)` of an inference-mode transformers model takes the

@@ -17,7 +17,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, hooks, slicing, uncaptured
+from . import attention, embedding, hooks, slicing, ties, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -36,6 +36,7 @@ def _remote() -> torch.device:
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _SEEDED = torch.Tag.nondeterministic_seeded
+_TO_COPY = torch.ops.aten._to_copy.default
 # Tagged as seeded (its schema has a dropout probability) but never drawing: the CPU kernel
 # refuses any dropout but 0. Advancing the local generator for it ran the whole attention
 # on scratch tensors on the client, for nothing (Note [seeded ops]).
@@ -268,6 +269,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return func.decompose(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
+        if func is _TO_COPY:
+            return _to_cpu(func, args, kwargs)
         return _run_locally(func, args, kwargs)
     return capture(func, args, kwargs)
 
@@ -522,6 +525,19 @@ def _run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
         return x
 
     return func(*[local(v) for v in args], **{k: local(v) for k, v in kwargs.items()})
+
+
+def _to_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A remote tensor moved to the CPU; a module's tied parameter stays one parameter
+    there too (Note [tied parameters])."""
+    x = args[0]
+    at = ties.slot(x)
+    tied = ties.converting(at, x, kwargs.get("dtype") or x.dtype, kwargs["device"])
+    if tied is not None:
+        return tied
+    out = _run_locally(func, args, kwargs)
+    ties.converted(at, x)
+    return out
 
 
 def _item(func: Any, args: tuple, kwargs: dict) -> Any:

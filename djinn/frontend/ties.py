@@ -1,20 +1,28 @@
-"""Tied parameters kept one object through ``Module.to(remote)``.
+"""Tied parameters kept one object through a module's moves to and from the remote device.
 
 Note [tied parameters]: a parameter that is one object under two names (GPT-2's
 ``lm_head.weight is transformer.wte.weight``) must stay one object on the remote device:
 autograd then sums both uses' gradients into one ``.grad``, and the optimizer steps it
-once. ``Module._apply`` keeps the object only where the converted tensor is shallow-copy
-compatible with the old one (CPU -> CUDA: ``param.data = ...``). A wrapper subclass is not,
-so each module slot got a new ``Parameter`` of a conversion of its own: two uploads, two
-remote copies, and two parameters that trained apart, silently away from eager's numbers.
+once. ``Module._apply`` keeps the object itself where the converted tensor is shallow-copy
+compatible with the old one (CPU -> CUDA: ``param.data = ...``), so on CUDA whatever else
+holds it (a second slot, another module moved later) holds the moved parameter. A wrapper
+subclass is not compatible, so each slot got a new ``Parameter`` of a conversion of its
+own: two uploads, two remote copies, and two parameters that trained apart, silently away
+from eager's numbers.
 
-The ``_to_copy`` kernel sees each conversion with ``_apply``'s frame above it. Within one
-move (keyed by the ``fn`` every nested ``_apply`` is handed, which lives as long as the
-move), a parameter met a second time is not uploaded again, and its slot gets the
-``Parameter`` the first slot got. ``_apply`` stores ``self._parameters[key]`` right after
-the conversion returns, so the module's dict is replaced by one whose store of that key
-keeps the first parameter and puts a plain dict back. Buffers stay apart, as on CUDA,
-where each ``fn(buf)`` is a new tensor too.
+So the move's kernel (``_to_copy``, either way: ``factories.to_copy`` to the remote
+device, ``lazy._run_locally`` back) looks at the ``_apply`` frame above it. Converting a
+module's parameter, it remembers, weakly, which ``Parameter`` that slot received. A later
+conversion of the same parameter (a second slot in the same move, a submodule moved
+before the whole model, a move tried again after a failure) returns that ``Parameter``'s
+value instead of converting again, and the slot gets the ``Parameter`` itself, as long as
+the parameter was not written since (its version counter) and the move asks for the same
+device and dtype. ``_apply`` stores ``self._parameters[key]`` right after the conversion
+returns: recording and re-tying both replace the module's dict by one that sees that one
+store and then puts a plain dict back. The gradient of a re-tied parameter is not
+converted again. Buffers stay apart, as on CUDA, where each ``fn(buf)`` is a new tensor
+too. Not covered (the program ties again itself, as transformers' ``tie_weights`` does):
+``to_empty``, whose kernel is an allocation that never sees the old tensor.
 """
 
 from __future__ import annotations
@@ -24,63 +32,97 @@ import weakref
 from typing import Any
 
 import torch
-
-from . import lazy
+from torch.utils.weak import WeakIdKeyDictionary
 
 _APPLY = torch.nn.Module._apply.__code__
-# a move's fn -> {id(source): (source, module, key)}: where each parameter went first
-_moves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# a parameter converted in a module's move -> (the Parameter its slot received, weakly;
+# the parameter's version counter when it was converted)
+_moved: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-class _Retie(dict):
-    """``module._parameters`` until ``_apply`` stores ``key``: that store keeps ``param``
-    (Note [tied parameters]) and gives the module a plain dict again."""
+class Slot:
+    """Where ``_apply`` will store what the kernel returns: a module's parameter ``key``."""
 
-    def __init__(self, module: torch.nn.Module, key: str, param: torch.Tensor) -> None:
-        super().__init__(module._parameters)
-        self.module, self.key, self.param = module, key, param
+    __slots__ = ("grad_of", "key", "module")
+
+    def __init__(self, module: torch.nn.Module, key: str, grad_of: torch.Tensor | None) -> None:
+        self.module, self.key, self.grad_of = module, key, grad_of
+
+
+class _OneStore(dict):
+    """``module._parameters`` until ``_apply`` stores ``key``: that store is recorded for
+    ``src`` (or replaced by the parameter ``src`` is tied to), then a plain dict is back."""
+
+    def __init__(self, slot: Slot, src: torch.Tensor, tied: torch.Tensor | None) -> None:
+        super().__init__(slot.module._parameters)
+        self.slot, self.src, self.tied, self.version = slot, src, tied, src._version
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key != self.key:
+        if key != self.slot.key:
             return super().__setitem__(key, value)
+        if self.tied is not None:
+            value = self.tied
+        elif isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
+            _moved[self.src] = (weakref.ref(value), self.version)
         plain = dict(self)
-        plain[key] = self.param
-        self.module.__dict__["_parameters"] = plain
+        plain[key] = value
+        self.slot.module.__dict__["_parameters"] = plain
 
 
-def _slot(x: torch.Tensor) -> tuple[Any, torch.nn.Module, str] | None:
-    """(fn, module, key) of the ``_apply`` converting ``x`` as a module's parameter; None
-    for a lone tensor, a buffer or a gradient."""
+def slot(x: torch.Tensor) -> Slot | None:
+    """The module slot ``x`` is being converted for, when a module's move converts one of
+    its parameters (or a parameter's gradient); None for a lone tensor or a buffer."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code is not _APPLY:
         frame = frame.f_back
     if frame is None:
         return None
     f_locals = frame.f_locals
-    if f_locals.get("param") is not x or "key" not in f_locals or "buf" in f_locals:
+    if "buf" in f_locals or "key" not in f_locals:  # the buffers' loop, or not started
         return None
-    return f_locals.get("fn"), f_locals["self"], f_locals["key"]
+    param = f_locals.get("param")
+    if param is x:
+        return Slot(f_locals["self"], f_locals["key"], None)
+    if param is not None and f_locals.get("param_grad") is x:
+        return Slot(f_locals["self"], f_locals["key"], param)
+    return None
 
 
-def already_moved(x: torch.Tensor) -> torch.Tensor | None:
-    """The remote parameter ``x`` became earlier in this move, as a fresh alias (its slot
-    is re-tied to that parameter); None when ``x`` is met for the first time, and from
-    then on it is remembered."""
-    slot = _slot(x)
-    if slot is None:
+def _tied(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The parameter ``src`` became in an earlier conversion, if it still stands for it."""
+    hit = _moved.get(src)
+    if hit is None:
         return None
-    fn, module, key = slot
-    try:
-        seen = _moves.setdefault(fn, {})
-    except TypeError:  # an fn that takes no weak reference: nothing to key the move by
+    param = hit[0]()
+    if param is None or hit[1] != src._version:
         return None
-    first = seen.get(id(x))
-    if first is None:
-        seen[id(x)] = (x, module, key)
+    if param.device != device or param.dtype != dtype or param.shape != src.shape:
         return None
-    _, owner, owner_key = first
-    param = owner._parameters.get(owner_key)
-    if not isinstance(param, lazy.LazyTensor):
+    return param
+
+
+def converting(
+    at: Slot | None, x: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """What the kernel converting ``x`` into ``dtype`` on ``device`` returns instead of
+    converting it: the value of the parameter ``x`` is tied to (the slot will hold that
+    parameter), or that parameter's gradient; None: convert."""
+    if at is None:
         return None
-    module.__dict__["_parameters"] = _Retie(module, key, param)
-    return param.detach()
+    if at.grad_of is not None:
+        param = at.module._parameters.get(at.key)
+        tied = _tied(at.grad_of, dtype, device)
+        if tied is not None and param is tied and tied.grad is not None:
+            return tied.grad  # converted with the slot the parameter first had
+        return None
+    tied = _tied(x, dtype, device)
+    if tied is None:
+        return None
+    at.module.__dict__["_parameters"] = _OneStore(at, x, tied)
+    return tied.detach()
+
+
+def converted(at: Slot | None, x: torch.Tensor) -> None:
+    """``x`` was converted for ``at``: remember which parameter the slot receives."""
+    if at is not None and at.grad_of is None:
+        at.module.__dict__["_parameters"] = _OneStore(at, x, None)

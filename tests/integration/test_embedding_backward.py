@@ -32,9 +32,44 @@ def test_scaled_by_frequency_it_is_within_rounding(remote):
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)  # divided first, not scaled after
 
 
-def test_past_three_thousand_indices_it_is_within_rounding(remote):
-    got, want = _grads(R, 5000), _grads("cpu", 5000)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("n_ids", [5000, 100_000])
+def test_past_the_parallel_threshold_it_is_still_the_kernels_to_the_bit(remote, n_ids):
+    assert torch.equal(_grads(R, n_ids), _grads("cpu", n_ids))  # index_put would not be
+
+
+def test_int32_indices_of_any_shape_give_the_kernels_gradient(remote):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (3, 4, 5), generator=torch.Generator().manual_seed(3))
+
+    def grad(device: str) -> torch.Tensor:
+        emb = torch.nn.Embedding(50, 8, padding_idx=-3)
+        emb.weight.data.copy_(torch.arange(400.0).reshape(50, 8))
+        emb = emb.to(device)
+        out = emb(ids.to(torch.int32).to(device))
+        (out * out).sum().backward()
+        return emb.weight.grad.cpu()
+
+    assert torch.equal(grad(R), grad("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_sums_as_cuda_does_within_the_dtypes_rounding(remote, dtype):
+    """float32 accumulation (CUDA's kernel); the CPU kernel rounds after each add."""
+    ids = torch.randint(0, 20, (200,), generator=torch.Generator().manual_seed(4))
+    grad = torch.randn(200, 8, generator=torch.Generator().manual_seed(5)).to(dtype)
+    args = (ids, 20, -1, False)
+    got = torch.ops.aten.embedding_dense_backward(grad.to(R), ids.to(R), *args[1:]).cpu()
+    exact = torch.ops.aten.embedding_dense_backward(grad.double(), *args)
+    assert torch.equal(got, exact.to(dtype))  # one rounding of the exact sum, here
+    eager = torch.ops.aten.embedding_dense_backward(grad, *args)
+    assert torch.allclose(got.float(), eager.float(), rtol=0.05, atol=0.05)
+
+
+def test_scaled_by_frequency_counts_past_what_half_precision_counts(remote):
+    ids = torch.zeros(4000, dtype=torch.long)  # one row, 4,000 times: float16 counts stop at 2048
+    grad = torch.ones(4000, 2, dtype=torch.float16)
+    got = torch.ops.aten.embedding_dense_backward(grad.to(R), ids.to(R), 3, -1, True).cpu()
+    assert torch.equal(got[0], torch.ones(2, dtype=torch.float16))  # 4,000 x (1 / 4,000)
 
 
 def test_an_index_out_of_range_fails_the_op_and_the_session_goes_on(remote):

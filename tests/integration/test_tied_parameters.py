@@ -4,6 +4,7 @@ tied model trains with local eager's numbers (it was two parameters that trained
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 R = "remote_accelerator:0"
@@ -76,11 +77,12 @@ def test_a_buffer_shared_by_two_modules_is_copied_apart_as_on_cuda(remote):
     assert torch.equal(pair[1].running_mean.cpu(), torch.zeros(3))
 
 
-def test_a_shared_parameter_travels_once(remote, monkeypatch):
+def test_a_shared_parameter_and_its_gradient_travel_once(remote, monkeypatch):
     from djinn.frontend.session import default_session
 
     enc, head = torch.nn.Embedding(512, 256), torch.nn.Linear(256, 512, bias=False)
     head.weight = enc.weight  # 512 KiB: past the inline size, so moved by a put
+    enc.weight.grad = torch.full((512, 256), 2.0)
     want = enc.weight.detach().clone()
     session = default_session()
     uploaded: list[int] = []
@@ -93,6 +95,64 @@ def test_a_shared_parameter_travels_once(remote, monkeypatch):
     monkeypatch.setattr(session, "put", counting_put)
     model = torch.nn.Sequential(enc, head).to(R)
     monkeypatch.undo()
-    assert uploaded == [512 * 256 * 4]
+    assert uploaded == [512 * 256 * 4] * 2  # the weight, its gradient
     assert model[1].weight is model[0].weight
     assert torch.equal(model[1].weight.cpu(), want)
+    assert torch.equal(model[1].weight.grad.cpu(), torch.full((512, 256), 2.0))
+
+
+def test_a_submodule_moved_first_keeps_the_tie_as_on_cuda(remote):
+    model = Tied()
+    model.head.to(R)  # on CUDA the shared object itself moves: enc.weight with it
+    model.to(R)
+    assert model.head.weight is model.enc.weight
+    assert len(list(model.parameters())) == 4
+
+
+def test_a_move_tried_again_after_a_failure_keeps_the_tie(remote, monkeypatch):
+    from djinn.frontend import factories
+
+    model, real, calls = Tied(), factories.lazy.copy_into, []
+
+    def failing_once(dst, local, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ConnectionError("an upload failed")
+        return real(dst, local, *args)
+
+    monkeypatch.setattr(factories.lazy, "copy_into", failing_once)
+    with pytest.raises(ConnectionError):
+        model.to(R)  # enc moved, then mid failed: head still holds the CPU parameter
+    monkeypatch.undo()
+    model.to(R)
+    assert model.head.weight is model.enc.weight
+    assert len(list(model.parameters())) == 4
+
+
+def test_moved_back_to_the_cpu_a_shared_parameter_stays_one(remote):
+    model = Tied().to(R).cpu()
+    assert model.head.weight is model.enc.weight and model.enc.weight.device.type == "cpu"
+    assert model.mid.alias is model.mid.bias
+
+
+def test_a_parameter_written_since_its_move_is_moved_again_not_tied(remote):
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    shared = a.weight
+    a.to(R)  # a's slot holds the remote copy; `shared` is still the CPU parameter
+    with torch.no_grad():
+        shared.add_(1.0)  # written on the CPU since: the remote copy no longer stands for it
+    b.weight = shared
+    b.to(R)
+    assert b.weight is not a.weight
+    assert torch.equal(b.weight.cpu(), shared.detach())
+
+
+def test_a_move_keeps_no_cpu_parameter_alive(remote):
+    import gc
+    import weakref
+
+    model = Tied()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    model.to(R)
+    gc.collect()
+    assert all(r() is None for r in refs)
