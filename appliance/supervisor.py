@@ -153,6 +153,7 @@ class Supervisor:
                 "log_level": cfg.log_level,
                 "cpu_threads": cfg.cpu_threads,
                 "cpu_threads_beside_client": cfg.cpu_threads_beside_client,
+                "cpu_wait_policy": cfg.cpu_wait_policy,
                 "model_roots": cfg.model_roots,
                 "model_allowlist": cfg.model_allowlist,
                 "model_methods": cfg.model_methods,

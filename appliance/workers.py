@@ -19,6 +19,32 @@ log = logging.getLogger("djinn.appliance.workers")
 FIRST_BACKOFF_S = 0.5
 
 
+# Note [idle OpenMP threads]: between two parallel regions a worker's OpenMP threads wait
+# for the next one, by default (libgomp, which PyTorch's wheels use) spinning 300,000
+# rounds before they sleep. A client on the same host captures its next graph while the
+# worker runs the last one (Note [asynchronous flushes]), and on a host with few cores
+# the spinning threads took its core each time the worker paused between ops or graphs:
+# on 2 cores a 20-step training loop (benchmarks/training_step.py) took 0.83 s with the
+# runtime's own wait, 0.58 s with a thousand rounds, 0.57 s sleeping at once. Sleeping at
+# once costs a wake-up per parallel region instead, and a kernel-bound GPT-2 forward ran
+# 134 ms against 128 (the runtime's own) and 119 (a thousand rounds): "brief" is the
+# default. It changes when threads wait, never how an op's work is split among them, so
+# the results are the same bits. The runtime reads these variables once, when it loads.
+_SPINS = {"brief": "1000", "passive": "0", "active": None}
+
+
+def _wait_policy(policy: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment a worker starts with for ``cpu_wait_policy`` (Note [idle OpenMP
+    threads]); "inherit" keeps the supervisor's."""
+    if policy == "inherit":
+        return {}
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy == "active":
+        return {"OMP_WAIT_POLICY": "ACTIVE"}
+    env.pop("OMP_WAIT_POLICY", None)
+    return {"GOMP_SPINCOUNT": _SPINS[policy]}
+
+
 @dataclass
 class WorkerHandle:
     id: int
@@ -51,6 +77,7 @@ class WorkerHandle:
         env["DJINN_APPLIANCE_PROCESS"] = "1"  # no client-side device hooks in a worker
         # a worker never fetches code or weights from a hub, whatever a request says
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.update(_wait_policy(self.init.get("cpu_wait_policy", "inherit"), env))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "djinn.appliance.worker", "--control-fd", str(child.fileno())],
             pass_fds=[child.fileno()],

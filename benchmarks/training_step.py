@@ -15,14 +15,15 @@ to instead of CPU flash attention, rounds differently).
     python benchmarks/training_step.py            # 20 steps, 3 repeats
     python benchmarks/training_step.py --steps 5 --repeat 1
 
-The remote loop runs on three private appliances (``djinn serve``, one CPU worker
+The remote loop runs on four private appliances (``djinn serve``, one CPU worker
 each): the defaults, where the worker runs a repeated step by its execution plan (Note
-[graph plans]); ``graph_plan_after = 0``, where it interprets every step op by op; and
-``cpu_threads_beside_client = true``, where a graph the client sent without waiting for
-it runs with one thread fewer (Note [a capturing client beside its worker]: its
-parameters are then local eager's at that thread count, which the last column
-measures). Repeats interleave local and the three remote loops, so all see the same
-machine. Goal (issue 11): remote at most 1.20x local eager.
+[graph plans]); ``graph_plan_after = 0``, where it interprets every step op by op;
+``cpu_wait_policy = inherit``, where the worker's idle OpenMP threads spin as long as the
+runtime's own default (Note [idle OpenMP threads]); and ``cpu_threads_beside_client =
+true``, where a graph the client sent without waiting for it runs with one thread fewer
+(Note [a capturing client beside its worker]: its parameters are then local eager's at
+that thread count, which the last column measures). Repeats interleave local and the
+remote loops, so all see the same machine. Goal (issue 11): remote at most 1.20x local eager.
 """
 
 from __future__ import annotations
@@ -119,20 +120,24 @@ def main() -> int:
     ]  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        for name in ("plans", "interpreted", "beside"):
+        for name in ("plans", "interpreted", "spinning", "beside"):
             (work / name).mkdir()
         planned = stack.enter_context(appliance(work / "plans", GiB, "none"))
         interpreted = stack.enter_context(
             appliance(work / "interpreted", GiB, "none", graph_plan_after=0)
         )
+        spinning = stack.enter_context(
+            appliance(work / "spinning", GiB, "none", cpu_wait_policy="inherit")
+        )
         beside = stack.enter_context(
             appliance(work / "beside", GiB, "none", cpu_threads_beside_client=True)
         )
-        for app in (planned, interpreted, beside):
+        for app in (planned, interpreted, spinning, beside):
             with using(app.unix):
                 loop(model, batches[:2], R)  # warm: the appliance's kernels, the meta caches
         loop(model, batches[:2], "cpu")
         local_s, remote_s, interp_s, all_s, diffs, all_diffs = [], [], [], [], [], []
+        spin_s = []
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
@@ -145,6 +150,11 @@ def main() -> int:
             interp_s.append(took)
             if any(not torch.equal(a, b) for a, b in zip(got, other, strict=True)):
                 raise AssertionError("a plan's results differ from the interpreted run's")
+            with using(spinning.unix):
+                took, other = loop(model, batches, R)
+            spin_s.append(took)
+            if any(not torch.equal(a, b) for a, b in zip(got, other, strict=True)):
+                raise AssertionError("spinning threads changed the results")
             with using(beside.unix):
                 took, other = loop(model, batches, R)
             all_s.append(took)
@@ -152,6 +162,7 @@ def main() -> int:
         plans = stats_plans(planned.unix)
     local, remote = statistics.median(local_s), statistics.median(remote_s)
     interp, every = statistics.median(interp_s), statistics.median(all_s)
+    spin = statistics.median(spin_s)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     _, other = loop(model, batches, "cpu")
@@ -164,7 +175,10 @@ def main() -> int:
           f"{local:.3f}", f"{remote:.3f}", f"{remote / local:.2f}x", f"{max(diffs):.1e}",
           f"{floor:.1e}"],
          ["same, the worker interpreting every step (graph_plan_after = 0)", f"{local:.3f}",
-          f"{interp:.3f}", f"{interp / local:.2f}x", "bit-identical to the row above", ""],
+          f"{interp:.3f}", f"{interp / local:.2f}x", "bit-identical to the first row", ""],
+         ["same, idle OpenMP threads spinning as the runtime's default (cpu_wait_policy ="
+          " inherit)", f"{local:.3f}", f"{spin:.3f}", f"{spin / local:.2f}x",
+          "bit-identical to the first row", ""],
          ["same, a graph sent without waiting on a thread fewer (cpu_threads_beside_client"
           " = true)", f"{local:.3f}", f"{every:.3f}", f"{every / local:.2f}x",
           f"{max(all_diffs):.1e}", ""]],
@@ -173,7 +187,8 @@ def main() -> int:
           f"({plans['nodes']} nodes); refused templates: {plans['refused']}")  # fmt: skip
     print(f"\n(batch {args.batch} x {args.seq} tokens; medians of {args.repeat}; goal <= 1.20x)")
     save_json({"local_s": local_s, "remote_s": remote_s, "interpreted_s": interp_s,
-               "beside_client_s": all_s, "beside_client_max_param_diff": max(all_diffs),
+               "spinning_s": spin_s, "beside_client_s": all_s,
+               "beside_client_max_param_diff": max(all_diffs),
                "plans": plans, "max_param_diff": max(diffs),
                "local_threads_diff": floor,
                "args": vars(args), "torch": torch.__version__}, args.json)  # fmt: skip

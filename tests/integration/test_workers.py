@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +103,39 @@ def test_a_ready_worker_imports_model_code_in_the_background(fresh_appliance):
     assert wait_for(lambda: app.stats()["workers"][0].get("prewarm") == "done", timeout=120)
     off = fresh_appliance(prewarm=False)
     assert wait_for(lambda: off.stats()["workers"][0].get("prewarm") == "off")
+
+
+def _worker_env(app) -> dict[str, str]:
+    pid = wait_for(lambda: _workers(app)[0].get("pid"))
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().partition("=")[::2] for item in raw if item)
+
+
+@pytest.mark.parametrize(
+    ("policy", "want"),
+    [
+        ("brief", {"GOMP_SPINCOUNT": "1000"}),
+        ("passive", {"GOMP_SPINCOUNT": "0"}),
+        ("active", {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ],
+)
+def test_a_workers_idle_openmp_threads_wait_as_configured(
+    fresh_appliance, monkeypatch, policy, want
+):
+    """Note [idle OpenMP threads]: the OpenMP runtime reads its wait settings once, when
+    it loads with torch, so the worker starts with them, over the environment's."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    env = _worker_env(fresh_appliance(cpu_wait_policy=policy))
+    got = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in env}
+    assert got == want
+
+
+def test_inherit_leaves_the_environments_wait_policy(fresh_appliance, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = _worker_env(fresh_appliance(cpu_wait_policy="inherit"))
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    env = _worker_env(fresh_appliance(cpu_wait_policy="inherit"))
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -150,6 +150,7 @@ BAD_VALUES = {
     "recovery_kv": ["both", 1],
     "cpu_threads": [-1, "all"],
     "cpu_threads_beside_client": ["sometimes", 2],
+    "cpu_wait_policy": ["spin", "PASSIVE!", 1],
     "client_gc_threshold": [-1, "many"],
     "prewarm": ["maybe", 2],
     "stats_window": [0, 100000],
