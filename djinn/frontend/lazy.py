@@ -37,6 +37,7 @@ SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _SEEDED = torch.Tag.nondeterministic_seeded
 _TO_COPY = torch.ops.aten._to_copy.default
+_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # the C++ getter and setter of .data
 # Tagged as seeded (its schema has a dropout probability) but never drawing: the CPU kernel
 # refuses any dropout but 0. Advancing the local generator for it ran the whole attention
 # on scratch tensors on the client, for nothing (Note [seeded ops]).
@@ -91,6 +92,25 @@ class LazyTensor(torch.Tensor):
             # hold the error instead (Note [failed values]): backward() finishes, and
             # the first read of a gradient raises it as a Python exception.
             return _failed_outputs(func, args, kwargs or {}, exc)
+
+    # Note [set data]: ``t.data = other`` (and ``Module._apply``: ``model.half()`` after a
+    # move sets each parameter's ``.data``) copies the C++ tensor's metadata over (dtype,
+    # sizes, strides) but knows nothing of the Python reference to the value, so ``t``
+    # claimed the new dtype and shape and computed with the old value. The reference
+    # follows the metadata here.
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        if isinstance(new, LazyTensor) and new._dyn is not None:
+            new = new.detach()  # sizes held in C++, where the copy takes them from
+        _TENSOR_DATA.__set__(self, new)
+        if isinstance(new, LazyTensor):
+            if self._dyn is not None:  # its sizes are still answered from Python
+                self._dyn = spec_of(new)
+            bind(self, new._ref)
 
     # -- reading values: these materialise -------------------------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:
