@@ -10,6 +10,8 @@ client never holds a tensor's data.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +44,17 @@ _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # the C++ getter and setter
 # refuses any dropout but 0. Advancing the local generator for it ran the whole attention
 # on scratch tensors on the client, for nothing (Note [seeded ops]).
 _DRAWS_NOTHING = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
+# Samplers that draw until a value is accepted: how far the generator moves depends on
+# their inputs' values (a Poisson rate, a gamma shape), so scratch values would leave it
+# elsewhere than eager's, and every later random number with it. These read their inputs.
+_DRAWS_BY_VALUE = frozenset(
+    {
+        torch.ops.aten.poisson.default,
+        torch.ops.aten._standard_gamma.default,
+        torch.ops.aten.binomial.default,
+        torch.ops.aten._sample_dirichlet.default,
+    }
+)
 
 
 class Uninit:
@@ -144,6 +157,28 @@ class LazyTensor(torch.Tensor):
 
     def __setitem__(self, index: Any, value: Any) -> None:
         super().__setitem__(_local_index(index), value)
+
+    def __deepcopy__(self, memo: dict) -> LazyTensor:
+        """A copy made on the appliance (a captured ``clone``), as a CUDA tensor's is made
+        on its GPU: ``copy.deepcopy(model)`` of a moved model (a best checkpoint, an EMA
+        copy) tried to pickle the session's connection instead."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the "
+                "deepcopy protocol at the moment"
+            )  # eager's words
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for key, value in vars(self).items():
+            if key not in ("_ref", "_dyn"):  # the copy's own
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
 
     def __reduce_ex__(self, proto: Any) -> Any:
         # as a CUDA tensor pickles: its bytes, fetched, with its device recorded
@@ -295,6 +330,32 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     return capture(func, args, kwargs)
 
 
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of written args
+
+
+def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """Weak refs to the bases of the views ``func`` writes into: a failed write leaves
+    them stale too (Note [failed values], trace._poison_writes)."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = _WRITES[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments if schema is not None else ())
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    if not writes:
+        return ()
+    bases = []
+    for i, name in writes:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            base = getattr(t, "_base", None) if isinstance(t, LazyTensor) else None
+            if base is not None:
+                bases.append(weakref.ref(base))
+    return tuple(bases)
+
+
 def _streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
     """``trace``, its ops sent first if it holds a part's worth (Note [streamed graphs]);
     called before an op is captured, when every earlier op's outputs are bound."""
@@ -341,7 +402,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         spec = meta_mod.infer(func, key, build)
     except meta_mod.DataDependent:
-        return _run_now(func, trace, ref_args, ref_kwargs)
+        rng = _advance_local_generator(func, args, kwargs) if _SEEDED in func.tags else None
+        return _run_now(func, trace, ref_args, ref_kwargs, rng)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
@@ -354,6 +416,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         # keeps every later read correct); dropping one is a silent wrong number.
         node = Node(func, ref_args, ref_kwargs, trace, 0)
         node.module = hooks.module_path()
+        node.bases = _written_bases(func, args, kwargs)
         trace.add(node)
         return spec
     for s in specs:  # refuse before recording: a refused op must leave nothing behind
@@ -362,6 +425,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
+    node.bases = _written_bases(func, args, kwargs)
     if _SEEDED in func.tags and func not in _DRAWS_NOTHING:
         node.rng = _advance_local_generator(func, args, kwargs)
     trace.add(node)
@@ -477,12 +541,15 @@ def _advance_local_generator(func: Any, args: tuple, kwargs: dict) -> torch.Tens
     local generator advances exactly as eager PyTorch's would. Remote values then equal
     local eager values under the same ``torch.manual_seed``."""
     state = torch.get_rng_state()
+    by_value = func in _DRAWS_BY_VALUE
 
     def scratch(x: Any) -> Any:
         if isinstance(x, LazyTensor):
+            t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
+            if by_value:  # the generator advances by as many draws as these values take
+                return t.copy_(fetch(x))
             # values every random op accepts (a probability, a mean, a rate), never
             # uninitialised memory: bernoulli refuses p outside [0, 1]
-            t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
             return t.fill_(0.5 if t.is_floating_point() or t.is_complex() else 1)
         if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
             return torch.device("cpu")
@@ -494,13 +561,24 @@ def _advance_local_generator(func: Any, args: tuple, kwargs: dict) -> torch.Tens
     return state
 
 
-def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict) -> Any:
-    """Ops whose output shape depends on values (nonzero, unique...) or that return Python
-    values (equal): run the trace up to and including them, keep the tensor outputs."""
+def _run_now(
+    func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict, rng: Any = None
+) -> Any:
+    """Ops whose output shape depends on values (nonzero, unique...), that return Python
+    values (equal) or that have no meta kernel (``_sample_dirichlet``: a random op, with
+    the generator state ``rng`` it runs with, Note [seeded ops]): run the trace up to and
+    including them, keep the tensor outputs."""
     returns = [str(r.type) for r in func._schema.returns]
     if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
         raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
-    node = Node(func, ref_args, ref_kwargs, trace, max(1, len(returns)), multi=len(returns) > 1)
+    if not returns:  # writes only (the fused optimizers' steps): nothing to wait for
+        node = Node(func, ref_args, ref_kwargs, trace, 0)
+        node.module = hooks.module_path()
+        node.rng = rng
+        trace.add(node)
+        return None
+    node = Node(func, ref_args, ref_kwargs, trace, len(returns), multi=len(returns) > 1)
+    node.rng = rng
     trace.add(node)
     tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
     refs = [Pending(node, i) for i in range(node.nout)]

@@ -33,6 +33,7 @@ class Node:
     __slots__ = (
         "__weakref__",
         "args",
+        "bases",
         "executed",
         "failed",
         "holders",
@@ -65,6 +66,8 @@ class Node:
         self.rng: torch.Tensor | None = None
         self.module = ""
         self.specs: Any = None
+        # weak refs to the bases of the views this op writes into (Note [failed values])
+        self.bases: tuple[weakref.ref, ...] = ()
 
     @property
     def name(self) -> str:
@@ -94,6 +97,10 @@ class Failed:
 
     def __init__(self, error: DjinnError) -> None:
         self.error = error
+
+    @property
+    def failed(self) -> DjinnError:  # read like a RemoteTensor's, in an executed node's results
+        return self.error
 
 
 def failed_error(op_name: str, exc: BaseException) -> DjinnError:
@@ -515,7 +522,10 @@ def _writes(node: Node) -> bool:
 def _depends_on_failure(node: Node) -> bool:
     def failed(x: Any) -> bool:
         if isinstance(x, Pending):
-            return x.node.failed is not None
+            if x.node.failed is not None:
+                return True
+            results = x.node.results if x.node.executed else None
+            return bool(results) and isinstance(results[x.index], Failed)
         if isinstance(x, Failed):
             return True
         if isinstance(x, RemoteTensor):
@@ -566,12 +576,26 @@ def _poison_writes(node: Node, error: DjinnError) -> None:
         if not arg.kwarg_only and i < len(positional):
             value = positional[i]
         for ref in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(ref, RemoteTensor):
-                ref.failed = error
-            elif isinstance(ref, Pending) and ref.node.failed is None and ref.node is not node:
-                if ref.node.executed:
-                    done = (ref.node.results or [None] * (ref.index + 1))[ref.index]
-                    if done is not None:
-                        done.failed = error
-                else:
-                    _fail(ref.node, error)
+            _poison(ref, node, error)
+    # a view written into shares its base's bytes: the base (and so every view made of
+    # it from now on) no longer holds what the program computed either
+    for base in node.bases:
+        lazy = base()
+        if lazy is not None:
+            _poison(lazy._ref, node, error)
+
+
+def _poison(ref: Any, node: Node, error: DjinnError) -> None:
+    if isinstance(ref, RemoteTensor):
+        ref.failed = error
+    elif isinstance(ref, Pending) and ref.node.failed is None and ref.node is not node:
+        if ref.node.executed:
+            if ref.node.results is None:
+                ref.node.results = [None] * ref.node.nout
+            done = ref.node.results[ref.index]
+            if done is not None:
+                done.failed = error
+            else:  # not kept, but a node still to run reads it: it must fail, not read
+                ref.node.results[ref.index] = Failed(error)  # "released" bytes
+        else:
+            _fail(ref.node, error)

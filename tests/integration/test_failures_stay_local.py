@@ -126,6 +126,37 @@ def test_a_write_that_depended_on_a_failure_poisons_its_target(remote):
     assert other.cpu().tolist() == [3.0, 3.0]
 
 
+@pytest.mark.parametrize("view", ["select", "view"])
+def test_a_failed_write_into_a_view_poisons_its_base(remote, view):
+    """The base shares the view's bytes: it silently kept its old value, as if the write
+    had not been asked for (here a floor division of integers by zero, which eager
+    refuses)."""
+    base = torch.tensor([[4, 8], [6, 9]]).to(R)
+    base.cpu()  # a handle on the appliance, as a weight would be
+    part = base[0] if view == "select" else base.view(4)
+    part.div_(torch.tensor([0, 2]).repeat(2 if view == "view" else 1).to(R), rounding_mode="floor")
+    with pytest.raises(DjinnError, match="ZeroDivisionError"):
+        base.cpu()
+    with pytest.raises(DjinnError):
+        (base.sum() + 1).cpu()  # nor does anything computed from it read the old bytes
+    assert (torch.ones(2).to(R) * 3).cpu().tolist() == [3.0, 3.0]
+
+
+def test_a_refused_write_into_a_dropped_temporary_fails_its_readers_with_its_error(remote):
+    """``s`` was not kept (nothing held it when the graph went), so the failed write left
+    no handle to poison: ``p.add_(s)`` ran again and met "released before it was read"
+    (INTERNAL) instead of the refusal."""
+    p = torch.ones(3, dtype=torch.int64, device=R)
+    s = torch.tensor([4, 8, 16]).to(R).clone()
+    s >>= 1  # __irshift__: not an op the appliance runs
+    p.add_(s)
+    del s
+    with pytest.raises(DjinnError) as err:
+        p.cpu()
+    assert err.value.code == "UNSUPPORTED_OP" and "irshift" in err.value.message
+    assert (torch.ones(2, device=R) * 3).cpu().tolist() == [3.0, 3.0]
+
+
 def test_an_error_inside_backward_is_a_python_exception(remote):
     """A failing op in backward() once aborted the process ("terminate called without
     an active exception"). Now backward() returns and the gradient's read raises."""

@@ -137,6 +137,11 @@ def test_an_effect_only_op_with_no_live_output_still_runs(remote):
             lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True), id="sgd-foreach"
         ),
         pytest.param(lambda p: torch.optim.RMSprop(p, lr=0.01, foreach=True), id="rmsprop"),
+        # no meta kernel and no outputs: they raised a bare StopIteration
+        pytest.param(
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True), id="sgd-fused"
+        ),
+        pytest.param(lambda p: torch.optim.Adagrad(p, lr=0.05, fused=True), id="adagrad-fused"),
     ],
 )
 def test_optimizers_update_remote_weights_exactly_as_local(remote, make):
