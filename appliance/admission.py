@@ -73,6 +73,8 @@ class AdmissionQueue:
         now on if it waits (the caller no longer releases them)."""
         if frame.kind.name not in ADMITTED_KINDS or self.timeout_s <= 0:
             return False
+        if int(getattr(exc, "short", 0)) > used:
+            return False  # short by more than everything held: no free lets it in
         now = time.monotonic()
         key = (s.id, frame.request_id)
         since, deadline = self._deadlines.get(key, (now, now + self._wait(frame)))

@@ -5,8 +5,10 @@ PyTorch's OpInfo database (tests/integration/test_opinfo.py), the integration su
 the examples ran through Djinn, plus the random ops their samples reach only now and
 then; sparse ops left out. ``oppolicy`` adds the families computed from this list
 (every ``_foreach_*`` overload, the fused optimizers, the ``*_backward`` of an allowed
-op). An op joins the list only together with a run of the
-op fuzz (tests/security/test_op_fuzz.py), which exercises every op allowed here.
+op, the in-place form ``op_`` of an allowed ``op``). An op joins the list only together
+with a run of the op fuzz (tests/security/test_op_fuzz.py), which exercises every op
+allowed here. The samplers behind ``torch.distributions`` (gamma, Dirichlet, binomial)
+and their argument validation (``_is_all_true``) joined with a 300-second run.
 """
 
 RECORDED = frozenset(
@@ -24,6 +26,8 @@ RECORDED = frozenset(
         "aten::_fft_c2c.default",
         "aten::_fft_c2r.default",
         "aten::_fft_r2c.default",
+        "aten::_is_all_true.default",
+        "aten::_is_any_true.default",
         "aten::_linalg_check_errors.default",
         "aten::_linalg_det.default",
         "aten::_linalg_eigh.default",
@@ -36,9 +40,12 @@ RECORDED = frozenset(
         "aten::_pdist_forward.default",
         "aten::_prelu_kernel.default",
         "aten::_safe_softmax.default",
+        "aten::_sample_dirichlet.default",
         "aten::_scaled_dot_product_flash_attention_for_cpu.default",
         "aten::_softmax.default",
         "aten::_softmax_backward_data.default",
+        "aten::_standard_gamma.default",
+        "aten::_standard_gamma_grad.default",
         "aten::_to_copy.default",
         "aten::_trilinear.default",
         "aten::_unique2.default",
@@ -95,6 +102,7 @@ RECORDED = frozenset(
         "aten::bernoulli_.float",
         "aten::binary_cross_entropy.default",
         "aten::binary_cross_entropy_with_logits.default",
+        "aten::binomial.default",
         "aten::bitwise_and.Scalar",
         "aten::bitwise_and.Tensor",
         "aten::bitwise_and_.Scalar",

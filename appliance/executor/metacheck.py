@@ -72,12 +72,18 @@ def meta_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any
     mkwargs = {k: replica(v) for k, v in kwargs.items()}
     for st in storages.values():
         before[st._cdata] = st.nbytes()
-    # A factory given no device would run on the CPU and allocate for real (an OpOverload
-    # ignores ``with torch.device``): name the meta device explicitly.
+    # A factory given no device, or device None, would run on the CPU and allocate for
+    # real (an OpOverload ignores ``with torch.device``): name the meta device explicitly.
+    # (An explicit None slipped through: randperm(2**31 - 1, dtype=float64, device=None)
+    # allocated 16 GiB in the check meant to refuse it, and the host killed the worker.)
     positional = [a.name for a in op._schema.arguments if not a.kwarg_only][: len(margs)]
-    factory = any(a.name == "device" for a in op._schema.arguments)
-    if factory and "device" not in mkwargs and "device" not in positional:
-        mkwargs["device"] = _META
+    if any(a.name == "device" for a in op._schema.arguments):
+        if "device" in positional:
+            at = positional.index("device")
+            if margs[at] is None:
+                margs[at] = _META
+        elif mkwargs.get("device") is None:
+            mkwargs["device"] = _META
     try:
         out = op(*margs, **mkwargs)
     except NotImplementedError:

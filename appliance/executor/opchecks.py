@@ -5,7 +5,8 @@ A few CPU kernels still index memory by a size they never compare with the tenso
 index: batch norm reads ``running_mean[c]`` for every channel ``c`` of the input,
 whatever ``running_mean``'s length; ``_fft_c2r``'s ``normalization`` is cast to an enum
 unchecked; reflection padding's backward writes at offsets computed from a padding it
-trusts to be non-negative, with a gradient whose shape it never compares. Each such op
+trusts to be non-negative, with a gradient whose shape it never compares; max pooling's
+backward adds at the positions its ``indices`` name. Each such op
 gets its missing check here, keyed by op name (every overload), found by the op fuzz
 and the issue's repros.
 """
@@ -92,8 +93,15 @@ def _flash_cpu(op: str, a: dict[str, Any]) -> None:
     reason = flash_attention.refusal(q, k, v)
     if reason is not None:
         raise InvalidArgument(f"{op}: {reason}")
-    if a.get("attn_mask") is not None:
-        raise InvalidArgument(f"{op}: attn_mask is not taken here (the math path is)")
+    mask = a.get("attn_mask")
+    if mask is not None:
+        reason = (
+            flash_attention.mask_refusal(mask, q, k)
+            if isinstance(mask, torch.Tensor)
+            else "attn_mask must be a tensor"
+        )
+        if reason is not None:
+            raise InvalidArgument(f"{op}: {reason}")
     if a.get("dropout_p", 0.0) != 0.0:
         raise InvalidArgument(f"{op}: dropout_p must be 0")
 
@@ -125,7 +133,61 @@ def _flash_cpu_backward(op: str, a: dict[str, Any]) -> None:
         )
 
 
+def _spatial(op: str) -> int:
+    return 3 if "3d" in op else 2
+
+
+def _pooled_grad(op: str, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A pooling backward's input and gradient, of one dtype and rank, the same batch and
+    channels: the kernels index both by the input's sizes and read the gradient as the
+    input's dtype, checking neither."""
+    x, grad, k = a.get("self"), a.get("grad_output"), _spatial(op)
+    if not (isinstance(x, torch.Tensor) and isinstance(grad, torch.Tensor)):
+        raise InvalidArgument(f"{op}: self and grad_output must be tensors")
+    if x.dim() not in (k + 1, k + 2) or grad.dim() != x.dim() or grad.dtype != x.dtype:
+        raise InvalidArgument(
+            f"{op}: self and grad_output must be {k + 1}-D or {k + 2}-D tensors of one dtype"
+        )
+    if grad.shape[:-k] != x.shape[:-k] or 0 in x.shape[-k:]:
+        raise InvalidArgument(
+            f"{op}: grad_output must have the input's batch and channels, over a non-empty "
+            f"input (self {list(x.shape)}, grad_output {list(grad.shape)})"
+        )
+    return x, grad, k
+
+
+def _adaptive_avg_backward(op: str, a: dict[str, Any]) -> None:
+    _pooled_grad(op, a)
+
+
+def _pool_indices(op: str, a: dict[str, Any]) -> None:
+    """A max pooling's backward adds each gradient at the flat input position its
+    ``indices`` name, unchecked: a hostile index wrote outside the allocation (the worker
+    died of SIGSEGV). The positions are checked here, which reads the indices once."""
+    x, grad, k = _pooled_grad(op, a)
+    idx = a.get("indices")
+    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int64 or idx.shape != grad.shape:
+        raise InvalidArgument(f"{op}: indices must be int64 of grad_output's shape")
+    span = 1
+    for n in x.shape[-k:]:
+        span *= n
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= span):
+        raise InvalidArgument(f"{op}: indices must name positions of the input (0 to {span - 1})")
+
+
 CHECKS: dict[str, Check] = {
+    **{f"aten::_adaptive_avg_pool{n}d_backward": _adaptive_avg_backward for n in (2, 3)},
+    **{
+        f"aten::{name}": _pool_indices
+        for name in (
+            "max_pool2d_with_indices_backward",
+            "max_pool3d_with_indices_backward",
+            "adaptive_max_pool2d_backward",
+            "adaptive_max_pool3d_backward",
+            "fractional_max_pool2d_backward",
+            "fractional_max_pool3d_backward",
+        )
+    },
     "aten::_scaled_dot_product_flash_attention_for_cpu": _flash_cpu,
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _flash_cpu_backward,
     "aten::_pdist_forward": _pdist,

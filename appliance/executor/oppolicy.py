@@ -44,6 +44,10 @@ DENIED = frozenset(
         "_print",
         "_make_per_channel_quantized_tensor",
         "_make_per_tensor_quantized_tensor",
+        # counts by the client's indices unchecked (scale_grad_by_freq); the frontend sends
+        # what it computes as index_add (Note [embedding backward])
+        "embedding_backward",
+        "embedding_dense_backward",
     }
 )
 DENIED_PARTS = ("unsafe", "from_file", "_from_pool", "share_memory", "_alloc")
@@ -98,6 +102,12 @@ def allowed(op: Any) -> bool:
     for suffix in ("_backward", "_backward_data"):
         if name.endswith(suffix):
             return f"aten::{name[: -len(suffix)]}" in _PACKETS
+    # the in-place form of an allowed op (relu -> relu_, scatter_add -> scatter_add_): its
+    # kernel, writing into its first argument. Not the ones that change a tensor's sizes
+    # or strides in place (transpose_, as_strided_): bounds are checked on outputs, and a
+    # handle made to look past its storage would be read later.
+    if name.endswith("_") and torch.Tag.inplace_view not in op.tags:
+        return f"aten::{name[:-1]}" in _PACKETS
     return False
 
 

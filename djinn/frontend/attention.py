@@ -12,10 +12,13 @@ So the remote device gets its own kernel for the op, on the autograd key (the op
 composite: below autograd it would already be decomposed). When local eager on a CPU
 would take the flash kernel and the session's worker is a CPU worker, it captures that
 kernel, ``_scaled_dot_product_flash_attention_for_cpu``, as one op, and in training its
-backward as one op too (the kernel's own derivative): no dropout, no ``attn_mask``, and
-a query, key and value the kernel can read safely (``djinn/protocol/flash_attention.py``;
-the appliance refuses any other, Note [op validation]). Anything else takes PyTorch's
-own composite path, as before.
+backward as one op too (the kernel's own derivative): no dropout, a query, key and value
+the kernel can read safely, and an ``attn_mask`` only of the shapes eager hands the kernel,
+not requiring grad (``djinn/protocol/flash_attention.py``; the appliance refuses any other,
+Note [op validation]). A bool mask becomes the additive one eager makes of it (zeros, -inf
+where masked). Anything else takes PyTorch's own composite path, as before. (Masked calls
+took the composite path until the appliance knew how the kernel reads a mask: BERT's and
+GPT-2's padding masks were 1e-7 off eager, T5's position bias 2.7e-5 after 3 AdamW steps.)
 
 Capture takes the output's strides from PyTorch's meta kernel (``empty_like(query)``);
 the CPU kernel lays its output out the same way, following the query, so a ``view``
@@ -46,11 +49,33 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Any:
-    if attn_mask is None and not enable_gqa and _fused(query, key, value, dropout_p):
-        return _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    fused = not enable_gqa and _mask_fused(attn_mask, query, key)
+    if fused and _fused(query, key, value, dropout_p):
+        mask = _additive(attn_mask, query.dtype) if attn_mask is not None else None
+        return _FLASH_CPU(query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
     return _SDPA.decompose(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )
+
+
+def _mask_fused(mask: Any, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether local eager would hand ``mask`` to the flash kernel: none, or one of the
+    shapes it takes (not 3-D: the math path), bool or the query's dtype, not requiring
+    grad (the math path too, for its gradient)."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or mask.requires_grad:
+        return False
+    additive = q.dtype if mask.dtype == torch.bool else None  # as _additive makes it
+    return flash_attention.mask_refusal(mask, q, k, additive) is None
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one eager makes of it for the CPU kernel (zeros, -inf
+    where a position may not be attended: ``convert_boolean_attn_mask_cpu``)."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:

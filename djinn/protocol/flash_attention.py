@@ -1,4 +1,4 @@
-"""Which query, key and value the CPU flash-attention kernel may be given (pure).
+"""Which query, key, value and mask the CPU flash-attention kernel may be given (pure).
 
 Note [fused attention] (``djinn/frontend/attention.py``): the frontend captures
 ``_scaled_dot_product_flash_attention_for_cpu`` only for arguments this module accepts,
@@ -38,4 +38,23 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     head = q.shape[3]
     if any(n > 1 and st < head for n, st in zip(q.shape[:3], q.stride()[:3], strict=True)):
         return "the query's dimensions must not overlap"
+    return None
+
+
+def mask_refusal(
+    mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None
+) -> str | None:
+    """Why the kernel may not take ``mask`` as its additive ``attn_mask``; None when it
+    may. The shapes local eager sends it (PyTorch's ``check_attn_mask_shape``; any other
+    takes the math path there): 2-D or 4-D, each dimension the query's (batch, heads,
+    query rows, key rows) or 1, in the query's dtype. The kernel views and expands it to
+    (batch, heads, rows, keys), which checks those sizes again, and then reads each row
+    as keys in a row from its start: within the mask's extent, for any strides."""
+    if mask.dim() not in (2, 4):
+        return "attn_mask must be 2-D or 4-D"
+    if (dtype or mask.dtype) != q.dtype:  # dtype: what the client makes of a bool mask
+        return "attn_mask must have the query's dtype"
+    want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])[-mask.dim() :]
+    if any(n not in (1, w) for n, w in zip(mask.shape, want, strict=True)):
+        return f"attn_mask of shape {list(mask.shape)} does not broadcast to {list(want)}"
     return None

@@ -63,6 +63,21 @@ def test_a_call_still_short_at_its_deadline_is_refused_saying_by_how_much(fresh_
         hog.close()
 
 
+def test_a_request_short_by_more_than_everything_held_is_refused_without_waiting(
+    fresh_appliance,
+):
+    """No free could let it in: it waited out the whole deadline before."""
+    from djinn.errors import ResourceExhausted
+
+    app = fresh_appliance(cpu_worker_memory=MEMORY, admission_timeout=30.0)
+    with app.connect() as client, client.session() as s:
+        node = {"op": "aten::zeros.default", "args": [[1 << 30]]}
+        with pytest.raises(ResourceExhausted) as err:
+            s.execute([node], fetch=[{"$v": 0}])
+        assert "admission queue" not in err.value.message
+        assert client.stats()["memory"][0]["admission"]["timed_out"] == 0
+
+
 def test_a_waiting_requests_inline_payload_stays_charged_while_it_waits(fresh_appliance):
     """Its input tensors sit in worker memory for as long as it waits: the stack pays for
     them until it is answered (they were uncharged once the first attempt returned)."""

@@ -156,6 +156,29 @@ def test_seeded_sequences_match_and_the_local_generator_stays_in_step():
     assert torch.equal(after_remote, after_local)
 
 
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda rate: torch.poisson(rate),
+        lambda rate: torch._standard_gamma(rate),
+        lambda rate: torch.distributions.Dirichlet(rate).sample(),
+    ],
+    ids=["poisson", "gamma", "dirichlet"],
+)
+def test_a_sampler_that_draws_until_it_accepts_keeps_the_local_generator_in_step(draw):
+    """How many numbers it draws depends on its input's values: the local generator was
+    advanced on scratch values, and every later random number differed from eager's."""
+    rate = torch.tensor([30.0, 0.3, 7.0, 120.0])
+    torch.manual_seed(5)
+    remote = draw(rate.to(R))
+    after_remote = torch.rand(3)
+    torch.manual_seed(5)
+    local = draw(rate)
+    after_local = torch.rand(3)
+    assert torch.equal(remote.cpu(), local)
+    assert torch.equal(after_remote, after_local)
+
+
 def test_tuple_results_stay_lazy_and_reading_one_element_fetches_only_it():
     y = torch.randn(10, 20, device=R).softmax(-1)
     top = y.topk(3)

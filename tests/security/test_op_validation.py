@@ -72,7 +72,66 @@ CASES = [
         "INVALID_ARGUMENT",
     ),
 ]
+# max pooling's backward adds at the positions its indices name: out of the input, a
+# write outside its allocation (each of these killed the worker with SIGSEGV)
+P2, P3 = torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4, 4)
+G2, G3 = torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2, 2)
+I2, I3 = torch.full((1, 1, 2, 2), 10**9), torch.full((1, 1, 2, 2, 2), -5)
+CASES += [
+    (
+        "max pool backward, an index past the input",
+        "aten::max_pool2d_with_indices_backward.default",
+        [_t(0, G2), _t(1, P2), [2, 2], [2, 2], [0, 0], [1, 1], False, _t(2, I2)],
+        [G2, P2, I2],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "adaptive max pool backward, an index past the input",
+        "aten::adaptive_max_pool2d_backward.default",
+        [_t(0, G2), _t(1, P2), _t(2, I2)],
+        [G2, P2, I2],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "3-d max pool backward, a negative index",
+        "aten::max_pool3d_with_indices_backward.default",
+        [_t(0, G3), _t(1, P3), [2, 2, 2], [2, 2, 2], [0] * 3, [1] * 3, False, _t(2, I3)],
+        [G3, P3, I3],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "adaptive 3-d max pool backward, a negative index",
+        "aten::adaptive_max_pool3d_backward.default",
+        [_t(0, G3), _t(1, P3), _t(2, I3)],
+        [G3, P3, I3],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "adaptive average pool backward over an empty input (found by the op fuzz)",
+        "aten::_adaptive_avg_pool2d_backward.default",
+        [_t(0, torch.ones(3, 3, 2, 3)), _t(1, torch.ones(0, 3, 0, 0))],
+        [torch.ones(3, 3, 2, 3), torch.ones(0, 3, 0, 0)],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "embedding backward, counts by an index past the weight",
+        "aten::embedding_backward.default",
+        [_t(0, torch.ones(2, 2)), _t(1, torch.tensor([10**9, 1])), 3, -1, True, False],
+        [torch.ones(2, 2), torch.tensor([10**9, 1])],
+        "UNSUPPORTED_OP",
+    ),
+]
+CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuzz)
+    (
+        "16 GiB randperm, device None",
+        "aten::randperm.default",
+        [2**31 - 1],
+        [],
+        "RESOURCE_EXHAUSTED",
+    )
+)
 KWARGS = {
+    "16 GiB randperm, device None": {"dtype": {"$dtype": "float64"}, "device": None},
     "dtype as a bare enum value": {"dtype": 2147483647},
     "device as a plain string": {"device": "cuda:7"},
 }

@@ -67,13 +67,48 @@ def test_a_query_whose_dimensions_overlap_is_refused():
         run({"q": overlapping, "k": torch.zeros(4, 8, 1, 32), "v": torch.zeros(4, 8, 1, 32)})
 
 
-def test_a_strided_last_dimension_a_mask_dropout_or_mixed_dtypes_are_refused():
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.zeros(8, 8),
+        torch.zeros(2, 1, 8, 1),
+        torch.zeros(1, 4, 1, 8),
+        torch.zeros(8, 8).t(),  # read row by row from each row's start: within its bytes
+        torch.zeros(2, 1, 1, 8).expand(2, 4, 8, 8),
+    ],
+    ids=["2-d", "per batch, one key", "per head", "transposed", "expanded"],
+)
+def test_a_mask_of_the_shapes_eager_sends_gives_its_attention(mask):
+    h = qkv()
+    mask = mask + torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    got = run({**h, "m": mask}, attn_mask={"$h": "m"})
+    want = torch.nn.functional.scaled_dot_product_attention(h["q"], h["k"], h["v"], mask)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.zeros(4, 8, 8),  # 3-D
+        torch.zeros(8),  # 1-D
+        torch.zeros(3, 1, 8, 8),  # 3 batches for 2
+        torch.zeros(2, 3, 8, 8),  # 3 heads for 4
+        torch.zeros(9, 8),  # 9 query rows for 8
+        torch.zeros(8, 7),  # 7 keys for 8
+        torch.zeros(8, 8, dtype=torch.float64),  # not the query's dtype
+        torch.zeros(8, 8, dtype=torch.bool),  # the kernel would add it as 0 and 1
+    ],
+    ids=["3-d", "1-d", "batches", "heads", "rows", "keys", "dtype", "bool"],
+)
+def test_a_mask_the_kernel_would_misread_is_refused(mask):
+    with pytest.raises(InvalidArgument, match="attn_mask"):
+        run({**qkv(), "m": mask}, attn_mask={"$h": "m"})
+
+
+def test_a_strided_last_dimension_dropout_or_mixed_dtypes_are_refused():
     h = qkv()
     with pytest.raises(InvalidArgument, match="contiguous"):
         run({**h, "k": torch.randn(2, 4, 16, 8).transpose(2, 3)})
-    with pytest.raises(InvalidArgument, match="attn_mask"):
-        node_mask = {"$h": "m"}
-        run({**h, "m": torch.zeros(8, 8)}, attn_mask=node_mask)
     with pytest.raises(InvalidArgument, match="dropout"):
         run(h, dropout_p=0.5)
     with pytest.raises(InvalidArgument, match="dtype"):
