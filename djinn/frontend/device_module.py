@@ -6,7 +6,7 @@ RNG state, autocast asks which dtypes it supports, ``torch.accelerator`` and
 ``GradScaler`` query it. This module answers as a CUDA device would.
 
 Note [remote rng]: random ops on the remote device draw from the *local CPU generator*
-(Note [seeded ops] in ``lazy.py``): the client records its state with each random op and
+(Note [seeded ops] in ``seeded.py``): the client records its state with each random op and
 the worker restores it, so remote values equal local eager values under one seed. The
 device's RNG state is therefore the CPU generator's state, and seeding it seeds that.
 

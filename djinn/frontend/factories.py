@@ -25,7 +25,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from djinn.errors import UnsupportedOp
 
-from . import lazy, meta, remote_module, ties
+from . import lazy, meta, remote_module, special_ops, ties
 from .device import DEVICE_TYPE
 
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -73,7 +73,7 @@ def to_copy(
     )
     spec = lazy.spec_of(local)
     dst = lazy.LazyTensor(spec, lazy.Uninit(spec))
-    out = lazy.copy_into(dst, local)
+    out = special_ops.copy_into(dst, local)
     ties.converted(at, x)
     return out
 

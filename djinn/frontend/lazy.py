@@ -19,7 +19,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, hooks, slicing, ties, uncaptured
+from . import hooks, seeded, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -37,24 +37,7 @@ def _remote() -> torch.device:
 
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
-_SEEDED = torch.Tag.nondeterministic_seeded
-_TO_COPY = torch.ops.aten._to_copy.default
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # the C++ getter and setter of .data
-# Tagged as seeded (its schema has a dropout probability) but never drawing: the CPU kernel
-# refuses any dropout but 0. Advancing the local generator for it ran the whole attention
-# on scratch tensors on the client, for nothing (Note [seeded ops]).
-_DRAWS_NOTHING = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
-# Samplers that draw until a value is accepted: how far the generator moves depends on
-# their inputs' values (a Poisson rate, a gamma shape), so scratch values would leave it
-# elsewhere than eager's, and every later random number with it. These read their inputs.
-_DRAWS_BY_VALUE = frozenset(
-    {
-        torch.ops.aten.poisson.default,
-        torch.ops.aten._standard_gamma.default,
-        torch.ops.aten.binomial.default,
-        torch.ops.aten._sample_dirichlet.default,
-    }
-)
 
 
 class Uninit:
@@ -244,7 +227,7 @@ class _Args:
                 self.key.append(
                     ("L", x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
                 )
-            ref = _ref_for_node(x, self.trace)
+            ref = ref_for_node(x, self.trace)
             if self.trace.recorders and getattr(x, "_is_param", False):
                 from djinn.graph.builder import WEIGHTS
 
@@ -264,7 +247,7 @@ class _Args:
                 values = tuple(x.reshape(-1).tolist()) if small else None
                 meta = (x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
                 self.key.append(("C", meta, values))
-            return _snapshot(x)
+            return snapshot(x)
         if isinstance(x, (list, tuple)):
             if self.key is not None:
                 self.key.append(("(", len(x)))
@@ -281,7 +264,7 @@ class _Args:
         return x
 
 
-def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
+def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     ref = x._ref
     if isinstance(ref, trace_mod.Failed):
         raise ref.error
@@ -303,7 +286,7 @@ def _ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     return trace_mod.resolved(ref)
 
 
-def _snapshot(t: torch.Tensor) -> Any:
+def snapshot(t: torch.Tensor) -> Any:
     """A CPU tensor used by remote code: copy it now (eager semantics: later changes to
     it must not leak into the captured op). Large ones are uploaded once."""
     t = t.detach()
@@ -324,9 +307,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return func.decompose(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
-        if func is _TO_COPY:
-            return _to_cpu(func, args, kwargs)
-        return _run_locally(func, args, kwargs)
+        return SPECIAL_TO_CPU.get(func, run_locally)(func, args, kwargs)
     return capture(func, args, kwargs)
 
 
@@ -356,7 +337,7 @@ def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
     return tuple(bases)
 
 
-def _streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
+def streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
     """``trace``, its ops sent first if it holds a part's worth (Note [streamed graphs]);
     called before an op is captured, when every earlier op's outputs are bound."""
     if trace.chunk_ops and len(trace.nodes) >= trace.chunk_ops:
@@ -365,7 +346,7 @@ def _streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
 
 
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
-    trace = _streamed(current())
+    trace = streamed(current())
     a = _Args(trace, _values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
@@ -402,7 +383,9 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         spec = meta_mod.infer(func, key, build)
     except meta_mod.DataDependent:
-        rng = _advance_local_generator(func, args, kwargs) if _SEEDED in func.tags else None
+        rng = None
+        if seeded.SEEDED in func.tags:  # Note [seeded ops]
+            rng = seeded.advance_local_generator(func, args, kwargs, fetch)
         return _run_now(func, trace, ref_args, ref_kwargs, rng)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
@@ -426,8 +409,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node.specs = specs
     node.module = hooks.module_path()
     node.bases = _written_bases(func, args, kwargs)
-    if _SEEDED in func.tags and func not in _DRAWS_NOTHING:
-        node.rng = _advance_local_generator(func, args, kwargs)
+    if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
+        node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     trace.add(node)
     outs: list[Any] = []
     for i, s in enumerate(specs):
@@ -535,32 +518,6 @@ def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
     return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
 
 
-def _advance_local_generator(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    """Note [seeded ops]: a random op records the local CPU generator's state (the worker
-    restores it before running the op), then runs the op locally on scratch tensors so the
-    local generator advances exactly as eager PyTorch's would. Remote values then equal
-    local eager values under the same ``torch.manual_seed``."""
-    state = torch.get_rng_state()
-    by_value = func in _DRAWS_BY_VALUE
-
-    def scratch(x: Any) -> Any:
-        if isinstance(x, LazyTensor):
-            t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
-            if by_value:  # the generator advances by as many draws as these values take
-                return t.copy_(fetch(x))
-            # values every random op accepts (a probability, a mean, a rate), never
-            # uninitialised memory: bernoulli refuses p outside [0, 1]
-            return t.fill_(0.5 if t.is_floating_point() or t.is_complex() else 1)
-        if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
-            return torch.device("cpu")
-        if type(x) in (list, tuple):
-            return type(x)(scratch(v) for v in x)
-        return x
-
-    func(*[scratch(v) for v in args], **{k: scratch(v) for k, v in kwargs.items()})
-    return state
-
-
 def _run_now(
     func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict, rng: Any = None
 ) -> Any:
@@ -606,12 +563,12 @@ def _run_now(
 def fetch(t: LazyTensor) -> torch.Tensor:
     """The value of ``t`` as a CPU tensor (runs everything this thread captured so far)."""
     trace = current()
-    ref = _ref_for_node(t, trace)
+    ref = ref_for_node(t, trace)
     value = flush(trace, fetch=[ref])[0][0]
     return value
 
 
-def _run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
+def run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
     """An op whose result lives on the CPU (``.cpu()``, ``.to("cpu")``): read the remote
     inputs, then run it locally."""
 
@@ -625,83 +582,7 @@ def _run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
     return func(*[local(v) for v in args], **{k: local(v) for k, v in kwargs.items()})
 
 
-def _to_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A remote tensor moved to the CPU; a module's tied parameter stays one parameter
-    there too (Note [tied parameters])."""
-    x = args[0]
-    at = ties.slot(x)
-    tied = ties.converting(at, x, kwargs.get("dtype") or x.dtype, kwargs["device"])
-    if tied is not None:
-        return tied
-    out = _run_locally(func, args, kwargs)
-    ties.converted(at, x)
-    return out
-
-
-def _item(func: Any, args: tuple, kwargs: dict) -> Any:
-    return func(fetch(args[0]), *args[1:], **kwargs)
-
-
-def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
-    x = args[0]
-    ref = x._ref
-    if isinstance(ref, Uninit):
-        ref = _ref_for_node(x, current())
-    return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
-
-
-def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
-    dst, src = args[0], args[1]
-    if not isinstance(dst, LazyTensor):
-        dst.copy_(fetch(src) if isinstance(src, LazyTensor) else src, **kwargs)
-        return dst
-    return copy_into(dst, src, kwargs)
-
-
-def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTensor:
-    """``dst.copy_(src)``; a fresh allocation taking a CPU tensor whole is just an upload."""
-    kwargs = kwargs or {}
-    if (
-        isinstance(dst._ref, Uninit)
-        and not isinstance(src, LazyTensor)
-        and isinstance(src, torch.Tensor)
-        and src.device.type == "cpu"
-        and src.dtype == dst.dtype
-        and src.shape == dst.shape
-    ):
-        ref = _snapshot(src)
-        if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
-            bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
-            return dst
-        if isinstance(ref, torch.Tensor) and ref.stride() == dst.stride():
-            trace = _streamed(current())
-            node = Node(torch.ops.aten.clone.default, [ref], {}, trace, 1)
-            trace.add(node)
-            bind(dst, Pending(node, 0))
-            return dst
-    return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)
-
-
-def _attention(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Reached whole only under inference_mode (Note [composite ops under inference mode]
-    in uncaptured.py): the kernel local eager would pick (Note [fused attention])."""
-    return attention.scaled_dot_product_attention(*args, **kwargs)
-
-
-def _slice(func: Any, args: tuple, kwargs: dict) -> Any:
-    return capture(func, *slicing.clamped(func, args, kwargs))  # Note [slices to the end]
-
-
-def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
-    return embedding.dense_backward(*args, **kwargs)  # Note [embedding backward]
-
-
-SPECIAL = {
-    torch.ops.aten.scaled_dot_product_attention.default: _attention,
-    torch.ops.aten._local_scalar_dense.default: _item,
-    torch.ops.aten.is_nonzero.default: _item,
-    torch.ops.aten.detach.default: _detach,
-    torch.ops.aten.copy_.default: _copy,
-    **dict.fromkeys(slicing.OPS, _slice),
-    embedding.OP: _embedding_backward,
-}
+# filled by special_ops: the ops capture does not record as they come, and those of them
+# whose result lives on the CPU
+SPECIAL: dict[Any, Any] = {}
+SPECIAL_TO_CPU: dict[Any, Any] = {}

@@ -263,10 +263,10 @@ def _handle_of(x: Any) -> RemoteTensor:
     """A LazyTensor's value on the appliance: run whatever is pending first (program
     order: a pending in-place op on it must happen before the model reads it)."""
     from . import trace
-    from .lazy import _ref_for_node
+    from .lazy import ref_for_node
 
     tr = trace.current()
-    _ref_for_node(x, tr)
+    ref_for_node(x, tr)
     trace.flush(tr)
     ref = x._ref
     if not isinstance(ref, RemoteTensor):

@@ -11,7 +11,7 @@ own: two uploads, two remote copies, and two parameters that trained apart, sile
 from eager's numbers.
 
 So the move's kernel (``_to_copy``, either way: ``factories.to_copy`` to the remote
-device, ``lazy._run_locally`` back) looks at the ``_apply`` frame above it. Converting a
+device, ``special_ops._to_cpu`` back) looks at the ``_apply`` frame above it. Converting a
 module's parameter, it remembers, weakly, which ``Parameter`` that slot received. A later
 conversion of the same parameter (a second slot in the same move, a submodule moved
 before the whole model, a move tried again after a failure) returns that ``Parameter``'s

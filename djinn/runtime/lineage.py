@@ -6,7 +6,7 @@ changes what it holds on the appliance, in the order they completed: puts, op gr
 model registrations, model calls, weight loads and frees. Together these are the lineage
 of every live handle and remote object, back to puts and factories, including the
 in-place writes, aliasing and random ops (a seeded op carries the generator state it
-ran with, Note [seeded ops] in frontend/lazy.py) that a per-handle DAG would have to
+ran with, Note [seeded ops] in frontend/seeded.py) that a per-handle DAG would have to
 model separately. When the worker dies (WORKER_LOST, then SESSION_LOST), the session
 opens a new one, on the replacement or on another worker, or on a restarted appliance,
 and replays the journal there; every handle and object id the replay produces is mapped

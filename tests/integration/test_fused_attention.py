@@ -201,16 +201,16 @@ def test_the_fused_kernel_is_not_run_on_the_client_to_advance_its_generator(remo
     advances as eager's would. The CPU flash kernel is tagged seeded but refuses dropout, so
     it never draws: running it on the client was a whole attention computed for nothing.
     The generator still ends where local eager's does."""
-    from djinn.frontend import lazy
+    from djinn.frontend import seeded
 
     ran: list[object] = []
-    real = lazy._advance_local_generator
+    real = seeded.advance_local_generator
 
     def advance(func, *args):
         ran.append(func)
         return real(func, *args)
 
-    monkeypatch.setattr(lazy, "_advance_local_generator", advance)
+    monkeypatch.setattr(seeded, "advance_local_generator", advance)
     q, k, v = _qkv(2, 4, 16, 8)
     torch.manual_seed(3)
     with torch.no_grad():

@@ -112,7 +112,7 @@ def test_a_submodule_moved_first_keeps_the_tie_as_on_cuda(remote):
 def test_a_move_tried_again_after_a_failure_keeps_the_tie(remote, monkeypatch):
     from djinn.frontend import factories
 
-    model, real, calls = Tied(), factories.lazy.copy_into, []
+    model, real, calls = Tied(), factories.special_ops.copy_into, []
 
     def failing_once(dst, local, *args):
         calls.append(1)
@@ -120,7 +120,7 @@ def test_a_move_tried_again_after_a_failure_keeps_the_tie(remote, monkeypatch):
             raise ConnectionError("an upload failed")
         return real(dst, local, *args)
 
-    monkeypatch.setattr(factories.lazy, "copy_into", failing_once)
+    monkeypatch.setattr(factories.special_ops, "copy_into", failing_once)
     with pytest.raises(ConnectionError):
         model.to(R)  # enc moved, then mid failed: head still holds the CPU parameter
     monkeypatch.undo()

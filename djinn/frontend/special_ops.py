@@ -1,0 +1,118 @@
+"""The ops capture does not record as they come, and what it does instead.
+
+``lazy.dispatch`` looks each op up in ``lazy.SPECIAL`` (filled here, when the frontend's
+kernels are registered) before capturing it: reading a value (``.item()``), ``detach`` (an
+alias, nothing to run), ``copy_`` (an upload when a fresh allocation takes a CPU tensor
+whole), attention reached whole (Note [fused attention]), slices to the end (Note [slices to
+the end]) and the embedding's gradient (Note [embedding backward]); and a move to the CPU,
+where a module's tied parameter stays one (Note [tied parameters]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from djinn.runtime.remote import RemoteTensor
+
+from . import attention, embedding, slicing, ties
+from .lazy import (
+    SPECIAL,
+    SPECIAL_TO_CPU,
+    LazyTensor,
+    Uninit,
+    capture,
+    fetch,
+    ref_for_node,
+    run_locally,
+    snapshot,
+    spec_of,
+    streamed,
+)
+from .trace import Node, Pending, bind, current
+
+
+def _to_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A remote tensor moved to the CPU; a module's tied parameter stays one parameter
+    there too (Note [tied parameters])."""
+    x = args[0]
+    at = ties.slot(x)
+    tied = ties.converting(at, x, kwargs.get("dtype") or x.dtype, kwargs["device"])
+    if tied is not None:
+        return tied
+    out = run_locally(func, args, kwargs)
+    ties.converted(at, x)
+    return out
+
+
+def _item(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(fetch(args[0]), *args[1:], **kwargs)
+
+
+def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    ref = x._ref
+    if isinstance(ref, Uninit):
+        ref = ref_for_node(x, current())
+    return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
+
+
+def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
+    dst, src = args[0], args[1]
+    if not isinstance(dst, LazyTensor):
+        dst.copy_(fetch(src) if isinstance(src, LazyTensor) else src, **kwargs)
+        return dst
+    return copy_into(dst, src, kwargs)
+
+
+def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTensor:
+    """``dst.copy_(src)``; a fresh allocation taking a CPU tensor whole is just an upload."""
+    kwargs = kwargs or {}
+    if (
+        isinstance(dst._ref, Uninit)
+        and not isinstance(src, LazyTensor)
+        and isinstance(src, torch.Tensor)
+        and src.device.type == "cpu"
+        and src.dtype == dst.dtype
+        and src.shape == dst.shape
+    ):
+        ref = snapshot(src)
+        if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
+            bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
+            return dst
+        if isinstance(ref, torch.Tensor) and ref.stride() == dst.stride():
+            trace = streamed(current())
+            node = Node(torch.ops.aten.clone.default, [ref], {}, trace, 1)
+            trace.add(node)
+            bind(dst, Pending(node, 0))
+            return dst
+    return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)
+
+
+def _attention(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Reached whole only under inference_mode (Note [composite ops under inference mode]
+    in uncaptured.py): the kernel local eager would pick (Note [fused attention])."""
+    return attention.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _slice(func: Any, args: tuple, kwargs: dict) -> Any:
+    return capture(func, *slicing.clamped(func, args, kwargs))  # Note [slices to the end]
+
+
+def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    return embedding.dense_backward(*args, **kwargs)  # Note [embedding backward]
+
+
+SPECIAL.update(
+    {
+        torch.ops.aten.scaled_dot_product_attention.default: _attention,
+        torch.ops.aten._local_scalar_dense.default: _item,
+        torch.ops.aten.is_nonzero.default: _item,
+        torch.ops.aten.detach.default: _detach,
+        torch.ops.aten.copy_.default: _copy,
+        **dict.fromkeys(slicing.OPS, _slice),
+        embedding.OP: _embedding_backward,
+    }
+)
+SPECIAL_TO_CPU[torch.ops.aten._to_copy.default] = _to_cpu
