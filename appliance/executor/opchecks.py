@@ -175,7 +175,19 @@ def _pool_indices(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: indices must name positions of the input (0 to {span - 1})")
 
 
+def _rrelu_noise(op: str, a: dict[str, Any]) -> None:
+    """rrelu's kernels write (and its backward reads) one noise value per element of the
+    input at ``noise``'s data pointer, as if it were contiguous: a stride-0 noise of the
+    right shape wrote past its storage (the worker died of SIGSEGV; found by review)."""
+    x, noise = a.get("self"), a.get("noise")
+    if not (isinstance(x, torch.Tensor) and isinstance(noise, torch.Tensor)):
+        raise InvalidArgument(f"{op}: self and noise must be tensors")
+    if noise.shape != x.shape or noise.dtype != x.dtype or not noise.is_contiguous():
+        raise InvalidArgument(f"{op}: noise must be a contiguous tensor of the input's shape")
+
+
 CHECKS: dict[str, Check] = {
+    **{f"aten::rrelu_with_noise{s}": _rrelu_noise for s in ("", "_", "_backward")},
     **{f"aten::_adaptive_avg_pool{n}d_backward": _adaptive_avg_backward for n in (2, 3)},
     **{
         f"aten::{name}": _pool_indices
@@ -212,6 +224,9 @@ CHECKS: dict[str, Check] = {
 
 def check(op: Any, named: dict[str, Any]) -> None:
     """Run the extra check for ``op`` (if it has one) on its arguments by name."""
-    fn = CHECKS.get(op._schema.name)
+    name = op._schema.name
+    fn = CHECKS.get(name)
+    if fn is None and name.endswith("_"):
+        fn = CHECKS.get(name[:-1])  # an in-place form runs its op's kernel: its checks too
     if fn is not None:
         fn(f"{op._schema.name}.{op._schema.overload_name or 'default'}", named)

@@ -11,7 +11,6 @@ client never holds a tensor's data.
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any
 
 import torch
@@ -104,6 +103,8 @@ class LazyTensor(torch.Tensor):
             new = new.detach()  # sizes held in C++, where the copy takes them from
         _TENSOR_DATA.__set__(self, new)
         if isinstance(new, LazyTensor):
+            if isinstance(new._ref, Uninit):  # one allocation for both, as _detach does
+                ref_for_node(new, current())
             if self._dyn is not None:  # its sizes are still answered from Python
                 self._dyn = spec_of(new)
             bind(self, new._ref)
@@ -156,10 +157,13 @@ class LazyTensor(torch.Tensor):
             new = self.clone(memory_format=torch.preserve_format)
         new.requires_grad_(self.requires_grad)
         memo[id(self)] = new
+        if getattr(self, "_is_param", False):  # as Parameter.__deepcopy__: the value only
+            new._is_param = True
+            return new
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         for key, value in vars(self).items():
-            if key not in ("_ref", "_dyn"):  # the copy's own
+            if key not in ("_ref", "_dyn") and not key.startswith("_sym_"):  # the copy's own
                 setattr(new, key, copy.deepcopy(value, memo))
         return new
 
@@ -315,15 +319,20 @@ _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) o
 
 
 def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """Weak refs to the bases of the views ``func`` writes into: a failed write leaves
-    them stale too (Note [failed values], trace._poison_writes)."""
+    """The values of the bases of the views ``func`` writes into, as they are now (a later
+    ``.data =`` on a base does not move them): a failed write leaves them stale too (Note
+    [failed values], trace._poison_writes). Not for the foreach and fused optimizer
+    families, whose lists of parameters would cost a ``_base`` read each per step."""
     writes = _WRITES.get(func)
     if writes is None:
         schema = getattr(func, "_schema", None)
+        name = schema.name.split("::")[-1] if schema is not None else ""
         writes = _WRITES[func] = tuple(
             (i, a.name)
             for i, a in enumerate(schema.arguments if schema is not None else ())
-            if a.alias_info is not None and a.alias_info.is_write
+            if a.alias_info is not None
+            and a.alias_info.is_write
+            and not name.startswith(("_foreach_", "_fused_"))
         )
     if not writes:
         return ()
@@ -333,7 +342,7 @@ def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
         for t in value if isinstance(value, (list, tuple)) else (value,):
             base = getattr(t, "_base", None) if isinstance(t, LazyTensor) else None
             if base is not None:
-                bases.append(weakref.ref(base))
+                bases.append(base._ref)
     return tuple(bases)
 
 

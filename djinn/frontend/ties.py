@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _APPLY = torch.nn.Module._apply.__code__
 # a parameter converted in a module's move -> (the Parameter its slot received, weakly;
-# the parameter's version counter when it was converted)
+# what the parameter's writes move, when it was converted: _written)
 _moved: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -55,7 +55,7 @@ class _OneStore(dict):
 
     def __init__(self, slot: Slot, src: torch.Tensor, tied: torch.Tensor | None) -> None:
         super().__init__(slot.module._parameters)
-        self.slot, self.src, self.tied, self.version = slot, src, tied, src._version
+        self.slot, self.src, self.tied, self.version = slot, src, tied, _written(src)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key != self.slot.key:
@@ -67,6 +67,12 @@ class _OneStore(dict):
         plain = dict(self)
         plain[key] = value
         self.slot.module.__dict__["_parameters"] = plain
+
+
+def _written(src: torch.Tensor) -> tuple[int, int]:
+    """What moves when ``src`` is written: its version counter, and for a CPU tensor its
+    bytes' address (``src.data = other`` replaces them without counting a version)."""
+    return src._version, src.data_ptr() if src.device.type == "cpu" else 0
 
 
 def slot(x: torch.Tensor) -> Slot | None:
@@ -94,7 +100,7 @@ def _tied(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.
     if hit is None:
         return None
     param = hit[0]()
-    if param is None or hit[1] != src._version:
+    if param is None or hit[1] != _written(src):
         return None
     if param.device != device or param.dtype != dtype or param.shape != src.shape:
         return None

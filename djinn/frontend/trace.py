@@ -66,8 +66,8 @@ class Node:
         self.rng: torch.Tensor | None = None
         self.module = ""
         self.specs: Any = None
-        # weak refs to the bases of the views this op writes into (Note [failed values])
-        self.bases: tuple[weakref.ref, ...] = ()
+        # the values of the bases of the views this op writes into (Note [failed values])
+        self.bases: tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:
@@ -395,6 +395,7 @@ def _ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) ->
         n.results = [None] * n.nout
         n.args = n.kwargs = None  # let inputs go
         n.rng = None
+        n.bases = ()
     for (n, k, alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:
             n.results[k] = remote
@@ -554,6 +555,7 @@ def _fail(node: Node, error: DjinnError) -> None:
     node.results = [None] * node.nout
     node.args = node.kwargs = None
     node.rng = None
+    node.bases = ()
     failed = Failed(error)
     for holders in node.holders:
         for w in holders:
@@ -580,9 +582,7 @@ def _poison_writes(node: Node, error: DjinnError) -> None:
     # a view written into shares its base's bytes: the base (and so every view made of
     # it from now on) no longer holds what the program computed either
     for base in node.bases:
-        lazy = base()
-        if lazy is not None:
-            _poison(lazy._ref, node, error)
+        _poison(base, node, error)
 
 
 def _poison(ref: Any, node: Node, error: DjinnError) -> None:

@@ -131,6 +131,8 @@ def record(node: Any, ids: dict[int, Record]) -> Record:
 
 
 def build_srg(records: list[Record]) -> SRG:
+    from djinn.runtime.remote import RemoteTensor
+
     graph = SRG()
     seen_inputs: dict[str, SRGInput] = {}
     # A value computed inside the block but read from another thread's trace (backward
@@ -138,7 +140,7 @@ def build_srg(records: list[Record]) -> SRG:
     produced: dict[str, tuple[int, int]] = {}
     for rec in records:
         for k, remote in enumerate(rec.node.results or ()):
-            if remote is not None:
+            if isinstance(remote, RemoteTensor):  # not None, nor a failed write's mark
                 produced[f"h:{remote.handle}"] = (rec.node_id, k)
     for rec in records:
         node = SRGNode(

@@ -47,13 +47,16 @@ def mask_refusal(
     """Why the kernel may not take ``mask`` as its additive ``attn_mask``; None when it
     may. The shapes local eager sends it (PyTorch's ``check_attn_mask_shape``; any other
     takes the math path there): 2-D or 4-D, each dimension the query's (batch, heads,
-    query rows, key rows) or 1, in the query's dtype. The kernel views and expands it to
+    query rows, key rows) or 1, in the query's dtype, or float32 for a float16 or bfloat16
+    query (autocast's usual case). The kernel views and expands it to
     (batch, heads, rows, keys), which checks those sizes again, and then reads each row
     as keys in a row from its start: within the mask's extent, for any strides."""
     if mask.dim() not in (2, 4):
         return "attn_mask must be 2-D or 4-D"
-    if (dtype or mask.dtype) != q.dtype:  # dtype: what the client makes of a bool mask
-        return "attn_mask must have the query's dtype"
+    kind = dtype or mask.dtype  # dtype: what the client makes of a bool mask
+    reduced = q.dtype in (torch.bfloat16, torch.float16)
+    if kind != q.dtype and not (reduced and kind == torch.float32):
+        return "attn_mask must have the query's dtype (or float32, for a reduced one)"
     want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])[-mask.dim() :]
     if any(n not in (1, w) for n, w in zip(mask.shape, want, strict=True)):
         return f"attn_mask of shape {list(mask.shape)} does not broadcast to {list(want)}"

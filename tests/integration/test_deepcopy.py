@@ -20,7 +20,7 @@ def test_a_moved_model_copies_into_an_independent_equal_model(remote):
     for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
         assert isinstance(q, torch.nn.Parameter) and q.requires_grad, name
         assert q is not p and torch.equal(q.cpu(), p.cpu()), name
-    assert torch.equal(twin[0].weight.grad.cpu(), torch.ones(4, 4))
+    assert twin[0].weight.grad is None  # as Parameter.__deepcopy__: the value only
     with torch.no_grad():
         twin[0].weight.add_(1.0)  # the copy's own bytes
     twin(torch.randn(3, 4, device=R))  # and its own running statistics
@@ -41,3 +41,15 @@ def test_a_computed_tensor_copies_and_a_non_leaf_refuses_as_eager_does(remote):
     w = torch.ones(3, device=R, requires_grad=True) * 2
     with pytest.raises(RuntimeError, match="graph leaves"):
         copy.deepcopy(w)
+
+
+def test_a_tensor_whose_sizes_python_answers_copies(remote):
+    """``arange``'s output carries PyTorch's cached size capsules, which cannot be copied
+    (found by review)."""
+    m = torch.nn.Module()
+    m.register_buffer("steps", torch.arange(10, device=R))
+    twin = copy.deepcopy(m)
+    assert torch.equal(twin.steps.cpu(), torch.arange(10))
+    x = torch.arange(4.0, device=R)
+    x.grad = torch.ones(4, device=R)
+    assert torch.equal(copy.deepcopy(x).grad.cpu(), torch.ones(4))  # a tensor's grad goes along

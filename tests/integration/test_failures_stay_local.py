@@ -157,6 +157,31 @@ def test_a_refused_write_into_a_dropped_temporary_fails_its_readers_with_its_err
     assert (torch.ones(2, device=R) * 3).cpu().tolist() == [3.0, 3.0]
 
 
+def test_a_capture_block_with_such_a_failure_still_builds_its_graph(remote):
+    import djinn
+
+    with djinn.capture() as cap:
+        p = torch.ones(3, dtype=torch.int64, device=R)
+        s = torch.tensor([4, 8, 16]).to(R).clone()
+        s >>= 1
+        p.add_(s)
+        del s
+        with pytest.raises(DjinnError):
+            p.cpu()
+    assert len(cap.graph().nodes) > 0  # it read a handle off the failed write's mark
+
+
+def test_a_base_given_new_data_before_a_failed_write_lands_is_not_poisoned(remote):
+    """The failure belongs to the value the view was taken from, not to whatever the base
+    holds by the time it is known (found by review)."""
+    base = torch.tensor([[4, 8], [6, 9]]).to(R)
+    base.cpu()
+    base[0].div_(torch.tensor([0, 2]).to(R), rounding_mode="floor")
+    fresh = torch.ones(2, 2, dtype=torch.int64, device=R)
+    base.data = fresh
+    assert fresh.cpu().tolist() == [[1, 1], [1, 1]]
+
+
 def test_an_error_inside_backward_is_a_python_exception(remote):
     """A failing op in backward() once aborted the process ("terminate called without
     an active exception"). Now backward() returns and the gradient's read raises."""

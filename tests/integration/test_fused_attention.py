@@ -175,6 +175,17 @@ def _masks() -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_mask_with_a_reduced_query_is_fused_as_eager_does(remote, sent_ops, dtype):
+    q, k, v = (t.to(dtype) for t in _qkv(2, 4, 16, 8))
+    mask = torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = F.scaled_dot_product_attention(*(t.to(remote) for t in (q, k, v)), mask.to(remote))
+        want = F.scaled_dot_product_attention(q, k, v, mask)
+    assert torch.equal(got.cpu(), want)
+    assert FLASH in sent_ops
+
+
 @pytest.mark.parametrize("name", list(_masks()))
 @pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
 def test_a_masked_call_runs_the_fused_kernel_with_local_eagers_numbers(

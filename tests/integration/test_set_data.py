@@ -47,3 +47,13 @@ def test_vector_to_parameters_writes_the_parameters(remote):
     vector_to_parameters(torch.arange(6.0, device=R), m.parameters())
     assert torch.equal(parameters_to_vector(m.parameters()).cpu(), torch.arange(6.0))
     assert torch.equal(m.weight.cpu(), torch.arange(4.0).reshape(2, 2))
+
+
+def test_data_from_an_allocation_not_written_yet_shares_it(remote):
+    """``p.data = e`` then a write into ``e``: both name one allocation, as in eager (the
+    two got allocations of their own, and ``p`` read uninitialised bytes)."""
+    p = torch.zeros(3, device=R)
+    e = torch.empty(3, device=R)
+    p.data = e
+    e.fill_(1.0)
+    assert p.cpu().tolist() == [1.0, 1.0, 1.0]

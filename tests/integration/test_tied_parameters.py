@@ -156,3 +156,13 @@ def test_a_move_keeps_no_cpu_parameter_alive(remote):
     model.to(R)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_a_parameter_given_new_data_since_its_move_is_moved_again(remote):
+    """``.data =`` replaces the bytes without counting a version (found by review)."""
+    enc, head = torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False)
+    head.weight = enc.weight
+    enc.to(R)
+    head.weight.data = torch.full((3, 3), 7.0)
+    head.to(R)
+    assert torch.equal(head.weight.cpu(), torch.full((3, 3), 7.0))

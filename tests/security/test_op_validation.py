@@ -181,3 +181,22 @@ def test_device_arguments_must_be_tagged(fresh_appliance, device):
             fetch=[{"$v": 0}],
         )
         assert out.tolist() == [0.0, 0.0]
+
+
+def test_a_stride_0_rrelu_noise_is_refused_and_spares_the_bystander(fresh_appliance):
+    """rrelu's kernel writes its noise as if contiguous: an expanded one-float noise had it
+    write a million floats past its storage, and the worker died (found by review)."""
+    app = fresh_appliance(cpu_workers=1)
+    x, one, n = torch.ones(1 << 20), torch.zeros(1), 1 << 20
+    with app.connect("unix") as by_client, by_client.session() as bystander:
+        held = bystander.put(torch.arange(10.0))
+        with app.connect("unix") as client, client.session() as s:
+            for op in ("aten::rrelu_with_noise_.default", "aten::rrelu_with_noise.default"):
+                nodes = [
+                    {"op": "aten::expand.default", "args": [_t(1, one), [n]]},
+                    {"op": op, "args": [_t(0, x), {"$v": 0}, 0.1, 0.3, True]},
+                ]
+                with pytest.raises(DjinnError) as err:
+                    s.execute(nodes, fetch=[{"$v": 1}], inline=[x, one])
+                assert err.value.code == "INVALID_ARGUMENT"
+        assert torch.equal(held.cpu(), torch.arange(10.0))
