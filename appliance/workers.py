@@ -30,19 +30,20 @@ FIRST_BACKOFF_S = 0.5
 # 134 ms against 128 (the runtime's own) and 119 (a thousand rounds): "brief" is the
 # default. It changes when threads wait, never how an op's work is split among them, so
 # the results are the same bits. The runtime reads these variables once, when it loads.
-_SPINS = {"brief": "1000", "passive": "0", "active": None}
+_WAITS = {
+    "brief": {"GOMP_SPINCOUNT": "1000"},
+    "passive": {"GOMP_SPINCOUNT": "0"},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
 
 
-def _wait_policy(policy: str, env: dict[str, str]) -> dict[str, str]:
-    """The environment a worker starts with for ``cpu_wait_policy`` (Note [idle OpenMP
-    threads]); "inherit" keeps the supervisor's."""
-    if policy == "inherit":
-        return {}
-    env.pop("GOMP_SPINCOUNT", None)
-    if policy == "active":
-        return {"OMP_WAIT_POLICY": "ACTIVE"}
-    env.pop("OMP_WAIT_POLICY", None)
-    return {"GOMP_SPINCOUNT": _SPINS[policy]}
+def _set_wait_policy(policy: str, env: dict[str, str]) -> None:
+    """The worker's environment for ``cpu_wait_policy`` (Note [idle OpenMP threads]), over
+    the supervisor's; "inherit" keeps the supervisor's."""
+    if policy != "inherit":
+        env.pop("GOMP_SPINCOUNT", None)
+        env.pop("OMP_WAIT_POLICY", None)
+        env.update(_WAITS[policy])
 
 
 @dataclass
@@ -77,7 +78,7 @@ class WorkerHandle:
         env["DJINN_APPLIANCE_PROCESS"] = "1"  # no client-side device hooks in a worker
         # a worker never fetches code or weights from a hub, whatever a request says
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env.update(_wait_policy(self.init.get("cpu_wait_policy", "inherit"), env))
+        _set_wait_policy(self.init.get("cpu_wait_policy", "inherit"), env)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "djinn.appliance.worker", "--control-fd", str(child.fileno())],
             pass_fds=[child.fileno()],

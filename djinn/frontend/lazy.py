@@ -18,10 +18,11 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import hooks, seeded, uncaptured
+from . import failures, hooks, seeded, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
+from .failures import written_args, written_values
 from .meta import META, TensorSpec
 from .trace import Node, Pending, bind, current, flush
 
@@ -270,7 +271,7 @@ class _Args:
 
 def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     ref = x._ref
-    if isinstance(ref, trace_mod.Failed):
+    if isinstance(ref, failures.Failed):
         raise ref.error
     if isinstance(ref, Uninit):
         node = Node(
@@ -315,35 +316,18 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     return capture(func, args, kwargs)
 
 
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of written args
-
-
 def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
     """The values of the bases of the views ``func`` writes into, as they are now (a later
     ``.data =`` on a base does not move them): a failed write leaves them stale too (Note
-    [failed values], trace._poison_writes). Not for the foreach and fused optimizer
+    [failed values], failures.poison_writes). Not for the foreach and fused optimizer
     families, whose lists of parameters would cost a ``_base`` read each per step."""
-    writes = _WRITES.get(func)
-    if writes is None:
-        schema = getattr(func, "_schema", None)
-        name = schema.name.split("::")[-1] if schema is not None else ""
-        writes = _WRITES[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(schema.arguments if schema is not None else ())
-            if a.alias_info is not None
-            and a.alias_info.is_write
-            and not name.startswith(("_foreach_", "_fused_"))
-        )
-    if not writes:
+    if not written_args(func) or func._schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
         return ()
-    bases = []
-    for i, name in writes:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            base = getattr(t, "_base", None) if isinstance(t, LazyTensor) else None
-            if base is not None:
-                bases.append(base._ref)
-    return tuple(bases)
+    return tuple(
+        t._base._ref
+        for t in written_values(func, args, kwargs)
+        if isinstance(t, LazyTensor) and t._base is not None
+    )
 
 
 def streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
@@ -454,27 +438,17 @@ def _is_host_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor) and x.device.type == "cpu"
 
 
-_MUTATES: dict[Any, bool] = {}
-
-
 def _mutates(func: Any) -> bool:
     """Whether ``func`` writes to an argument (its schema marks it ``Tensor(a!)``)."""
-    known = _MUTATES.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = schema is not None and any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        )
-        _MUTATES[func] = known
-    return known
+    return bool(written_args(func))
 
 
 def _failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any:
     error = exc if getattr(exc, "_djinn_failed_value", False) else None
     if error is None:
-        error = trace_mod.failed_error(f"{func._schema.name}.{func._overloadname}", exc)
+        error = failures.failed_error(f"{func._schema.name}.{func._overloadname}", exc)
         error._djinn_failed_value = True  # type: ignore[attr-defined]
-    failed = trace_mod.Failed(error)
+    failed = failures.Failed(error)
 
     def meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

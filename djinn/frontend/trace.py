@@ -17,111 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import DjinnError, ExecutionError
+from djinn.errors import DjinnError
 from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
+from .failures import (
+    Failed,
+    depends_on_failure,
+    fail,
+    failed_error,
+    is_dependency_error,
+    written_args,
+)
+from .nodes import HostTensor, Node, Pending
+
 if TYPE_CHECKING:
     from .lazy import LazyTensor
-
-
-class Node:
-    """One captured aten call. ``args``/``kwargs`` hold refs, never LazyTensors, so a
-    pending graph does not keep user tensors alive."""
-
-    __slots__ = (
-        "__weakref__",
-        "args",
-        "bases",
-        "executed",
-        "failed",
-        "holders",
-        "inflight",
-        "kwargs",
-        "module",
-        "multi",
-        "nout",
-        "op",
-        "results",
-        "rng",
-        "specs",
-        "trace",
-    )
-
-    def __init__(
-        self, op: Any, args: Any, kwargs: Any, trace: Trace, nout: int, multi: bool = False
-    ) -> None:
-        self.op = op
-        self.multi = multi or nout > 1  # outputs are a tuple/list: refer to them by index
-        self.args = args
-        self.kwargs = kwargs
-        self.trace = trace
-        self.nout = nout
-        self.holders: list[list[weakref.ref]] = [[] for _ in range(nout)]
-        self.results: list[RemoteTensor | None] | None = None
-        self.executed = False
-        self.inflight: Sent | None = None  # Note [asynchronous flushes]: sent, not landed
-        self.failed: DjinnError | None = None  # Note [failed values]
-        self.rng: torch.Tensor | None = None
-        self.module = ""
-        self.specs: Any = None
-        # the values of the bases of the views this op writes into (Note [failed values])
-        self.bases: tuple[Any, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return f"{self.op._schema.name}.{self.op._overloadname}"
-
-
-class HostTensor:
-    """A small CPU tensor an op wants on the host, not on its device (the ``scalars`` of
-    ``_foreach_addcdiv.Tensor``, as on CUDA): sent inline and never moved to the device."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class Failed:
-    """The value of an op that failed, or that depended on one (Note [failed values]).
-
-    Note [failed values]: an op that fails leaves its own outputs, and the outputs of
-    everything computed from them, holding the error; reading one raises it, naming the
-    op. Every other tensor in the thread stays usable: a failure never stays in the trace
-    to fail the next flush too, and never surfaces as "released before it was read".
-    """
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: DjinnError) -> None:
-        self.error = error
-
-    @property
-    def failed(self) -> DjinnError:  # read like a RemoteTensor's, in an executed node's results
-        return self.error
-
-
-def failed_error(op_name: str, exc: BaseException) -> DjinnError:
-    """``exc`` as the typed error a value computed by ``op_name`` raises when used."""
-    if isinstance(exc, DjinnError):
-        err = type(exc)(f"{op_name}: {exc.message}" if op_name not in exc.message else exc.message)
-        err.code = exc.code
-    else:
-        err = ExecutionError(f"{op_name} failed: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err
-
-
-class Pending:
-    """Output ``index`` of a node (index 0 for single-output ops)."""
-
-    __slots__ = ("index", "node")
-
-    def __init__(self, node: Node, index: int) -> None:
-        self.node = node
-        self.index = index
 
 
 class Trace:
@@ -328,7 +240,7 @@ def flush(
                 item = enc.node(n)
             except DjinnError as exc:
                 enc.rollback(mark)  # the failed node's inline tensors are not sent
-                _fail(n, exc if _is_dependency_error(exc) else failed_error(n.name, exc))
+                fail(n, exc if is_dependency_error(exc) else failed_error(n.name, exc))
                 continue
             enc.index[id(n)] = len(encoded)
             encoded.append(item)
@@ -359,7 +271,7 @@ def flush(
                 item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
             except DjinnError as exc:
                 for n in sent:
-                    _fail(n, exc)
+                    fail(n, exc)
                 raise
             for n in sent:
                 n.inflight = item
@@ -376,7 +288,7 @@ def flush(
                 )
             except DjinnError as exc:  # the request itself failed: nothing is known to run
                 for n in sent:
-                    _fail(n, exc)
+                    fail(n, exc)
                 raise
         _ran(sent, keep_targets, kept, failure)
         kept = kept[len(keep_targets) :]
@@ -453,7 +365,7 @@ def land(item: Sent) -> None:
             kept, _fetched, failure = item.flight.outcome()
         except DjinnError as exc:  # the request itself failed: nothing is known to run
             for n in item.sent:
-                _fail(n, exc)
+                fail(n, exc)
             if not item.quiet:
                 raise
             return
@@ -489,15 +401,15 @@ def _after_failure(
     error._djinn_failed_value = True  # type: ignore[attr-defined]
     rest = sent[failure["node"] :]
     raise_now = error if rest[0].nout == 0 else None
-    _fail(rest[0], error)
+    fail(rest[0], error)
     again = []
     for n in rest[1:]:
-        if _depends_on_failure(n):
-            _fail(n, error)
+        if depends_on_failure(n):
+            fail(n, error)
         else:
             again.append(n)
     trace.nodes = again + trace.nodes
-    writes = any(_writes(n) for n in again)
+    writes = any(written_args(n.op) for n in again)
     redo_f = [j for j, v in enumerate(fetched) if v is NOT_RUN or writes]
     redo_k = [j for j, v in enumerate(kept) if v is None or writes]
     more_f, more_k = flush(trace, [fetch[j] for j in redo_f], [keep[j] for j in redo_k])
@@ -511,91 +423,3 @@ def _after_failure(
     if raise_now is not None:
         raise raise_now
     return fetched, kept
-
-
-def _writes(node: Node) -> bool:
-    schema = getattr(node.op, "_schema", None)
-    return schema is not None and any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
-
-
-def _depends_on_failure(node: Node) -> bool:
-    def failed(x: Any) -> bool:
-        if isinstance(x, Pending):
-            if x.node.failed is not None:
-                return True
-            results = x.node.results if x.node.executed else None
-            return bool(results) and isinstance(results[x.index], Failed)
-        if isinstance(x, Failed):
-            return True
-        if isinstance(x, RemoteTensor):
-            return x.failed is not None
-        if isinstance(x, (list, tuple)):
-            return any(failed(v) for v in x)
-        if isinstance(x, dict):
-            return any(failed(v) for v in x.values())
-        return False
-
-    return failed(node.args) or failed(node.kwargs)
-
-
-def _is_dependency_error(exc: DjinnError) -> bool:
-    """Whether ``exc`` is the failure of one of a node's inputs (passed on as is)."""
-    return getattr(exc, "_djinn_failed_value", False)
-
-
-def _fail(node: Node, error: DjinnError) -> None:
-    """Note [failed values]: the node's outputs, and the tensors it would have written
-    into, hold ``error`` from now on."""
-    error._djinn_failed_value = True  # type: ignore[attr-defined]
-    _poison_writes(node, error)
-    node.failed = error
-    node.executed = True
-    node.results = [None] * node.nout
-    node.args = node.kwargs = None
-    node.rng = None
-    node.bases = ()
-    failed = Failed(error)
-    for holders in node.holders:
-        for w in holders:
-            lz = w()
-            if lz is not None and isinstance(lz._ref, Pending) and lz._ref.node is node:
-                lz._ref = failed
-
-
-def _poison_writes(node: Node, error: DjinnError) -> None:
-    """An in-place or ``out=`` op that did not run leaves its targets without the value
-    the program computed: reading them must raise, never return the stale bytes."""
-    schema = getattr(node.op, "_schema", None)
-    if schema is None or node.args is None:
-        return
-    positional = list(node.args)
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.kwargs.get(arg.name) if arg.kwarg_only else None
-        if not arg.kwarg_only and i < len(positional):
-            value = positional[i]
-        for ref in value if isinstance(value, (list, tuple)) else [value]:
-            _poison(ref, node, error)
-    # a view written into shares its base's bytes: the base (and so every view made of
-    # it from now on) no longer holds what the program computed either
-    for base in node.bases:
-        _poison(base, node, error)
-
-
-def _poison(ref: Any, node: Node, error: DjinnError) -> None:
-    if isinstance(ref, RemoteTensor):
-        ref.failed = error
-    elif isinstance(ref, Pending) and ref.node.failed is None and ref.node is not node:
-        if ref.node.executed:
-            if ref.node.results is None:
-                ref.node.results = [None] * ref.node.nout
-            done = ref.node.results[ref.index]
-            if done is not None:
-                done.failed = error
-            else:  # not kept, but a node still to run reads it: it must fail, not read
-                ref.node.results[ref.index] = Failed(error)  # "released" bytes
-        else:
-            _fail(ref.node, error)

@@ -1,0 +1,139 @@
+"""What a failed op leaves behind (Note [failed values]): its outputs, what depended on
+them and what it would have written into hold its error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from djinn.errors import DjinnError, ExecutionError
+from djinn.runtime.remote import RemoteTensor
+
+from .nodes import Node, Pending
+
+
+class Failed:
+    """The value of an op that failed, or that depended on one (Note [failed values]).
+
+    Note [failed values]: an op that fails leaves its own outputs, and the outputs of
+    everything computed from them, holding the error; reading one raises it, naming the
+    op. Every other tensor in the thread stays usable: a failure never stays in the trace
+    to fail the next flush too, and never surfaces as "released before it was read".
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: DjinnError) -> None:
+        self.error = error
+
+    @property
+    def failed(self) -> DjinnError:  # read like a RemoteTensor's, in an executed node's results
+        return self.error
+
+
+def failed_error(op_name: str, exc: BaseException) -> DjinnError:
+    """``exc`` as the typed error a value computed by ``op_name`` raises when used."""
+    if isinstance(exc, DjinnError):
+        err = type(exc)(f"{op_name}: {exc.message}" if op_name not in exc.message else exc.message)
+        err.code = exc.code
+    else:
+        err = ExecutionError(f"{op_name} failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def written_args(op: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``op`` writes into (its schema's ``Tensor(a!)``)."""
+    known = _WRITES.get(op)
+    if known is None:
+        schema = getattr(op, "_schema", None)
+        known = _WRITES[op] = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments if schema is not None else ())
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return known
+
+
+def written_values(op: Any, args: Any, kwargs: Any) -> list[Any]:
+    """The values ``op`` is given for the arguments it writes into, lists flattened."""
+    out: list[Any] = []
+    for i, name in written_args(op):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(value if isinstance(value, (list, tuple)) else (value,))
+    return out
+
+
+def depends_on_failure(node: Node) -> bool:
+    def failed(x: Any) -> bool:
+        if isinstance(x, Pending):
+            if x.node.failed is not None:
+                return True
+            results = x.node.results if x.node.executed else None
+            return bool(results) and isinstance(results[x.index], Failed)
+        if isinstance(x, Failed):
+            return True
+        if isinstance(x, RemoteTensor):
+            return x.failed is not None
+        if isinstance(x, (list, tuple)):
+            return any(failed(v) for v in x)
+        if isinstance(x, dict):
+            return any(failed(v) for v in x.values())
+        return False
+
+    return failed(node.args) or failed(node.kwargs)
+
+
+def is_dependency_error(exc: DjinnError) -> bool:
+    """Whether ``exc`` is the failure of one of a node's inputs (passed on as is)."""
+    return getattr(exc, "_djinn_failed_value", False)
+
+
+def fail(node: Node, error: DjinnError) -> None:
+    """Note [failed values]: the node's outputs, and the tensors it would have written
+    into, hold ``error`` from now on."""
+    error._djinn_failed_value = True  # type: ignore[attr-defined]
+    poison_writes(node, error)
+    node.failed = error
+    node.executed = True
+    node.results = [None] * node.nout
+    node.args = node.kwargs = None
+    node.rng = None
+    node.bases = ()
+    failed = Failed(error)
+    for holders in node.holders:
+        for w in holders:
+            lz = w()
+            if lz is not None and isinstance(lz._ref, Pending) and lz._ref.node is node:
+                lz._ref = failed
+
+
+def poison_writes(node: Node, error: DjinnError) -> None:
+    """An in-place or ``out=`` op that did not run leaves its targets without the value
+    the program computed: reading them must raise, never return the stale bytes."""
+    if node.args is None:
+        return
+    for ref in written_values(node.op, node.args, node.kwargs or {}):
+        _poison(ref, node, error)
+    # a view written into shares its base's bytes: the base (and so every view made of
+    # it from now on) no longer holds what the program computed either
+    for base in node.bases:
+        _poison(base, node, error)
+
+
+def _poison(ref: Any, node: Node, error: DjinnError) -> None:
+    if isinstance(ref, RemoteTensor):
+        ref.failed = error
+    elif isinstance(ref, Pending) and ref.node.failed is None and ref.node is not node:
+        if ref.node.executed:
+            if ref.node.results is None:
+                ref.node.results = [None] * ref.node.nout
+            done = ref.node.results[ref.index]
+            if done is not None:
+                done.failed = error
+            else:  # not kept, but a node still to run reads it: it must fail, not read
+                ref.node.results[ref.index] = Failed(error)  # "released" bytes
+        else:
+            fail(ref.node, error)

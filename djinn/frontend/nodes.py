@@ -1,0 +1,83 @@
+"""The data of a trace: captured ops (``Node``), their pending outputs (``Pending``), and
+the small CPU tensors an op wants on the host (``HostTensor``)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from djinn.errors import DjinnError
+from djinn.runtime.remote import RemoteTensor
+
+if TYPE_CHECKING:
+    from .trace import Sent, Trace
+
+
+class Node:
+    """One captured aten call. ``args``/``kwargs`` hold refs, never LazyTensors, so a
+    pending graph does not keep user tensors alive."""
+
+    __slots__ = (
+        "__weakref__",
+        "args",
+        "bases",
+        "executed",
+        "failed",
+        "holders",
+        "inflight",
+        "kwargs",
+        "module",
+        "multi",
+        "nout",
+        "op",
+        "results",
+        "rng",
+        "specs",
+        "trace",
+    )
+
+    def __init__(
+        self, op: Any, args: Any, kwargs: Any, trace: Trace, nout: int, multi: bool = False
+    ) -> None:
+        self.op = op
+        self.multi = multi or nout > 1  # outputs are a tuple/list: refer to them by index
+        self.args = args
+        self.kwargs = kwargs
+        self.trace = trace
+        self.nout = nout
+        self.holders: list[list[weakref.ref]] = [[] for _ in range(nout)]
+        self.results: list[RemoteTensor | None] | None = None
+        self.executed = False
+        self.inflight: Sent | None = None  # Note [asynchronous flushes]: sent, not landed
+        self.failed: DjinnError | None = None  # Note [failed values]
+        self.rng: torch.Tensor | None = None
+        self.module = ""
+        self.specs: Any = None
+        # the values of the bases of the views this op writes into (Note [failed values])
+        self.bases: tuple[Any, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.op._schema.name}.{self.op._overloadname}"
+
+
+class Pending:
+    """Output ``index`` of a node (index 0 for single-output ops)."""
+
+    __slots__ = ("index", "node")
+
+    def __init__(self, node: Node, index: int) -> None:
+        self.node = node
+        self.index = index
+
+
+class HostTensor:
+    """A small CPU tensor an op wants on the host, not on its device (the ``scalars`` of
+    ``_foreach_addcdiv.Tensor``, as on CUDA): sent inline and never moved to the device."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
