@@ -105,9 +105,9 @@ def fail(node: Node, error: DjinnError) -> None:
     failed = Failed(error)
     for holders in node.holders:
         for w in holders:
-            lz = w()
-            if lz is not None and isinstance(lz._ref, Pending) and lz._ref.node is node:
-                lz._ref = failed
+            cell = w()
+            if cell is not None and isinstance(cell.ref, Pending) and cell.ref.node is node:
+                cell.ref = failed
 
 
 def poison_writes(node: Node, error: DjinnError) -> None:

@@ -18,7 +18,7 @@ import torch
 from djinn.errors import UnsupportedOp
 from djinn.runtime.remote import RemoteTensor
 
-from . import failures, hooks, seeded, uncaptured
+from . import failures, hooks, seeded, ties, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -50,8 +50,6 @@ class Uninit:
 
 
 class LazyTensor(torch.Tensor):
-    _ref: Any
-
     @staticmethod
     def __new__(
         cls, spec: TensorSpec, ref: Any, requires_grad: bool = False, dynamic: bool = False
@@ -74,6 +72,16 @@ class LazyTensor(torch.Tensor):
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # what the tensor stands for: a Pending output, a RemoteTensor, an Uninit allocation or
+    # a Failed value, held in a cell of its own (Note [bindings], nodes.py)
+    @property
+    def _ref(self) -> Any:
+        return self.__dict__["_b"].ref
+
+    @_ref.setter
+    def _ref(self, ref: Any) -> None:
+        bind(self, ref)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -109,6 +117,9 @@ class LazyTensor(torch.Tensor):
             if self._dyn is not None:  # its sizes are still answered from Python
                 self._dyn = spec_of(new)
             bind(self, new._ref)
+
+    __tensor_flatten__ = ties.SeenByApply("__tensor_flatten__")
+    __tensor_unflatten__ = ties.SeenByApply("__tensor_unflatten__")
 
     # -- reading values: these materialise -------------------------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -164,7 +175,7 @@ class LazyTensor(torch.Tensor):
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         for key, value in vars(self).items():
-            if key not in ("_ref", "_dyn") and not key.startswith("_sym_"):  # the copy's own
+            if key not in ("_b", "_dyn") and not key.startswith("_sym_"):  # the copy's own
                 setattr(new, key, copy.deepcopy(value, memo))
         return new
 

@@ -1,5 +1,6 @@
-"""The data of a trace: captured ops (``Node``), their pending outputs (``Pending``), and
-the small CPU tensors an op wants on the host (``HostTensor``)."""
+"""The data of a trace: captured ops (``Node``), their pending outputs (``Pending``), the
+cell through which a LazyTensor holds one (``Binding``), and the small CPU tensors an op
+wants on the host (``HostTensor``)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class Node:
         self.kwargs = kwargs
         self.trace = trace
         self.nout = nout
-        self.holders: list[list[weakref.ref]] = [[] for _ in range(nout)]
+        # per output, the bindings that held it (weakly): Note [bindings]
+        self.holders: list[list[weakref.ref[Binding]]] = [[] for _ in range(nout)]
         self.results: list[RemoteTensor | None] | None = None
         self.executed = False
         self.inflight: Sent | None = None  # Note [asynchronous flushes]: sent, not landed
@@ -71,6 +73,27 @@ class Pending:
     def __init__(self, node: Node, index: int) -> None:
         self.node = node
         self.index = index
+
+
+class Binding:
+    """What one LazyTensor stands for (its ``_ref``), in a cell of its own.
+
+    Note [bindings]: a flush keeps on the appliance the pending outputs somebody still
+    holds, and points the holders at the kept handles. Nodes knew their holders through
+    weak references to the tensors themselves, and a tensor with a weak reference cannot
+    be swapped (``torch.utils.swap_tensors``), which is how ``Module._apply`` moves a
+    parameter onto a wrapper subclass's device while keeping its identity, the identity an
+    optimizer built before ``model.to(remote)`` holds (Note [parameters keep their
+    identity], ties.py). So the tensor holds its value through a ``Binding`` in its
+    ``__dict__``: nodes hold the binding weakly, and a swap carries it, with the
+    ``__dict__``, to the tensor that now stands for the value. Binding again (``.data =``,
+    an in-place rebind) makes a new cell, so the old one dies and its node no longer counts
+    that tensor."""
+
+    __slots__ = ("__weakref__", "ref")
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
 
 
 class HostTensor:

@@ -1,18 +1,35 @@
-"""Tied parameters kept one object through a module's moves to and from the remote device.
+"""Parameters that keep their identity, and their ties, through a module's moves to and
+from the remote device.
+
+Note [parameters keep their identity]: on CUDA, ``model.to("cuda")`` keeps every
+``Parameter`` object and changes what it holds (``Module._apply``: ``param.data =
+converted``, since a CPU and a CUDA tensor are shallow-copy compatible). Whatever holds a
+parameter sees it moved: an optimizer built before the move, a second module slot tying
+it. A remote tensor is a wrapper subclass, not compatible, so ``_apply`` gave each slot a
+new ``Parameter``: an optimizer built first kept stepping the CPU tensors, and training
+changed nothing, silently. ``_apply`` keeps the object where the converted tensor is a
+*traceable* wrapper subclass: it swaps the two tensors' contents
+(``torch.utils.swap_tensors``). So ``LazyTensor`` shows the traceable-subclass protocol,
+but only to that check in ``_apply`` (``SeenByApply``): torch.compile's dynamo asks the
+same question, and must keep running a remote model as it always has. A swap needs the
+old tensor to be held by nothing else (no weak reference, no second C++ reference: a CPU
+autograd graph still alive that saved the weight, as a convolution's does); where it
+cannot, the protocol is not shown, and ``_apply`` falls back to a new ``Parameter``, whose
+ties are kept as below. Moves between remote dtypes (``model.half()``) set ``.data``
+(Note [set data], lazy.py), which keeps the object too. Moves back to the CPU make new
+``Parameter`` objects: ``_apply`` swaps only into a wrapper subclass.
 
 Note [tied parameters]: a parameter that is one object under two names (GPT-2's
-``lm_head.weight is transformer.wte.weight``) must stay one object on the remote device:
+``lm_head.weight is transformer.wte.weight``) must stay one object on the other device:
 autograd then sums both uses' gradients into one ``.grad``, and the optimizer steps it
-once. ``Module._apply`` keeps the object itself where the converted tensor is shallow-copy
-compatible with the old one (CPU -> CUDA: ``param.data = ...``), so on CUDA whatever else
-holds it (a second slot, another module moved later) holds the moved parameter. A wrapper
-subclass is not compatible, so each slot got a new ``Parameter`` of a conversion of its
-own: two uploads, two remote copies, and two parameters that trained apart, silently away
-from eager's numbers.
+once. A swapped parameter keeps its ties by itself: the second slot holds the same object,
+already moved. Where a move makes new ``Parameter`` objects (back to the CPU, or the
+fallback above), each slot got a new one of a conversion of its own: two copies, and two
+parameters that trained apart, silently away from eager's numbers.
 
 So the move's kernel (``_to_copy``, either way: ``factories.to_copy`` to the remote
 device, ``special_ops._to_cpu`` back) looks at the ``_apply`` frame above it. Converting a
-module's parameter, it remembers, weakly, which ``Parameter`` that slot received. A later
+module's parameter, it remembers which ``Parameter`` that slot received. A later
 conversion of the same parameter (a second slot in the same move, a submodule moved
 before the whole model, a move tried again after a failure) returns that ``Parameter``'s
 value instead of converting again, and the slot gets the ``Parameter`` itself, as long as
@@ -27,17 +44,118 @@ too. Not covered (the program ties again itself, as transformers' ``tie_weights`
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 import weakref
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch as _python_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .device import DEVICE_TYPE
+
 _APPLY = torch.nn.Module._apply.__code__
-# a parameter converted in a module's move -> (the Parameter its slot received, weakly;
-# what the parameter's writes move, when it was converted: _written)
+_PROTOCOL_CHECKS = _python_dispatch.__file__  # is_traceable_wrapper_subclass and its helper
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+# a parameter converted in a module's move, weakly -> (the Parameter its slot received;
+# what the parameter's writes move, when it was converted: _written). The Parameter is
+# held strongly: a weak reference to it would keep a later move from swapping it. It is
+# the module's parameter anyway, and the entry goes with the old parameter.
 _moved: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class SeenByApply:
+    """An attribute of the traceable-subclass protocol (``__tensor_flatten__``,
+    ``__tensor_unflatten__``) that exists only for ``Module._apply``'s check, and there
+    only when the parameter being moved can be swapped (Note [parameters keep their
+    identity]). ``_apply`` never calls it: it only asks whether it is there."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        frame = sys._getframe(1)
+        for _ in range(4):  # hasattr <- the protocol's helpers <- Module._apply
+            if frame is None:
+                break
+            if frame.f_code is _APPLY:
+                f_locals = frame.f_locals
+                param = f_locals.get("param")
+                if swaps(param):
+                    # the kernel set up a new Parameter's ties: the swap keeps them itself
+                    params = f_locals["self"]._parameters
+                    if isinstance(params, _OneStore):
+                        params.cancel()
+                    return _not_flattened
+                if _is_local(param) and not _recorded(param):  # not a tie kept below
+                    _warn_new_parameter(f_locals["self"], f_locals.get("key"))
+                break
+            if frame.f_code.co_filename != _PROTOCOL_CHECKS:
+                break
+            frame = frame.f_back
+        raise AttributeError(self.name)
+
+
+def _not_flattened(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a remote tensor has no inner tensors to flatten")
+
+
+def swaps(param: Any) -> bool:
+    """Whether ``Module._apply`` moving ``param`` onto the remote device swaps it into the
+    converted tensor, keeping the object: a local parameter that ``swap_tensors`` accepts
+    (the same checks, made first), gradient included."""
+    if not _is_local(param):
+        return False
+    grad = param.grad
+    # the parameter holds its gradient (a second use), and lets go of it before the swap
+    return _swappable(param) and (grad is None or _swappable(grad, uses_by_others=1))
+
+
+def _is_local(param: Any) -> bool:
+    return isinstance(param, torch.Tensor) and param.device.type != DEVICE_TYPE
+
+
+def _warn_new_parameter(module: torch.nn.Module, key: str | None) -> None:
+    warnings.warn(
+        f"djinn: {type(module).__name__}.{key} moves to the remote device as a new Parameter "
+        "object, not in place: something else still holds the local one (a weak reference, "
+        "or an autograd graph that saved it). An optimizer built before this move keeps "
+        "the local parameter and will not train the moved one: build it after the move, "
+        "or free what holds the parameter first (Note [parameters keep their identity]).",
+        RuntimeWarning,
+        stacklevel=_callers_level(),
+    )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that names the program's line (``model.to(...)``), however deep
+    the module tree made ``_apply``'s recursion."""
+    level, frame = 2, sys._getframe(2)  # level 1: the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _swappable(t: torch.Tensor, uses_by_others: int = 0) -> bool:
+    if weakref.getweakrefs(t):
+        return False
+    uses = t._use_count() - uses_by_others
+    if uses <= 1:
+        return True
+    if uses != 2 or not t.is_leaf or not t.requires_grad:
+        return False
+    # the second use may be the parameter's gradient accumulator, which swap_tensors
+    # accepts; asking for it creates it if there was none, and then it is a third use
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            node = torch.autograd.graph.get_gradient_edge(t).node
+            accumulator_was_there = t._use_count() == 2
+    except RuntimeError:
+        return False
+    del node
+    return accumulator_was_there
 
 
 class Slot:
@@ -57,13 +175,17 @@ class _OneStore(dict):
         super().__init__(slot.module._parameters)
         self.slot, self.src, self.tied, self.version = slot, src, tied, _written(src)
 
+    def cancel(self) -> None:
+        """No store is coming (``_apply`` swaps the parameter instead): a plain dict back."""
+        self.slot.module.__dict__["_parameters"] = dict(self)
+
     def __setitem__(self, key: str, value: Any) -> None:
         if key != self.slot.key:
             return super().__setitem__(key, value)
         if self.tied is not None:
             value = self.tied
         elif isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
-            _moved[self.src] = (weakref.ref(value), self.version)
+            _moved[self.src] = (value, self.version)
         plain = dict(self)
         plain[key] = value
         self.slot.module.__dict__["_parameters"] = plain
@@ -94,13 +216,19 @@ def slot(x: torch.Tensor) -> Slot | None:
     return None
 
 
+def _recorded(src: torch.Tensor) -> bool:
+    """Whether a move made ``src`` a new Parameter before, which still stands for it."""
+    hit = _moved.get(src)
+    return hit is not None and hit[1] == _written(src)
+
+
 def _tied(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """The parameter ``src`` became in an earlier conversion, if it still stands for it."""
     hit = _moved.get(src)
     if hit is None:
         return None
-    param = hit[0]()
-    if param is None or hit[1] != _written(src):
+    param = hit[0]
+    if hit[1] != _written(src):
         return None
     if param.device != device or param.dtype != dtype or param.shape != src.shape:
         return None

@@ -30,7 +30,7 @@ from .failures import (
     is_dependency_error,
     written_args,
 )
-from .nodes import HostTensor, Node, Pending
+from .nodes import Binding, HostTensor, Node, Pending
 
 if TYPE_CHECKING:
     from .lazy import LazyTensor
@@ -108,10 +108,11 @@ def current() -> Trace:
 
 
 def bind(lazy: LazyTensor, ref: Any) -> None:
-    """Point a LazyTensor at a value; a pending value learns it has a live holder."""
-    lazy._ref = ref
+    """Point a LazyTensor at a value; a pending value learns it has a live holder (Note
+    [bindings])."""
+    cell = lazy.__dict__["_b"] = Binding(ref)
     if isinstance(ref, Pending):
-        ref.node.holders[ref.index].append(weakref.ref(lazy))
+        ref.node.holders[ref.index].append(weakref.ref(cell))
 
 
 def resolved(ref: Any) -> Any:
@@ -249,11 +250,11 @@ def flush(
         for i, n in enumerate(sent):
             for k in range(n.nout):
                 alive = [
-                    lz
+                    cell
                     for w in n.holders[k]
-                    if (lz := w()) is not None
-                    and isinstance(lz._ref, Pending)
-                    and lz._ref.node is n
+                    if (cell := w()) is not None
+                    and isinstance(cell.ref, Pending)
+                    and cell.ref.node is n
                 ]
                 if alive:
                     keep_refs.append({"$v": i, "i": k} if n.multi else {"$v": i})
@@ -311,8 +312,8 @@ def _ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) ->
     for (n, k, alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:
             n.results[k] = remote
-            for lz in alive:
-                lz._ref = remote
+            for cell in alive:
+                cell.ref = remote
 
 
 # -- Note [asynchronous flushes] ------------------------------------------------------------

@@ -1,8 +1,12 @@
 """Note [tied parameters] (djinn/frontend/ties.py): a parameter shared by two modules stays
 one parameter through ``model.to(remote)``, as it does through ``model.to("cuda")``, so a
-tied model trains with local eager's numbers (it was two parameters that trained apart)."""
+tied model trains with local eager's numbers (it was two parameters that trained apart).
+A move that swaps the parameter keeps the tie by itself; one that makes new ``Parameter``
+objects (back to the CPU, or a parameter something else holds) keeps it by recording."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -135,25 +139,42 @@ def test_moved_back_to_the_cpu_a_shared_parameter_stays_one(remote):
     assert model.mid.alias is model.mid.bias
 
 
-def test_a_parameter_written_since_its_move_is_moved_again_not_tied(remote):
+def test_a_parameter_written_after_its_move_is_written_where_it_moved(remote):
     a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
     shared = a.weight
-    a.to(R)  # a's slot holds the remote copy; `shared` is still the CPU parameter
+    want = shared.detach() + 1.0
+    a.to(R)  # as on CUDA: `shared` is a's parameter, moved
+    with torch.no_grad():
+        shared.add_(1.0)
+    b.weight = shared
+    b.to(R)
+    assert b.weight is a.weight is shared
+    assert torch.equal(b.weight.cpu(), want)
+
+
+def test_a_parameter_written_since_a_move_made_a_new_one_is_moved_again_not_tied(remote):
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    shared = a.weight
+    held = weakref.ref(shared)  # a weak reference: the move cannot swap it
+    with pytest.warns(RuntimeWarning, match="new Parameter"):
+        a.to(R)  # a's slot holds a new remote Parameter; `shared` is still on the CPU
     with torch.no_grad():
         shared.add_(1.0)  # written on the CPU since: the remote copy no longer stands for it
     b.weight = shared
-    b.to(R)
-    assert b.weight is not a.weight
+    with pytest.warns(RuntimeWarning, match="new Parameter"):
+        b.to(R)
+    assert b.weight is not a.weight and held() is shared
     assert torch.equal(b.weight.cpu(), shared.detach())
 
 
-def test_a_move_keeps_no_cpu_parameter_alive(remote):
+def test_a_move_that_makes_new_parameters_keeps_no_cpu_parameter_alive(remote):
     import gc
-    import weakref
 
     model = Tied()
-    refs = [weakref.ref(p) for p in model.parameters()]
-    model.to(R)
+    refs = [weakref.ref(p) for p in model.parameters()]  # so the move cannot swap them
+    with pytest.warns(RuntimeWarning, match="new Parameter"):
+        model.to(R)
+    assert model.head.weight is model.enc.weight  # the recorded tie
     gc.collect()
     assert all(r() is None for r in refs)
 
@@ -162,7 +183,10 @@ def test_a_parameter_given_new_data_since_its_move_is_moved_again(remote):
     """``.data =`` replaces the bytes without counting a version (found by review)."""
     enc, head = torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False)
     head.weight = enc.weight
-    enc.to(R)
+    held = weakref.ref(enc.weight)  # the move makes a new Parameter: head's is still local
+    with pytest.warns(RuntimeWarning, match="new Parameter"):
+        enc.to(R)
+    assert held() is head.weight and head.weight.device.type == "cpu"
     head.weight.data = torch.full((3, 3), 7.0)
     head.to(R)
     assert torch.equal(head.weight.cpu(), torch.full((3, 3), 7.0))

@@ -1,0 +1,105 @@
+"""Note [parameters keep their identity] (djinn/frontend/ties.py): ``model.to(remote)``
+keeps every ``Parameter`` object, as ``model.to("cuda")`` does, so whatever held one
+before the move (an optimizer built first, a hook's closure, a second module) holds the
+moved parameter. An optimizer built before the move stepped the CPU tensors: training
+changed nothing, silently."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import pytest
+import torch
+
+R = "remote_accelerator:0"
+
+OPTIMIZERS = {
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=0.05, foreach=True),
+    "adam_for_loop": lambda ps: torch.optim.Adam(ps, lr=0.05, foreach=False),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adamw_two_groups": lambda ps: torch.optim.AdamW(
+        [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=0.05
+    ),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _train_with_optimizer_built_first(device: str, make_opt) -> list[torch.Tensor]:
+    model = _model()
+    opt = make_opt(list(model.parameters()))  # before the move: holds the objects it had
+    model.to(device)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1)).to(device)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_an_optimizer_built_before_the_move_trains_as_local_eager(remote, name):
+    got = _train_with_optimizer_built_first(R, OPTIMIZERS[name])
+    want = _train_with_optimizer_built_first("cpu", OPTIMIZERS[name])
+    assert any(not torch.equal(w, _model_params_before()[i]) for i, w in enumerate(want))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def _model_params_before() -> list[torch.Tensor]:
+    return [p.detach().clone() for p in _model().parameters()]
+
+
+def test_a_move_keeps_each_parameter_and_gradient_object(remote):
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    before = [(p, p.grad, p.detach().clone()) for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing holds them: no fallback, no warning
+        model.to(R)
+    for (param, grad, value), now in zip(before, model.parameters(), strict=True):
+        assert now is param and now.grad is grad
+        assert isinstance(now, torch.nn.Parameter) and now.device.type == R.split(":")[0]
+        assert torch.equal(now.cpu(), value) and torch.equal(
+            grad.cpu(), torch.full_like(value, 0.5)
+        )
+
+
+def test_a_parameter_an_autograd_graph_saved_moves_as_a_new_parameter_with_a_warning(remote):
+    """A convolution's graph holds its weight: ``swap_tensors`` refuses such a tensor, so
+    the move falls back to a new ``Parameter``, and says so (on CUDA the object is kept)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(2, 3, 3)
+    held = conv.weight
+    out = conv(torch.randn(1, 2, 5, 5))  # the graph saved the weight
+    with pytest.warns(RuntimeWarning, match=r"Conv2d\.weight moves .* as a new Parameter"):
+        conv.to(R)
+    assert conv.weight is not held and held.device.type == "cpu"
+    assert conv.bias.device.type == R.split(":")[0]  # the bias was not saved: swapped
+    assert torch.equal(conv.weight.cpu(), held.detach())
+    del out
+
+
+def test_a_parameter_held_by_a_weak_reference_moves_as_a_new_parameter(remote):
+    lin = torch.nn.Linear(3, 3)
+    ref = weakref.ref(lin.weight)
+    with pytest.warns(RuntimeWarning, match="new Parameter"):
+        lin.to(R)
+    assert ref() is not lin.weight and lin.weight.device.type == R.split(":")[0]
+
+
+def test_torch_compile_still_runs_a_remote_model_eagerly(remote):
+    """The traceable-subclass protocol is shown to ``Module._apply`` only: dynamo does not
+    try to trace a remote tensor's inside (it has none), and runs the model as before."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).to(R)
+    x = torch.randn(2, 4).to(R)
+    compiled = torch.compile(lin)
+    assert torch.equal(compiled(x).cpu(), lin(x).cpu())
