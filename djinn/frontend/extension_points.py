@@ -51,7 +51,16 @@ from typing import Any
 
 import torch
 
-from . import attention, autocast, device_module, factories, hooks, pinned, serialization
+from . import (
+    attention,
+    autocast,
+    device_module,
+    factories,
+    hooks,
+    pinned,
+    recurrent,
+    serialization,
+)
 from .device import DEVICE_TYPE
 
 _lock = threading.RLock()
@@ -119,6 +128,8 @@ def _attach_kernels() -> list[torch.library.Library]:
         attention.scaled_dot_product_attention,
         "AutogradPrivateUse1",
     )
+    for name, kernel in recurrent.KERNELS.items():  # Note [recurrent layers]
+        lib.impl(name, kernel, "AutogradPrivateUse1")
     libraries.append(lib)
     # autocast: every op falls through, the listed ones get CUDA's casts. A Python
     # *fallback* on this key makes PyTorch assert (func != nullptr, python_dispatch.cpp).
