@@ -233,40 +233,33 @@ def _run(
     return out, finals
 
 
-def _one_hidden(cell: Callable) -> tuple[Callable, Callable]:
+def _ops(cell: Callable) -> tuple[Callable, Callable]:
+    """The op over a padded sequence (``.input``) and over a packed one (``.data``)."""
+    lstm = cell is _lstm
+
+    def states(hx: Any) -> Sequence[Tensor]:
+        if lstm:
+            _two_hidden_states(hx, "lstm")
+        return hx if lstm else [hx]
+
+    def finish(out: Tensor, finals: list[Hidden]) -> tuple[Tensor, ...]:
+        if lstm:
+            return out, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
+        return out, torch.stack(finals)
+
     def padded(x, hx, flat, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-        out, finals = _run(
-            cell, x, [hx], flat, has_biases, num_layers, dropout, train, bidirectional,
+        return finish(*_run(
+            cell, x, states(hx), flat, has_biases, num_layers, dropout, train, bidirectional,
             batch_first, None,
-        )  # fmt: skip
-        return out, torch.stack(finals, 0)
+        ))  # fmt: skip
 
     def packed(data, sizes, hx, flat, has_biases, num_layers, dropout, train, bidirectional):
-        out, finals = _run(
-            cell, data, [hx], flat, has_biases, num_layers, dropout, train, bidirectional,
+        return finish(*_run(
+            cell, data, states(hx), flat, has_biases, num_layers, dropout, train, bidirectional,
             False, sizes,
-        )  # fmt: skip
-        return out, torch.stack(finals, 0)
+        ))  # fmt: skip
 
     return padded, packed
-
-
-def _lstm_padded(x, hx, flat, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    _two_hidden_states(hx, "lstm")
-    out, finals = _run(
-        _lstm, x, hx, flat, has_biases, num_layers, dropout, train, bidirectional,
-        batch_first, None,
-    )  # fmt: skip
-    return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
-
-
-def _lstm_packed(data, sizes, hx, flat, has_biases, num_layers, dropout, train, bidirectional):
-    _two_hidden_states(hx, "lstm")
-    out, finals = _run(
-        _lstm, data, hx, flat, has_biases, num_layers, dropout, train, bidirectional,
-        False, sizes,
-    )  # fmt: skip
-    return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
 
 
 def _two_hidden_states(hx: Sequence[Tensor], op: str) -> None:
@@ -302,9 +295,10 @@ def _gru_cell(x, hx, w_ih, w_hh, b_ih=None, b_hh=None):
     return _gru(x, hx, _Params((w_ih, w_hh, b_ih, b_hh), True, False), False)
 
 
-_rnn_tanh, _rnn_tanh_packed = _one_hidden(_simple(torch.tanh))
-_rnn_relu, _rnn_relu_packed = _one_hidden(_simple(torch.relu))
-_gru_padded, _gru_packed = _one_hidden(_gru)
+_rnn_tanh, _rnn_tanh_packed = _ops(_simple(torch.tanh))
+_rnn_relu, _rnn_relu_packed = _ops(_simple(torch.relu))
+_gru_padded, _gru_packed = _ops(_gru)
+_lstm_padded, _lstm_packed = _ops(_lstm)
 
 KERNELS: dict[str, Callable] = {
     "lstm.input": _lstm_padded,
