@@ -470,7 +470,10 @@ def _failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any
             return type(x)(meta(v) for v in x)
         return x
 
-    out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in kwargs.items()})
+    try:
+        out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:  # no meta kernel, or one that refuses what the failure left behind
+        out = _likely_outputs(func, args, kwargs)
 
     def wrap(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -480,6 +483,34 @@ def _failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any
         return x
 
     return wrap(out)
+
+
+def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Outputs for an op that failed inside backward and that meta inference cannot shape
+    either (Note [errors in backward]: nothing may leave ``__torch_dispatch__`` there): a
+    write's target for an aliased return; otherwise the op's ``self`` or ``input`` (a
+    backward op's gradient has the shape of its forward's input), else its first tensor.
+    Autograd checks the shapes it gets against the forward's, and raises if one is off."""
+    schema = func._schema
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    by_alias = {
+        frozenset(a.alias_info.before_set): named.get(a.name)
+        for a in schema.arguments
+        if a.alias_info is not None
+    }
+    tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
+    likely = next(
+        (named[n] for n in ("self", "input") if isinstance(named.get(n), torch.Tensor)),
+        tensors[0] if tensors else None,
+    )
+    outs = []
+    for r in schema.returns:
+        alias = r.alias_info
+        source = by_alias.get(frozenset(alias.before_set)) if alias is not None else likely
+        if not isinstance(source, torch.Tensor):
+            raise RuntimeError(f"{schema.name}: no output to stand for its failure")
+        outs.append(meta_mod.meta_tensor(*_spec_tuple(source)))
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _spec_tuple(t: torch.Tensor) -> tuple:

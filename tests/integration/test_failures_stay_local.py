@@ -207,6 +207,19 @@ def test_an_error_inside_backward_is_a_python_exception(remote):
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 
+def test_a_failure_in_backward_that_meta_cannot_shape_is_a_python_exception(remote):
+    """``affine_grid``'s backward writes ``unsqueeze_`` (refused: a remote tensor's sizes
+    are fixed), so the ``copy_`` after it has operands meta inference refuses: shaping that
+    failure raised inside backward and aborted the process (found by a module sweep)."""
+    import torch.nn.functional as F
+
+    theta = torch.randn(2, 2, 3, device=R, requires_grad=True)
+    F.affine_grid(theta, (2, 3, 5, 6), align_corners=False).sum().backward()
+    with pytest.raises(DjinnError):
+        theta.grad.cpu()
+    assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
+
+
 def test_unread_gradients_do_not_leak_handles(remote):
     """Issue 15 §7: backward() without a step, gradients dropped unread, in a loop."""
     from djinn.frontend.session import default_session
