@@ -138,6 +138,9 @@ def bind(op: Any, args: list[Any], kwargs: dict[str, Any], device: torch.device)
     return named
 
 
+_POOL_BACKWARD = re.compile(r"aten::(max|avg)_pool[23]d(_with_indices)?_backward\b")
+
+
 def _check(op_name: str, p: Param, value: Any, device: torch.device) -> None:
     where = f"{op_name}: argument {p.name!r}"
     if value is None and (p.optional or p.list_optional):
@@ -159,9 +162,12 @@ def _check(op_name: str, p: Param, value: Any, device: torch.device) -> None:
         raise InvalidArgument(f"{where}: {len(value)} items, at most {cap}")
     if p.size is not None and len(value) != p.size:
         # int[2] as [k] means (k, k), which the kernels expand; [] only where the schema's
-        # own default is [] (max_pool2d's stride: "same as kernel_size"). Anything else
-        # would have a kernel index past the end of the list.
-        ok = p.base != "bool" and (len(value) == 1 or (not value and p.default == []))
+        # own default is [] (max_pool2d's stride: "same as kernel_size"), and for the
+        # stride of a pooling op's backward, which autograd hands the forward's [] as it
+        # was given (F.max_pool2d(x, 2)), and whose kernels read [] the same way. Anything
+        # else would have a kernel index past the end of the list.
+        empty_ok = p.default == [] or (p.name == "stride" and _POOL_BACKWARD.match(op_name))
+        ok = p.base != "bool" and (len(value) == 1 or (not value and bool(empty_ok)))
         if not ok:
             raise InvalidArgument(f"{where} must have {p.size} items, got {len(value)}")
     for item in value:

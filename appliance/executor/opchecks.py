@@ -29,8 +29,19 @@ def _per_channel(op: str, a: dict[str, Any]) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise InvalidArgument(f"{op}: input must be a tensor of at least 2 dimensions")
     channels = x.shape[1]
-    for name in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd"):
+    train = a.get("train", a.get("training", a.get("update")))
+    if train is False and not all(
+        isinstance(a.get(n), torch.Tensor) for n in ("running_mean", "running_var")
+    ):
+        # evaluation reads the running statistics through their data pointers
+        raise InvalidArgument(f"{op}: running_mean and running_var are needed in evaluation")
+    for name in (
+        "weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd", "save_var",
+    ):  # fmt: skip
         t = a.get(name)
+        empty = isinstance(t, torch.Tensor) and t.numel() == 0
+        if train is False and name.startswith("save_") and empty:
+            continue  # autograd's empty statistics of an evaluation: never read
         if isinstance(t, torch.Tensor) and (t.dim() != 1 or t.numel() != channels):
             raise InvalidArgument(
                 f"{op}: {name} must be 1-D with one value per channel ({channels}), "

@@ -128,3 +128,31 @@ def test_training_loop_matches_local(optimizer):
     for p_l, p_r in zip(local.parameters(), remote.parameters(), strict=True):
         assert _max_diff(p_r, p_l) <= TOL
     assert isinstance(remote[0].weight.grad, torch.Tensor)
+
+
+def _gradients_both_ways(run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    local = run("cpu")
+    torch.manual_seed(0)
+    return list(zip(run(R), local, strict=True))
+
+
+def test_a_frozen_batch_norm_and_functional_pooling_backpropagate_as_local_eager():
+    """Fine-tuning with batch norm in eval mode, and ``F.max_pool2d(x, 2)`` (the stride
+    left out), were refused by the appliance's argument checks in backward (found by a
+    module sweep): eval's saved statistics are empty, an omitted stride is ``[]``."""
+    import torch.nn.functional as F
+
+    def run(device: str) -> list[torch.Tensor]:
+        bn = torch.nn.BatchNorm2d(3).to(device)
+        bn(torch.randn(4, 3, 6, 6).to(device))  # running statistics
+        bn.eval()
+        x = torch.randn(2, 3, 6, 6).to(device).requires_grad_()
+        y = bn(x)
+        loss = F.max_pool2d(y, 2).sum() + F.avg_pool2d(y, 3).pow(2).sum()
+        loss = loss + F.max_pool3d(y.unsqueeze(0), 2).sum() + F.avg_pool1d(y[0], 2).sum()
+        loss.backward()
+        return [x.grad, bn.weight.grad, bn.bias.grad]
+
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)

@@ -121,6 +121,26 @@ CASES += [
         "UNSUPPORTED_OP",
     ),
 ]
+# batch norm's backward reads the saved statistics in training and the running ones in
+# evaluation, each through its data pointer (eval's empty saved statistics are allowed)
+B, BG, ONE, EMPTY = torch.randn(2, 3, 4), torch.ones(2, 3, 4), torch.ones(3), torch.ones(0)
+MASK = [True, True, True]
+CASES += [
+    (
+        "batch norm backward in training, empty saved statistics",
+        "aten::native_batch_norm_backward.default",
+        [_t(0, BG), _t(1, B), None, None, None, _t(2, EMPTY), _t(3, EMPTY), True, 1e-5, MASK],
+        [BG, B, EMPTY, EMPTY],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "batch norm backward in evaluation, no running statistics",
+        "aten::native_batch_norm_backward.default",
+        [_t(0, BG), _t(1, B), None, None, None, _t(2, EMPTY), _t(3, EMPTY), False, 1e-5, MASK],
+        [BG, B, EMPTY, EMPTY],
+        "INVALID_ARGUMENT",
+    ),
+]
 CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuzz)
     (
         "16 GiB randperm, device None",
@@ -200,3 +220,35 @@ def test_a_stride_0_rrelu_noise_is_refused_and_spares_the_bystander(fresh_applia
                     s.execute(nodes, fetch=[{"$v": 1}], inline=[x, one])
                 assert err.value.code == "INVALID_ARGUMENT"
         assert torch.equal(held.cpu(), torch.arange(10.0))
+
+
+def test_backward_calls_as_autograd_makes_them_are_accepted(fresh_appliance):
+    """Refused once by these checks (found by a module sweep): evaluation-mode batch norm's
+    backward gets empty saved statistics (frozen-BN fine-tuning), and a pooling backward
+    gets the forward's omitted stride, ``[]`` (``F.max_pool2d(x, 2)``)."""
+    indices = torch.zeros_like(I2)
+    calls = [
+        (
+            torch.ops.aten.native_batch_norm_backward.default,
+            [BG, B, ONE, ONE, ONE, EMPTY, EMPTY, False, 1e-5, MASK],
+        ),
+        (
+            torch.ops.aten.max_pool2d_with_indices_backward.default,
+            [G2, P2, [2, 2], [], [0, 0], [1, 1], False, indices],
+        ),
+    ]
+    app = fresh_appliance(cpu_workers=1)
+    with app.connect("unix") as client, client.session() as s:
+        for op, args in calls:
+            inline, wire = [], []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    inline.append(a)
+                    a = _t(len(inline) - 1, a)
+                wire.append(a)
+            name = f"{op._schema.name}.{op._overloadname}"
+            nodes = [{"op": name, "args": wire}]
+            ref = {"$v": 0, "i": 0} if len(op._schema.returns) > 1 else {"$v": 0}
+            _, fetched = s.execute(nodes, fetch=[ref], inline=inline)
+            want = op(*args)
+            assert torch.equal(fetched[0], want[0] if isinstance(want, tuple) else want)
