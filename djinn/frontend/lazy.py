@@ -324,7 +324,23 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
         return SPECIAL_TO_CPU.get(func, run_locally)(func, args, kwargs)
+    if written_args(func):
+        _refuse_local_targets(func, args, kwargs)
     return capture(func, args, kwargs)
+
+
+def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
+    """An op writing into a local tensor with a remote operand (``cpu.add_(remote)``, an
+    optimizer state left on the CPU while its parameters moved) raises, in eager's words,
+    as on CUDA: captured, it wrote into a remote copy, and the local tensor silently kept
+    its old value. (A local target taking a remote value whole, ``copy_``, is a special
+    op: the value is fetched.)"""
+    for target in written_values(func, args, kwargs):
+        if isinstance(target, torch.Tensor) and not isinstance(target, LazyTensor):
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, {_remote()} and {target.device}!"
+            )
 
 
 def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:

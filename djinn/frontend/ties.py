@@ -44,6 +44,7 @@ too. Not covered (the program ties again itself, as transformers' ``tie_weights`
 
 from __future__ import annotations
 
+import copyreg
 import os
 import sys
 import warnings
@@ -59,11 +60,15 @@ from .device import DEVICE_TYPE
 _APPLY = torch.nn.Module._apply.__code__
 _PROTOCOL_CHECKS = _python_dispatch.__file__  # is_traceable_wrapper_subclass and its helper
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+_MOVES = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "_apply"}
 # a parameter converted in a module's move, weakly -> (the Parameter its slot received;
-# what the parameter's writes move, when it was converted: _written). The Parameter is
-# held strongly: a weak reference to it would keep a later move from swapping it. It is
-# the module's parameter anyway, and the entry goes with the old parameter.
+# what the parameter's writes move, when it was converted: _written). A remote Parameter
+# is held weakly. A local one (a move back to the CPU) strongly: a weak reference to it
+# would keep a later move from swapping it. Its entry goes when that swap makes it
+# remote (_forget), else it would keep a remote copy alive for as long as the old
+# parameter lives (an optimizer holds it), one more with every round trip.
 _moved: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_recorded_for: dict[int, weakref.ref] = {}  # id of a local Parameter in _moved -> its key
 
 
 class SeenByApply:
@@ -84,6 +89,7 @@ class SeenByApply:
                 f_locals = frame.f_locals
                 param = f_locals.get("param")
                 if swaps(param):
+                    _forget(param)
                     # the kernel set up a new Parameter's ties: the swap keeps them itself
                     params = f_locals["self"]._parameters
                     if isinstance(params, _OneStore):
@@ -106,8 +112,8 @@ def swaps(param: Any) -> bool:
     """Whether ``Module._apply`` moving ``param`` onto the remote device swaps it into the
     converted tensor, keeping the object: a local parameter that ``swap_tensors`` accepts
     (the same checks, made first), gradient included."""
-    if not _is_local(param):
-        return False
+    if not _is_local(param) or copyreg._slotnames(type(param)):  # type: ignore[attr-defined]
+        return False  # swap_tensors swaps only between classes with the same slots
     grad = param.grad
     # the parameter holds its gradient (a second use), and lets go of it before the swap
     return _swappable(param) and (grad is None or _swappable(grad, uses_by_others=1))
@@ -121,7 +127,8 @@ def _warn_new_parameter(module: torch.nn.Module, key: str | None) -> None:
     warnings.warn(
         f"djinn: {type(module).__name__}.{key} moves to the remote device as a new Parameter "
         "object, not in place: something else still holds the local one (a weak reference, "
-        "or an autograd graph that saved it). An optimizer built before this move keeps "
+        "or an autograd graph that saved it), or its class has __slots__. An optimizer "
+        "built before this move keeps "
         "the local parameter and will not train the moved one: build it after the move, "
         "or free what holds the parameter first (Note [parameters keep their identity]).",
         RuntimeWarning,
@@ -133,7 +140,13 @@ def _callers_level() -> int:
     """The ``stacklevel`` that names the program's line (``model.to(...)``), however deep
     the module tree made ``_apply``'s recursion."""
     level, frame = 2, sys._getframe(2)  # level 1: the function that warns
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_LIBRARIES)
+        or (  # a library's own override of a move (transformers' PreTrainedModel.to)
+            frame.f_code.co_name in _MOVES
+            and isinstance(frame.f_locals.get("self"), torch.nn.Module)
+        )
+    ):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -185,7 +198,7 @@ class _OneStore(dict):
         if self.tied is not None:
             value = self.tied
         elif isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
-            _moved[self.src] = (value, self.version)
+            _record(self.src, value, self.version)
         plain = dict(self)
         plain[key] = value
         self.slot.module.__dict__["_parameters"] = plain
@@ -216,19 +229,42 @@ def slot(x: torch.Tensor) -> Slot | None:
     return None
 
 
+def _record(src: torch.Tensor, param: torch.Tensor, version: tuple[int, int]) -> None:
+    if _is_local(param):
+        key = id(param)
+        _recorded_for[key] = weakref.ref(src, lambda _: _recorded_for.pop(key, None))
+        _moved[src] = (param, version)
+    else:
+        _moved[src] = (weakref.ref(param), version)
+
+
+def _forget(param: torch.Tensor) -> None:
+    """``param``, a local Parameter recorded as another's move, is about to be swapped:
+    it no longer stands for that one."""
+    ref = _recorded_for.pop(id(param), None)
+    src = ref() if ref is not None else None
+    hit = _moved.get(src) if src is not None else None
+    if hit is not None and hit[0] is param:
+        del _moved[src]
+
+
 def _recorded(src: torch.Tensor) -> bool:
     """Whether a move made ``src`` a new Parameter before, which still stands for it."""
+    return _standing(src) is not None
+
+
+def _standing(src: torch.Tensor) -> torch.Tensor | None:
+    """The Parameter a move made of ``src``, if it is alive and ``src`` not written since."""
     hit = _moved.get(src)
-    return hit is not None and hit[1] == _written(src)
+    if hit is None or hit[1] != _written(src):
+        return None
+    return hit[0]() if isinstance(hit[0], weakref.ref) else hit[0]
 
 
 def _tied(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """The parameter ``src`` became in an earlier conversion, if it still stands for it."""
-    hit = _moved.get(src)
-    if hit is None:
-        return None
-    param = hit[0]
-    if hit[1] != _written(src):
+    param = _standing(src)
+    if param is None:
         return None
     if param.device != device or param.dtype != dtype or param.shape != src.shape:
         return None

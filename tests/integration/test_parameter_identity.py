@@ -6,6 +6,7 @@ changed nothing, silently."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -103,3 +104,77 @@ def test_torch_compile_still_runs_a_remote_model_eagerly(remote):
     x = torch.randn(2, 4).to(R)
     compiled = torch.compile(lin)
     assert torch.equal(compiled(x).cpu(), lin(x).cpu())
+
+
+def test_round_trips_to_the_cpu_keep_one_remote_copy_while_an_optimizer_holds_the_first(remote):
+    """The record of a move back to the CPU held the new local Parameter, which the next
+    move made remote in place: each round trip kept one more remote copy (found by
+    review). A move back makes new Parameters (documented), so the optimizer's first
+    ones stay alive with the model's current ones: two copies, not one per trip."""
+    from djinn.frontend.session import default_session
+
+    session = default_session()
+    base = session.memory_allocated()
+    lin = torch.nn.Linear(512, 512, bias=False)  # 1 MiB
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)  # holds the first Parameter
+    lin.to(R)
+    held = []
+    for _ in range(4):
+        lin.cpu()
+        lin.to(R)
+        lin.weight.sum().item()  # the moves land
+        held.append(session.memory_allocated() - base)
+    assert held == [held[0]] * 4 and held[0] <= 2 * (1 << 20) + 4096, held
+    del opt
+
+
+def test_a_local_tensor_written_with_a_remote_operand_raises_as_on_cuda(remote):
+    """``cpu.add_(remote)`` wrote into a remote copy and left the local tensor as it was:
+    an optimizer whose state was built on the CPU (Adagrad builds it at once; a state
+    loaded before the move) stepped garbage, silently (found by review)."""
+    state = torch.zeros(3)
+    g = torch.full((3,), 2.0).to(R)
+    for write in (lambda: state.add_(g), lambda: state.addcmul_(g, g, value=1.0)):
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            write()
+    assert state.tolist() == [0.0, 0.0, 0.0]
+    model = _model()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)  # its state is on the CPU
+    model.to(R)
+    model(torch.randn(2, 6).to(R)).sum().backward()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        opt.step()
+
+
+class _Slotted(torch.nn.Parameter):
+    __slots__ = ("tag",)
+
+
+class _Wrapper(torch.nn.Module):
+    """A library's own ``to`` over a module's (as transformers' ``PreTrainedModel``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def to(self, *args, **kwargs):
+        return super().to(*args, **kwargs)
+
+
+def test_a_parameter_class_with_slots_moves_as_a_new_parameter_with_a_warning(remote):
+    lin = torch.nn.Linear(3, 3)
+    lin.weight = _Slotted(lin.weight.detach())
+    with pytest.warns(RuntimeWarning, match="__slots__") as caught:
+        lin.to(R)
+    assert caught[0].filename == __file__  # names this line, not torch's or djinn's
+    assert lin.weight.device.type == R.split(":")[0]
+
+
+def test_the_fallback_warning_names_the_programs_line_past_a_librarys_own_to(remote):
+    wrapper = _Wrapper()
+    keep = weakref.ref(wrapper.lin.weight)  # so the move cannot swap it
+    with pytest.warns(RuntimeWarning, match="new Parameter") as caught:
+        wrapper.to(R)
+    line = sys._getframe().f_lineno - 1
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    del keep
