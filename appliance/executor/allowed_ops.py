@@ -8,7 +8,9 @@ then; sparse ops left out. ``oppolicy`` adds the families computed from this lis
 op, the in-place form ``op_`` of an allowed ``op``). An op joins the list only together
 with a run of the op fuzz (tests/security/test_op_fuzz.py), which exercises every op
 allowed here. The samplers behind ``torch.distributions`` (gamma, Dirichlet, binomial)
-and their argument validation (``_is_all_true``) joined with a 300-second run.
+and their argument validation (``_is_all_true``) joined with a 300-second run; the
+backwards of the ``*_forward`` ops autograd sends (``log_sigmoid``, ``nll_loss2d``,
+``_pdist``) with checks of what their kernels index by (``opchecks``).
 """
 
 RECORDED = frozenset(
@@ -38,6 +40,7 @@ RECORDED = frozenset(
         "aten::_log_softmax_backward_data.default",
         "aten::_native_batch_norm_legit.default",
         "aten::_pdist_forward.default",
+        "aten::_pdist_backward.default",
         "aten::_prelu_kernel.default",
         "aten::_safe_softmax.default",
         "aten::_sample_dirichlet.default",
@@ -284,6 +287,7 @@ RECORDED = frozenset(
         "aten::log2.default",
         "aten::log_normal_.default",
         "aten::log_sigmoid_forward.default",
+        "aten::log_sigmoid_backward.default",
         "aten::logaddexp.default",
         "aten::logaddexp2.default",
         "aten::logcumsumexp.default",
@@ -355,6 +359,7 @@ RECORDED = frozenset(
         "aten::new_zeros.default",
         "aten::nextafter.default",
         "aten::nll_loss2d_forward.default",
+        "aten::nll_loss2d_backward.default",
         "aten::nll_loss_backward.default",
         "aten::nll_loss_forward.default",
         "aten::nonzero.default",

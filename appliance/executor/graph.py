@@ -29,6 +29,7 @@ from djinn.errors import (
     ResourceExhausted,
     UnsupportedOp,
 )
+from djinn.protocol import norm_stats
 from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
 from djinn.protocol.values import decode_constant, inline_tensor
 
@@ -179,6 +180,8 @@ class GraphRun:
             out = op(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
             raise ExecutionError(f"{name} (node {i}): {exc}") from None
+        if self.device.type == "cpu" and op in norm_stats.OPS:
+            meta = _cpu_statistics(op, args, kwargs, meta)
         out = _like_meta(out, meta)
         oppolicy.check_bounds(out, name)
         self.values[i] = out
@@ -338,6 +341,18 @@ class GraphRun:
         if found:
             return value
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
+
+
+def _cpu_statistics(op: Any, args: list[Any], kwargs: dict[str, Any], meta: Any) -> Any:
+    """Note [statistics dtypes] (djinn/protocol/norm_stats.py): a half-precision
+    normalization's saved statistics keep the CPU kernel's dtype, as the client was told."""
+    dtype = norm_stats.cpu_dtype(op, args, kwargs)
+    if dtype is None or not isinstance(meta, (tuple, list)):
+        return meta
+    return tuple(
+        torch.empty_like(m, dtype=dtype) if i in norm_stats.STATISTICS else m
+        for i, m in enumerate(meta)
+    )
 
 
 def _like_meta(out: Any, meta: Any) -> Any:

@@ -93,6 +93,28 @@ def _pdist(op: str, a: dict[str, Any]) -> None:
     p = a.get("p", 2)
     if not (isinstance(p, (int, float)) and 0 <= p < float("inf")):
         raise InvalidArgument(f"{op}: p must be a non-negative finite number")
+    # the backward reads one gradient and one distance per pair of rows, by pointer
+    pairs = x.shape[0] * (x.shape[0] - 1) // 2
+    for name in ("grad", "pdist"):
+        t = a.get(name)
+        if name in a and not (isinstance(t, torch.Tensor) and tuple(t.shape) == (pairs,)):
+            raise InvalidArgument(f"{op}: {name} must hold one value per pair of rows")
+
+
+def _class_targets(op: str, a: dict[str, Any]) -> None:
+    """Without reduction, nll_loss's backward writes ``grad_input[i][target[i]]`` (and
+    reads ``weight[target[i]]``) with no bounds check: a target past the classes was a
+    write outside the gradient (SIGSEGV). Every target but ``ignore_index`` must name a
+    class, as the forward kernels check."""
+    x, target = a.get("self"), a.get("target")
+    if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or x.dim() < 1:
+        return  # the schema checks and the meta kernel refuse these
+    if target.dtype not in (torch.int64, torch.uint8):
+        raise InvalidArgument(f"{op}: target must be int64 (or uint8)")
+    classes = x.shape[1] if "2d" in op or x.dim() > 2 else x.shape[-1]
+    named = target[target != a.get("ignore_index", -100)]
+    if named.numel() and (int(named.min()) < 0 or int(named.max()) >= classes):
+        raise InvalidArgument(f"{op}: a target is out of bounds for {classes} classes")
 
 
 def _flash_cpu(op: str, a: dict[str, Any]) -> None:
@@ -213,6 +235,10 @@ CHECKS: dict[str, Check] = {
     },
     "aten::_scaled_dot_product_flash_attention_for_cpu": _flash_cpu,
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _flash_cpu_backward,
+    "aten::nll_loss_forward": _class_targets,
+    "aten::nll_loss_backward": _class_targets,
+    "aten::nll_loss2d_forward": _class_targets,
+    "aten::nll_loss2d_backward": _class_targets,
     "aten::_pdist_forward": _pdist,
     "aten::_pdist_backward": _pdist,
     "aten::_native_batch_norm_legit": _per_channel,

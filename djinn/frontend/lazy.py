@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from djinn.errors import UnsupportedOp
+from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
 from . import failures, hooks, seeded, ties, uncaptured
@@ -408,6 +409,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
             rng = seeded.advance_local_generator(func, args, kwargs, fetch)
         return _run_now(func, trace, ref_args, ref_kwargs, rng)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
+    if func in norm_stats.OPS:
+        spec = _cpu_statistics(func, spec, args, kwargs)
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
     if not tensor_pos:
@@ -441,6 +444,21 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(spec, TensorSpec):
         return outs[0]
     return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)
+
+
+def _cpu_statistics(func: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
+    """Note [statistics dtypes] (djinn/protocol/norm_stats.py): on a CPU worker, the saved
+    statistics of a half-precision normalization take the CPU kernel's dtype."""
+    from .session import current_device_type
+
+    dtype = norm_stats.cpu_dtype(func, args, kwargs)
+    if dtype is None or current_device_type(start=True) != "cpu":
+        return spec
+    out = list(spec)
+    for i in norm_stats.STATISTICS:
+        s = out[i]
+        out[i] = TensorSpec(dtype, s.shape, s.stride, s.offset, s.alias)
+    return type(spec)(out)
 
 
 _HOST_ARGS: dict[Any, tuple[int, ...]] = {}

@@ -156,3 +156,24 @@ def test_a_frozen_batch_norm_and_functional_pooling_backpropagate_as_local_eager
 
     for got, want in _gradients_both_ways(run):
         assert torch.equal(got.cpu(), want)
+
+
+def test_losses_and_norms_the_appliance_refused_in_backward_train_as_local_eager():
+    """Found by a module sweep: the backwards of ``log_sigmoid``, 2-d ``nll_loss`` (a
+    segmentation's cross entropy) and ``pdist`` were not allowed, and a bfloat16
+    ``LayerNorm`` or ``BatchNorm2d`` saved float32 statistics that its CPU backward
+    refused (Note [statistics dtypes])."""
+    import torch.nn.functional as F
+
+    def run(device: str) -> list[torch.Tensor]:
+        x = torch.randn(2, 4, 3, 3).to(device).requires_grad_()
+        target = torch.randint(0, 4, (2, 3, 3)).to(device)
+        loss = F.cross_entropy(x, target) + F.logsigmoid(x).sum() + F.pdist(x[0, 0]).sum()
+        ln = torch.nn.LayerNorm(3).bfloat16().to(device)
+        bn = torch.nn.BatchNorm2d(4).bfloat16().to(device)
+        h = bn(ln(x.bfloat16()))
+        (loss + h.float().pow(2).sum()).backward()
+        return [x.grad, ln.weight.grad, bn.weight.grad, bn.running_mean]
+
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)

@@ -141,6 +141,33 @@ CASES += [
         "INVALID_ARGUMENT",
     ),
 ]
+# nll_loss's backward without reduction writes grad_input[i][target[i]] unchecked (a
+# SIGSEGV in local PyTorch too); pdist's backward reads a gradient per pair of rows
+N2, T_FAR, T4 = torch.randn(2, 3), torch.tensor([0, 10**9]), torch.full((1, 2, 2), 10**9)
+N4, W1 = torch.randn(1, 3, 2, 2), torch.tensor(1.0)
+CASES += [
+    (
+        "nll loss backward, no reduction, a target past the classes",
+        "aten::nll_loss_backward.default",
+        [_t(0, torch.ones(2)), _t(1, N2), _t(2, T_FAR), None, 0, -100, _t(3, W1)],
+        [torch.ones(2), N2, T_FAR, W1],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "2-d nll loss backward, no reduction, a target past the classes",
+        "aten::nll_loss2d_backward.default",
+        [_t(0, torch.ones(1, 2, 2)), _t(1, N4), _t(2, T4), None, 0, -100, _t(3, W1)],
+        [torch.ones(1, 2, 2), N4, T4, W1],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "pdist backward, a gradient shorter than the pairs",
+        "aten::_pdist_backward.default",
+        [_t(0, torch.ones(1)), _t(1, torch.randn(5, 3)), 2.0, _t(2, torch.ones(1))],
+        [torch.ones(1), torch.randn(5, 3), torch.ones(1)],
+        "INVALID_ARGUMENT",
+    ),
+]
 CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuzz)
     (
         "16 GiB randperm, device None",
