@@ -86,6 +86,58 @@ def _padding(op: str, a: dict[str, Any]) -> None:
             raise InvalidArgument(f"{op}: grad_output must have the padded input's shape {want}")
 
 
+def _ctc(op: str, a: dict[str, Any]) -> None:
+    """The CTC kernels index ``log_probs`` by the targets' values, and the backward reads
+    ``log_alpha`` and ``neg_log_likelihood`` by the forward's shapes, all unchecked: a
+    target past the classes was a SIGSEGV, a short ``log_alpha`` a heap corruption."""
+    lp, targets = a.get("log_probs"), a.get("targets")
+    if not isinstance(lp, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return
+    if lp.dim() != 3:
+        raise InvalidArgument(f"{op}: log_probs must be (time, batch, classes)")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgument(f"{op}: targets must be int32 or int64")
+    classes = lp.shape[2]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= classes):
+        raise InvalidArgument(f"{op}: a target is out of bounds for {classes} classes")
+    if "log_alpha" not in a:
+        return
+    lengths = a.get("target_lengths")
+    lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths or [])
+    batch, time = lp.shape[1], lp.shape[0]
+    longest = max(lengths, default=0)
+    want = {
+        "log_alpha": (batch, time, 2 * longest + 1),
+        "neg_log_likelihood": (batch,),
+        "grad": (batch,),
+    }
+    for name, shape in want.items():
+        t = a.get(name)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise InvalidArgument(f"{op}: {name} must have the forward's shape {list(shape)}")
+
+
+def _segments(op: str, a: dict[str, Any]) -> None:
+    """``segment_reduce`` reads the data between offsets it does not check (only lengths
+    are checked, and nothing with ``unsafe``): offsets past the data read other memory."""
+    data = a.get("data")
+    if a.get("unsafe"):
+        raise InvalidArgument(f"{op}: unsafe=True skips the kernel's checks")
+    offsets = a.get("offsets")
+    if not isinstance(data, torch.Tensor) or not isinstance(offsets, torch.Tensor):
+        return
+    axis = a.get("axis", 0)
+    if not -data.dim() <= axis < max(data.dim(), 1) or offsets.numel() == 0:
+        raise InvalidArgument(f"{op}: axis or offsets out of range")
+    if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() < 1:
+        raise InvalidArgument(f"{op}: offsets must be an integer tensor")
+    size = data.shape[axis]
+    steps = offsets.diff(dim=-1) if offsets.shape[-1] > 1 else offsets.new_zeros(0)
+    falling = steps.numel() and int(steps.min()) < 0
+    if int(offsets.min()) < 0 or int(offsets.max()) > size or falling:
+        raise InvalidArgument(f"{op}: offsets must rise within the data's {size} rows")
+
+
 def _pdist(op: str, a: dict[str, Any]) -> None:
     x = a.get("self")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -235,6 +287,9 @@ CHECKS: dict[str, Check] = {
     },
     "aten::_scaled_dot_product_flash_attention_for_cpu": _flash_cpu,
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _flash_cpu_backward,
+    "aten::_ctc_loss": _ctc,
+    "aten::_ctc_loss_backward": _ctc,
+    "aten::segment_reduce": _segments,
     "aten::nll_loss_forward": _class_targets,
     "aten::nll_loss_backward": _class_targets,
     "aten::nll_loss2d_forward": _class_targets,

@@ -220,6 +220,22 @@ def test_a_failure_in_backward_that_meta_cannot_shape_is_a_python_exception(remo
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 
+def test_an_op_run_at_once_beside_a_failing_op_gets_its_value(remote):
+    """An op that runs at once (no meta kernel, a shape known only from values: nonzero,
+    CTC's backward) flushed a graph in which an unrelated op failed: it ran, but came back
+    as INTERNAL "its value was released before it was read" (found by a module sweep)."""
+    data = torch.arange(6.0, device=R)
+    lengths = torch.tensor([2, 4], device=R)
+    out = torch.segment_reduce(data, "sum", lengths=lengths)
+    ones = torch.ones(2, device=R)
+    refused = torch.ops.aten._segment_reduce_backward(ones, out, data, "sum", lengths=lengths)
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0], device=R)
+    assert torch.nonzero(x).cpu().tolist() == [[1], [3]]
+    with pytest.raises(DjinnError) as err:
+        refused.cpu()
+    assert err.value.code == "UNSUPPORTED_OP"
+
+
 def test_unread_gradients_do_not_leak_handles(remote):
     """Issue 15 §7: backward() without a step, gradients dropped unread, in a loop."""
     from djinn.frontend.session import default_session

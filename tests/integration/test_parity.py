@@ -160,7 +160,8 @@ def test_a_frozen_batch_norm_and_functional_pooling_backpropagate_as_local_eager
 
 def test_losses_and_norms_the_appliance_refused_in_backward_train_as_local_eager():
     """Found by a module sweep: the backwards of ``log_sigmoid``, 2-d ``nll_loss`` (a
-    segmentation's cross entropy) and ``pdist`` were not allowed, and a bfloat16
+    segmentation's cross entropy) and ``pdist`` were not allowed (CTC and segment_reduce
+    are here for the checks that came with them), and a bfloat16
     ``LayerNorm`` or ``BatchNorm2d`` saved float32 statistics that its CPU backward
     refused (Note [statistics dtypes])."""
     import torch.nn.functional as F
@@ -169,6 +170,13 @@ def test_losses_and_norms_the_appliance_refused_in_backward_train_as_local_eager
         x = torch.randn(2, 4, 3, 3).to(device).requires_grad_()
         target = torch.randint(0, 4, (2, 3, 3)).to(device)
         loss = F.cross_entropy(x, target) + F.logsigmoid(x).sum() + F.pdist(x[0, 0]).sum()
+        # CTC and segment_reduce: the arguments their new checks read, as programs give them
+        lp = x.flatten(2).permute(2, 0, 1).log_softmax(2)  # (time 9, batch 2, classes 4)
+        targets = torch.tensor([[1, 2, 3], [3, 1, 0]]).to(device)
+        loss = loss + F.ctc_loss(lp, targets, torch.tensor([9, 7]), torch.tensor([3, 2]))
+        offsets = torch.tensor([0, 2, 9]).to(device)  # (its backward is not allowed)
+        rows = torch.segment_reduce(x[0, 0].detach().flatten(), "sum", offsets=offsets)
+        loss = loss + rows.sum()
         ln = torch.nn.LayerNorm(3).bfloat16().to(device)
         bn = torch.nn.BatchNorm2d(4).bfloat16().to(device)
         h = bn(ln(x.bfloat16()))

@@ -168,6 +168,33 @@ CASES += [
         "INVALID_ARGUMENT",
     ),
 ]
+# CTC indexes log_probs by its targets and reads log_alpha by the forward's shapes;
+# segment_reduce reads between offsets it does not check (each found by reading kernels)
+LP, CT, Z3 = torch.randn(5, 1, 4).log_softmax(2), torch.tensor([[1, 2]]), torch.zeros(1, 1, 1)
+ONE1 = torch.ones(1)
+CASES += [
+    (
+        "ctc loss, a target past the classes",
+        "aten::_ctc_loss.default",
+        [_t(0, LP), _t(1, torch.tensor([[10**9, 2]])), [5], [2], 0, False],
+        [LP, torch.tensor([[10**9, 2]])],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "ctc loss backward, a log_alpha shorter than the forward's",
+        "aten::_ctc_loss_backward.default",
+        [_t(0, ONE1), _t(1, LP), _t(2, CT), [5], [2], _t(3, ONE1), _t(4, Z3), 0, False],
+        [ONE1, LP, CT, ONE1, Z3],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "segment reduce, offsets past the data",
+        "aten::segment_reduce.default",
+        [_t(0, torch.randn(4)), "sum"],
+        [torch.randn(4), torch.tensor([0, 10**6])],
+        "INVALID_ARGUMENT",
+    ),
+]
 CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuzz)
     (
         "16 GiB randperm, device None",
@@ -178,6 +205,7 @@ CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuz
     )
 )
 KWARGS = {
+    "segment reduce, offsets past the data": {"offsets": _t(1, torch.tensor([0, 10**6]))},
     "16 GiB randperm, device None": {"dtype": {"$dtype": "float64"}, "device": None},
     "dtype as a bare enum value": {"dtype": 2147483647},
     "device as a plain string": {"device": "cuda:7"},
