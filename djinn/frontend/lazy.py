@@ -19,7 +19,7 @@ from djinn.errors import UnsupportedOp
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
-from . import failures, hooks, seeded, ties, uncaptured
+from . import backward_errors, failures, hooks, seeded, ties, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -91,12 +91,8 @@ class LazyTensor(torch.Tensor):
         except Exception as exc:
             if torch._C._current_graph_task_id() == -1:
                 raise
-            # Note [errors in backward]: an exception leaving __torch_dispatch__ on the
-            # autograd engine's thread for this backend aborts the process ("terminate
-            # called without an active exception"). Inside backward() the op's outputs
-            # hold the error instead (Note [failed values]): backward() finishes, and
-            # the first read of a gradient raises it as a Python exception.
-            return _failed_outputs(func, args, kwargs or {}, exc)
+            # Note [errors in backward] (backward_errors.py)
+            return backward_errors.failed_outputs(func, args, kwargs or {}, exc, LazyTensor)
 
     # Note [set data]: ``t.data = other`` (and ``Module._apply``: ``model.half()`` after a
     # move sets each parameter's ``.data``) copies the C++ tensor's metadata over (dtype,
@@ -486,65 +482,6 @@ def _is_host_tensor(x: Any) -> bool:
 def _mutates(func: Any) -> bool:
     """Whether ``func`` writes to an argument (its schema marks it ``Tensor(a!)``)."""
     return bool(written_args(func))
-
-
-def _failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any:
-    error = exc if getattr(exc, "_djinn_failed_value", False) else None
-    if error is None:
-        error = failures.failed_error(f"{func._schema.name}.{func._overloadname}", exc)
-        error._djinn_failed_value = True  # type: ignore[attr-defined]
-    failed = failures.Failed(error)
-
-    def meta(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return meta_mod.meta_tensor(*_spec_tuple(x))
-        if isinstance(x, torch.device):
-            return META
-        if type(x) in (list, tuple):
-            return type(x)(meta(v) for v in x)
-        return x
-
-    try:
-        out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in kwargs.items()})
-    except Exception:  # no meta kernel, or one that refuses what the failure left behind
-        out = _likely_outputs(func, args, kwargs)
-
-    def wrap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return LazyTensor(spec_of(x), failed)
-        if type(x) in (list, tuple):
-            return type(x)(wrap(v) for v in x)
-        return x
-
-    return wrap(out)
-
-
-def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Outputs for an op that failed inside backward and that meta inference cannot shape
-    either (Note [errors in backward]: nothing may leave ``__torch_dispatch__`` there): a
-    write's target for an aliased return; otherwise the op's ``self`` or ``input`` (a
-    backward op's gradient has the shape of its forward's input), else its first tensor.
-    Autograd checks the shapes it gets against the forward's, and raises if one is off."""
-    schema = func._schema
-    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
-    by_alias = {
-        frozenset(a.alias_info.before_set): named.get(a.name)
-        for a in schema.arguments
-        if a.alias_info is not None
-    }
-    tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
-    likely = next(
-        (named[n] for n in ("self", "input") if isinstance(named.get(n), torch.Tensor)),
-        tensors[0] if tensors else None,
-    )
-    outs = []
-    for r in schema.returns:
-        alias = r.alias_info
-        source = by_alias.get(frozenset(alias.before_set)) if alias is not None else likely
-        if not isinstance(source, torch.Tensor):
-            raise RuntimeError(f"{schema.name}: no output to stand for its failure")
-        outs.append(meta_mod.meta_tensor(*_spec_tuple(source)))
-    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _spec_tuple(t: torch.Tensor) -> tuple:

@@ -1,0 +1,86 @@
+"""The outputs of an op that failed inside ``backward()``.
+
+Note [errors in backward]: an exception leaving ``__torch_dispatch__`` on the autograd
+engine's thread for this backend aborts the process ("terminate called without an active
+exception"). Inside ``backward()`` the op's outputs hold the error instead (Note [failed
+values], failures.py): ``backward()`` finishes, and the first read of a gradient raises it
+as a Python exception. The outputs are shaped by the op's meta kernel; where that fails
+too (no meta kernel; ``affine_grid``'s backward, whose ``copy_`` follows a refused
+``unsqueeze_`` with operands of the wrong shape), by the likeliest arguments, so that
+nothing can leave ``__torch_dispatch__`` there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import failures
+from . import meta as meta_mod
+from .meta import META, TensorSpec
+
+
+def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: Any) -> Any:
+    """``func``'s outputs, made with ``make(spec, ref)`` (the LazyTensor class), holding
+    ``exc`` as their failure."""
+    error = exc if getattr(exc, "_djinn_failed_value", False) else None
+    if error is None:
+        error = failures.failed_error(f"{func._schema.name}.{func._overloadname}", exc)
+        error._djinn_failed_value = True  # type: ignore[attr-defined]
+    failed = failures.Failed(error)
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return _meta_like(x)
+        if isinstance(x, torch.device):
+            return META
+        if type(x) in (list, tuple):
+            return type(x)(meta(v) for v in x)
+        return x
+
+    try:
+        out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:  # no meta kernel, or one that refuses what the failure left behind
+        out = _likely_outputs(func, args, kwargs)
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            spec = TensorSpec(x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset(), None)
+            return make(spec, failed)
+        if type(x) in (list, tuple):
+            return type(x)(wrap(v) for v in x)
+        return x
+
+    return wrap(out)
+
+
+def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Outputs for an op that meta inference cannot shape: a write's target for an
+    aliased return; otherwise the first tensor argument that is not a gradient (a backward
+    op's result has the shape of its forward's input: ``self``, ``input``, CTC's
+    ``log_probs``). Autograd checks the shapes it gets against the forward's, and raises
+    if one is off."""
+    schema = func._schema
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    by_alias = {
+        frozenset(a.alias_info.before_set): named.get(a.name)
+        for a in schema.arguments
+        if a.alias_info is not None
+    }
+    tensors = [(n, v) for n, v in named.items() if isinstance(v, torch.Tensor)]
+    likely = next((v for n, v in tensors if not n.startswith("grad")), None)
+    if likely is None and tensors:
+        likely = tensors[0][1]
+    outs = []
+    for r in schema.returns:
+        alias = r.alias_info
+        source = by_alias.get(frozenset(alias.before_set)) if alias is not None else likely
+        if not isinstance(source, torch.Tensor):
+            raise RuntimeError(f"{schema.name}: no output to stand for its failure")
+        outs.append(_meta_like(source))
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return meta_mod.meta_tensor(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
