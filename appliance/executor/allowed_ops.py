@@ -10,7 +10,9 @@ with a run of the op fuzz (tests/security/test_op_fuzz.py), which exercises ever
 allowed here. The samplers behind ``torch.distributions`` (gamma, Dirichlet, binomial)
 and their argument validation (``_is_all_true``) joined with a 300-second run; the
 backwards of the ``*_forward`` ops autograd sends (``log_sigmoid``, ``nll_loss2d``,
-``_pdist``) with checks of what their kernels index by (``opchecks``).
+``_pdist``) with checks of what their kernels index by (``opchecks``); the 3-d forms of
+reflection and replication padding (``opchecks._padding`` covers them) and of nearest
+upsampling, with a 150-second run.
 """
 
 RECORDED = frozenset(
@@ -56,6 +58,7 @@ RECORDED = frozenset(
         "aten::_upsample_bilinear2d_aa.default",
         "aten::_upsample_nearest_exact1d.default",
         "aten::_upsample_nearest_exact2d.default",
+        "aten::_upsample_nearest_exact3d.default",
         "aten::abs.default",
         "aten::acos.default",
         "aten::acosh.default",
@@ -400,6 +403,7 @@ RECORDED = frozenset(
         "aten::reciprocal.default",
         "aten::reflection_pad1d.default",
         "aten::reflection_pad2d.default",
+        "aten::reflection_pad3d.default",
         "aten::relu.default",
         "aten::remainder.Scalar",
         "aten::remainder.Tensor",
@@ -409,6 +413,7 @@ RECORDED = frozenset(
         "aten::repeat.default",
         "aten::replication_pad1d.default",
         "aten::replication_pad2d.default",
+        "aten::replication_pad3d.default",
         "aten::roll.default",
         "aten::rot90.default",
         "aten::round.decimals",
@@ -524,6 +529,7 @@ RECORDED = frozenset(
         "aten::upsample_linear1d.default",
         "aten::upsample_nearest1d.default",
         "aten::upsample_nearest2d.default",
+        "aten::upsample_nearest3d.default",
         "aten::upsample_trilinear3d.default",
         "aten::var.correction",
         "aten::var_mean.correction",

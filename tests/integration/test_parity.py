@@ -185,3 +185,27 @@ def test_losses_and_norms_the_appliance_refused_in_backward_train_as_local_eager
 
     for got, want in _gradients_both_ways(run):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: torch.nn.ReflectionPad3d((1, 2, 0, 1, 2, 1)),
+        lambda: torch.nn.ReplicationPad3d(2),
+        lambda: torch.nn.Conv3d(2, 3, 3, padding=1, padding_mode="reflect"),
+        lambda: torch.nn.Upsample(scale_factor=2, mode="nearest"),
+        lambda: torch.nn.Upsample(scale_factor=(1, 2, 3), mode="nearest-exact"),
+    ],
+)
+def test_three_dimensional_padding_and_upsampling_train_as_local_eager(layer):
+    """Volumes (video, medical imaging): the 3-d forms were not on the allowlist, while
+    their 1-d and 2-d forms were (found by a module sweep)."""
+
+    def run(device: str) -> list[torch.Tensor]:
+        module = layer().to(device)
+        x = torch.randn(2, 2, 3, 4, 5).to(device).requires_grad_()
+        module(x).pow(2).sum().backward()
+        return [x.grad, *(p.grad for p in module.parameters())]
+
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)
