@@ -138,6 +138,18 @@ def _segments(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: offsets must rise within the data's {size} rows")
 
 
+def _decimals(op: str, a: dict[str, Any]) -> None:
+    """``round(x, decimals=d)``'s meta kernel computes ``10 ** d`` for an integer input as a
+    Python integer: ``d = 2**31 - 1`` held the worker's thread for minutes (found by the
+    op fuzz). Past a few hundred decimals a float rounds to itself, inf or nan anyway."""
+    d = a.get("decimals", 0)
+    if type(d) is int and not -MAX_DECIMALS <= d <= MAX_DECIMALS:
+        raise InvalidArgument(f"{op}: decimals must lie within ±{MAX_DECIMALS}")
+
+
+MAX_DECIMALS = 1000
+
+
 def _pdist(op: str, a: dict[str, Any]) -> None:
     x = a.get("self")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -287,6 +299,7 @@ CHECKS: dict[str, Check] = {
     },
     "aten::_scaled_dot_product_flash_attention_for_cpu": _flash_cpu,
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _flash_cpu_backward,
+    "aten::round": _decimals,
     "aten::_ctc_loss": _ctc,
     "aten::_ctc_loss_backward": _ctc,
     "aten::segment_reduce": _segments,

@@ -128,9 +128,9 @@ def _warn_new_parameter(module: torch.nn.Module, key: str | None) -> None:
         f"djinn: {type(module).__name__}.{key} moves to the remote device as a new Parameter "
         "object, not in place: something else still holds the local one (a weak reference, "
         "or an autograd graph that saved it), or its class has __slots__. An optimizer "
-        "built before this move keeps "
-        "the local parameter and will not train the moved one: build it after the move, "
-        "or free what holds the parameter first (Note [parameters keep their identity]).",
+        "built before this move keeps the local parameter and will not train the moved "
+        "one: build it after the move, or free what holds the parameter first (Note "
+        "[parameters keep their identity]).",
         RuntimeWarning,
         stacklevel=_callers_level(),
     )

@@ -33,3 +33,37 @@ def test_op_fuzz_finds_no_crash_and_no_untyped_error(tmp_path):
     assert "done" in last, f"the fuzz child stopped early on {last}:\n{proc.stderr[-2000:]}"
     assert last["done"] > 100  # it did fuzz, and over many ops
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+# Nodes the longer fuzz runs found, run through the worker's graph executor in a child
+# with a time limit: a node that holds the executor is as bad as one that kills it.
+FOUND = [
+    (  # round's meta kernel computed 10 ** decimals as a Python int: minutes per node
+        {
+            "op": "aten::round.decimals_out",
+            "args": [{"$t": 0, "desc": {"dtype": "bool", "shape": [], "strides": []}}],
+            "kwargs": {
+                "decimals": 2147483647,
+                "out": {"$t": 1, "desc": {"dtype": "bool", "shape": [], "strides": []}},
+            },
+        },
+        "[torch.tensor(True), torch.tensor(False)]",
+    ),
+]
+
+
+def test_nodes_the_long_fuzz_found_are_refused_at_once():
+    for node, inline in FOUND:
+        script = (
+            "import json, sys, torch\n"
+            "from tests.security.opfuzz import run_one\n"
+            f"print(run_one(json.loads(sys.argv[1]), {inline}))\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(node)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr[-500:]
