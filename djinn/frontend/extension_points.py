@@ -60,6 +60,7 @@ from . import (
     pinned,
     recurrent,
     serialization,
+    uncaptured,
 )
 from .device import DEVICE_TYPE
 
@@ -130,6 +131,8 @@ def _attach_kernels() -> list[torch.library.Library]:
     )
     for name, kernel in recurrent.KERNELS.items():  # Note [recurrent layers]
         lib.impl(name, kernel, "AutogradPrivateUse1")
+    for name in uncaptured.KERNELS_OVER_FORMULAS:  # Note [kernels over formulas]
+        lib.impl(name, uncaptured.below_autograd(name), "AutogradPrivateUse1")
     libraries.append(lib)
     # autocast: every op falls through, the listed ones get CUDA's casts. A Python
     # *fallback* on this key makes PyTorch assert (func != nullptr, python_dispatch.cpp).

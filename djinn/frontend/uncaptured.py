@@ -56,11 +56,34 @@ SIZE_QUERIES = {
 _composites: dict[Any, bool] = {}  # per op: dispatch is a hot path
 
 
+# Note [kernels over formulas]: ``silu_backward`` and ``mish_backward`` are the two aten ops
+# with both a CompositeImplicitAutograd formula and CPU/CUDA kernels. Local eager runs the
+# kernel; on the remote device, which has no kernel of its own, autograd took the formula,
+# which rounds 1-2 ulp away from it (found by a module sweep). Their autograd entry for the
+# remote device now sends them below autograd (``BELOW_AUTOGRAD``, registered by
+# extension_points), where the capture records them whole and the worker runs the kernel
+# local eager runs. Autograd calls them only outside grad mode (a double backward takes
+# the ``infinitely_differentiable_*`` formula), so nothing is lost below autograd.
+KERNELS_OVER_FORMULAS = ("silu_backward", "mish_backward")
+
+
+def below_autograd(name: str) -> Any:
+    op = getattr(_aten, name).default
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    return kernel
+
+
 def composite(func: Any) -> bool:
-    """Whether ``func`` has a CompositeImplicitAutograd kernel to decompose it by."""
+    """Whether ``func`` is decomposed on the client: it has a CompositeImplicitAutograd
+    kernel, and no CPU kernel of its own (Note [kernels over formulas])."""
     known = _composites.get(func)
     if known is None:
+        name = func.name()
         known = _composites[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd"
-        )
+            name, "CompositeImplicitAutograd"
+        ) and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
     return known
