@@ -138,6 +138,9 @@ def _segments(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: offsets must rise within the data's {size} rows")
 
 
+MAX_DECIMALS = 1000
+
+
 def _decimals(op: str, a: dict[str, Any]) -> None:
     """``round(x, decimals=d)``'s meta kernel computes ``10 ** d`` for an integer input as a
     Python integer: ``d = 2**31 - 1`` held the worker's thread for minutes (found by the
@@ -145,9 +148,6 @@ def _decimals(op: str, a: dict[str, Any]) -> None:
     d = a.get("decimals", 0)
     if type(d) is int and not -MAX_DECIMALS <= d <= MAX_DECIMALS:
         raise InvalidArgument(f"{op}: decimals must lie within ±{MAX_DECIMALS}")
-
-
-MAX_DECIMALS = 1000
 
 
 def _pdist(op: str, a: dict[str, Any]) -> None:

@@ -90,7 +90,6 @@ def to_copy(
 # then: nothing has been converted yet) and its class becomes the remote one; every
 # tensor of it then converts to ``meta``, so the local copy holds no weight memory.
 # Local moves never reach this kernel, so local PyTorch is untouched.
-_APPLY = torch.nn.Module._apply.__code__
 _TO = torch.nn.Module.to.__code__
 
 
@@ -100,7 +99,7 @@ def _module_being_moved() -> tuple[torch.nn.Module, torch.dtype | None] | None:
     frame = sys._getframe(2)
     module, dtype = None, None
     while frame is not None:
-        if frame.f_code is _APPLY:
+        if frame.f_code is ties.APPLY:
             module, dtype = frame.f_locals.get("self"), None
         elif frame.f_code is _TO and module is not None and frame.f_locals.get("self") is module:
             dtype = frame.f_locals.get("dtype")

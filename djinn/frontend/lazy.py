@@ -333,7 +333,7 @@ def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
     its old value. (A local target taking a remote value whole, ``copy_``, is a special
     op: the value is fetched.)"""
     for target in written_values(func, args, kwargs):
-        if isinstance(target, torch.Tensor) and not isinstance(target, LazyTensor):
+        if not isinstance(target, LazyTensor) and isinstance(target, torch.Tensor):
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, {_remote()} and {target.device}!"

@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .device import DEVICE_TYPE
 
-_APPLY = torch.nn.Module._apply.__code__
+APPLY = torch.nn.Module._apply.__code__  # the frame of a module's move (factories uses it too)
 _PROTOCOL_CHECKS = _python_dispatch.__file__  # is_traceable_wrapper_subclass and its helper
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 _MOVES = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "_apply"}
@@ -85,7 +85,7 @@ class SeenByApply:
         for _ in range(4):  # hasattr <- the protocol's helpers <- Module._apply
             if frame is None:
                 break
-            if frame.f_code is _APPLY:
+            if frame.f_code is APPLY:
                 f_locals = frame.f_locals
                 param = f_locals.get("param")
                 if swaps(param):
@@ -214,7 +214,7 @@ def slot(x: torch.Tensor) -> Slot | None:
     """The module slot ``x`` is being converted for, when a module's move converts one of
     its parameters (or a parameter's gradient); None for a lone tensor or a buffer."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code is not _APPLY:
+    while frame is not None and frame.f_code is not APPLY:
         frame = frame.f_back
     if frame is None:
         return None

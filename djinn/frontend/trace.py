@@ -293,6 +293,8 @@ def flush(
                 raise
         _ran(sent, keep_targets, kept, failure)
         kept = kept[len(keep_targets) :]
+        for ref, remote in zip(keep, kept, strict=False):
+            _held(ref, remote)
         if failure is not None:
             fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
         if requested is not None:
@@ -300,19 +302,14 @@ def flush(
         return fetched, kept
 
 
-def _obtained_untouched(ref: Any, value: Any) -> bool:
-    """A requested output that came back, of a node that ran and that no failed write
-    marked since. Nothing holds it yet (``_run_now``'s own outputs), so its node keeps no
-    result, and ``resolved`` would call it released: a failure elsewhere in the graph
-    turned an op with no meta kernel that ran fine into an INTERNAL error."""
-    from djinn.runtime.session import NOT_RUN
-
-    if value is None or value is NOT_RUN or not isinstance(ref, Pending):
-        return False
-    node = ref.node
-    results = node.results or []
-    mark = results[ref.index] if ref.index < len(results) else None
-    return node.executed and node.failed is None and mark is None
+def _held(ref: Any, remote: Any) -> None:
+    """A requested output that came back is its node's result, as a held one is: nothing
+    holds ``_run_now``'s own outputs yet, and ``resolved`` would call them released (a
+    failure elsewhere in the graph turned an op that ran fine into an INTERNAL error)."""
+    if isinstance(ref, Pending) and isinstance(remote, RemoteTensor) and ref.node.executed:
+        results = ref.node.results
+        if results is not None and ref.node.failed is None and results[ref.index] is None:
+            results[ref.index] = remote
 
 
 def _ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> None:
@@ -434,9 +431,8 @@ def _after_failure(
         fetched[j] = v
     for j, v in zip(redo_k, more_k, strict=True):
         kept[j] = v
-    for ref, value in zip((*fetch, *keep), (*fetched, *kept), strict=True):
-        if not _obtained_untouched(ref, value):
-            resolved(ref)  # a requested value an op failed to write into raises
+    for ref in (*fetch, *keep):
+        resolved(ref)  # a requested value an op failed to write into raises
     if raise_now is not None:
         raise raise_now
     return fetched, kept
