@@ -4,7 +4,9 @@ The worker runs on the appliance's host, so its figure is right wherever `djinn 
 `djinn status` runs (a TUI asking NVML on its own machine is right only on that host).
 
 - CUDA device: NVML's utilisation rate, the share of the last sample period in which a
-  kernel ran (``source: "nvml"``).
+  kernel ran (``source: "nvml"``), and NVML's used and total memory of the GPU
+  (``memory_used`` / ``memory_total``, bytes: every process's, the CUDA contexts
+  included, which is what an operator sizing the card needs).
 - CPU device: there is no device counter to ask, so the worker reports what it knows
   honestly: the CPU time its own process used (every thread: intra-op threads included)
   over wall time, as a share of the CPUs it may run on (``source: "process_cpu"``).
@@ -26,6 +28,7 @@ class Utilisation:
         m = re.match(r"cuda:(\d+)", device)
         self._gpu_index = int(m.group(1)) if m else None
         self._nvml: Any = None
+        self._handle: Any = None  # NVML's handle of this GPU, asked for once
         self.source = "nvml" if m else "process_cpu"
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self._last = (time.monotonic(), _cpu_seconds())
@@ -34,7 +37,9 @@ class Utilisation:
     def sample(self) -> dict[str, Any]:
         """``{"percent": float | None, "source": str}``; None while nothing is known."""
         if self._gpu_index is not None:
-            return {"percent": self._nvml_percent(), "source": self.source}
+            out: dict[str, Any] = {"percent": self._nvml_percent(), "source": self.source}
+            out.update(self._nvml_memory())
+            return out
         now, cpu = time.monotonic(), _cpu_seconds()
         wall = now - self._last[0]
         if wall >= MIN_INTERVAL_S:
@@ -52,12 +57,24 @@ class Utilisation:
 
                 pynvml.nvmlInit()
                 self._nvml = pynvml
-            handle = self._nvml.nvmlDeviceGetHandleByIndex(self._gpu_index)
-            return float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            if self._handle is None:
+                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self._gpu_index)
+            return float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
         except Exception:  # no NVML, or the query unsupported here: unknown, and stays so
             self.source = "nvml (unavailable)"
             self._nvml = False
             return None
+
+    def _nvml_memory(self) -> dict[str, int]:
+        """NVML's ``{"memory_used", "memory_total"}`` of this GPU; empty when unknown (a
+        driver that refuses the query leaves the utilisation figure alone)."""
+        if not self._nvml:
+            return {}
+        try:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            return {"memory_used": int(info.used), "memory_total": int(info.total)}
+        except Exception:
+            return {}
 
 
 def _cpu_seconds() -> float:

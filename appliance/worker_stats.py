@@ -37,6 +37,7 @@ def build(w: Worker, now: float, serving_thread: bool) -> tuple[list[dict], dict
         "memory": {**w.memory.stats(), "admission": w.admission.stats(now)},
         "busy": w.busy.describe(now),
         "utilisation": w.utilisation.sample(),
+        "device_memory": w.device.memory_figures(),
         "prewarm": w.prewarm.state,
         "scheduler": {
             **w.scheduler.stats(),

@@ -173,4 +173,9 @@ class WorkerHandle:
             "stats_age_s": None if self.stats_at is None else round(now - self.stats_at, 3),
             "utilisation": util.get("percent"),
             "utilisation_source": util.get("source"),
+            # a GPU's memory as NVML sees it (every process on the card), and as this
+            # worker's CUDA allocator holds it (Note [device memory figures], device.py)
+            "gpu_memory_used": util.get("memory_used"),
+            "gpu_memory_total": util.get("memory_total"),
+            "device_memory": self.stats.get("device_memory"),
         }

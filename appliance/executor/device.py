@@ -40,6 +40,9 @@ class CpuDevice:
     def synchronize(self) -> None:
         pass
 
+    def memory_figures(self) -> None:
+        return None  # the VMU's accounting is all there is: no allocator of its own
+
 
 class CudaDevice:
     kind = "cuda"
@@ -70,6 +73,21 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def memory_figures(self) -> dict[str, int]:
+        """Note [device memory figures]: what the CUDA allocator of this worker holds
+        (``allocated``: live tensors; ``reserved``: its cached blocks too) and what the
+        driver says of the whole card (``free`` / ``total``), beside which the VMU's
+        accounted ``used`` can be checked: the VMU charges every tensor it creates, so
+        ``allocated`` exceeds it only by what the worker holds outside the VMU (the CUDA
+        context's own allocations are in neither; they show in ``total - free``)."""
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        return {
+            "allocated": int(torch.cuda.memory_allocated(self.torch_device)),
+            "reserved": int(torch.cuda.memory_reserved(self.torch_device)),
+            "free": int(free),
+            "total": int(total),
+        }
 
 
 def open_device(spec: str, memory: int | str) -> CpuDevice | CudaDevice:

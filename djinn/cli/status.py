@@ -81,10 +81,17 @@ def worker_state(w: dict[str, Any]) -> str:
 
 def _utilisation(w: dict[str, Any]) -> str:
     pct = _num(w.get("utilisation"))
-    if pct is None:
-        return "-"
     source = w.get("utilisation_source") or ""
-    return f"{pct:.0f}% cpu" if source == "process_cpu" else f"{pct:.0f}%"
+    text = "-" if pct is None else f"{pct:.0f}% cpu" if source == "process_cpu" else f"{pct:.0f}%"
+    return text + gpu_memory(w)
+
+
+def gpu_memory(w: dict[str, Any]) -> str:
+    """`` 12.3 GiB/139.8 GiB`` of a GPU worker's card as NVML sees it; empty otherwise."""
+    used, total = _num(w.get("gpu_memory_used")), _num(w.get("gpu_memory_total"))
+    if used is None or not total:
+        return ""
+    return f" {human_bytes(used)}/{human_bytes(total)}"
 
 
 def render(doc: dict[str, Any]) -> str:

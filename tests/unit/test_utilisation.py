@@ -22,8 +22,34 @@ def test_a_cuda_worker_asks_nvml_for_its_own_index(monkeypatch):
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=40 + h),
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    # a driver without the memory query still gives the utilisation
     assert Utilisation("cuda:1").sample() == {"percent": 41.0, "source": "nvml"}
     assert seen == [1]
+
+
+def test_a_cuda_worker_reports_its_cards_memory_from_nvml(monkeypatch):
+    from djinn.cli.status import render
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=7),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=3 << 30, total=80 << 30),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    sample = Utilisation("cuda:0").sample()
+    assert sample == {
+        "percent": 7.0,
+        "source": "nvml",
+        "memory_used": 3 << 30,
+        "memory_total": 80 << 30,
+    }
+    worker = {"id": 0, "device": "cuda:0", "utilisation": 7.0, "utilisation_source": "nvml",
+              "gpu_memory_used": 3 << 30, "gpu_memory_total": 80 << 30}  # fmt: skip
+    assert "7% 3.0 GiB/80.0 GiB" in render({"workers": [worker]})
+    from tui.widgets.rows import worker_rows
+
+    assert worker_rows({"workers": [worker]})["0"][-1].plain == "7% 3.0 GiB/80.0 GiB"
 
 
 def test_without_nvml_a_cuda_worker_says_unknown_and_stops_asking(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from djinn.cli.status import human_bytes
+from djinn.cli.status import gpu_memory, human_bytes
 
 from .table import Cell, Column, Rows
 
@@ -161,7 +161,10 @@ def worker_rows(doc: dict[str, Any]) -> Rows:
             _int_cell(w.get("sessions")),
             _memory_cell(memory.get(str(w.get("id")))),
             _sched_cell(sched.get(str(w.get("id")))),
-            Cell("-" if util is None else f"{util:.0f}%{label}", util, numeric=True),
+            # and a GPU's memory as NVML sees it, every process on the card included
+            Cell(
+                ("-" if util is None else f"{util:.0f}%{label}") + gpu_memory(w), util, numeric=True
+            ),
         ]
     return rows
 

@@ -1,0 +1,346 @@
+#!/usr/bin/env python
+"""The CUDA paths against local GPU eager and the copy engine's ceiling, in one run.
+
+Needs a CUDA device (exits 2 without one). Starts a private appliance (``djinn serve``,
+``gpus = "auto"``: one worker per GPU, the host arena page-locked), then measures, each
+beside its ceiling or peer taken in the same run:
+
+- **upload**: a put of ``--upload`` bytes through the arena into device memory (client
+  memcpy into the shared arena, then the worker's DMA from it) against the same bytes
+  copied host-to-device from pinned memory in this process (``cudaMemcpy``'s ceiling),
+  and against a pageable host-to-device copy; a get the same way back;
+- **VMU**: the appliance's device figures (its accounted ``used`` and the worker's CUDA
+  allocator; the card's ``free``/``total``) against ``torch.cuda.mem_get_info`` in this
+  process and NVML, before and after a model is loaded;
+- **model path**: a GPT-2 (``--layers``) prefill of ``--prefill`` tokens and single decode
+  steps (KV cache kept on the appliance), remote against the same model on this GPU;
+- **graph path**: the same GPT-2's forward captured op by op, and a 20-step Adam loop of a
+  small ``nn.TransformerEncoder``, remote against local GPU eager, with the largest
+  difference from local of the logits and of the parameters after the loop.
+
+    python benchmarks/gpu.py                 # GPT-2 small
+    python benchmarks/gpu.py --layers 48 --width 1600 --heads 25   # GPT-2 XL's shape
+
+Every ratio is remote over local (lower is better) except the copy rates (djinn over
+ceiling: higher is better). Prints markdown tables and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _appliance import appliance, device_of, unwind_on_sigterm
+from _common import GiB, MiB, note, save_json
+from training_step import build as build_encoder
+from training_step import max_diff, using
+
+R = "remote_accelerator:0"
+
+
+def timed(fn: Callable[[], Any], sync: bool = True) -> float:
+    """Seconds of ``fn()``; the local GPU's queue drained before and after."""
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def median_of(fn: Callable[[], Any], repeat: int) -> float:
+    return statistics.median(timed(fn) for _ in range(repeat))
+
+
+def host_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+    return info
+
+
+def upload(session: Any, nbytes: int, repeat: int) -> dict[str, Any]:
+    """Put and get of ``nbytes`` through the appliance against local copies of the same
+    bytes: pinned host -> device (the DMA ceiling), pageable host -> device, and back."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    pinned = src.pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    back = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    (remote,) = session.put_many([src])  # warm: slabs leased, the worker's copy path
+    assert torch.equal(session.get_many([remote])[0], src), "put/get changed the bytes"
+    remote.free()
+    put, get, h2d, h2d_pageable, d2h = [], [], [], [], []
+    for _ in range(repeat):  # interleaved: each sees the same machine
+        start = time.perf_counter()
+        (remote,) = session.put_many([src])
+        put.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        session.get_many([remote])
+        get.append(time.perf_counter() - start)
+        remote.free()
+        h2d.append(timed(lambda: dev.copy_(pinned, non_blocking=True)))
+        h2d_pageable.append(timed(lambda: dev.copy_(src)))
+        d2h.append(timed(lambda: back.copy_(dev, non_blocking=True)))
+    gbps = lambda s: round(nbytes / statistics.median(s) / 1e9, 2)  # noqa: E731
+    return {
+        "bytes": nbytes,
+        "put_gbps": gbps(put),
+        "pinned_h2d_gbps": gbps(h2d),
+        "pageable_h2d_gbps": gbps(h2d_pageable),
+        "put_over_pinned_h2d": round(gbps(put) / gbps(h2d), 3),
+        "get_gbps": gbps(get),
+        "pinned_d2h_gbps": gbps(d2h),
+        "get_over_pinned_d2h": round(gbps(get) / gbps(d2h), 3),
+    }
+
+
+def vmu_figures(client: Any, worker: int = 0) -> dict[str, Any]:
+    """The appliance's view of GPU ``worker`` beside this process's and NVML's."""
+    time.sleep(0.3)  # a fresh stats report from the worker (sent every 0.1 s when busy)
+    doc = client.stats()
+    w = next(x for x in doc["workers"] if x["id"] == worker)
+    dev = next(d for d in doc["vmu"]["devices"] if d["worker"] == worker)
+    used = sum(dev[s]["used"] for s in ("text", "data", "stack"))
+    figures = w.get("device_memory") or {}
+    free, total = torch.cuda.mem_get_info(0)
+    out = {
+        "vmu_used": used,
+        "vmu_capacity": dev["text"]["capacity"],
+        "worker_allocated": figures.get("allocated"),
+        "worker_reserved": figures.get("reserved"),
+        "worker_free": figures.get("free"),
+        "worker_total": figures.get("total"),
+        "here_free": free,
+        "here_total": total,
+        "nvml_used": w.get("gpu_memory_used"),
+        "nvml_total": w.get("gpu_memory_total"),
+    }
+    if figures.get("allocated"):
+        out["vmu_used_over_allocated"] = round(used / figures["allocated"], 4)
+    if figures.get("free"):
+        out["worker_free_over_here_free"] = round(figures["free"] / free, 4)
+    if w.get("gpu_memory_used"):
+        out["nvml_used_over_total_minus_free"] = round(w["gpu_memory_used"] / (total - free), 4)
+    return out
+
+
+def model_path(local: torch.nn.Module, vocab: int, prefill: int, steps: int,
+               repeat: int) -> dict[str, Any]:  # fmt: skip
+    """Prefill and decode steps, remote (model path, by fingerprint) against this GPU."""
+    start = time.perf_counter()
+    remote = copy.deepcopy(local).to(R)  # eval mode: registered whole
+    register_s = time.perf_counter() - start
+    assert getattr(remote, "_djinn", None) is not None, "expected the model path"
+    gpu = local.cuda()
+    ids = torch.randint(0, vocab, (1, prefill))
+
+    def run(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[float], Any]:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model(x, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True).cpu()  # read, as sampling does
+            pre, logits, times, past = time.perf_counter() - t0, out.logits, [], out.past_key_values
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                out = model(nxt.to(x.device), past_key_values=past, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True).cpu()
+                times.append(time.perf_counter() - t0)
+                past = out.past_key_values
+        return pre, times, logits
+
+    run(remote, ids)
+    run(gpu, ids.cuda())  # warm both
+    r_pre, r_step, l_pre, l_step = [], [], [], []
+    for _ in range(repeat):
+        p, s, got = run(remote, ids)
+        r_pre.append(p)
+        r_step += s
+        p, s, want = run(gpu, ids.cuda())
+        l_pre.append(p)
+        l_step += s
+    med = statistics.median
+    diff = (got.cpu() - want.cpu()).abs().max().item()
+    return {
+        "register_s": round(register_s, 2),
+        "prefill_tokens": prefill,
+        "prefill_ms": [round(med(r_pre) * 1e3, 2), round(med(l_pre) * 1e3, 2)],
+        "prefill_ratio": round(med(r_pre) / med(l_pre), 3),
+        "decode_ms": [round(med(r_step) * 1e3, 3), round(med(l_step) * 1e3, 3)],
+        "decode_ratio": round(med(r_step) / med(l_step), 3),
+        "max_abs_diff_logits": diff,
+        "remote": remote,
+    }
+
+
+def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int) -> dict:
+    """The forward captured op by op (moved in training mode, so not registered)."""
+    remote = copy.deepcopy(local).cpu().train().to(R).eval()
+    assert getattr(remote, "_djinn", None) is None, "expected the graph path"
+    ids = torch.randint(0, vocab, (1, tokens))
+    rids, gids = ids.to(R), ids.cuda()
+    gpu = local.cuda()
+    with torch.no_grad():
+        remote(rids).logits.cpu()
+        gpu(gids).logits.cpu()  # warm both
+        rounds = [
+            (timed(lambda: remote(rids).logits.cpu()), timed(lambda: gpu(gids).logits.cpu()))
+            for _ in range(repeat)
+        ]
+        diff = (remote(rids).logits.cpu() - gpu(gids).logits.cpu()).abs().max().item()
+    r, g = statistics.median(x[0] for x in rounds), statistics.median(x[1] for x in rounds)
+    return {
+        "tokens": tokens,
+        "ms": [round(r * 1e3, 2), round(g * 1e3, 2)],
+        "ratio": round(r / g, 3),
+        "max_abs_diff_logits": diff,
+    }
+
+
+def training(repeat: int, steps: int = 20) -> dict[str, Any]:
+    """training_step.py's loop (Adam, a 2-layer encoder of width 64), remote and on this
+    GPU; the parameters after the loop compared (a GPU's kernels round differently from a
+    CPU's, so local GPU eager is the reference here)."""
+    from training_step import loop
+
+    model = build_encoder(64, 2).train()
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(16, 32, 64, generator=gen), torch.randn(16, 32, 1, generator=gen))
+        for _ in range(steps)
+    ]
+    loop(model, batches[:2], R)
+    loop(model, batches[:2], "cuda")  # warm both
+    remote_s, local_s, diffs = [], [], []
+    for _ in range(repeat):
+        took, got = loop(model, batches, R)
+        remote_s.append(took)
+        took, want = loop(model, batches, "cuda")
+        local_s.append(took)
+        diffs.append(max_diff(got, want))
+    r, g = statistics.median(remote_s), statistics.median(local_s)
+    return {
+        "steps": steps,
+        "s": [round(r, 3), round(g, 3)],
+        "ratio": round(r / g, 3),
+        "max_param_diff": max(diffs),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64, help="graph-path forward tokens")
+    parser.add_argument("--upload", default="256MiB", help="bytes of the upload test")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--arena", default="4GiB")
+    parser.add_argument("--json", default="benchmarks/results/gpu.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu.py needs a CUDA device; none is visible", file=sys.stderr)
+        return 2
+    import transformers
+
+    import djinn  # noqa: F401 - the remote device
+    from djinn.config import parse_bytes
+    from djinn.runtime.client import Client
+
+    unwind_on_sigterm()
+    doc: dict[str, Any] = {"benchmark": "gpu", "host": host_info()}
+    note(f"host: {doc['host']}")
+    with tempfile.TemporaryDirectory() as tmp, appliance(
+        Path(tmp), parse_bytes(args.arena), "auto"
+    ) as app, using(app.unix), Client(app.unix) as client:  # fmt: skip
+        doc["appliance_device"] = device_of(app.readiness)
+        stats = client.stats()
+        doc["workers"] = len(stats["workers"])
+        doc["arena_pinned"] = stats["vmu"]["host_arena"]["pinned"]
+        doc["vmu_before"] = vmu_figures(client)
+        note("upload")
+        with client.session() as s:
+            doc["upload"] = upload(s, parse_bytes(args.upload), args.repeat)
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads)
+        local = transformers.GPT2LMHeadModel(cfg).eval()
+        n_params = sum(p.numel() for p in local.parameters())
+        doc["model"] = f"GPT-2 {args.layers} layers, width {args.width} ({n_params / 1e6:.0f}M)"
+        note(f"model path: {doc['model']}")
+        mp = model_path(local, cfg.vocab_size, args.prefill, args.steps, args.repeat)
+        mp.pop("remote")  # after the VMU figures below: the model stays registered
+        doc["model_path"] = mp
+        doc["vmu_loaded"] = vmu_figures(client)
+        note("graph path: forward")
+        doc["graph_forward"] = graph_forward(local, cfg.vocab_size, args.tokens, args.repeat)
+        note("graph path: training loop")
+        doc["training"] = training(max(1, args.repeat // 2))
+    report(doc)
+    save_json(doc, args.json)
+    print(json.dumps(doc))
+    return 0
+
+
+def report(doc: dict[str, Any]) -> None:
+    h, up, mp = doc["host"], doc["upload"], doc["model_path"]
+    print(f"\n{h['gpu']} (driver {h.get('driver', '?')}, CUDA {h['cuda']}, torch {h['torch']});"
+          f" appliance: {doc['workers']} worker(s) on {doc['appliance_device']}, arena pinned:"
+          f" {doc['arena_pinned']}\n")  # fmt: skip
+    mib = up["bytes"] // MiB
+    print("| copy | djinn (GB/s) | ceiling, same run (GB/s) | djinn / ceiling |")
+    print("|---|---|---|---|")
+    print(f"| put {mib} MiB (arena -> device) | {up['put_gbps']} | pinned H2D "
+          f"{up['pinned_h2d_gbps']} (pageable {up['pageable_h2d_gbps']}) | "
+          f"{up['put_over_pinned_h2d']} |")  # fmt: skip
+    print(f"| get {mib} MiB (device -> arena) | {up['get_gbps']} | pinned D2H "
+          f"{up['pinned_d2h_gbps']} | {up['get_over_pinned_d2h']} |")  # fmt: skip
+    print(f"\n{doc['model']}\n")
+    print("| call | remote (ms) | local GPU eager (ms) | remote / local | max abs diff |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| model path: prefill {mp['prefill_tokens']} | {mp['prefill_ms'][0]} | "
+        f"{mp['prefill_ms'][1]} | {mp['prefill_ratio']} | {mp['max_abs_diff_logits']:.1e} |"
+    )
+    print(f"| model path: decode step | {mp['decode_ms'][0]} | {mp['decode_ms'][1]} | "
+          f"{mp['decode_ratio']} | |")  # fmt: skip
+    gf, tr = doc["graph_forward"], doc["training"]
+    print(f"| graph path: forward, {gf['tokens']} tokens | {gf['ms'][0]} | {gf['ms'][1]} | "
+          f"{gf['ratio']} | {gf['max_abs_diff_logits']:.1e} |")  # fmt: skip
+    print(f"| graph path: {tr['steps']}-step Adam loop (s) | {tr['s'][0]} | {tr['s'][1]} | "
+          f"{tr['ratio']} | {tr['max_param_diff']:.1e} (params) |")  # fmt: skip
+    print(f"\nregistration of the model: {mp['register_s']} s\n")
+    print("| VMU | before load | after load |")
+    print("|---|---|---|")
+    for key in dict.fromkeys([*doc["vmu_before"], *doc["vmu_loaded"]]):
+        a, b = doc["vmu_before"].get(key), doc["vmu_loaded"].get(key)
+        fmt = lambda v: f"{v / GiB:.3f} GiB" if isinstance(v, int) and v > MiB else str(v)  # noqa: E731
+        print(f"| {key} | {fmt(a)} | {fmt(b)} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

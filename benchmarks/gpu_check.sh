@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A lent GPU's checks in one command (issue 14), for the device machine's image, whose
+# python3 already holds a CUDA build of torch: install Djinn and the wheels it lacks
+# there (carried in .whl/, README "GPU checks"), then the gpu-marked tests, the GPU
+# benchmark and the transport benchmark. Each step has its own time limit so that a hang
+# costs one step, and every log lands in $OUT (or /tmp/gpu_check).
+#
+#     bash benchmarks/gpu_check.sh [pytest args for an extra test run]
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+unset DJINN_ADDRESS
+step() {  # step NAME SECONDS CMD...: run CMD with a limit, its output in $OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    echo "== $name: exit $? after $((SECONDS - t0))s"
+    tail -n 60 "$OUT/$name.txt"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+python3 -c 'import djinn; print("djinn imports from", djinn.__file__)' 2>&1 | tail -3
+step gpu_tests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 120 \
+    tests/integration/test_gpu.py tests/unit/test_tiers.py
+step gpu_bench 200 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
+step transport 120 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
+if [ $# -gt 0 ]; then
+    step extra_tests 400 python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 "$@"
+fi
