@@ -283,23 +283,39 @@ def main() -> int:
         doc["workers"] = len(stats["workers"])
         doc["arena_pinned"] = stats["vmu"]["host_arena"]["pinned"]
         doc["vmu_before"] = vmu_figures(client)
-        note("upload")
-        with client.session() as s:
-            doc["upload"] = upload(s, parse_bytes(args.upload), args.repeat)
         torch.manual_seed(0)
         cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads)
         local = transformers.GPT2LMHeadModel(cfg).eval()
         n_params = sum(p.numel() for p in local.parameters())
         doc["model"] = f"GPT-2 {args.layers} layers, width {args.width} ({n_params / 1e6:.0f}M)"
-        note(f"model path: {doc['model']}")
-        mp = model_path(local, cfg.vocab_size, args.prefill, args.steps, args.repeat)
-        mp.pop("remote")  # after the VMU figures below: the model stays registered
-        doc["model_path"] = mp
-        doc["vmu_loaded"] = vmu_figures(client)
-        note("graph path: forward")
-        doc["graph_forward"] = graph_forward(local, cfg.vocab_size, args.tokens, args.repeat)
-        note("graph path: training loop")
-        doc["training"] = training(max(1, args.repeat // 2))
+        keep: list[Any] = []  # the registered model stays until the VMU figures are read
+
+        def upload_section() -> dict[str, Any]:
+            with client.session() as s:
+                return upload(s, parse_bytes(args.upload), args.repeat)
+
+        def model_section() -> dict[str, Any]:
+            mp = model_path(local, cfg.vocab_size, args.prefill, args.steps, args.repeat)
+            keep.append(mp.pop("remote"))
+            return mp
+
+        sections = [
+            ("upload", upload_section),
+            ("model_path", model_section),
+            ("vmu_loaded", lambda: vmu_figures(client)),
+            ("graph_forward", lambda: graph_forward(local, cfg.vocab_size, args.tokens,
+                                                    args.repeat)),
+            ("training", lambda: training(max(1, args.repeat // 2))),
+        ]  # fmt: skip
+        for name, section in sections:
+            # one section's failure is a finding, reported with the others' figures
+            note(f"{name} ({doc['model']})" if name == "model_path" else name)
+            try:
+                doc[name] = section()
+            except Exception as exc:  # reported, and the run goes on
+                doc[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                note(f"{name} failed: {doc[name]['error']}")
+        keep.clear()
     report(doc)
     save_json(doc, args.json)
     print(json.dumps(doc))
@@ -307,39 +323,51 @@ def main() -> int:
 
 
 def report(doc: dict[str, Any]) -> None:
-    h, up, mp = doc["host"], doc["upload"], doc["model_path"]
+    """Markdown tables of what ran; a failed section is named with its error instead."""
+    ok = lambda name: isinstance(doc.get(name), dict) and "error" not in doc[name]  # noqa: E731
+    for name, value in doc.items():
+        if isinstance(value, dict) and "error" in value:
+            print(f"\n**{name} failed**: {value['error']}")
+    h = doc["host"]
     print(f"\n{h['gpu']} (driver {h.get('driver', '?')}, CUDA {h['cuda']}, torch {h['torch']});"
           f" appliance: {doc['workers']} worker(s) on {doc['appliance_device']}, arena pinned:"
           f" {doc['arena_pinned']}\n")  # fmt: skip
-    mib = up["bytes"] // MiB
-    print("| copy | djinn (GB/s) | ceiling, same run (GB/s) | djinn / ceiling |")
-    print("|---|---|---|---|")
-    print(f"| put {mib} MiB (arena -> device) | {up['put_gbps']} | pinned H2D "
-          f"{up['pinned_h2d_gbps']} (pageable {up['pageable_h2d_gbps']}) | "
-          f"{up['put_over_pinned_h2d']} |")  # fmt: skip
-    print(f"| get {mib} MiB (device -> arena) | {up['get_gbps']} | pinned D2H "
-          f"{up['pinned_d2h_gbps']} | {up['get_over_pinned_d2h']} |")  # fmt: skip
+    if ok("upload"):
+        up = doc["upload"]
+        mib = up["bytes"] // MiB
+        print("| copy | djinn (GB/s) | ceiling, same run (GB/s) | djinn / ceiling |")
+        print("|---|---|---|---|")
+        print(f"| put {mib} MiB (arena -> device) | {up['put_gbps']} | pinned H2D "
+              f"{up['pinned_h2d_gbps']} (pageable {up['pageable_h2d_gbps']}) | "
+              f"{up['put_over_pinned_h2d']} |")  # fmt: skip
+        print(f"| get {mib} MiB (device -> arena) | {up['get_gbps']} | pinned D2H "
+              f"{up['pinned_d2h_gbps']} | {up['get_over_pinned_d2h']} |")  # fmt: skip
     print(f"\n{doc['model']}\n")
     print("| call | remote (ms) | local GPU eager (ms) | remote / local | max abs diff |")
     print("|---|---|---|---|---|")
-    print(
-        f"| model path: prefill {mp['prefill_tokens']} | {mp['prefill_ms'][0]} | "
-        f"{mp['prefill_ms'][1]} | {mp['prefill_ratio']} | {mp['max_abs_diff_logits']:.1e} |"
-    )
-    print(f"| model path: decode step | {mp['decode_ms'][0]} | {mp['decode_ms'][1]} | "
-          f"{mp['decode_ratio']} | |")  # fmt: skip
-    gf, tr = doc["graph_forward"], doc["training"]
-    print(f"| graph path: forward, {gf['tokens']} tokens | {gf['ms'][0]} | {gf['ms'][1]} | "
-          f"{gf['ratio']} | {gf['max_abs_diff_logits']:.1e} |")  # fmt: skip
-    print(f"| graph path: {tr['steps']}-step Adam loop (s) | {tr['s'][0]} | {tr['s'][1]} | "
-          f"{tr['ratio']} | {tr['max_param_diff']:.1e} (params) |")  # fmt: skip
-    print(f"\nregistration of the model: {mp['register_s']} s\n")
-    print("| VMU | before load | after load |")
+    if ok("model_path"):
+        mp = doc["model_path"]
+        print(f"| model path: prefill {mp['prefill_tokens']} | {mp['prefill_ms'][0]} | "
+              f"{mp['prefill_ms'][1]} | {mp['prefill_ratio']} | "
+              f"{mp['max_abs_diff_logits']:.1e} |")  # fmt: skip
+        print(f"| model path: decode step | {mp['decode_ms'][0]} | {mp['decode_ms'][1]} | "
+              f"{mp['decode_ratio']} | |")  # fmt: skip
+    if ok("graph_forward"):
+        gf = doc["graph_forward"]
+        print(f"| graph path: forward, {gf['tokens']} tokens | {gf['ms'][0]} | {gf['ms'][1]} | "
+              f"{gf['ratio']} | {gf['max_abs_diff_logits']:.1e} |")  # fmt: skip
+    if ok("training"):
+        tr = doc["training"]
+        print(f"| graph path: {tr['steps']}-step Adam loop (s) | {tr['s'][0]} | {tr['s'][1]} | "
+              f"{tr['ratio']} | {tr['max_param_diff']:.1e} (params) |")  # fmt: skip
+    if ok("model_path"):
+        print(f"\nregistration of the model: {doc['model_path']['register_s']} s")
+    print("\n| VMU | before load | after load |")
     print("|---|---|---|")
-    for key in dict.fromkeys([*doc["vmu_before"], *doc["vmu_loaded"]]):
-        a, b = doc["vmu_before"].get(key), doc["vmu_loaded"].get(key)
-        fmt = lambda v: f"{v / GiB:.3f} GiB" if isinstance(v, int) and v > MiB else str(v)  # noqa: E731
-        print(f"| {key} | {fmt(a)} | {fmt(b)} |")
+    before, after = doc["vmu_before"], doc.get("vmu_loaded") or {}
+    fmt = lambda v: f"{v / GiB:.3f} GiB" if isinstance(v, int) and v > MiB else str(v)  # noqa: E731
+    for key in dict.fromkeys([*before, *after]):
+        print(f"| {key} | {fmt(before.get(key))} | {fmt(after.get(key))} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 # costs one step, and every log lands in $OUT (or /tmp/gpu_check).
 #
 #     bash benchmarks/gpu_check.sh [pytest args for an extra test run]
+#     SKIP="transport" bash benchmarks/gpu_check.sh   # steps named in SKIP are left out
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -13,6 +14,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 unset DJINN_ADDRESS
 step() {  # step NAME SECONDS CMD...: run CMD with a limit, its output in $OUT/NAME.txt
     local name=$1 limit=$2
+    case " ${SKIP:-} " in *" $name "*) echo "== $name: skipped"; return ;; esac
     shift 2
     echo "== $name (limit ${limit}s): $*"
     local t0=$SECONDS
@@ -32,5 +34,5 @@ step gpu_tests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --timeou
 step gpu_bench 200 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
 step transport 120 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
 if [ $# -gt 0 ]; then
-    step extra_tests 400 python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 "$@"
+    step extra_tests ${EXTRA_LIMIT:-400} python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 "$@"
 fi

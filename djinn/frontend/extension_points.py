@@ -148,6 +148,11 @@ def _attach_kernels() -> list[torch.library.Library]:
         lib.impl("_pin_memory", pinned.pin_memory, "CPU")
         lib.impl("is_pinned", pinned.is_pinned, "CPU")
         libraries.append(lib)
+    elif kernels := pinned.beside_cuda():  # Note [pinned memory beside CUDA]
+        lib = torch.library.Library("aten", "IMPL")
+        for name, kernel in kernels.items():
+            lib.impl(name, kernel, "CPU", with_keyset=True)
+        libraries.append(lib)
     return libraries
 
 

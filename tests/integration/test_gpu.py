@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
+
+from tests.conftest import wait_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,8 +42,22 @@ def test_round_trip_through_device_memory(gpu_appliance, via):
         remotes = s.put_many(ts)
         for t, back in zip(ts, s.get_many(remotes), strict=True):
             assert torch.equal(t, back)
-        data = next(d for d in client.stats()["vmu"]["devices"] if d["worker"] == s.worker)
-        assert data["data"]["used"] >= ts[0].nbytes
+
+        def worker_stats():  # workers push stats at most every 0.1 s: poll, never read once
+            doc = client.stats()
+            dev = next(d for d in doc["vmu"]["devices"] if d["worker"] == s.worker)
+            w = next(w for w in doc["workers"] if w["id"] == s.worker)
+            return (dev, w) if dev["data"]["used"] >= ts[0].nbytes else None
+
+        dev, w = wait_for(worker_stats)
+        # Note [device memory figures]: the worker's CUDA allocator holds at least what the
+        # VMU charged, and the card's figures agree with this process's view of it
+        figures = w["device_memory"]
+        assert figures["allocated"] >= dev["data"]["used"]
+        free, total = torch.cuda.mem_get_info(0)
+        assert figures["total"] == total and abs(figures["free"] - free) <= 0.01 * total
+        assert w["gpu_memory_total"] == total  # NVML's view of the same card
+        assert 0 < w["gpu_memory_used"] <= total
 
 
 def test_graph_executes_on_the_gpu_with_eager_parity(gpu_appliance):
@@ -61,3 +81,34 @@ def test_random_ops_on_a_gpu_worker_draw_fresh_numbers(gpu_appliance, monkeypatc
     b = torch.randn(1000, device="remote_accelerator:0").cpu()
     assert not torch.equal(a, b)
     session.reset()
+
+
+PINNED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    if sys.argv[1] == "djinn":
+        import djinn  # noqa: F401
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.randn(1000)
+    p = x.pin_memory()
+    (batch,) = next(iter(DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4,
+                                    pin_memory=True)))
+    print(p.is_pinned(), x.is_pinned(), batch.is_pinned(),
+          torch.equal(p.cuda(non_blocking=True).cpu(), x))
+    """
+)
+
+
+def test_pin_memory_on_a_cuda_host_is_unchanged_by_import_djinn():
+    """Note [pinned memory beside CUDA]: PyTorch asks the accelerator which allocator pins,
+    and prefers a registered PrivateUse1 device: without the fix, pin_memory() raised."""
+    got = {}
+    for mode in ("plain", "djinn"):
+        proc = subprocess.run(
+            [sys.executable, "-c", PINNED, mode], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got[mode] = proc.stdout.split()
+    assert got["djinn"] == got["plain"] == ["True", "False", "True", "True"]
