@@ -104,9 +104,14 @@ def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
             staged.append(_stage(w, s, frame, item))
         while staged:
             t, slab = staged[0]
-            if slab is not None and not w.device.adopts_host_memory and not weights:
-                t = w.device.from_host(t)  # DMA from the pinned arena, then give it back
-                w.store.slabs.free(slab)
+            if not w.device.adopts_host_memory and not weights:
+                # DMA from the pinned arena, then give the slab back. A small tensor sent
+                # inline in the frame goes to the device too: it stayed in host memory on
+                # a GPU worker, where the next op mixing it with device tensors failed
+                # (seen on an H200: every `x.to(remote)` of a few KiB)
+                t = w.device.from_host(t)
+                if slab is not None:
+                    w.store.slabs.free(slab)
                 staged[0] = (t, None)
                 slab = None
             handles.append(w.store.keep(s, t, slab=slab, host=weights))
