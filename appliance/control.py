@@ -14,6 +14,9 @@ from typing import Any
 import orjson
 
 MAX_CONTROL_MESSAGE = 4 << 20
+# a worker's exit status when its device's context is lost (Note [a lost GPU context],
+# executor/device.py): the supervisor names the cause when it restarts the worker
+DEVICE_LOST_EXIT = 75
 
 
 def pair() -> tuple[socket.socket, socket.socket]:

@@ -118,7 +118,8 @@ class WorkerHandle:
             with contextlib.suppress(OSError):
                 self.proc.kill()
             code = self.proc.wait()
-            self.last_error = self.last_error or f"exit code {code}"
+            lost = " (its GPU context was lost)" if code == control.DEVICE_LOST_EXIT else ""
+            self.last_error = self.last_error or f"exit code {code}{lost}"
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None

@@ -81,6 +81,10 @@ def start_appliance(tmp: Path, serve_args: tuple[str, ...] = (), **settings) -> 
         # dozens of short-lived appliances: no background import of model code in each
         # (Note [prewarm]); the tests that need it turn it on
         "prewarm": False,
+        # CPU workers on every host: most tests compare with CPU eager bit for bit (and
+        # seeded draws with CPU's generator), which a GPU worker's kernels cannot match;
+        # the CUDA paths have their own gpu-marked tests (tests/integration/test_gpu.py)
+        "gpus": "none",
     }
     values.update(settings)
     lines = []

@@ -43,6 +43,9 @@ class CpuDevice:
     def memory_figures(self) -> None:
         return None  # the VMU's accounting is all there is: no allocator of its own
 
+    def healthy(self) -> bool:
+        return True  # a CPU kernel's failure is an exception, never a lost device
+
 
 class CudaDevice:
     kind = "cuda"
@@ -73,6 +76,19 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def healthy(self) -> bool:
+        """Note [a lost GPU context]: False once the CUDA context is unusable. A kernel's
+        device-side assert (an index out of range reaches the GPU, where CPU kernels
+        raise) or an illegal address is *sticky*: every later CUDA call of this process
+        fails the same way, for every session on the worker (seen on an H200: one
+        embedding with an out-of-range index, then 50 other tests' ops failed). A
+        synchronize is the probe: it raises exactly when the context is lost."""
+        try:
+            torch.cuda.synchronize(self.torch_device)
+        except Exception:  # torch.AcceleratorError (RuntimeError before 2.8)
+            return False
+        return True
 
     def memory_figures(self) -> dict[str, int]:
         """Note [device memory figures]: what the CUDA allocator of this worker holds

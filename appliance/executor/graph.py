@@ -34,7 +34,7 @@ from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import DeviceShort, Segment
-from . import metacheck, opargs, opchecks, oppolicy, threads
+from . import index_bounds, metacheck, opargs, opchecks, oppolicy, threads
 
 _OP_CACHE: dict[str, Any] = {}
 MAX_PLANS = 256  # templates whose last uses are kept (the worker keeps as many templates)
@@ -195,7 +195,10 @@ class GraphRun:
         bytes the op allocates and its meta output ((-1, None) when the op has no meta
         kernel)."""
         try:
-            opchecks.check(op, opargs.bind(op, args, kwargs, self.device))
+            named = opargs.bind(op, args, kwargs, self.device)
+            opchecks.check(op, named)
+            if self.device.type != "cpu":  # Note [indices on a GPU] (index_bounds.py)
+                index_bounds.check(op, named)
             need, meta = metacheck.checked_run(op, args, kwargs)  # Note [meta signatures]
         except metacheck.NoMetaKernel:
             return -1, None

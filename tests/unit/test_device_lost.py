@@ -1,0 +1,65 @@
+"""Note [a lost GPU context]: a worker whose CUDA context is lost (a device-side assert is
+sticky) leaves after answering the failed request, so the supervisor starts a fresh one;
+a CPU worker never does. Run with doubles: the CPU-only suite has no CUDA context to lose
+(the GPU run that found it is in the stop-27 note)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from djinn.appliance import control
+from djinn.appliance.executor.device import CpuDevice, CudaDevice
+from djinn.appliance.worker import Worker
+
+
+def _cuda_device() -> CudaDevice:
+    device = CudaDevice.__new__(CudaDevice)  # no CUDA here: the probe is what is tested
+    device.index, device.torch_device, device.name = 0, torch.device("cuda", 0), "cuda:0"
+    return device
+
+
+def test_a_cuda_device_whose_synchronize_raises_is_lost(monkeypatch):
+    device = _cuda_device()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    assert device.healthy()
+
+    def sticky(d=None):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sticky)
+    assert not device.healthy()
+    assert CpuDevice(0, 1 << 20).healthy()
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.flushed = 0
+
+    def flush(self, sock) -> bool:
+        self.flushed += 1
+        return True
+
+
+def test_a_worker_with_a_lost_device_flushes_its_replies_and_exits(monkeypatch):
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr("djinn.appliance.worker.os._exit", fake_exit)
+    session = types.SimpleNamespace(outbox=Outbox(), sock=None)
+    worker = types.SimpleNamespace(
+        id=0, device=types.SimpleNamespace(healthy=lambda: True, name="cuda:0"),
+        sessions={"s1": session},
+    )  # fmt: skip
+    Worker.exit_if_device_lost(worker)  # healthy: nothing happens
+    assert exits == [] and session.outbox.flushed == 0
+    worker.device.healthy = lambda: False
+    with pytest.raises(SystemExit):
+        Worker.exit_if_device_lost(worker)
+    assert exits == [control.DEVICE_LOST_EXIT]
+    assert session.outbox.flushed == 1  # the culprit's error reply went out first
