@@ -134,6 +134,7 @@ class Supervisor:
                 "stats_window": cfg.stats_window,
                 "lease_s": cfg.heartbeat_interval * cfg.heartbeat_misses,
                 "cpu_worker_memory": cfg.cpu_worker_memory,
+                "gpu_worker_memory": cfg.gpu_worker_memory,
                 "text_fraction": cfg.vmu_text_fraction,
                 "data_fraction": cfg.vmu_data_fraction,
                 "memory_policy": cfg.memory_policy,

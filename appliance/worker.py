@@ -87,7 +87,9 @@ class Worker:
         self.lease_s = init["lease_s"]
         self.heartbeat_interval = init["heartbeat_interval"]
         self.model_roots = [r for r in str(init.get("model_roots", "")).split(":") if r]
-        self.device = open_device(init["device"], init["cpu_worker_memory"])
+        self.device = open_device(
+            init["device"], init["cpu_worker_memory"], init.get("gpu_worker_memory", "auto")
+        )
         if self.device.torch_device.type == "cpu":
             keep_heap_warm()  # Note [warm heap]: swap-ins copy into warm pages
             if int(init.get("cpu_threads") or 0) > 0:  # its share of the cores

@@ -51,15 +51,28 @@ class CudaDevice:
     kind = "cuda"
     adopts_host_memory = False
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, memory: int | str = "auto") -> None:
         self.index = index
         self.torch_device = torch.device("cuda", index)
         torch.cuda.set_device(self.torch_device)
         self.name = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+        self._memory = memory
 
     def capacity(self, workers: int) -> int:
+        """``gpu_worker_memory``, at most 90% of what the GPU has free now: the rest is
+        for the CUDA context and the allocator's slack (an operator who shares the card
+        with other programs gives less)."""
         free, _total = torch.cuda.mem_get_info(self.torch_device)
-        return int(free * 0.9)  # leave room for the CUDA context and allocator slack
+        ceiling = int(free * 0.9)
+        if self._memory == "auto":
+            return ceiling
+        if int(self._memory) > ceiling:
+            log.warning(
+                "gpu_worker_memory = %d bytes, but %s has %d free: the VMU gets %d",
+                int(self._memory), self.name, free, ceiling,
+            )  # fmt: skip
+            return ceiling
+        return int(self._memory)
 
     def register_host_memory(self, address: int, size: int) -> bool:
         """Page-lock the arena so host<->device copies from it are DMA."""
@@ -106,8 +119,10 @@ class CudaDevice:
         }
 
 
-def open_device(spec: str, memory: int | str) -> CpuDevice | CudaDevice:
+def open_device(
+    spec: str, memory: int | str, gpu_memory: int | str = "auto"
+) -> CpuDevice | CudaDevice:
     kind, _, index = spec.partition(":")
     if kind == "cuda":
-        return CudaDevice(int(index or 0))
+        return CudaDevice(int(index or 0), gpu_memory)
     return CpuDevice(int(index or 0), memory)

@@ -105,6 +105,15 @@ SETTINGS: tuple[Setting, ...] = (
         low=16 * MIB,
     ),
     Setting(
+        "gpu_worker_memory",
+        "auto",
+        "Memory a GPU worker's VMU may use (text + data + stack). 'auto': 90% of the GPU's "
+        "free memory when the worker starts (the rest is the CUDA context's and allocator "
+        "slack); a size above that is cut to it, with a warning.",
+        "bytes",
+        low=16 * MIB,
+    ),
+    Setting(
         "vmu_text_fraction",
         0.0,
         "Optional cap on the share of a device's memory weights (text) may hold; 0: no cap. "

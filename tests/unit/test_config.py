@@ -108,6 +108,7 @@ BAD_VALUES = {
     "arena_reserve": [-0.1, 1.0],
     "inline_max_bytes": ["1GiB", "big"],
     "cpu_worker_memory": ["1MiB", "plenty"],
+    "gpu_worker_memory": ["1MiB", "most of it"],
     "vmu_text_fraction": [-0.1, 1.5, "nan"],
     "vmu_data_fraction": [2, "inf"],
     "memory_policy": ["fifo", "", ["lru"]],

@@ -63,3 +63,14 @@ def test_a_worker_with_a_lost_device_flushes_its_replies_and_exits(monkeypatch):
         Worker.exit_if_device_lost(worker)
     assert exits == [control.DEVICE_LOST_EXIT]
     assert session.outbox.flushed == 1  # the culprit's error reply went out first
+
+
+def test_a_gpu_workers_budget_is_its_setting_within_what_the_card_has_free(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 << 30, 80 << 30))
+    device = _cuda_device()
+    device._memory = "auto"
+    assert device.capacity(1) == int((10 << 30) * 0.9)
+    device._memory = 4 << 30
+    assert device.capacity(1) == 4 << 30  # an operator sharing the card gives less
+    device._memory = 64 << 30
+    assert device.capacity(1) == int((10 << 30) * 0.9)  # cut to what is free, warned
