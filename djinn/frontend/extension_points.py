@@ -60,6 +60,7 @@ from . import (
     pinned,
     recurrent,
     serialization,
+    transformer_fastpath,
     uncaptured,
 )
 from .device import DEVICE_TYPE
@@ -130,6 +131,8 @@ def _attach_kernels() -> list[torch.library.Library]:
         "AutogradPrivateUse1",
     )
     for name, kernel in recurrent.KERNELS.items():  # Note [recurrent layers]
+        lib.impl(name, kernel, "AutogradPrivateUse1")
+    for name, kernel in transformer_fastpath.KERNELS.items():  # Note [transformer fast path]
         lib.impl(name, kernel, "AutogradPrivateUse1")
     for name in uncaptured.KERNELS_OVER_FORMULAS:  # Note [kernels over formulas]
         lib.impl(name, uncaptured.below_autograd(name), "AutogradPrivateUse1")
