@@ -12,7 +12,8 @@ and their argument validation (``_is_all_true``) joined with a 300-second run; t
 backwards of the ``*_forward`` ops autograd sends (``log_sigmoid``, ``nll_loss2d``,
 ``_pdist``) with checks of what their kernels index by (``opchecks``); the 3-d forms of
 reflection and replication padding (``opchecks._padding`` covers them) and of nearest
-upsampling, with a 150-second run.
+upsampling, with a 150-second run; ``_weight_norm_interface`` (``weight_norm``) and its
+backward with a check of the slices they read ``g`` and the norms by (``opchecks``).
 """
 
 RECORDED = frozenset(
@@ -59,6 +60,7 @@ RECORDED = frozenset(
         "aten::_upsample_nearest_exact1d.default",
         "aten::_upsample_nearest_exact2d.default",
         "aten::_upsample_nearest_exact3d.default",
+        "aten::_weight_norm_interface.default",
         "aten::abs.default",
         "aten::acos.default",
         "aten::acosh.default",

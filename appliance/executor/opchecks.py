@@ -165,6 +165,27 @@ def _pdist(op: str, a: dict[str, Any]) -> None:
             raise InvalidArgument(f"{op}: {name} must hold one value per pair of rows")
 
 
+def _weight_norm(op: str, a: dict[str, Any]) -> None:
+    """``_weight_norm_interface`` reads one ``g`` (and, backward, one saved norm) per slice
+    of ``v`` along ``dim``, by pointer: a ``g`` of one value for four rows returned three
+    values read past it (local PyTorch runs it). Each must hold ``v.size(dim)`` values, and
+    the backward's gradient ``v``'s shape."""
+    v = a.get("v", a.get("saved_v"))
+    dim = a.get("dim", 0)  # the schema's default, which the client leaves out
+    if not isinstance(v, torch.Tensor) or not v.dim() or not isinstance(dim, int):
+        raise InvalidArgument(f"{op}: v must be a tensor of at least one dimension")
+    if dim not in (0, v.dim() - 1):
+        raise InvalidArgument(f"{op}: dim must be 0 or v's last dimension")
+    slices = v.shape[dim]
+    for name in ("g", "saved_g", "saved_norms"):
+        t = a.get(name)
+        if name in a and not (isinstance(t, torch.Tensor) and t.numel() == slices):
+            raise InvalidArgument(f"{op}: {name} must hold one value per slice of v along dim")
+    grad = a.get("grad_w")
+    if "grad_w" in a and not (isinstance(grad, torch.Tensor) and grad.shape == v.shape):
+        raise InvalidArgument(f"{op}: grad_w must have v's shape")
+
+
 def _class_targets(op: str, a: dict[str, Any]) -> None:
     """Without reduction, nll_loss's backward writes ``grad_input[i][target[i]]`` (and
     reads ``weight[target[i]]``) with no bounds check: a target past the classes was a
@@ -307,6 +328,8 @@ CHECKS: dict[str, Check] = {
     "aten::nll_loss_backward": _class_targets,
     "aten::nll_loss2d_forward": _class_targets,
     "aten::nll_loss2d_backward": _class_targets,
+    "aten::_weight_norm_interface": _weight_norm,
+    "aten::_weight_norm_interface_backward": _weight_norm,
     "aten::_pdist_forward": _pdist,
     "aten::_pdist_backward": _pdist,
     "aten::_native_batch_norm_legit": _per_channel,

@@ -211,6 +211,31 @@ def test_three_dimensional_padding_and_upsampling_train_as_local_eager(layer):
         assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+        lambda m: torch.nn.utils.parametrizations.weight_norm(m, dim=1),
+        lambda m: torch.nn.utils.weight_norm(m),  # the older hook-based form
+    ],
+)
+@pytest.mark.parametrize("base", [lambda: torch.nn.Linear(5, 4), lambda: torch.nn.Conv1d(3, 4, 3)])
+def test_weight_normalised_layers_train_as_local_eager(wrap, base):
+    """``weight_norm`` (vocoders, WaveNet-style models) computes its weight with
+    ``_weight_norm_interface``, which was not on the allowlist (found by a module sweep)."""
+
+    def run(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        module = wrap(base()).to(device)
+        shape = (2, 5) if isinstance(module, torch.nn.Linear) else (2, 3, 7)
+        x = torch.randn(*shape).to(device).requires_grad_()
+        module(x).pow(2).sum().backward()
+        return [x.grad, *(p.grad for p in module.parameters())]
+
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_silu_and_mish_backpropagate_with_the_kernel_local_eager_runs():
     """Note [kernels over formulas] (djinn/frontend/uncaptured.py): their backward took
     the composite formula, 1-2 ulp away from the CPU kernel local eager runs (found by a
