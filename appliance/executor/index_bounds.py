@@ -150,11 +150,20 @@ GUARDS: dict[str, Guard] = {
 }
 
 
-def check(op: Any, named: dict[str, Any]) -> None:
-    """Note [indices on a GPU]: refuse ``op``'s out-of-range values before its kernel."""
+def _guard_of(op: Any) -> Guard | None:
     name = op._schema.name
     guard = GUARDS.get(name)
     if guard is None and name.endswith("_"):
         guard = GUARDS.get(name[:-1])  # an in-place form indexes as its op does
+    return guard
+
+
+def has_guard(op: Any) -> bool:
+    return _guard_of(op) is not None
+
+
+def check(op: Any, named: dict[str, Any]) -> None:
+    """Note [indices on a GPU]: refuse ``op``'s out-of-range values before its kernel."""
+    guard = _guard_of(op)
     if guard is not None:
-        guard(f"{name}.{op._schema.overload_name or 'default'}", named)
+        guard(f"{op._schema.name}.{op._schema.overload_name or 'default'}", named)

@@ -350,11 +350,22 @@ CHECKS: dict[str, Check] = {
 }
 
 
-def check(op: Any, named: dict[str, Any]) -> None:
-    """Run the extra check for ``op`` (if it has one) on its arguments by name."""
+def _check_of(op: Any) -> Check | None:
     name = op._schema.name
     fn = CHECKS.get(name)
     if fn is None and name.endswith("_"):
         fn = CHECKS.get(name[:-1])  # an in-place form runs its op's kernel: its checks too
+    return fn
+
+
+def has_check(op: Any) -> bool:
+    """Whether ``op`` has an extra check: an execution plan runs those again on every run,
+    since several read the arguments' values (Note [graph plans])."""
+    return _check_of(op) is not None
+
+
+def check(op: Any, named: dict[str, Any]) -> None:
+    """Run the extra check for ``op`` (if it has one) on its arguments by name."""
+    fn = _check_of(op)
     if fn is not None:
         fn(f"{op._schema.name}.{op._schema.overload_name or 'default'}", named)

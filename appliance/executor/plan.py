@@ -23,6 +23,9 @@ the bounds of what it returned, the stack's account, intermediates freed at thei
 use). Random ops are seeded per node as before. The kernels and their arguments are the
 same, so results are bit-identical to the interpreted run.
 
+The extra checks that read arguments' *values* (targets, offsets, indices) are the
+exception: they run on every planned run (Note [value checks in a plan]).
+
 What a plan cannot vouch for runs interpreted: inputs of another signature (a plan per
 signature, a few per template), a template with an op that has no meta kernel (its
 output's size depends on values, so later nodes' checks cannot be known in advance:
@@ -38,11 +41,11 @@ from typing import Any
 
 import torch
 
-from djinn.errors import InvalidArgument
+from djinn.errors import ExecutionError, InvalidArgument
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
-from . import metacheck
+from . import index_bounds, metacheck, opargs, opchecks
 from .graph import GraphRun
 
 log = logging.getLogger("djinn.appliance.plan")
@@ -153,9 +156,28 @@ class PlanRun(GraphRun):
         if node.rng is not None:
             self._seed(node.rng)
         args, kwargs = node.args(self), node.kwargs(self)
+        if opchecks.has_check(node.op) or (
+            self.device.type != "cpu" and index_bounds.has_guard(node.op)
+        ):
+            self._value_checks(i, node.op, args, kwargs)
         if node.need >= 0:  # an op with no meta kernel never makes it into a plan
             self._make_room(node.op, node.need, i)
         self._call(i, node.op, node.name, args, kwargs, node.meta, last_use)
+
+    def _value_checks(self, i: int, op: Any, args: list, kwargs: dict) -> None:
+        """Note [value checks in a plan]: the signature a plan is chosen by holds the
+        inputs' metadata, not their values, and several extra checks read values (nll's
+        targets, CTC's, segment offsets; indices on a GPU, Note [indices on a GPU]). A
+        template recorded with valid targets took a crafted out-of-range one on its next
+        planned run straight to the kernel (nll_loss_backward writes there unchecked: a
+        SIGSEGV of the worker). Those checks run on every planned run."""
+        try:
+            named = opargs.bind(op, args, kwargs, self.device)
+            opchecks.check(op, named)
+            if self.device.type != "cpu":
+                index_bounds.check(op, named)
+        except (InvalidArgument, ExecutionError) as exc:
+            raise type(exc)(f"node {i}: {exc.message}") from None
 
 
 def _refs(refs: Any, inputs: list[str]) -> list[dict[str, Any]]:

@@ -241,3 +241,34 @@ def test_plans_are_bounded_by_their_nodes():
         nodes += [{"op": "aten::neg.default", "args": [{"$v": k}]} for k in range(4)]
         interpreted(body_of(nodes, fetch=[{"$v": 4}]), Session(x=torch.ones(2)), stack, plans)
     assert plans.stats()["nodes"] <= 12 and plans.stats()["plans"] == 2
+
+
+def test_a_plan_runs_the_checks_that_read_values():
+    """Note [value checks in a plan]: a template recorded with valid targets must not take a
+    crafted target past the classes straight to nll_loss_backward, which writes there
+    unchecked (a SIGSEGV of the worker): plans are chosen by metadata, not values."""
+    from djinn.errors import InvalidArgument
+
+    def step():
+        return body_of(
+            [
+                {
+                    "op": "aten::nll_loss_backward.default",
+                    "args": [{"$h": "g"}, {"$h": "x"}, {"$h": "t"}, None, 0, -100, {"$h": "w"}],
+                }
+            ],
+            fetch=[{"$v": 0}],
+        )
+
+    def session(target: list[int]) -> Session:
+        torch.manual_seed(0)
+        return Session(
+            g=torch.ones(2), x=torch.randn(2, 3), t=torch.tensor(target), w=torch.tensor(1.0)
+        )
+
+    plans, stack = GraphPlans(after=1), stack_of()
+    interpreted(step(), session([0, 2]), stack, plans)
+    (_, (got,)), _ = planned(step(), session([1, 2]), stack, plans)
+    assert plans.plan_runs == 1 and got.shape == (2, 3)
+    with pytest.raises(InvalidArgument, match="out of bounds"):
+        planned(step(), session([0, 10**9]), stack, plans)
