@@ -20,13 +20,16 @@ Their CPU bodies (``aten/src/ATen/native/transformers/transformer.cpp`` and
   local eager's to the bit, for every shape tried.)
 
 Unmasked, the results are local eager's to the bit. Masked, the softmax is
-``masked_fill`` with -inf then ``softmax`` (rows with every position masked give zeros, as
-``_masked_softmax`` does): within a few ulps of eager's kernel, whose summation differs.
+``masked_fill`` with -inf then ``softmax`` (a row with every position masked gives NaN,
+as ``_masked_softmax`` does): within a few ulps of eager's kernel, whose summation differs.
 
 With ``src_key_padding_mask``, ``nn.TransformerEncoder`` (``enable_nested_tensor=True``, the
-default) packs the batch into nested tensors, which the remote device does not have: it
-fails with a typed error that names the way out, ``enable_nested_tensor=False``, under which
-local eager computes what the remote device does.
+default; ``nn.Transformer``'s encoder too) packs the batch into nested tensors, which the
+remote device does not have: it fails with a typed error that names the way out
+(``enable_nested_tensor=False``, or ``model.encoder.use_nested_tensor = False``), under which
+local eager computes what the remote device does. (The nested path leaves zeros at the
+padded positions, the other path the layers' values there: an ``nn.Transformer``'s decoder
+attends to them, so its output differs between the two, locally as well.)
 """
 
 from __future__ import annotations
@@ -47,10 +50,14 @@ Tensor = torch.Tensor
 _aten = torch.ops.aten
 
 
-def _inv_sqrt(dim_per_head: int) -> float:
-    """``1.0 / std::sqrt(static_cast<float>(dim_per_head))``, as the CPU kernel computes
-    it before storing it as a float: a float32 square root, then a double division."""
-    return 1.0 / float(np.float32(math.sqrt(dim_per_head)))
+def _inv_sqrt(dim_per_head: int, dtype: torch.dtype) -> float:
+    """``1.0 / std::sqrt(static_cast<scalar_t>(dim_per_head))`` stored as ``scalar_t``, as
+    the CPU kernel computes it: the root in float32 (in float64 for double), a double
+    division, then rounded to the tensor's dtype."""
+    root = math.sqrt(dim_per_head)
+    if dtype != torch.float64:
+        root = float(np.float32(root))
+    return torch.tensor(1.0 / root, dtype=dtype).item()
 
 
 def _project(query: Tensor, key: Tensor, value: Tensor, embed_dim: int, w: Tensor) -> Tensor:
@@ -71,7 +78,7 @@ def _bias_rescale(qkv: Tensor, bias: Tensor, heads: int) -> tuple[Tensor, Tensor
     b, t, three_d = qkv.shape
     d = three_d // 3 // heads
     parts = (qkv.view(b, t, 3, heads, d) + bias.view(3, heads, d)).permute(2, 0, 3, 1, 4)
-    q = parts[0].mul(_inv_sqrt(d)).contiguous()
+    q = parts[0].mul(_inv_sqrt(d, qkv.dtype)).contiguous()
     return q, parts[1].contiguous(), parts[2].contiguous()
 
 
@@ -87,9 +94,8 @@ def _masked_softmax(scores: Tensor, mask: Tensor | None, mask_type: int | None) 
         mask = mask.view(b, 1, 1, s)
     elif mask.dim() == 2:
         mask = mask.view(1, 1, t, s)
-    mask = mask.expand(b, h, t, s)
-    out = torch._softmax(scores.masked_fill(mask, float("-inf")), -1, False)
-    return out.masked_fill(mask.all(-1, keepdim=True), 0.0)
+    # a row with every position masked gives NaN, as eager's kernel does (torch 2.13)
+    return torch._softmax(scores.masked_fill(mask.expand(b, h, t, s), float("-inf")), -1, False)
 
 
 def native_multi_head_attention(
@@ -164,7 +170,9 @@ def nested_from_mask_left_aligned(t: Tensor, mask: Tensor) -> bool:
     raise UnsupportedOp(
         "nn.TransformerEncoder with src_key_padding_mask in eval mode packs the batch into "
         "nested tensors, which the remote device does not have: build it with "
-        "enable_nested_tensor=False (local eager then computes what the remote device does)"
+        "enable_nested_tensor=False, or set encoder.use_nested_tensor = False (for "
+        "nn.Transformer: model.encoder.use_nested_tensor = False); local eager then computes "
+        "what the remote device does (the padded positions hold the layers' values, not zeros)"
     )
 
 

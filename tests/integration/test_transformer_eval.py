@@ -110,3 +110,39 @@ def test_a_validation_loop_after_training_steps_runs(remote):
         want = local(X)
         got = moved(X.to(R)).cpu()
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_a_row_with_every_position_masked_is_nan_as_in_eager(remote):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    mask = torch.zeros(7, 7, dtype=torch.bool)
+    mask[0] = True  # the first query may attend to nothing
+
+    def run(m, d):
+        x = X.to(d)
+        return m(x, x, x, attn_mask=mask.to(d), need_weights=False)[0].cpu()
+
+    got, want = _both(mha, run)
+    assert want[:, 0].isnan().all() and got[:, 0].isnan().all()
+    torch.testing.assert_close(got[:, 1:], want[:, 1:], rtol=0, atol=1e-5)
+
+
+def test_a_float64_encoder_gives_local_eagers_numbers(remote):
+    model = _encoder(False, "relu").double()
+    got, want = _both(model, lambda m, d: m(X.double().to(d)).cpu())
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_a_transformers_padding_mask_names_its_own_switch(remote):
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True).eval()
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    remote_model = copy.deepcopy(model).to(R)
+    with torch.no_grad(), pytest.raises(UnsupportedOp, match=r"encoder\.use_nested_tensor"):
+        remote_model(X.to(R), X.to(R), src_key_padding_mask=pad.to(R)).cpu()
+    model.encoder.use_nested_tensor = remote_model.encoder.use_nested_tensor = False
+    with torch.no_grad():
+        want = model(X, X, src_key_padding_mask=pad)
+        got = remote_model(X.to(R), X.to(R), src_key_padding_mask=pad.to(R)).cpu()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

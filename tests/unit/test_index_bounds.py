@@ -20,7 +20,8 @@ def _guarded(op, *args, **kwargs) -> bool:
     try:
         index_bounds.check(op, opargs.bind(op, list(args), kwargs, CPU))
     except ExecutionError as exc:
-        assert "out of bounds" in str(exc) or "probab" in str(exc) or "p must" in str(exc)
+        words = ("out of bounds", "probab", "p must", "between 0 and 1", "rate", "offsets")
+        assert any(w in str(exc) for w in words), str(exc)
         return True
     return False
 
@@ -98,3 +99,55 @@ def test_an_embedding_gradient_with_an_index_past_its_rows_is_refused_but_paddin
     assert _guarded(aten.embedding_dense_backward.default, grad, bad, 4, -1, False)
     padded = torch.tensor([0, 9, 1])  # 9 is the padding index: never read
     assert not _guarded(aten.embedding_dense_backward.default, grad, padded, 10, 9, False)
+
+
+def _labels_and_values():
+    """(op, args) of the losses, samplers, unpooling and embedding bags whose CUDA kernels
+    assert on a label or value the CPU kernel refuses: good and bad values alike."""
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    u = torch.rand(2, 3)
+    one = torch.tensor(1.0)
+    cases = []
+    for t in ([0, 2], [-1, 0], [3, 0], [1, 1]):
+        cases.append((aten.multi_margin_loss.default, (x, torch.tensor(t))))
+        cases.append((aten.multi_margin_loss_backward.default,
+                      (one, x, torch.tensor(t), 1, 1, None, 1)))  # fmt: skip
+    for row in ([0, 1, -1], [-1, 5, 7], [3, 0, -1], [-2, 0, 1], [2, 1, 0]):
+        target = torch.tensor([row, [0, 1, 2]])
+        cases.append((aten.multilabel_margin_loss_forward.default, (x, target, 1)))
+    for value in (0.0, 1.0, 1.5, -0.5, float("nan")):
+        full = torch.full((2, 3), value)
+        cases.append((aten.binary_cross_entropy.default, (u, full)))
+        cases.append((aten.binary_cross_entropy.default, (full, u)))
+        cases.append((aten.poisson.default, (torch.tensor([value, 1.0]),)))
+        cases.append((aten.bernoulli.default, (torch.tensor([value, 0.5]),)))
+    for last in (3, 15, 16, 99, -1):
+        idx = torch.tensor([[[[0, 1], [2, last]]]])
+        cases.append((aten.max_unpool2d.default, (torch.randn(1, 1, 2, 2), idx, [4, 4])))
+    bags = [([0, 3], [0]), ([0, 9], [0]), ([0, -1], [0]), ([0, 1], [0, 5])]
+    bags += [([0, 1], [1]), ([0, 1, 2], [0, 2, 1]), ([0, 1, 2], [0, 1, 3])]
+    for indices, offsets in bags:
+        args = (w, torch.tensor(indices), torch.tensor(offsets))
+        cases.append((aten._embedding_bag_forward_only.default, args))
+    return cases
+
+
+def test_label_and_value_guards_refuse_exactly_what_the_cpu_kernel_refuses():
+    _agree(_labels_and_values())
+
+
+def test_a_zero_dim_mask_covers_no_dimension_as_aten_counts_it():
+    x = torch.arange(30.0).reshape(3, 10)
+    for index in ([torch.tensor(True), torch.tensor([5])], [torch.tensor(True), torch.tensor([2])]):
+        assert _guarded(aten.index.Tensor, x, index) == _eager_refuses(aten.index.Tensor, x, index)
+    assert _guarded(aten.index.Tensor, x, [torch.tensor(True), torch.tensor([5])])
+
+
+def test_probabilities_are_checked_in_their_own_dtype():
+    x = torch.zeros(1, dtype=torch.float64)
+    p = torch.tensor([1 + 1e-12], dtype=torch.float64)
+    assert _guarded(aten.bernoulli_.Tensor, x, p) and _eager_refuses(aten.bernoulli_.Tensor, x, p)
+    for weights in ([[1e300, 1.0]], [[1e-50, 1e-50]]):
+        p = torch.tensor(weights, dtype=torch.float64)
+        assert not _guarded(aten.multinomial.default, p, 1)
+        assert not _eager_refuses(aten.multinomial.default, p, 1)
