@@ -29,6 +29,7 @@ from typing import Any
 
 from djinn.errors import (
     DjinnError,
+    ExecutionError,
     FrameTooLarge,
     InternalError,
     ProtocolError,
@@ -41,7 +42,7 @@ from djinn.semantics.registry import default_registry
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
-from . import control, gc_freeze, prewarm, worker_stats
+from . import control, device_lost, gc_freeze, prewarm, worker_stats
 from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
@@ -525,7 +526,8 @@ class Worker:
             outcome = exc.code
             self.admission.ran(s, frame)
             self.send_error(s, rid, exc)
-            self.exit_if_device_lost()
+            if isinstance(exc, ExecutionError):  # a kernel failed: the context may be lost
+                device_lost.exit_if_lost(self)
         except GeneratorExit:  # its session ended while it waited (Scheduler.cancel)
             outcome = "cancelled"
             raise
@@ -534,7 +536,7 @@ class Worker:
             self.admission.ran(s, frame)
             log.exception("worker %s: request %s failed", self.id, frame.kind.name)
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
-            self.exit_if_device_lost()
+            device_lost.exit_if_lost(self)
         finally:
             self.memory.end(s, frame.kind.name)
             self.busy.current = None
@@ -579,27 +581,6 @@ class Worker:
                     s.object_ids.pop(id(obj), None)
             self.store.charge_objects(s)
             self.memory.forget_objects(s)  # swapped-out caches among them
-
-    def exit_if_device_lost(self) -> None:
-        """Note [a lost GPU context] (executor/device.py): after a failed request, a worker
-        whose device no longer answers leaves at once, its failed request answered first.
-        The supervisor restarts it as after a crash, and every session on it gets
-        WORKER_LOST (and is rebuilt from its lineage where the client keeps one), where
-        staying up would fail each of their requests with the culprit's error forever."""
-        if self.device.healthy():
-            return
-        log.critical(
-            "worker %s: the CUDA context of %s is lost (a kernel's device-side assert or an "
-            "illegal address); exiting so that the supervisor starts a fresh one",
-            self.id,
-            self.device.name,
-        )
-        for s in list(self.sessions.values()):  # the culprit's error reply is queued
-            with contextlib.suppress(OSError):
-                s.outbox.flush(s.sock)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(control.DEVICE_LOST_EXIT)
 
     def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
         self.send(s, encode_frame(Kind.REPLY, rid, body, segments))

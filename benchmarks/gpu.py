@@ -266,7 +266,7 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
         out = str(Path(tmp) / "local.pt")
         subprocess.run(
             [sys.executable, __file__, "--local-training-child", out, "--repeat", str(repeat)],
-            check=True, timeout=600,
+            check=True, timeout=150,
         )  # fmt: skip
         local = torch.load(out)  # this benchmark's own child wrote it
     r, g = statistics.median(remote_s), statistics.median(local["times"])
@@ -314,7 +314,6 @@ def main() -> int:
         stats = client.stats()
         doc["workers"] = len(stats["workers"])
         doc["arena_pinned"] = stats["vmu"]["host_arena"]["pinned"]
-        doc["vmu_before"] = vmu_figures(client)
         torch.manual_seed(0)
         cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads)
         local = transformers.GPT2LMHeadModel(cfg).eval()
@@ -332,6 +331,7 @@ def main() -> int:
             return mp
 
         sections = [
+            ("vmu_before", lambda: vmu_figures(client)),
             ("upload", upload_section),
             ("model_path", model_section),
             ("vmu_loaded", lambda: vmu_figures(client)),
@@ -347,6 +347,7 @@ def main() -> int:
             except Exception as exc:  # reported, and the run goes on
                 doc[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 note(f"{name} failed: {doc[name]['error']}")
+            save_json(doc, args.json)  # what is measured survives a later section's limit
         keep.clear()
     report(doc)
     save_json(doc, args.json)
@@ -396,7 +397,7 @@ def report(doc: dict[str, Any]) -> None:
         print(f"\nregistration of the model: {doc['model_path']['register_s']} s")
     print("\n| VMU | before load | after load |")
     print("|---|---|---|")
-    before, after = doc["vmu_before"], doc.get("vmu_loaded") or {}
+    before, after = doc.get("vmu_before") or {}, doc.get("vmu_loaded") or {}
     fmt = lambda v: f"{v / GiB:.3f} GiB" if isinstance(v, int) and v > MiB else str(v)  # noqa: E731
     for key in dict.fromkeys([*before, *after]):
         print(f"| {key} | {fmt(before.get(key))} | {fmt(after.get(key))} |")

@@ -103,14 +103,17 @@ class CudaDevice:
             return False
         return True
 
-    def memory_figures(self) -> dict[str, int]:
+    def memory_figures(self) -> dict[str, int] | None:
         """Note [device memory figures]: what the CUDA allocator of this worker holds
         (``allocated``: live tensors; ``reserved``: its cached blocks too) and what the
         driver says of the whole card (``free`` / ``total``), beside which the VMU's
         accounted ``used`` can be checked: the VMU charges every tensor it creates, so
         ``allocated`` exceeds it only by what the worker holds outside the VMU (the CUDA
         context's own allocations are in neither; they show in ``total - free``)."""
-        free, total = torch.cuda.mem_get_info(self.torch_device)
+        try:
+            free, total = torch.cuda.mem_get_info(self.torch_device)
+        except Exception:  # a lost context (Note [a lost GPU context]): no figures
+            return None
         return {
             "allocated": int(torch.cuda.memory_allocated(self.torch_device)),
             "reserved": int(torch.cuda.memory_reserved(self.torch_device)),

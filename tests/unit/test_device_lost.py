@@ -5,14 +5,14 @@ a CPU worker never does. Run with doubles: the CPU-only suite has no CUDA contex
 
 from __future__ import annotations
 
+import socket
 import types
 
 import pytest
 import torch
 
-from djinn.appliance import control
+from djinn.appliance import control, device_lost
 from djinn.appliance.executor.device import CpuDevice, CudaDevice
-from djinn.appliance.worker import Worker
 
 
 def _cuda_device() -> CudaDevice:
@@ -35,12 +35,17 @@ def test_a_cuda_device_whose_synchronize_raises_is_lost(monkeypatch):
 
 
 class Outbox:
+    """A reply queued on a slow reader: the first flush writes part of it."""
+
     def __init__(self) -> None:
         self.flushed = 0
 
+    def __bool__(self) -> bool:
+        return self.flushed < 2
+
     def flush(self, sock) -> bool:
         self.flushed += 1
-        return True
+        return self.flushed >= 2
 
 
 def test_a_worker_with_a_lost_device_flushes_its_replies_and_exits(monkeypatch):
@@ -50,19 +55,20 @@ def test_a_worker_with_a_lost_device_flushes_its_replies_and_exits(monkeypatch):
         exits.append(code)
         raise SystemExit(code)
 
-    monkeypatch.setattr("djinn.appliance.worker.os._exit", fake_exit)
-    session = types.SimpleNamespace(outbox=Outbox(), sock=None)
+    monkeypatch.setattr(device_lost.os, "_exit", fake_exit)
+    here, _there = socket.socketpair()
+    session = types.SimpleNamespace(outbox=Outbox(), sock=here)
     worker = types.SimpleNamespace(
         id=0, device=types.SimpleNamespace(healthy=lambda: True, name="cuda:0"),
         sessions={"s1": session},
     )  # fmt: skip
-    Worker.exit_if_device_lost(worker)  # healthy: nothing happens
+    device_lost.exit_if_lost(worker)  # healthy: nothing happens
     assert exits == [] and session.outbox.flushed == 0
     worker.device.healthy = lambda: False
     with pytest.raises(SystemExit):
-        Worker.exit_if_device_lost(worker)
+        device_lost.exit_if_lost(worker)
     assert exits == [control.DEVICE_LOST_EXIT]
-    assert session.outbox.flushed == 1  # the culprit's error reply went out first
+    assert session.outbox.flushed == 2  # the culprit's error reply went out whole first
 
 
 def test_a_gpu_workers_budget_is_its_setting_within_what_the_card_has_free(monkeypatch):
