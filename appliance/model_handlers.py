@@ -292,7 +292,7 @@ def _run_call(
 ) -> Reply:
     """``batched``: this decode step's result, computed in a batch with other sessions'
     steps (Note [cross-session batching]); it stands in for the model's forward."""
-    from . import callmemory
+    from . import call_checks, callmemory
     from .skeleton import encode_output
 
     fn = entry.module if method == "forward" else getattr(entry.module, method)
@@ -313,6 +313,8 @@ def _run_call(
     lengths = _cache_lengths([args, kwargs])  # Note [calls run once]
     started = time.perf_counter()
     try:
+        if w.device.torch_device.type != "cpu":  # a CPU kernel raises; a GPU's asserts
+            call_checks.check(entry.module, f"{entry.name}.{method}", args, kwargs)
         with torch.no_grad():
             out = fn(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
