@@ -10,6 +10,7 @@ client never holds a tensor's data.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -432,11 +433,9 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     trace.add(node)
     outs: list[Any] = []
-    for i, s in enumerate(specs):
-        if not isinstance(s, TensorSpec):
-            outs.append(s)
-            continue
-        outs.append(_output(s, flat, node, i))
+    with _view_mode(func, args):
+        for i, s in enumerate(specs):
+            outs.append(_output(s, flat, node, i) if isinstance(s, TensorSpec) else s)
     if isinstance(spec, TensorSpec):
         return outs[0]
     return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)
@@ -501,6 +500,24 @@ def _check_alias(s: TensorSpec, flat: list[Any], func: Any) -> None:
             f"{func._schema.name}.{func._overloadname} changes the shape of a remote tensor "
             "in place; use the out-of-place op"
         )
+
+
+def _view_mode(func: Any, args: tuple) -> Any:
+    """Note [views in inference mode]: under ``torch.inference_mode()`` a view of a normal
+    tensor is a normal tensor (PyTorch then makes it share its base's version counter). A
+    wrapper made there is an inference tensor, and every ``split``, ``t()`` or ``view`` of
+    a remote tensor moved before the block raised "Cannot set version_counter for inference
+    tensor" (``nn.Transformer``'s decoder under inference_mode). Its outputs are made with
+    inference mode off."""
+    if (
+        func.is_view
+        and torch.is_inference_mode_enabled()
+        and args
+        and isinstance(args[0], torch.Tensor)
+        and not args[0].is_inference()
+    ):
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:

@@ -141,6 +141,19 @@ def _node_writes(node: dict[str, Any], alias: list[set[str]]) -> set[str]:
     return found
 
 
+def kept(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A put's source as the journal keeps it: the tensor and its version counter (Note
+    [unchanged puts]). An inference tensor (made under ``torch.inference_mode()``) has no
+    version counter, so a write into it cannot be seen: reading its version raised out of
+    every put and checkpoint made in that mode. The journal keeps a private copy of it
+    instead, a normal tensor nothing writes into."""
+    if not t.is_inference():
+        return t.detach(), t._version
+    with torch.inference_mode(False):
+        copy = t.detach().clone()
+    return copy, copy._version
+
+
 def unchanged_puts(
     entries: list[Entry], live: set[str] | dict[str, Any], skip: set[str] | dict[str, Any]
 ) -> dict[str, tuple[torch.Tensor, int]]:

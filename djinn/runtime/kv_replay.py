@@ -59,6 +59,7 @@ from .journal import (
     Entry,
     _handles_in,
     _objects_in,
+    kept,
     strings_in,
     view_outputs,
     written_handles,
@@ -398,7 +399,7 @@ def _put_back(entries: list[Entry], known: dict[str, torch.Tensor]) -> list[Entr
             if made and made <= names:
                 for h in (h for h in e.out if h is not None):
                     t = known[h]
-                    out.append(Entry("put", None, [(t, t._version)], [h], t.numel() * t.itemsize))
+                    out.append(Entry("put", None, [kept(t)], [h], t.numel() * t.itemsize))
                 continue
         elif e.kind == "call" and _reads(e, names):
             st = step_of(e, i)
@@ -478,7 +479,7 @@ def _rewrite(
         elif i in dropped:
             for h in dropped[i]:
                 t = known[h]
-                out.append(Entry("put", None, [(t, t._version)], [h], t.numel() * t.itemsize))
+                out.append(Entry("put", None, [kept(t)], [h], t.numel() * t.itemsize))
         elif i in skip:
             continue
         elif e.kind == "call" and _reads(e, inlined):  # a plain step

@@ -82,6 +82,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     _from_handles_only,
     _remade_views,
     entry_writes,
+    kept,
     mark_views,
     needed,
     pair_ids,
@@ -202,7 +203,7 @@ class Lineage:
         return False
 
     def record_put(self, tensors: list[torch.Tensor], remotes: list[RemoteTensor]) -> None:
-        data = [(t.detach(), t._version) for t in tensors]
+        data = [kept(t) for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.record(Entry("put", None, data, [r.handle for r in remotes], nbytes))
 
@@ -442,7 +443,7 @@ class Lineage:
             handles = [h for h in live if h not in remade and h not in unchanged]
             values = self.s._get_many([live[h] for h in handles]) if handles else []
             if handles:
-                data = [(v, v._version) for v in values]
+                data = [kept(v) for v in values]
                 nbytes = sum(v.numel() * v.element_size() for v in values)
                 keep.append(Entry("put", None, data, handles, nbytes))
                 self.read_back_bytes += nbytes

@@ -12,7 +12,7 @@ import torch
 from djinn.errors import RecoveryFailed
 
 from . import kv_replay
-from .journal import Entry, needed, pair_ids, remap, strings_in
+from .journal import Entry, kept, needed, pair_ids, remap, strings_in
 
 if TYPE_CHECKING:
     from .lineage import Lineage
@@ -53,7 +53,7 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
         for h, r in zip(need, remotes, strict=True):
             mapping[h] = r.handle
             r._finalizer.detach()  # the old handle's holder owns it (rebound below)
-        data = [(t, t._version) for t in tensors]
+        data = [kept(t) for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         out.append(Entry("put", None, data, [r.handle for r in remotes], nbytes))
 
@@ -113,11 +113,11 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
         body = remap(e.body, mapping)
         if e.kind == "exec":
             reply = s._exec_body({**body, "fetch": []}, e.data)
-            kept = [None if k is None else k["handle"] for k in reply.get("kept", [])]
-            for old, new in zip(e.out, kept, strict=False):
+            handles = [None if k is None else k["handle"] for k in reply.get("kept", [])]
+            for old, new in zip(e.out, handles, strict=False):
                 if old is not None and new is not None:
                     mapping[old] = new
-            out.append(Entry("exec", {**body, "fetch": []}, e.data, kept, e.nbytes))
+            out.append(Entry("exec", {**body, "fetch": []}, e.data, handles, e.nbytes))
         elif e.kind == "call":
             reply = s._call_raw("CALL", body, e.data)
             pair_ids(e.out, reply.get("out"), mapping)
