@@ -13,7 +13,9 @@ backwards of the ``*_forward`` ops autograd sends (``log_sigmoid``, ``nll_loss2d
 ``_pdist``) with checks of what their kernels index by (``opchecks``); the 3-d forms of
 reflection and replication padding (``opchecks._padding`` covers them) and of nearest
 upsampling, with a 150-second run; ``_weight_norm_interface`` (``weight_norm``) and its
-backward with a check of the slices they read ``g`` and the norms by (``opchecks``).
+backward with a check of the slices they read ``g`` and the norms by (``opchecks``);
+``embedding_renorm_`` (``nn.Embedding(max_norm=...)``), whose CPU kernel picks rows with
+``select`` (bounds-checked), with a guard of its indices on GPU workers (``index_bounds``).
 """
 
 RECORDED = frozenset(
@@ -177,6 +179,7 @@ RECORDED = frozenset(
         "aten::dot.default",
         "aten::elu.default",
         "aten::embedding.default",
+        "aten::embedding_renorm.default",
         "aten::empty.memory_format",
         "aten::empty_like.default",
         "aten::empty_strided.default",

@@ -105,6 +105,16 @@ def _embedding(op: str, a: dict[str, Any]) -> None:
         _bounds(op, a.get("indices"), weight.shape[0], 0, wraps=False)
 
 
+def _embedding_renorm(op: str, a: dict[str, Any]) -> None:
+    """The CPU picks each row with ``select``, which wraps a negative index; CUDA's kernel
+    multiplies it by the row stride unchecked (a read and write before the weight), so
+    here a negative index is refused too: stricter than the CPU, as F.embedding, which
+    follows it, refuses negative indices anyway."""
+    weight = a.get("self")
+    if isinstance(weight, torch.Tensor) and weight.dim():
+        _bounds(op, a.get("indices"), weight.shape[0], 0, wraps=False)
+
+
 def _embedding_backward(op: str, a: dict[str, Any]) -> None:
     rows, padding = a.get("num_weights"), a.get("padding_idx", -1)
     indices = a.get("indices")
@@ -209,6 +219,7 @@ GUARDS: dict[str, Guard] = {
     "aten::put": _flat,
     "aten::embedding": _embedding,
     "aten::embedding_dense_backward": _embedding_backward,
+    "aten::embedding_renorm": _embedding_renorm,
     "aten::multinomial": _probabilities("self", row_sums=True),
     "aten::bernoulli": _probabilities("p", row_sums=False),
     "aten::poisson": _poisson,

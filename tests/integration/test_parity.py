@@ -236,6 +236,22 @@ def test_weight_normalised_layers_train_as_local_eager(wrap, base):
         assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_an_embedding_with_max_norm_trains_as_local_eager(norm_type):
+    """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place
+    (``embedding_renorm_``), which was not on the allowlist (found by a module sweep)."""
+
+    def run(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        module = torch.nn.Embedding(10, 4, max_norm=1.0, norm_type=norm_type).to(device)
+        ids = torch.tensor([[1, 3, 3], [9, 0, 1]]).to(device)
+        module(ids).pow(2).sum().backward()
+        return [module.weight.detach(), module.weight.grad]
+
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_silu_and_mish_backpropagate_with_the_kernel_local_eager_runs():
     """Note [kernels over formulas] (djinn/frontend/uncaptured.py): their backward took
     the composite formula, 1-2 ulp away from the CPU kernel local eager runs (found by a

@@ -151,3 +151,15 @@ def test_probabilities_are_checked_in_their_own_dtype():
         p = torch.tensor(weights, dtype=torch.float64)
         assert not _guarded(aten.multinomial.default, p, 1)
         assert not _eager_refuses(aten.multinomial.default, p, 1)
+
+
+def test_embedding_renorm_refuses_past_the_rows_and_negative_rows_unlike_the_cpu():
+    """The CPU wraps a negative row through ``select``; CUDA's kernel would address before
+    the weight, so a GPU worker refuses it (F.embedding, which follows, refuses it too)."""
+    w = torch.randn(4, 3)
+    ok, past, negative = torch.tensor([0, 3]), torch.tensor([4]), torch.tensor([-1])
+    assert not _guarded(aten.embedding_renorm_.default, w, ok, 1.0, 2.0)
+    assert _guarded(aten.embedding_renorm_.default, w, past, 1.0, 2.0)
+    assert _eager_refuses(aten.embedding_renorm_.default, w.clone(), past, 1.0, 2.0)
+    assert _guarded(aten.embedding_renorm_.default, w, negative, 1.0, 2.0)
+    assert not _eager_refuses(aten.embedding_renorm_.default, w.clone(), negative, 1.0, 2.0)
