@@ -15,7 +15,9 @@ reflection and replication padding (``opchecks._padding`` covers them) and of ne
 upsampling, with a 150-second run; ``_weight_norm_interface`` (``weight_norm``) and its
 backward with a check of the slices they read ``g`` and the norms by (``opchecks``);
 ``embedding_renorm_`` (``nn.Embedding(max_norm=...)``), whose CPU kernel picks rows with
-``select`` (bounds-checked), with a guard of its indices on GPU workers (``index_bounds``).
+``select`` (bounds-checked), with a guard of its indices on GPU workers (``index_bounds``);
+``col2im`` (``nn.Fold``, and ``nn.Unfold``'s backward), whose kernel checks every size it
+reads by (``col2im_shape_check``: blocks, channels, kernel, stride, dilation, padding).
 """
 
 RECORDED = frozenset(
@@ -148,6 +150,7 @@ RECORDED = frozenset(
         "aten::clamp_min_.Tensor",
         "aten::clamp_min_.default",
         "aten::clone.default",
+        "aten::col2im.default",
         "aten::complex.default",
         "aten::constant_pad_nd.default",
         "aten::convolution.default",

@@ -252,6 +252,28 @@ def test_an_embedding_with_max_norm_trains_as_local_eager(norm_type):
         assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (lambda: torch.nn.Unfold(2, stride=1), (2, 3, 5, 4)),
+        (lambda: torch.nn.Unfold(3, dilation=2, padding=1, stride=2), (1, 2, 7, 6)),
+        (lambda: torch.nn.Fold((4, 5), 2), (2, 12, 12)),
+    ],
+)
+def test_fold_and_unfold_train_as_local_eager(layer, shape):
+    """``nn.Fold`` and ``nn.Unfold``'s backward run ``col2im``, which was not on the
+    allowlist (found by a module sweep)."""
+
+    def run(device: str) -> list[torch.Tensor]:
+        x = torch.randn(*shape).to(device).requires_grad_()
+        out = layer()(x)
+        out.pow(2).sum().backward()
+        return [out.detach(), x.grad]
+
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_silu_and_mish_backpropagate_with_the_kernel_local_eager_runs():
     """Note [kernels over formulas] (djinn/frontend/uncaptured.py): their backward took
     the composite formula, 1-2 ulp away from the CPU kernel local eager runs (found by a
