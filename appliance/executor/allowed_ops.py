@@ -17,7 +17,12 @@ backward with a check of the slices they read ``g`` and the norms by (``opchecks
 ``embedding_renorm_`` (``nn.Embedding(max_norm=...)``), whose CPU kernel picks rows with
 ``select`` (bounds-checked), with a guard of its indices on GPU workers (``index_bounds``);
 ``col2im`` (``nn.Fold``, and ``nn.Unfold``'s backward), whose kernel checks every size it
-reads by (``col2im_shape_check``: blocks, channels, kernel, stride, dilation, padding).
+reads by (``col2im_shape_check``: blocks, channels, kernel, stride, dilation, padding);
+``_euclidean_dist`` (``cdist``'s matrix-product path) and ``affine_grid_generator``, both
+compositions of checked ops; ``unique_dim`` and ``multilabel_margin_loss_backward``, whose
+kernels check the dimension and the targets; ``_cdist_backward`` with a check of the
+gradient and distances it reads by the inputs' sizes (``opchecks``). A 150-second op fuzz
+ran after each group.
 """
 
 RECORDED = frozenset(
@@ -25,6 +30,7 @@ RECORDED = frozenset(
         "aten::_adaptive_avg_pool2d.default",
         "aten::_adaptive_avg_pool3d.default",
         "aten::_batch_norm_with_update.default",
+        "aten::_cdist_backward.default",
         "aten::_cdist_forward.default",
         "aten::_chunk_cat.default",
         "aten::_conj.default",
@@ -32,6 +38,7 @@ RECORDED = frozenset(
         "aten::_ctc_loss.Tensor",
         "aten::_ctc_loss.default",
         "aten::_embedding_bag_forward_only.default",
+        "aten::_euclidean_dist.default",
         "aten::_fft_c2c.default",
         "aten::_fft_c2r.default",
         "aten::_fft_r2c.default",
@@ -83,6 +90,7 @@ RECORDED = frozenset(
         "aten::addmm.default",
         "aten::addmv.default",
         "aten::addr.default",
+        "aten::affine_grid_generator.default",
         "aten::alias.default",
         "aten::alias_copy.default",
         "aten::all.default",
@@ -344,6 +352,7 @@ RECORDED = frozenset(
         "aten::mul_.Scalar",
         "aten::mul_.Tensor",
         "aten::multi_margin_loss.default",
+        "aten::multilabel_margin_loss_backward.default",
         "aten::multilabel_margin_loss_forward.default",
         "aten::multinomial.default",
         "aten::mv.default",
@@ -528,6 +537,7 @@ RECORDED = frozenset(
         "aten::unfold_copy.default",
         "aten::uniform_.default",
         "aten::unique_consecutive.default",
+        "aten::unique_dim.default",
         "aten::unsafe_split.Tensor",
         "aten::unsqueeze.default",
         "aten::unsqueeze_.default",

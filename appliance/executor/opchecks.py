@@ -165,6 +165,31 @@ def _pdist(op: str, a: dict[str, Any]) -> None:
             raise InvalidArgument(f"{op}: {name} must hold one value per pair of rows")
 
 
+def _cdist_backward(op: str, a: dict[str, Any]) -> None:
+    """``_cdist_backward`` reads ``grad`` and ``cdist`` by pointer, one value per pair of
+    rows of ``x1`` and ``x2``, after broadcasting their batch dims: a one-value ``grad``
+    was read past (local PyTorch accepts it). Both must have exactly the distances'
+    shape, ``x1`` and ``x2`` the same row length, and ``p`` be non-negative, as the
+    forward requires."""
+    x1, x2 = a.get("x1"), a.get("x2")
+    if not (isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor)):
+        raise InvalidArgument(f"{op}: x1 and x2 must be tensors")
+    if x1.dim() < 2 or x2.dim() < 2 or x1.shape[-1] != x2.shape[-1]:
+        raise InvalidArgument(f"{op}: x1 and x2 must be [..., rows, m] with the same m")
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    except RuntimeError:
+        raise InvalidArgument(f"{op}: x1's and x2's batch dims do not broadcast") from None
+    shape = (*batch, x1.shape[-2], x2.shape[-2])
+    for name in ("grad", "cdist"):
+        t = a.get(name)
+        if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape):
+            raise InvalidArgument(f"{op}: {name} must have the distances' shape {list(shape)}")
+    p = a.get("p")
+    if not (isinstance(p, (int, float)) and p >= 0):
+        raise InvalidArgument(f"{op}: p must be non-negative")
+
+
 def _weight_norm(op: str, a: dict[str, Any]) -> None:
     """``_weight_norm_interface`` reads one ``g`` (and, backward, one saved norm) per slice
     of ``v`` along ``dim``, by pointer: a ``g`` of one value for four rows returned three
@@ -328,6 +353,7 @@ CHECKS: dict[str, Check] = {
     "aten::nll_loss_backward": _class_targets,
     "aten::nll_loss2d_forward": _class_targets,
     "aten::nll_loss2d_backward": _class_targets,
+    "aten::_cdist_backward": _cdist_backward,
     "aten::_weight_norm_interface": _weight_norm,
     "aten::_weight_norm_interface_backward": _weight_norm,
     "aten::_pdist_forward": _pdist,

@@ -52,7 +52,31 @@ def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: A
             return type(x)(wrap(v) for v in x)
         return x
 
+    targets = _written_targets(func, args, kwargs, make)
+    if targets:
+        # Note [failed writes in backward]: an in-place or out= op that failed leaves its
+        # target holding the failure, not a new tensor: the program goes on with the
+        # target itself (``t.unsqueeze_(-1)``, then ``buf.copy_(t)``), and a failure kept
+        # only in the returned wrapper let ``buf``, still ``empty``, reach the gradient
+        # as garbage, read without an error (a custom backward; affine_grid's).
+        for t in targets:
+            t._ref = failed
+        if len(func._schema.returns) == 1 and len(targets) == 1:
+            return targets[0]
     return wrap(out)
+
+
+def _written_targets(func: Any, args: tuple, kwargs: dict, make: Any) -> list[Any]:
+    """The remote tensors ``func`` writes into (in-place ``self``, ``out=``)."""
+    schema = func._schema
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    return [
+        named[a.name]
+        for a in schema.arguments
+        if a.alias_info is not None
+        and a.alias_info.is_write
+        and isinstance(named.get(a.name), make)
+    ]
 
 
 def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from . import (
+    affine_grid,
     attention,
     autocast,
     device_module,
@@ -133,6 +134,8 @@ def _attach_kernels() -> list[torch.library.Library]:
     for name, kernel in recurrent.KERNELS.items():  # Note [recurrent layers]
         lib.impl(name, kernel, "AutogradPrivateUse1")
     for name, kernel in transformer_fastpath.KERNELS.items():  # Note [transformer fast path]
+        lib.impl(name, kernel, "AutogradPrivateUse1")
+    for name, kernel in affine_grid.KERNELS.items():  # Note [affine grid backward]
         lib.impl(name, kernel, "AutogradPrivateUse1")
     for name in uncaptured.KERNELS_OVER_FORMULAS:  # Note [kernels over formulas]
         lib.impl(name, uncaptured.below_autograd(name), "AutogradPrivateUse1")

@@ -207,16 +207,34 @@ def test_an_error_inside_backward_is_a_python_exception(remote):
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 
-def test_a_failure_in_backward_that_meta_cannot_shape_is_a_python_exception(remote):
-    """``affine_grid``'s backward writes ``unsqueeze_`` (refused: a remote tensor's sizes
-    are fixed), so the ``copy_`` after it has operands meta inference refuses: shaping that
-    failure raised inside backward and aborted the process (found by a module sweep)."""
-    import torch.nn.functional as F
+class _RefusedWriteInBackward(torch.autograd.Function):
+    """A backward that writes ``unsqueeze_`` (refused: a remote tensor's sizes are fixed),
+    then copies the tensor into a fresh ``empty`` buffer: the copy's operands are ones meta
+    inference refuses. (affine_grid's backward did this; it now runs without the
+    ``unsqueeze_``, Note [affine grid backward].)"""
 
-    theta = torch.randn(2, 2, 3, device=R, requires_grad=True)
-    F.affine_grid(theta, (2, 3, 5, 6), align_corners=False).sum().backward()
-    with pytest.raises(DjinnError):
-        theta.grad.cpu()
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        points = torch.linspace(-1, 1, 4, device=grad.device)
+        points.unsqueeze_(-1)
+        buffer = torch.empty(4, 5, device=grad.device)
+        buffer.copy_(points)
+        return grad * buffer
+
+
+def test_a_failure_in_backward_that_meta_cannot_shape_is_a_python_exception(remote):
+    """Shaping such a failure raised inside backward and aborted the process (found by a
+    module sweep). And the failure must reach the gradient (Note [failed writes in
+    backward]): it stayed in the wrapper ``unsqueeze_`` returned, the buffer stayed
+    ``empty``, and the gradient read back uninitialised memory without an error."""
+    x = torch.randn(4, 5, device=R, requires_grad=True)
+    _RefusedWriteInBackward.apply(x).sum().backward()
+    with pytest.raises(DjinnError, match="unsqueeze_"):
+        x.grad.cpu()
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 

@@ -274,6 +274,54 @@ def test_fold_and_unfold_train_as_local_eager(layer, shape):
         assert torch.equal(got.cpu(), want)
 
 
+def _cdist(p: float, rows: int):
+    def run(device: str) -> list[torch.Tensor]:
+        a = torch.randn(rows, 5).to(device).requires_grad_()
+        b = torch.randn(rows + 10, 5).to(device).requires_grad_()
+        out = torch.cdist(a, b, p=p)
+        out.pow(2).sum().backward()
+        return [out.detach(), a.grad, b.grad]
+
+    return run
+
+
+def _affine_grid(device: str) -> list[torch.Tensor]:
+    theta = torch.randn(2, 2, 3).to(device).requires_grad_()
+    grid = torch.nn.functional.affine_grid(theta, [2, 3, 4, 5], align_corners=False)
+    grid.pow(2).sum().backward()
+    return [grid.detach(), theta.grad]
+
+
+def _multilabel_margin(device: str) -> list[torch.Tensor]:
+    x = torch.randn(2, 4).to(device).requires_grad_()
+    target = torch.tensor([[3, 0, -1, 1], [1, 2, 3, -1]]).to(device)
+    loss = torch.nn.functional.multilabel_margin_loss(x, target)
+    loss.backward()
+    return [loss.detach(), x.grad]
+
+
+def _unique_rows(device: str) -> list[torch.Tensor]:
+    x = torch.tensor([[3, 4], [1, 2], [3, 4], [0, 9]]).to(device)
+    return list(torch.unique(x, dim=0, return_inverse=True, return_counts=True))
+
+
+RUNS = [_cdist(2.0, 30), _cdist(1.0, 30), _cdist(3.0, 4), _affine_grid, _multilabel_margin]
+RUNS.append(_unique_rows)
+
+
+@pytest.mark.parametrize(
+    "run",
+    RUNS,
+    ids=["cdist_mm_path", "cdist_p1", "cdist_p3", "affine_grid", "multilabel", "unique_dim"],
+)
+def test_distances_grids_and_unique_rows_run_as_local_eager(run):
+    """``torch.cdist`` (its matrix-product path, and the backward of the others),
+    ``F.affine_grid``, ``multilabel_margin_loss``'s backward and ``torch.unique(dim=)``
+    were not on the allowlist (found by a module sweep)."""
+    for got, want in _gradients_both_ways(run):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_silu_and_mish_backpropagate_with_the_kernel_local_eager_runs():
     """Note [kernels over formulas] (djinn/frontend/uncaptured.py): their backward took
     the composite formula, 1-2 ulp away from the CPU kernel local eager runs (found by a

@@ -213,6 +213,17 @@ CASES += [
         "INVALID_ARGUMENT",
     ),
 ]
+# _cdist_backward reads grad and cdist by pointer, one value per pair of rows
+X53, X43 = torch.randn(5, 3), torch.randn(4, 3)
+CASES += [
+    (
+        "cdist backward, a gradient of one value for 5 x 4 distances",
+        "aten::_cdist_backward.default",
+        [_t(0, ONE1), _t(1, X53), _t(2, X43), 1.0, _t(3, torch.ones(5, 4))],
+        [ONE1, X53, X43, torch.ones(5, 4)],
+        "INVALID_ARGUMENT",
+    ),
+]
 CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuzz)
     (
         "16 GiB randperm, device None",
