@@ -376,11 +376,24 @@ CHECKS: dict[str, Check] = {
 }
 
 
+def _foreach_lengths(op: str, a: dict[str, Any]) -> None:
+    """The ``_foreach_*`` kernels walk their lists in step, by the first one's length, and
+    most check the others against it; ``_foreach_copy`` (the functional form) does not:
+    ``_foreach_copy([], [t])`` is a SIGSEGV in local PyTorch too (found by the op fuzz).
+    Every list argument must be as long as the first."""
+    lengths = {name: len(v) for name, v in a.items() if isinstance(v, (list, tuple))}
+    if len(set(lengths.values())) > 1:
+        detail = ", ".join(f"{name} {n}" for name, n in lengths.items())
+        raise InvalidArgument(f"{op}: its lists must be equally long ({detail})")
+
+
 def _check_of(op: Any) -> Check | None:
     name = op._schema.name
     fn = CHECKS.get(name)
     if fn is None and name.endswith("_"):
         fn = CHECKS.get(name[:-1])  # an in-place form runs its op's kernel: its checks too
+    if fn is None and name.startswith("aten::_foreach_"):
+        fn = _foreach_lengths
     return fn
 
 

@@ -224,6 +224,16 @@ CASES += [
         "INVALID_ARGUMENT",
     ),
 ]
+# the functional _foreach_copy walks src by self's length unchecked (found by the op fuzz)
+CASES += [
+    (
+        "foreach copy, a source list longer than the targets",
+        "aten::_foreach_copy.default",
+        [[], [_t(0, ONE1)]],
+        [ONE1],
+        "INVALID_ARGUMENT",
+    ),
+]
 CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuzz)
     (
         "16 GiB randperm, device None",
