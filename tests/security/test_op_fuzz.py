@@ -49,6 +49,14 @@ FOUND = [
         },
         "[torch.tensor(True), torch.tensor(False)]",
     ),
+    (  # the functional _foreach_copy walked its source by its targets' length: a SIGSEGV
+        {
+            "op": "aten::_foreach_copy.default",
+            "args": [[], [{"$t": 0, "desc": {"dtype": "float32", "shape": [1], "strides": [1]}}]],
+            "kwargs": {},
+        },
+        "[torch.zeros(1)]",
+    ),
 ]
 
 
