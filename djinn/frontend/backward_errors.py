@@ -58,25 +58,34 @@ def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: A
         # target holding the failure, not a new tensor: the program goes on with the
         # target itself (``t.unsqueeze_(-1)``, then ``buf.copy_(t)``), and a failure kept
         # only in the returned wrapper let ``buf``, still ``empty``, reach the gradient
-        # as garbage, read without an error (a custom backward; affine_grid's).
+        # as garbage, read without an error (a custom backward; affine_grid's). A target
+        # that is a view fails its bases too (``buf[0].copy_(...)``, then ``buf`` is
+        # read); a list of targets (``_foreach_add_``) fails each. (Other views of the
+        # same base, made before, still read its old values: not covered.)
         for t in targets:
-            t._ref = failed
+            while isinstance(t, make):
+                t._ref = failed
+                t = t._base
+        if not func._schema.returns:
+            return None
         if len(func._schema.returns) == 1 and len(targets) == 1:
             return targets[0]
     return wrap(out)
 
 
 def _written_targets(func: Any, args: tuple, kwargs: dict, make: Any) -> list[Any]:
-    """The remote tensors ``func`` writes into (in-place ``self``, ``out=``)."""
+    """The remote tensors ``func`` writes into (in-place ``self``, ``out=``, each tensor of
+    a written list)."""
     schema = func._schema
     named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
-    return [
-        named[a.name]
-        for a in schema.arguments
-        if a.alias_info is not None
-        and a.alias_info.is_write
-        and isinstance(named.get(a.name), make)
-    ]
+    targets: list[Any] = []
+    for a in schema.arguments:
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = named.get(a.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        targets += [v for v in values if isinstance(v, make)]
+    return targets
 
 
 def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -433,7 +433,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     trace.add(node)
     outs: list[Any] = []
-    with _view_mode(func, args):
+    with view_mode(func, args):
         for i, s in enumerate(specs):
             outs.append(_output(s, flat, node, i) if isinstance(s, TensorSpec) else s)
     if isinstance(spec, TensorSpec):
@@ -502,7 +502,7 @@ def _check_alias(s: TensorSpec, flat: list[Any], func: Any) -> None:
         )
 
 
-def _view_mode(func: Any, args: tuple) -> Any:
+def view_mode(func: Any, args: tuple) -> Any:
     """Note [views in inference mode]: under ``torch.inference_mode()`` a view of a normal
     tensor is a normal tensor (PyTorch then makes it share its base's version counter). A
     wrapper made there is an inference tensor, and every ``split``, ``t()`` or ``view`` of

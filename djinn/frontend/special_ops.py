@@ -29,6 +29,7 @@ from .lazy import (
     snapshot,
     spec_of,
     streamed,
+    view_mode,
 )
 from .trace import Node, Pending, bind, current
 
@@ -55,7 +56,8 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     ref = x._ref
     if isinstance(ref, Uninit):
         ref = ref_for_node(x, current())
-    return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
+    with view_mode(func, args):  # Note [views in inference mode]: detach is a view too
+        return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
 
 
 def _copy(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -238,6 +238,35 @@ def test_a_failure_in_backward_that_meta_cannot_shape_is_a_python_exception(remo
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 
+class _FailedWriteIntoAView(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        buffer = torch.zeros(4, 3, device=grad.device)
+        if _FailedWriteIntoAView.foreach:
+            torch._foreach_add_([buffer], [torch.ones(5, device=grad.device)])
+        else:
+            buffer[0].copy_(torch.ones(5, device=grad.device))  # eager raises: 3 against 5
+        return buffer
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["a view", "a list of targets"])
+def test_a_failed_write_in_backward_fails_the_base_of_its_view_and_each_listed_target(
+    remote, foreach
+):
+    """Note [failed writes in backward]: the failure went only to the view written into,
+    so its base, read as the gradient, came back as zeros without an error; a failed
+    in-place ``_foreach_*`` op (no return value) raised inside the dispatch instead."""
+    _FailedWriteIntoAView.foreach = foreach
+    x = torch.randn(4, 3, device=R, requires_grad=True)
+    _FailedWriteIntoAView.apply(x).sum().backward()
+    with pytest.raises(DjinnError, match=r"copy_|_foreach_add_"):
+        x.grad.cpu()
+
+
 def test_an_op_run_at_once_beside_a_failing_op_gets_its_value(remote):
     """An op that runs at once (no meta kernel, a shape known only from values: nonzero,
     CTC's backward) flushed a graph in which an unrelated op failed: it ran, but came back

@@ -35,6 +35,8 @@ VIEWS = {
     "narrow": lambda t: t.narrow(0, 1, 2),
     "view": lambda t: t.view(24),
     "a view of an inference tensor": lambda t: (t + 1).t(),
+    "detach": lambda t: t.detach(),
+    "data": lambda t: t.data,
 }
 
 
