@@ -50,19 +50,13 @@ from training_step import max_diff, using
 R = "remote_accelerator:0"
 
 
-def timed(fn: Callable[[], Any], sync: bool = True) -> float:
+def timed(fn: Callable[[], Any]) -> float:
     """Seconds of ``fn()``; the local GPU's queue drained before and after."""
-    if sync:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
-    if sync:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def median_of(fn: Callable[[], Any], repeat: int) -> float:
-    return statistics.median(timed(fn) for _ in range(repeat))
 
 
 def host_info() -> dict[str, Any]:

@@ -195,10 +195,7 @@ class GraphRun:
         bytes the op allocates and its meta output ((-1, None) when the op has no meta
         kernel)."""
         try:
-            named = opargs.bind(op, args, kwargs, self.device)
-            opchecks.check(op, named)
-            if self.device.type != "cpu":  # Note [indices on a GPU] (index_bounds.py)
-                index_bounds.check(op, named)
+            self._extra_checks(op, opargs.bind(op, args, kwargs, self.device))
             need, meta = metacheck.checked_run(op, args, kwargs)  # Note [meta signatures]
         except metacheck.NoMetaKernel:
             return -1, None
@@ -206,6 +203,16 @@ class GraphRun:
             raise type(exc)(f"node {i}: {exc.message}") from None
         self._make_room(op, need, i)
         return need, meta
+
+    def has_extra_checks(self, op: Any) -> bool:
+        return opchecks.has_check(op) or (self.device.type != "cpu" and index_bounds.has_guard(op))
+
+    def _extra_checks(self, op: Any, named: dict[str, Any]) -> None:
+        """The op's own checks (``opchecks``), and on a GPU its index guards (Note [indices
+        on a GPU], index_bounds.py), on its arguments by name."""
+        opchecks.check(op, named)
+        if self.device.type != "cpu":
+            index_bounds.check(op, named)
 
     def _make_room(self, op: Any, need: int, i: int) -> None:
         """``need`` bytes of stack for node ``i``, evicting what the policy gives up;

@@ -34,6 +34,8 @@ import torch
 
 from djinn.errors import ExecutionError
 
+from .opchecks import by_op
+
 Guard = Callable[[str, dict[str, Any]], None]
 
 
@@ -235,20 +237,12 @@ GUARDS: dict[str, Guard] = {
 }
 
 
-def _guard_of(op: Any) -> Guard | None:
-    name = op._schema.name
-    guard = GUARDS.get(name)
-    if guard is None and name.endswith("_"):
-        guard = GUARDS.get(name[:-1])  # an in-place form indexes as its op does
-    return guard
-
-
 def has_guard(op: Any) -> bool:
-    return _guard_of(op) is not None
+    return by_op(GUARDS, op) is not None
 
 
 def check(op: Any, named: dict[str, Any]) -> None:
     """Note [indices on a GPU]: refuse ``op``'s out-of-range values before its kernel."""
-    guard = _guard_of(op)
+    guard = by_op(GUARDS, op)  # an in-place form indexes as its op does
     if guard is not None:
         guard(f"{op._schema.name}.{op._schema.overload_name or 'default'}", named)

@@ -387,12 +387,19 @@ def _foreach_lengths(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: its lists must be equally long ({detail})")
 
 
-def _check_of(op: Any) -> Check | None:
+def by_op(table: dict[str, Any], op: Any) -> Any:
+    """``table``'s entry for ``op`` by its name; an in-place form (``op_``) runs its op's
+    kernel, so it takes its op's entry when it has none of its own."""
     name = op._schema.name
-    fn = CHECKS.get(name)
-    if fn is None and name.endswith("_"):
-        fn = CHECKS.get(name[:-1])  # an in-place form runs its op's kernel: its checks too
-    if fn is None and name.startswith("aten::_foreach_"):
+    found = table.get(name)
+    if found is None and name.endswith("_"):
+        found = table.get(name[:-1])
+    return found
+
+
+def _check_of(op: Any) -> Check | None:
+    fn = by_op(CHECKS, op)
+    if fn is None and op._schema.name.startswith("aten::_foreach_"):
         fn = _foreach_lengths
     return fn
 

@@ -45,7 +45,7 @@ from djinn.errors import ExecutionError, InvalidArgument
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
-from . import index_bounds, metacheck, opargs, opchecks
+from . import metacheck, opargs
 from .graph import GraphRun
 
 log = logging.getLogger("djinn.appliance.plan")
@@ -156,9 +156,7 @@ class PlanRun(GraphRun):
         if node.rng is not None:
             self._seed(node.rng)
         args, kwargs = node.args(self), node.kwargs(self)
-        if opchecks.has_check(node.op) or (
-            self.device.type != "cpu" and index_bounds.has_guard(node.op)
-        ):
+        if self.has_extra_checks(node.op):
             self._value_checks(i, node.op, args, kwargs)
         if node.need >= 0:  # an op with no meta kernel never makes it into a plan
             self._make_room(node.op, node.need, i)
@@ -172,10 +170,7 @@ class PlanRun(GraphRun):
         planned run straight to the kernel (nll_loss_backward writes there unchecked: a
         SIGSEGV of the worker). Those checks run on every planned run."""
         try:
-            named = opargs.bind(op, args, kwargs, self.device)
-            opchecks.check(op, named)
-            if self.device.type != "cpu":
-                index_bounds.check(op, named)
+            self._extra_checks(op, opargs.bind(op, args, kwargs, self.device))
         except (InvalidArgument, ExecutionError) as exc:
             raise type(exc)(f"node {i}: {exc.message}") from None
 

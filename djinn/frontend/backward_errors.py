@@ -76,10 +76,9 @@ def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: A
 def _written_targets(func: Any, args: tuple, kwargs: dict, make: Any) -> list[Any]:
     """The remote tensors ``func`` writes into (in-place ``self``, ``out=``, each tensor of
     a written list)."""
-    schema = func._schema
-    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    named = _named(func, args, kwargs)
     targets: list[Any] = []
-    for a in schema.arguments:
+    for a in func._schema.arguments:
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         value = named.get(a.name)
@@ -95,7 +94,7 @@ def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
     ``log_probs``). Autograd checks the shapes it gets against the forward's, and raises
     if one is off."""
     schema = func._schema
-    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    named = _named(func, args, kwargs)
     by_alias = {
         frozenset(a.alias_info.before_set): named.get(a.name)
         for a in schema.arguments
@@ -113,6 +112,12 @@ def _likely_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
             raise RuntimeError(f"{schema.name}: no output to stand for its failure")
         outs.append(_meta_like(source))
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``func``'s arguments by their schema names."""
+    names = (a.name for a in func._schema.arguments)
+    return dict(zip(names, args, strict=False)) | kwargs
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ attends to them, so its output differs between the two, locally as well.)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ Tensor = torch.Tensor
 _aten = torch.ops.aten
 
 
+@functools.cache
 def _inv_sqrt(dim_per_head: int, dtype: torch.dtype) -> float:
     """``1.0 / std::sqrt(static_cast<scalar_t>(dim_per_head))`` stored as ``scalar_t``, as
     the CPU kernel computes it: the root in float32 (in float64 for double), a double
