@@ -131,12 +131,10 @@ def _attach_kernels() -> list[torch.library.Library]:
         attention.scaled_dot_product_attention,
         "AutogradPrivateUse1",
     )
-    for name, kernel in recurrent.KERNELS.items():  # Note [recurrent layers]
-        lib.impl(name, kernel, "AutogradPrivateUse1")
-    for name, kernel in transformer_fastpath.KERNELS.items():  # Note [transformer fast path]
-        lib.impl(name, kernel, "AutogradPrivateUse1")
-    for name, kernel in affine_grid.KERNELS.items():  # Note [affine grid backward]
-        lib.impl(name, kernel, "AutogradPrivateUse1")
+    # Note [recurrent layers], Note [transformer fast path], Note [affine grid backward]
+    for module in (recurrent, transformer_fastpath, affine_grid):
+        for name, kernel in module.KERNELS.items():
+            lib.impl(name, kernel, "AutogradPrivateUse1")
     for name in uncaptured.KERNELS_OVER_FORMULAS:  # Note [kernels over formulas]
         lib.impl(name, uncaptured.below_autograd(name), "AutogradPrivateUse1")
     libraries.append(lib)

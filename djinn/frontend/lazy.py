@@ -10,7 +10,6 @@ client never holds a tensor's data.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -20,7 +19,7 @@ from djinn.errors import UnsupportedOp
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
-from . import backward_errors, failures, hooks, seeded, ties, uncaptured
+from . import backward_errors, failures, hooks, inference_views, seeded, ties, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -433,7 +432,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     trace.add(node)
     outs: list[Any] = []
-    with view_mode(func, args):
+    with inference_views.view_mode(func, args):
         for i, s in enumerate(specs):
             outs.append(_output(s, flat, node, i) if isinstance(s, TensorSpec) else s)
     if isinstance(spec, TensorSpec):
@@ -500,24 +499,6 @@ def _check_alias(s: TensorSpec, flat: list[Any], func: Any) -> None:
             f"{func._schema.name}.{func._overloadname} changes the shape of a remote tensor "
             "in place; use the out-of-place op"
         )
-
-
-def view_mode(func: Any, args: tuple) -> Any:
-    """Note [views in inference mode]: under ``torch.inference_mode()`` a view of a normal
-    tensor is a normal tensor (PyTorch then makes it share its base's version counter). A
-    wrapper made there is an inference tensor, and every ``split``, ``t()`` or ``view`` of
-    a remote tensor moved before the block raised "Cannot set version_counter for inference
-    tensor" (``nn.Transformer``'s decoder under inference_mode). Its outputs are made with
-    inference mode off."""
-    if (
-        func.is_view
-        and torch.is_inference_mode_enabled()
-        and args
-        and isinstance(args[0], torch.Tensor)
-        and not args[0].is_inference()
-    ):
-        return torch.inference_mode(False)
-    return contextlib.nullcontext()
 
 
 def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
@@ -599,3 +580,12 @@ def run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
 # whose result lives on the CPU
 SPECIAL: dict[Any, Any] = {}
 SPECIAL_TO_CPU: dict[Any, Any] = {}
+
+
+def take_as_special(kernels: dict[str, Any]) -> None:
+    """Kernels registered on the autograd key (``name`` or ``name.overload`` of ``aten``),
+    taken as special ops too: ``torch.inference_mode()`` skips that key."""
+    for name, kernel in kernels.items():
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        SPECIAL[op] = lambda func, args, kwargs, k=kernel: k(*args, **kwargs)

@@ -357,14 +357,5 @@ def _pack_padded_sequence(func: Any, args: tuple, kwargs: dict) -> Any:
     return torch.cat(steps), torch.tensor(sizes, dtype=torch.int64)
 
 
-def _special(kernel: Callable) -> Callable:
-    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
-        return kernel(*args, **kwargs)
-
-    return handler
-
-
-for _name, _kernel in KERNELS.items():  # Note [recurrent layers]: under inference_mode
-    _packet, _, _overload = _name.partition(".")
-    lazy.SPECIAL[getattr(getattr(_aten, _packet), _overload or "default")] = _special(_kernel)
+lazy.take_as_special(KERNELS)  # Note [recurrent layers]: under inference_mode
 lazy.SPECIAL[_aten._pack_padded_sequence.default] = _pack_padded_sequence

@@ -16,7 +16,7 @@ import torch
 
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, slicing, ties
+from . import attention, embedding, inference_views, slicing, ties
 from .lazy import (
     SPECIAL,
     SPECIAL_TO_CPU,
@@ -29,7 +29,6 @@ from .lazy import (
     snapshot,
     spec_of,
     streamed,
-    view_mode,
 )
 from .trace import Node, Pending, bind, current
 
@@ -56,7 +55,7 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     ref = x._ref
     if isinstance(ref, Uninit):
         ref = ref_for_node(x, current())
-    with view_mode(func, args):  # Note [views in inference mode]: detach is a view too
+    with inference_views.view_mode(func, args):  # Note [views in inference mode]
         return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
 
 

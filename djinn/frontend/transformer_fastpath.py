@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -185,12 +184,4 @@ KERNELS: dict[str, Callable] = {
 }
 
 
-def _special(kernel: Callable) -> Callable:
-    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
-        return kernel(*args, **kwargs)
-
-    return handler
-
-
-for _name, _kernel in KERNELS.items():  # under inference_mode, which skips autograd's key
-    lazy.SPECIAL[getattr(_aten, _name).default] = _special(_kernel)
+lazy.take_as_special(KERNELS)  # under inference_mode, which skips autograd's key
