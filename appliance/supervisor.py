@@ -459,7 +459,7 @@ class Supervisor:
             if msg.get("pinned"):
                 self.arena_pinned = True
             log.info("worker %d ready on %s (pid %s)", w.id, w.device_name, w.pid)
-        elif op == "stats_part":  # Note [stats in parts] (worker.py)
+        elif op == "stats_part":  # Note [stats in parts] (worker_stats.py)
             w.stats_parts.append(msg.get("sessions", []))
         elif op == "stats":
             parts, w.stats_parts = w.stats_parts, []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import errno
 import logging
 import os
 import selectors
@@ -38,11 +37,10 @@ from djinn.errors import (
     SessionExpired,
 )
 from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
-from djinn.semantics.registry import default_registry
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
 
-from . import control, device_lost, gc_freeze, prewarm, worker_stats
+from . import control, device_lost, gc_freeze, leases, prewarm, worker_memory, worker_stats
 from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
@@ -54,20 +52,16 @@ from .handlers import HANDLERS, STEPPED
 from .memtrim import keep_heap_warm, trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
-from .residency import MemoryManager
 from .scheduler import Work, scheduler_from, tenant_of, work_facts
-from .sessions import CLOSED, ENDED, EXPIRED, OPEN, WorkerSession
+from .sessions import CLOSED, ENDED, OPEN, WorkerSession
 from .store import TensorStore
-from .tenant_quota import TenantQuotas
 from .uploads import PARKED, UPLOADING_KINDS, Uploads
 from .utilisation import Utilisation
 from .vmu.device import DeviceShort, DeviceVMU
-from .vmu.tiers import TierMover
 
 log = logging.getLogger("djinn.appliance.worker")
 
 LOOP_TICK_S = 0.1  # lease sweep and stats push granularity
-SWEEP_S = 0.01  # the lease sweep runs at most this often (leases are seconds long)
 # Note [unscheduled heartbeats]: a HEARTBEAT or PING is answered as soon as it is read,
 # not queued for the scheduler. It does no work (its reply is the session's byte count),
 # so there is nothing to order, weigh or charge to a tenant, and its session has no other
@@ -75,8 +69,6 @@ SWEEP_S = 0.01  # the lease sweep runs at most this often (leases are seconds lo
 # scheduler's submit, choice and accounting were a third of the worker's CPU time for a
 # heartbeat (benchmarks/transport.py's protocol floor).
 UNSCHEDULED = frozenset({Kind.HEARTBEAT, Kind.PING})
-STATS_PUSH_S = 0.1  # stats freshness when only byte counts changed
-STATS_PART_SESSIONS = 200  # session rows per stats datagram (Note [stats in parts])
 MAX_INLINE_FRAME = 256 << 20  # payload bytes one frame may make the worker buffer privately
 
 
@@ -117,9 +109,8 @@ class Worker:
         wanted = prewarm.modules_for(allowlist) if init.get("prewarm", True) else ()
         self.prewarm = prewarm.Prewarm(wanted)
         self.freezer = gc_freeze.FreezeImports()  # Note [frozen imports]
-        self.adopted = 0  # sessions ever adopted
-        self._sweep_due = 0.0
-        self.memory = self._memory_manager(init)
+        self.sweep_due = 0.0
+        self.memory = worker_memory.memory_manager(self, init)
         # Note [admission queue] (admission.py)
         self.admission = AdmissionQueue(float(init.get("admission_timeout", 0.0)))
         self.admission.release = vmu["stack"].release
@@ -132,8 +123,8 @@ class Worker:
         self.requests = RequestStats(init.get("stats_window", 60.0))
         self.stopping = False
         self.busy_until = 0.0  # Note [busy worker]
-        self._dirty = True
-        self._last_push = 0.0
+        self.stats_dirty = True
+        self.last_push = 0.0
         self._trim_due = False  # Note [heap trim] (memtrim.py)
         self.scheduler = scheduler_from(init)  # Note [threading model] (scheduler.py)
         self.batcher = Batcher(self.scheduler.batch_max)  # Note [cross-session batching]
@@ -141,42 +132,9 @@ class Worker:
         self.plans = GraphPlans(int(init.get("graph_plan_after", 2)))  # Note [graph plans]
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
-        self.busy = BusyTracker(STATS_PUSH_S, lambda: self._send_stats(time.monotonic(), False))
-
-    def _memory_manager(self, init: dict[str, Any]) -> MemoryManager:
-        """Note [one device budget]: the memory policy ('off': nothing moves) decides what
-        the manager swaps to the arena when the device budget runs short."""
-        policy, policy_name = None, init.get("memory_policy", "semantic")
-        if policy_name != "off":
-            policy = default_registry().memory_policy(policy_name)
-            if policy is None:
-                log.warning("memory policy %r did not load: nothing will be evicted", policy_name)
-        mover = TierMover(self.device.torch_device, self.store.slabs, self.store.slab_tensor)
-        memory = MemoryManager(
-            self.store,
-            self.models,
-            lambda: [s for s in self.sessions.values() if s.state == OPEN],
-            mover,
-            policy,
+        self.busy = BusyTracker(
+            worker_stats.STATS_PUSH_S, lambda: worker_stats.send(self, time.monotonic(), False)
         )
-        self.models.on_free = memory.forget_model
-        memory.kv.mode = str(init.get("kv_recompute", "auto"))  # Note [kv recompute]
-        # Note [session tensors on the host]: not while a request of theirs is scheduled
-        # (a graph may be half-run) or a reply is sent from their memory
-        memory.tensors.busy = lambda s: self.scheduler.has(s) or bool(s.outbox)
-        # per-session quotas (issue 9 §4)
-        self.store.device_max = int(init.get("session_device_max") or 0)
-        self.store.slabs.host_max = int(init.get("session_host_max") or 0)
-        self.store.slabs.host_elsewhere = memory.host_elsewhere
-        tenants = TenantQuotas(  # Note [tenant quotas]
-            int(init.get("tenant_device_max") or 0),
-            int(init.get("tenant_host_max") or 0),
-            lambda: [s for s in self.sessions.values() if s.state == OPEN],
-            lambda sid: self.store.slabs.held.get(sid, 0) + memory.host_elsewhere(sid),
-        )
-        self.store.tenant_check = tenants.check_device
-        self.store.slabs.tenant_host = tenants.check_host
-        return memory
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -184,7 +142,7 @@ class Worker:
             self.ctl,
             {"op": "ready", "pid": os.getpid(), "device": self.device.name, "pinned": self.pinned},
         )
-        self.push_stats(force=True)
+        worker_stats.push(self, force=True)
         self.busy.start()  # Note [busy stats] (busy.py)
         self.freezer.at_ready()  # Note [frozen imports] (gc_freeze.py)
         self.prewarm.start()
@@ -228,8 +186,8 @@ class Worker:
             s, frame = self.ready.popleft()
             if s.state == OPEN and s.sock.fileno() >= 0:
                 self.dispatch(s, frame)
-        self.sweep()
-        self.push_stats()
+        leases.sweep(self)
+        worker_stats.push(self)
         return True
 
     def on_control(self) -> bool:
@@ -286,8 +244,8 @@ class Worker:
         if session.via_unix:
             reply["arena"] = {"name": self.arena.name, "size": self.arena.size}
         self.reply(session, msg["request_id"], reply, [])
-        self._dirty = True
-        self.push_stats(force=True)
+        self.stats_dirty = True
+        worker_stats.push(self, force=True)
 
     def end_session(self, s: WorkerSession, state: str) -> None:
         """Free everything the session holds. EXPIRED keeps the socket as a tombstone."""
@@ -320,8 +278,8 @@ class Worker:
                 self.sel.unregister(s.sock)
                 del self.sessions[fd]
             s.sock.close()
-        self._dirty = True
-        self.push_stats(force=True)
+        self.stats_dirty = True
+        worker_stats.push(self, force=True)
 
     def end_by_operator(self, s: WorkerSession, by: str, at: str) -> None:
         """KILL_SESSION from `djinn top` or an operator's client: free everything, and
@@ -354,30 +312,6 @@ class Worker:
 
     def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
         self.ready.extend(parked)
-
-    def sweep(self) -> None:
-        now = time.monotonic()
-        if now < self._sweep_due:
-            return  # every SWEEP_S: it looks at every session, and leases last seconds
-        self._sweep_due = now + SWEEP_S
-        if self.uploads.by_fp:
-            self.requeue(self.uploads.abandon("", now))  # past UPLOAD_WAIT_S
-        for s in list(self.sessions.values()):
-            if s.outbox.stalled(now):
-                log.info("session %s: stopped reading its reply; closing it", s.id)
-                self.end_session(s, CLOSED)
-                continue
-            if s.outbox:
-                continue  # the client is reading a reply: it cannot heartbeat meanwhile
-            if self.scheduler.has(s):
-                s.touch()  # its request waits for the device: we are not reading it
-                continue
-            if self.admission.waiting(s.id) or (self.uploads.by_fp and self.uploads.waiting(s.id)):
-                s.touch()  # it waits on another session's upload, not dead
-                continue
-            if s.state == OPEN and now - self.busy_until > s.lease_s and s.expired(now):
-                log.info("session %s: lease expired after %.1fs", s.id, now - s.last_seen)
-                self.end_session(s, EXPIRED)
 
     # -- requests ------------------------------------------------------------------------
     def sink(self, s: WorkerSession, header: Header, body: dict, lengths: list[int]) -> list:
@@ -510,7 +444,7 @@ class Worker:
                 return  # answered when dispatched again (Note [one upload per fingerprint])
             body, segments = result
             self.admission.ran(s, frame)
-            self._dirty = True
+            self.stats_dirty = True
             self.reply(s, rid, body, segments)
         except DeviceShort as exc:
             payload = s.frame_private if fresh else 0  # Note [admission queue]: it waits too
@@ -614,35 +548,7 @@ class Worker:
             if s.reader.buffered():
                 self.serve(s)  # requests pipelined behind the reply are already here
 
-    # -- stats and shutdown -------------------------------------------------------------
-    def push_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        since = now - self._last_push
-        # dirty: at most every STATS_PUSH_S; clean: once a second (ages and heartbeats move)
-        if not force and since < (STATS_PUSH_S if self._dirty else 1.0):
-            return
-        with self.busy.lock:  # Note [busy stats]: the busy thread may push too
-            self._send_stats(now)
-
-    def _send_stats(self, now: float, serving_thread: bool = True) -> None:
-        self._last_push = now
-        self._dirty = False
-        sessions, msg = worker_stats.build(self, now, serving_thread)
-        try:
-            # Note [stats in parts]: one datagram holds at most ~200 KB (the socket's send
-            # buffer), about 800 sessions' rows. Rows go first in parts of
-            # STATS_PART_SESSIONS; the closing "stats" message tells how many to expect.
-            parts = range(0, len(sessions), STATS_PART_SESSIONS)
-            for i in parts:
-                rows = sessions[i : i + STATS_PART_SESSIONS]
-                control.send(self.ctl, {"op": "stats_part", "sessions": rows})
-            control.send(self.ctl, {**msg, "parts": len(parts)})
-        except OSError as exc:
-            if exc.errno in (errno.EMSGSIZE, errno.ENOBUFS, errno.EAGAIN):
-                log.warning("worker %s: stats not sent (%s)", self.id, exc)  # next push
-                return
-            self.stopping = True  # the supervisor is gone
-
+    # -- shutdown -----------------------------------------------------------------------
     def drain(self) -> None:
         self.busy.stop()
         for s in list(self.sessions.values()):

@@ -1,14 +1,53 @@
-"""The stats document a worker pushes to its supervisor: its session rows and the rest
-(Note [stats in parts] in worker.py says how they travel)."""
+"""The stats document a worker pushes to its supervisor: its session rows and the rest,
+and how they travel (Note [stats in parts])."""
 
 from __future__ import annotations
 
+import errno
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
+from . import control
 from .sessions import OPEN
 
 if TYPE_CHECKING:
     from .worker import Worker
+
+log = logging.getLogger("djinn.appliance.worker")
+
+STATS_PUSH_S = 0.1  # stats freshness when only byte counts changed
+STATS_PART_SESSIONS = 200  # session rows per stats datagram (Note [stats in parts])
+
+
+def push(w: Worker, force: bool = False) -> None:
+    now = time.monotonic()
+    since = now - w.last_push
+    # dirty: at most every STATS_PUSH_S; clean: once a second (ages and heartbeats move)
+    if not force and since < (STATS_PUSH_S if w.stats_dirty else 1.0):
+        return
+    with w.busy.lock:  # Note [busy stats]: the busy thread may push too
+        send(w, now)
+
+
+def send(w: Worker, now: float, serving_thread: bool = True) -> None:
+    w.last_push = now
+    w.stats_dirty = False
+    sessions, msg = build(w, now, serving_thread)
+    try:
+        # Note [stats in parts]: one datagram holds at most ~200 KB (the socket's send
+        # buffer), about 800 sessions' rows. Rows go first in parts of
+        # STATS_PART_SESSIONS; the closing "stats" message tells how many to expect.
+        parts = range(0, len(sessions), STATS_PART_SESSIONS)
+        for i in parts:
+            rows = sessions[i : i + STATS_PART_SESSIONS]
+            control.send(w.ctl, {"op": "stats_part", "sessions": rows})
+        control.send(w.ctl, {**msg, "parts": len(parts)})
+    except OSError as exc:
+        if exc.errno in (errno.EMSGSIZE, errno.ENOBUFS, errno.EAGAIN):
+            log.warning("worker %s: stats not sent (%s)", w.id, exc)  # next push
+            return
+        w.stopping = True  # the supervisor is gone
 
 
 def build(w: Worker, now: float, serving_thread: bool) -> tuple[list[dict], dict[str, Any]]:
