@@ -8,12 +8,27 @@ the worker's context for every session on it (the worker restarts: Note [a lost 
 context]). On a worker whose device is not the CPU, a call's ``input_ids`` (the keyword,
 or the first positional argument when it is an integer tensor) must lie within the
 model's input embeddings, and its ``labels`` there too or at ``-100`` (the ignored
-label of transformers' losses). Positions past an absolute position table are not
-checked here.
+label of transformers' losses).
+
+Note [positions on a GPU]: a model with an absolute position table (GPT-2's ``wpe``,
+BERT's ``position_embeddings``, OPT's ``embed_positions``) looks its positions up with
+the same ``embedding``: a prompt longer than the table, or a decode step past it, is the
+same device-side assert, and so is a BERT ``token_type_ids`` past its type table. The
+table is the ``nn.Embedding`` whose rows, less an ``offset`` it declares (OPT's 2), are
+the config's ``max_position_embeddings``; a model without one (rotary positions: Llama)
+is not checked. The positions a forward uses are its ``position_ids`` or
+``cache_position`` when given, else the cache's length plus the new tokens (the last
+position is one less; an attention-mask cumsum, as OPT's, never passes it). A
+``generate()`` call is checked for the length it may reach (the prompt plus
+``max_new_tokens``, else ``max_length``, else the model's generation config, less one:
+the last token comes from the logits of the one before it): it would
+run past the table mid-way, where local PyTorch on CUDA asserts too, unless an end token
+stopped it first, so such a call is refused up front, never started.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +57,7 @@ def _ids(value: Any) -> torch.Tensor | None:
 
 
 def check(module: Any, name: str, args: tuple, kwargs: dict) -> None:
+    _check_positions(module, name, args, kwargs)
     vocab = _vocabulary(module)
     if vocab is None:
         return
@@ -63,3 +79,96 @@ def check(module: Any, name: str, args: tuple, kwargs: dict) -> None:
                     f"{name}: labels hold {lo if lo < 0 else hi}, outside the model's "
                     f"vocabulary of {vocab} (or -100, ignored)"
                 )
+
+
+_TABLES: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()
+
+
+def _positions(module: Any) -> int | None:
+    """Rows of the model's absolute position table, less its offset (Note [positions on
+    a GPU]); None when it has none. Looked for once per model: a walk of its modules."""
+    config = getattr(module, "config", None)
+    most = getattr(config, "max_position_embeddings", None)
+    if not isinstance(most, int) or not isinstance(module, torch.nn.Module):
+        return None
+    if module not in _TABLES:
+        _TABLES[module] = next(
+            (
+                most
+                for sub in module.modules()
+                if isinstance(sub, torch.nn.Embedding)
+                and isinstance(offset := getattr(sub, "offset", 0), int)
+                and sub.num_embeddings - offset == most
+            ),
+            None,
+        )
+    return _TABLES[module]
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    """How many new positions a call takes: its ids' last dimension, or its embeddings'
+    second last."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        return int(ids.shape[-1])
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+        return int(embeds.shape[-2])
+    return None
+
+
+def _cached(kwargs: dict) -> int:
+    length = getattr(kwargs.get("past_key_values"), "get_seq_length", None)
+    try:
+        return int(length()) if callable(length) else 0
+    except (TypeError, ValueError, AttributeError, IndexError):
+        return 0
+
+
+def _reach(module: Any, method: str, args: tuple, kwargs: dict) -> int | None:
+    """One past the last position the call may look up (Note [positions on a GPU])."""
+    for key in ("position_ids", "cache_position"):
+        given = _ids(kwargs.get(key))
+        if given is not None:
+            lo, hi = (int(v) for v in torch.aminmax(given))
+            return hi + 1 if lo >= 0 else lo  # a negative position is refused as well
+    tokens = _tokens(args, kwargs)
+    if tokens is None:
+        return None
+    reach = _cached(kwargs) + tokens
+    if method != "generate":
+        return reach
+    new, longest = kwargs.get("max_new_tokens"), kwargs.get("max_length")
+    config = getattr(module, "generation_config", None)
+    if new is None and longest is None:
+        new = getattr(config, "max_new_tokens", None)
+        longest = getattr(config, "max_length", None)
+    # the last new token comes from the logits of the one before: no lookup of its own
+    if isinstance(new, int):
+        return reach + max(new - 1, 0)
+    return max(reach, longest - 1) if isinstance(longest, int) else None
+
+
+def _check_positions(module: Any, name: str, args: tuple, kwargs: dict) -> None:
+    types = _ids(kwargs.get("token_type_ids"))
+    kinds = getattr(getattr(module, "config", None), "type_vocab_size", None)
+    if types is not None and isinstance(kinds, int):
+        lo, hi = (int(v) for v in torch.aminmax(types))
+        if lo < 0 or hi >= kinds:
+            raise ExecutionError(
+                f"{name}: token_type_ids holds {lo if lo < 0 else hi}, outside the "
+                f"model's {kinds} token types"
+            )
+    most = _positions(module)
+    if most is None:
+        return
+    reach = _reach(module, name.rpartition(".")[2], args, kwargs)
+    if reach is None or 0 < reach <= most:
+        return
+    if reach <= 0:
+        raise ExecutionError(f"{name}: a negative position id ({reach}) is outside its table")
+    raise ExecutionError(
+        f"{name}: this call reaches position {reach - 1}, past the model's "
+        f"{most} positions (max_position_embeddings); shorten the prompt, or the cache, "
+        f"or the tokens asked for"
+    )

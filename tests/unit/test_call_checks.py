@@ -42,3 +42,110 @@ def test_a_token_id_past_the_vocabulary_is_refused_as_the_cpu_kernel_refuses(mod
 
 def test_a_module_without_input_embeddings_is_not_checked():
     call_checks.check(torch.nn.Linear(2, 2), "m.forward", (torch.tensor([99]),), {})
+
+
+# -- Note [positions on a GPU] ----------------------------------------------------------------
+def _refused_as_cpu_refuses(model, args, kwargs, match, method="forward"):
+    with pytest.raises(ExecutionError, match=match):
+        call_checks.check(model, f"m.{method}", args, kwargs)
+    # the CPU refuses the same call: its embedding kernel, or (BERT) the slice of a
+    # position buffer before it
+    with pytest.raises((IndexError, RuntimeError)):
+        getattr(model, method)(*args, **kwargs)
+
+
+def _passes_and_cpu_runs(model, args, kwargs, method="forward"):
+    call_checks.check(model, f"m.{method}", args, kwargs)
+    getattr(model, method)(*args, **kwargs)
+
+
+def test_a_prompt_longer_than_the_position_table_is_refused(model):
+    _passes_and_cpu_runs(model, (torch.zeros(1, 32, dtype=torch.long),), {})
+    _refused_as_cpu_refuses(model, (torch.zeros(1, 33, dtype=torch.long),), {}, "position 32")
+
+
+def test_a_decode_step_past_the_position_table_is_refused(model):
+    with torch.no_grad():
+        for step, fits in ((2, True), (3, False)):
+            past = model(torch.zeros(1, 30, dtype=torch.long), use_cache=True).past_key_values
+            kwargs = {"input_ids": torch.zeros(1, step, dtype=torch.long), "past_key_values": past}
+            if fits:
+                _passes_and_cpu_runs(model, (), kwargs)
+            else:
+                _refused_as_cpu_refuses(model, (), kwargs, "position 32, past the model's 32")
+
+
+@pytest.mark.parametrize("position, fits", [(31, True), (32, False), (-1, False)])
+def test_explicit_position_ids_are_checked(model, position, fits):
+    kwargs = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+    kwargs["position_ids"] = torch.tensor([[position]])
+    if fits:
+        _passes_and_cpu_runs(model, (), kwargs)
+    else:
+        _refused_as_cpu_refuses(model, (), kwargs, "position")
+
+
+def test_generate_is_checked_for_the_length_it_may_reach(model):
+    prompt = torch.ones(1, 30, dtype=torch.long)  # no padding: positions count from 0
+    # three new tokens take two decode steps, at positions 30 and 31
+    ok = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    _passes_and_cpu_runs(model, (prompt,), ok, "generate")
+    over = {**ok, "max_new_tokens": 4}
+    _refused_as_cpu_refuses(model, (prompt,), over, "position 32", "generate")
+    call_checks.check(model, "m.generate", (prompt,), {"max_length": 33})
+    with pytest.raises(ExecutionError, match="position 38"):
+        call_checks.check(model, "m.generate", (prompt,), {"max_length": 40})
+
+
+def test_bert_positions_and_token_types_are_checked():
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=24,
+    )
+    bert = BertModel(cfg).eval()
+    _passes_and_cpu_runs(bert, (torch.zeros(1, 24, dtype=torch.long),), {})
+    _refused_as_cpu_refuses(bert, (torch.zeros(1, 25, dtype=torch.long),), {}, "position 24")
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    _passes_and_cpu_runs(bert, (ids,), {"token_type_ids": torch.tensor([[0, 1, 1, 0]])})
+    _refused_as_cpu_refuses(
+        bert, (ids,), {"token_type_ids": torch.tensor([[0, 2, 1, 0]])}, "token_type_ids holds 2"
+    )
+
+
+def test_an_offset_position_table_is_read_less_its_offset():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_dim=32,
+        vocab_size=50,
+        max_position_embeddings=24,
+        word_embed_proj_dim=16,
+    )
+    opt = OPTForCausalLM(cfg).eval()  # its table has 26 rows, from offset 2
+    _passes_and_cpu_runs(opt, (torch.zeros(1, 24, dtype=torch.long),), {})
+    _refused_as_cpu_refuses(opt, (torch.zeros(1, 25, dtype=torch.long),), {}, "position 24")
+
+
+def test_rotary_positions_have_no_table_and_are_not_checked():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=8,
+    )
+    llama = LlamaForCausalLM(cfg).eval()
+    _passes_and_cpu_runs(llama, (torch.zeros(1, 12, dtype=torch.long),), {})
