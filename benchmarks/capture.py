@@ -8,6 +8,10 @@ Measures, in one run on one appliance:
   tensor pays in PyTorch's dispatcher and Python, with no trace, no inference, no graph;
 - end to end: remote forward (capture + ship + execute + fetch logits) against local eager,
   timed in turn in each of ``--repeat`` rounds so both see the same machine;
+- replayed: the same forward through ``djinn.replayable`` (Note [replayable functions]),
+  sent by its template's fingerprint with no op captured, in the same rounds; with the
+  client's own CPU time per replay, per op, and its request bytes (issue 11: at most 10
+  µs per op, constant in the op count);
 - with ``--compiled``, the local model under ``torch.compile`` (inductor) in the same
   rounds: what compiling buys on this machine (issue 11's "once compiled" target).
 
@@ -101,7 +105,7 @@ def main() -> int:
 
     import transformers
 
-    import djinn  # noqa: F401 - registers the remote device
+    import djinn  # registers the remote device
     from djinn.frontend import trace
 
     cfg = transformers.GPT2Config(n_layer=args.layers)
@@ -154,8 +158,27 @@ def main() -> int:
         fn()
         return time.perf_counter() - start
 
+    replayed = djinn.replayable(lambda x: remote(x).logits)
+    from djinn.frontend.session import default_session
+
+    channel = default_session().channel
+
+    def replay_client() -> tuple[float, int]:
+        """The calling thread's CPU seconds and the request's bytes for one replay, the
+        logits not fetched (the thread is blocked, not computing, while the appliance
+        runs the graph; the idle OpenMP threads' spinning is not the replay's)."""
+        b0 = channel.call_bytes()
+        c0 = time.thread_time()
+        out = replayed(rids)
+        spent = time.thread_time() - c0
+        bytes_ = channel.call_bytes() - b0
+        out.cpu()
+        return spent, bytes_
+
     with torch.no_grad():
         local(ids)  # warm
+        for _ in range(replayed.after + 1):  # recorded, confirmed, then replayed
+            replayed(rids).cpu()
         compiled = None
         if args.compiled:
             compiled = torch.compile(local)
@@ -170,6 +193,7 @@ def main() -> int:
                 timed_once(lambda: remote(rids).logits.cpu()),
                 timed_once(unstreamed),
                 timed_once(lambda: compiled(ids).logits) if compiled is not None else 0.0,
+                timed_once(lambda: replayed(rids).cpu()),
             )
             for _ in range(args.repeat)
         ]
@@ -177,9 +201,16 @@ def main() -> int:
         remote_s = statistics.median(r[1] for r in rounds)
         whole_s = statistics.median(r[2] for r in rounds)
         compiled_s = statistics.median(r[3] for r in rounds)
+        replay_s = statistics.median(r[4] for r in rounds)
+        client = [replay_client() for _ in range(args.repeat)]
         got = remote(rids).logits.cpu()
         want = local(ids).logits
+        got_replayed = replayed(rids).cpu()
     diff = (got - want).abs().max().item()
+    replay_diff = (got_replayed - want).abs().max().item()
+    replay_stats = replayed.stats()
+    client_s = statistics.median(c for c, _ in client)
+    request_bytes = statistics.median(b for _, b in client)
 
     result = {
         "model": f"GPT-2 {args.layers} layers ({n_params / 1e6:.0f}M params)",
@@ -199,6 +230,13 @@ def main() -> int:
         "remote_unstreamed_ms": round(whole_s * 1e3, 2),
         "remote_unstreamed_over_local": round(whole_s / local_s, 3),
         "max_abs_diff": diff,
+        "replayed_ms": round(replay_s * 1e3, 2),
+        "replayed_over_local": round(replay_s / local_s, 3),
+        "replay_client_cpu_ms": round(client_s * 1e3, 3),
+        "replay_client_us_per_op": round(client_s / n_ops * 1e6, 2),
+        "replay_request_bytes": request_bytes,
+        "replay_max_abs_diff": replay_diff,
+        "replay_stats": replay_stats,
         "weights_upload_s": round(upload_s, 2),
         "target_us_per_op": 20,
     }
@@ -230,7 +268,16 @@ def main() -> int:
             f"{result['local_compiled_ms']}; {result['local_compiled_over_eager']}; "
             f"{result['compile_s']} |"
         )
-    print(f"| max abs diff vs local | {diff:.2e} |")
+    print(
+        f"| replayed forward, djinn.replayable (ms; / local) | {result['replayed_ms']}; "
+        f"{result['replayed_over_local']} |"
+    )
+    print(
+        f"| replay: client CPU (ms; µs/op); request bytes | {result['replay_client_cpu_ms']}; "
+        f"{result['replay_client_us_per_op']}; {request_bytes} |"
+    )
+    print(f"| max abs diff vs local (captured; replayed) | {diff:.2e}; {replay_diff:.2e} |")
+    print(f"| replays, recordings, calls run as they are | {replay_stats} |")
     print(f"| weights upload + first forward (s) | {result['weights_upload_s']} |\n")
     save_json(result, args.json)
     print(json.dumps(result))

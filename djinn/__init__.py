@@ -60,6 +60,7 @@ __all__ = [
     "device",
     "from_pretrained",
     "hook_transformers",
+    "replayable",
 ]
 
 _LAZY = {
@@ -72,6 +73,7 @@ _LAZY = {
     "device": ("djinn.frontend.extension_points", "device"),
     "from_pretrained": ("djinn.frontend.ghost", "from_pretrained"),
     "hook_transformers": ("djinn.frontend.ghost", "hook_transformers"),
+    "replayable": ("djinn.frontend.replayable", "replayable"),
 }
 
 

@@ -96,7 +96,8 @@ def stream(trace: Trace) -> None:
     flush(trace, wait=False)
 
 
-_local = threading.local()
+_local = threading.local()  # .trace; .observer: the graph a flush sends, while a replayable
+# function records (Note [replayable functions], replayable.py)
 AUTOGRAD_RECORDERS: list[Any] = []  # capture blocks open in any thread (see Trace.add)
 
 
@@ -282,6 +283,9 @@ def flush(
         fetched: list[Any] = []
         kept: list[Any] = []
         failure = None
+        observer = getattr(_local, "observer", None)  # Note [replayable functions]
+        if observer is not None:
+            observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
         if encoded or fetch_refs or extra:
             try:
                 kept, fetched, failure = default_session().run_graph(

@@ -399,14 +399,17 @@ class Session:
         keep: Sequence[dict[str, Any]] = (),
         fetch: Sequence[dict[str, Any]] = (),
         inline: Sequence[torch.Tensor] = (),
+        form: tuple[str, list[str], list[float]] | None = None,
     ) -> tuple[list[RemoteTensor], list[Any]]:
         """Run an op graph (see ``djinn.protocol.graph``) on the session's worker.
 
         Returns (kept values as RemoteTensors, fetched values as tensors or numbers).
         ``inline`` tensors are referenced in the graph as ``{"$t": i, "desc": ...}`` (use
-        :func:`inline_ref`). A failing node fails the whole request.
+        :func:`inline_ref`). A failing node fails the whole request. ``form``: the graph's
+        template fingerprint, inputs and scalars when the caller knows them (a replay,
+        Note [replayable functions]), so they are not worked out again.
         """
-        kept, fetched, _ = self._exec(nodes, keep, fetch, inline, partial=False)
+        kept, fetched, _ = self._exec(nodes, keep, fetch, inline, partial=False, form=form)
         return kept, fetched
 
     def run_graph(
@@ -424,16 +427,25 @@ class Session:
         return self._exec(nodes, keep, fetch, inline, partial=True)
 
     def _exec(
-        self, nodes: Any, keep: Sequence, fetch: Sequence, inline: Sequence, *, partial: bool
+        self,
+        nodes: Any,
+        keep: Sequence,
+        fetch: Sequence,
+        inline: Sequence,
+        *,
+        partial: bool,
+        form: tuple[str, list[str], list[float]] | None = None,
     ) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
         body = {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)}
         if partial:
             body["partial"] = True
         if self._lineage is None:
-            out = self._exec_body(body, segments)
+            out = self._exec_body(body, segments, form)
         else:
-            out, body = self._lineage.run_body(lambda b: self._exec_body(b, segments), body)
+            # a body the journal rewrote (handles of a rebuilt session) has another form
+            attempt = lambda b: self._exec_body(b, segments, form if b is body else None)  # noqa: E731
+            out, body = self._lineage.run_body(attempt, body)
         seconds = self._lineage.took() if self._lineage is not None else 0.0
         return self._finish_exec(body, segments, out, seconds)
 
@@ -454,10 +466,12 @@ class Session:
         ]
         return kept, fetched, out.get("failed")
 
-    def _exec_body(self, body: dict[str, Any], segments: list) -> dict[str, Any]:
+    def _exec_body(
+        self, body: dict[str, Any], segments: list, form: tuple | None = None
+    ) -> dict[str, Any]:
         """EXEC ``body``: a graph the appliance keeps goes by fingerprint (Note [graph
         templates] in djinn/protocol/templates.py), a new one whole, asking it to keep it."""
-        sent, fp = self._exec_form(body)
+        sent, fp = self._exec_form(body, form)
         if "graph" in sent:
             try:
                 return self._unpack(self._call(Kind.EXEC, sent, segments, sink=self._sink))
@@ -470,13 +484,19 @@ class Session:
         self._kept_graph(sent, fp, out)
         return out
 
-    def _exec_form(self, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    def _exec_form(
+        self, body: dict[str, Any], form: tuple | None = None
+    ) -> tuple[dict[str, Any], str | None]:
         """What goes on the wire for ``body``, and its template's fingerprint: the short
-        form when the appliance keeps the template, else the whole graph."""
-        if len(body["nodes"]) < TEMPLATE_MIN_NODES:
+        form when the appliance keeps the template, else the whole graph. ``form``: the
+        fingerprint, inputs and scalars of ``body``, already known."""
+        if form is not None:
+            fp, inputs, scalars = form
+        elif len(body["nodes"]) < TEMPLATE_MIN_NODES:
             return body, None
-        tpl, inputs, scalars = templates.template(body)
-        fp = templates.fingerprint(tpl)
+        else:
+            tpl, inputs, scalars = templates.template(body)
+            fp = templates.fingerprint(tpl)
         if fp not in self._graphs:
             return {**body, "cache": True}, fp
         short = {"graph": fp, "inputs": inputs, "scalars": scalars}
