@@ -241,6 +241,9 @@ class _Args:
                     ("L", x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
                 )
             ref = ref_for_node(x, self.trace)
+            reads = self.trace.reads
+            if reads is not None and isinstance(ref, RemoteTensor):
+                reads.setdefault(ref.handle, x.__dict__["_b"])  # Note [replayable functions]
             if self.trace.recorders and getattr(x, "_is_param", False):
                 from djinn.graph.builder import WEIGHTS
 

@@ -29,9 +29,10 @@ recorded. What can be checked is checked, and a call that fails a check simply r
   floats and inline tensors, the same inputs and the same outputs: a float that changes
   from call to call (an optimizer's bias correction) is Python state a replay would
   freeze, so that key keeps recording;
-- each input a replay reads besides the arguments (a weight) must be the very handle it
-  was when recorded, still alive: a tensor replaced (``p.data = ...``) or freed makes the
-  key record again.
+- each input a replay reads besides the arguments (a weight) must still be what the
+  tensor that held it at recording holds: the same binding (Note [bindings]) bound to the
+  same handle. A tensor replaced (``p.data = ...``), written in place since (an optimizer
+  step rebinds it), or dropped makes the key record again.
 
 What cannot be checked is a Python value ``fn`` reads that changes later while every
 tensor stays the same (``optimizer.param_groups[0]["lr"]`` set by a scheduler): a replay
@@ -62,6 +63,8 @@ from .meta import TensorSpec
 from .nodes import Pending
 
 DEVICE_TYPE = "remote_accelerator"
+# what a call may return besides tensors, as recorded: immutable values
+PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
 class _Miss(Exception):
@@ -76,7 +79,7 @@ class _Record:
     tpl: dict[str, Any]
     scalars: list[float]
     inline: list[torch.Tensor]
-    sources: list[tuple[str, Any]]  # per template input: ("arg", i) or ("held", weakref)
+    sources: list[tuple[str, Any]]  # per input: ("arg", i) or ("held", weakref to a Binding)
     handles: list[str]  # the input handles as recorded (a held one must stay the same)
     outputs: list[tuple[str, Any]]  # per result leaf: ("kept", (k, spec)) or ("value", v)
     out_spec: Any
@@ -122,7 +125,7 @@ class Replayable:
         self.after = after
         self._records: dict[Any, _Record | str] = {}
         self._stats = _Stats()
-        self._lock = threading.Lock()  # one call records or replays at a time
+        self._lock = threading.RLock()  # one call records or replays at a time
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -171,12 +174,15 @@ class Replayable:
         trace_mod.flush(tr)  # what came before runs first: the graph holds fn's ops only
         nodes = tr.nodes
         chunk, tr.chunk_ops = tr.chunk_ops, 0  # one graph (Note [streamed graphs])
+        reads: dict[str, Any] = {}
+        tr.reads = reads
         try:
             result = self.fn(*args, **kwargs)
         finally:
             tr.chunk_ops = chunk
+            tr.reads = None
         try:
-            rec = _recorded(tr, nodes, result, tensors)
+            rec = _recorded(tr, nodes, result, tensors, reads)
         except _Miss as why:
             self._stats.plain[str(why)] += 1
             if getattr(why, "final", False):
@@ -251,7 +257,9 @@ def _final(why: str) -> _Miss:
     return exc
 
 
-def _recorded(tr: Any, nodes: list[Any], result: Any, tensors: list[Any]) -> _Record:
+def _recorded(
+    tr: Any, nodes: list[Any], result: Any, tensors: list[Any], reads: dict[str, Any]
+) -> _Record:
     """Check the call just captured (Note [replayable functions]), then run it as one
     graph, watching what goes on the wire; its record."""
     from .lazy import LazyTensor, spec_of
@@ -279,8 +287,10 @@ def _recorded(tr: Any, nodes: list[Any], result: Any, tensors: list[Any]) -> _Re
             outs.append(((id(ref.node), ref.index), spec_of(x)))
         elif isinstance(x, torch.Tensor):
             raise _final("it returns a local tensor")
-        else:
+        elif x is None or type(x) in PLAIN:
             outs.append((None, x))
+        else:  # an object may hold tensors of this call (a KV cache): a replay's would not
+            raise _final(f"it returns a {type(x).__name__}, not a tensor or a plain value")
     returned = {o for o, _ in outs if o is not None}
     for n in nodes:
         for k in range(n.nout):
@@ -290,7 +300,6 @@ def _recorded(tr: Any, nodes: list[Any], result: Any, tensors: list[Any]) -> _Re
                 cell = w()
                 if cell is not None and isinstance(cell.ref, Pending) and cell.ref.node is n:
                     raise _final(f"it keeps a tensor it made that it does not return ({n.name})")
-    held = _held_inputs(nodes)
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
     try:
@@ -320,10 +329,11 @@ def _recorded(tr: Any, nodes: list[Any], result: Any, tensors: list[Any]) -> _Re
             by_arg.setdefault(ref.handle, i)
     sources: list[tuple[str, Any]] = []
     for h in inputs:
+        cell = reads.get(h)
         if h in by_arg:
             sources.append(("arg", by_arg[h]))
-        elif h in held:
-            sources.append(("held", weakref.ref(held[h])))
+        elif cell is not None and isinstance(cell.ref, RemoteTensor) and cell.ref.handle == h:
+            sources.append(("held", weakref.ref(cell)))
         else:
             raise _Miss("an input's source is unknown")
     return _Record(
@@ -341,26 +351,6 @@ def _recorded(tr: Any, nodes: list[Any], result: Any, tensors: list[Any]) -> _Re
 
 def _spec_key(spec: TensorSpec) -> tuple:
     return (spec.dtype, tuple(spec.shape), tuple(spec.stride), spec.offset)
-
-
-def _held_inputs(nodes: list[Any]) -> dict[str, RemoteTensor]:
-    """The remote tensors the captured ops read, by handle."""
-    found: dict[str, RemoteTensor] = {}
-
-    def visit(x: Any) -> None:
-        if isinstance(x, RemoteTensor):
-            found.setdefault(x.handle, x)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-
-    for n in nodes:
-        visit(n.args)
-        visit(n.kwargs)
-    return found
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -383,9 +373,10 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         if kind == "arg":
             ref = trace_mod.resolved(tensors[src]._ref)
         else:
-            ref = src()
-            if ref is None or ref.handle != recorded:
-                raise _Miss("a tensor it reads was replaced or freed")
+            cell = src()
+            ref = None if cell is None else cell.ref
+            if not isinstance(ref, RemoteTensor) or ref.handle != recorded:
+                raise _Miss("a tensor it reads was replaced, written or dropped since")
         if not isinstance(ref, RemoteTensor) or ref.session is not session:
             raise _Miss("an input is not a remote tensor of this session")
         if ref.failed is not None:

@@ -43,6 +43,9 @@ class Trace:
         self.recorders: list[Any] = []  # djinn.capture() blocks building an SRG
         self.backward_task = -1  # graph task whose end flushes this trace
         self.chunk_ops = _chunk_ops()  # Note [streamed graphs]; 0: never streamed
+        # while a replayable function records: handle -> the Binding of the remote tensor
+        # its ops read there (Note [replayable functions])
+        self.reads: dict[str, Any] | None = None
 
     def _after_backward(self) -> None:
         self.backward_task = -1

@@ -1,0 +1,244 @@
+"""Note [replayable functions]: ``djinn.replayable(fn)`` runs a repeated call by its
+graph template with no op captured, with the bits a capture gives, and runs ``fn`` as it
+is whenever a replay could give anything else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import djinn
+from djinn.errors import DjinnError
+from djinn.frontend import trace
+from djinn.frontend.session import default_session
+
+
+def _mlp(blocks: int = 1) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(16, 32)]
+    for _ in range(blocks):
+        layers += [torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(32, 4)).eval()
+
+
+def _moved(model: torch.nn.Module, remote: str) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model).to(remote)
+
+
+def _bytes() -> int:
+    return default_session().channel.call_bytes()
+
+
+def test_replays_give_local_eagers_bits_and_send_the_graph_by_fingerprint(remote, monkeypatch):
+    from djinn.frontend import lazy
+
+    local = _mlp(blocks=8)
+    model = _moved(local, remote)
+    fwd = djinn.replayable(lambda x: model(x))
+    sent, captured = [], []
+    dispatch = lazy.dispatch
+    monkeypatch.setattr(lazy, "dispatch", lambda *a: captured.append(1) or dispatch(*a))
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(8, 16)
+            rx = x.to(remote)
+            trace.flush(trace.current())
+            before, ops = _bytes(), len(captured)
+            out = fwd(rx)
+            sent.append(_bytes() - before)
+            assert (len(captured) > ops) == (i < 2), i  # a replay captures no op
+            assert not trace.current().nodes
+            assert torch.equal(out.cpu(), local(x)), i
+    stats = fwd.stats()
+    assert stats["recordings"] == 2 and stats["replays"] == 4 and stats["plain"] == {}
+    # the first graph goes whole; every later one by its template (a replay's bytes are
+    # the same as a capture's: what it saves is the client's capture)
+    assert max(sent[1:]) < sent[0] / 2, sent
+    assert len(set(sent[2:])) == 1, sent
+
+
+def test_a_replay_reads_weights_as_they_are_now(remote):
+    local = _mlp()
+    model = _moved(local, remote)
+    fwd = djinn.replayable(lambda x: model(x))
+    x = torch.randn(4, 16)
+    rx = x.to(remote)
+    with torch.no_grad():
+        for _ in range(3):
+            fwd(rx)
+        assert fwd.stats()["replays"] == 1
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            p.mul_(0.5)  # in place (an optimizer's step): the same handle, a new value
+            q.mul_(0.5)
+        for _ in range(3):
+            assert torch.equal(fwd(rx).cpu(), local(x))
+        assert fwd.stats()["recordings"] == 2 and fwd.stats()["replays"] == 4
+        fresh = torch.randn(32, 16)
+        model[0].weight.data = fresh.to(remote)  # replaced: the key records again
+        local[0].weight.data = fresh
+        assert torch.equal(fwd(rx).cpu(), local(x))
+        assert fwd.stats()["recordings"] == 3 and fwd.stats()["replays"] == 4
+        assert "a tensor it reads was replaced, written or dropped since" in fwd.stats()["plain"]
+
+
+def test_new_argument_kinds_record_again(remote):
+    local = _mlp()
+    model = _moved(local, remote)
+    fwd = djinn.replayable(lambda x, scale: model(x) * scale)
+    with torch.no_grad():
+        for shape, scale in [((2, 16), 2), ((2, 16), 2), ((2, 16), 2), ((3, 16), 2), ((2, 16), 3)]:
+            x = torch.randn(*shape)
+            assert torch.equal(fwd(x.to(remote), scale).cpu(), local(x) * scale)
+    stats = fwd.stats()
+    assert stats["keys"] == 3 and stats["replays"] == 1 and stats["recordings"] == 4
+
+
+def test_a_transformers_output_replays(remote):
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    local = GPT2LMHeadModel(cfg).eval()
+    # moved in training mode so it stays on the graph path, then eval
+    model = copy.deepcopy(local).train().to(remote).eval()
+    fwd = djinn.replayable(lambda ids: model(ids).logits)
+    whole = djinn.replayable(lambda ids: model(ids))  # its KV cache is an object: refused
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.randint(0, 100, (1, 12))
+            want = local(ids).logits
+            assert torch.equal(fwd(ids.to(remote)).cpu(), want)
+            assert torch.equal(whole(ids.to(remote)).logits.cpu(), want)
+    assert fwd.stats()["replays"] == 2, fwd.stats()
+    assert whole.stats()["replays"] == 0
+    assert any("DynamicCache" in why for why in whole.stats()["plain"]), whole.stats()
+
+
+class _Keeps(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x * 2  # kept on the module: a replay could not update it
+        return self.lin(self.last)
+
+
+def _reads(x):
+    return x * float(x.sum().item() > 0)
+
+
+def _draws(x):
+    return x + torch.rand_like(x)
+
+
+REFUSED = {
+    "a value read": (_reads, "read a value"),
+    "random numbers": (_draws, "random numbers"),
+}
+
+
+@pytest.mark.parametrize("case", ["a value read", "random numbers"])
+def test_what_a_replay_would_get_wrong_runs_as_it_is(remote, case):
+    fn, reason = REFUSED[case]
+    fwd = djinn.replayable(fn)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(5)
+            state = torch.get_rng_state()
+            got = fwd(x.to(remote)).cpu()
+            torch.set_rng_state(state)
+            assert torch.equal(got, fn(x))
+    stats = fwd.stats()
+    assert stats["replays"] == 0 and stats["recordings"] == 0
+    assert any(reason in why for why in stats["plain"]), stats
+
+
+def test_a_tensor_with_an_autograd_history_is_never_replayed(remote):
+    w = torch.randn(3, 3, requires_grad=True)
+    rw = w.detach().to(remote).requires_grad_()
+    fwd = djinn.replayable(lambda x: x @ rw)
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        fwd(x.to(remote)).sum().backward()  # the history a replay would not have built
+        (x @ w).sum().backward()
+    assert torch.equal(rw.grad.cpu(), w.grad)
+    stats = fwd.stats()
+    assert stats["replays"] == 0 and any("autograd" in why for why in stats["plain"]), stats
+
+
+def test_a_tensor_kept_on_a_module_is_never_replayed(remote):
+    torch.manual_seed(0)
+    local = _Keeps().eval()
+    model = _moved(local, remote)
+    fwd = djinn.replayable(lambda x: model(x))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(fwd(x.to(remote)).cpu(), local(x))
+            assert torch.equal(model.last.cpu(), x * 2)  # as fresh as the call's
+    stats = fwd.stats()
+    assert stats["replays"] == 0 and any("keeps a tensor" in w for w in stats["plain"]), stats
+
+
+def test_a_float_that_changes_between_calls_keeps_it_recording(remote):
+    """An optimizer's bias correction, a schedule: Python state a replay would freeze."""
+    step = [0.0]
+
+    def scaled(x):
+        step[0] += 1.0
+        return x * (0.5 + step[0])
+
+    fwd = djinn.replayable(scaled)
+    for i in range(5):
+        x = torch.randn(3)
+        assert torch.equal(fwd(x.to(remote)).cpu(), x * (0.5 + (i + 1.0)))
+    stats = fwd.stats()
+    assert stats["replays"] == 0 and stats["recordings"] == 5
+
+
+def test_local_tensor_arguments_run_as_they_are(remote):
+    fwd = djinn.replayable(lambda x, y: x + y.to(x.device))
+    for _ in range(3):
+        x, y = torch.randn(3), torch.randn(3)
+        assert torch.equal(fwd(x.to(remote), y).cpu(), x + y)
+    assert fwd.stats()["replays"] == 0
+    assert any("local tensor" in w for w in fwd.stats()["plain"])
+
+
+def test_a_failing_replay_raises_and_the_next_call_works(remote):
+    table = torch.randn(6, 3)
+    rtable = table.to(remote)
+    fwd = djinn.replayable(lambda idx: rtable.index_select(0, idx) * 2)
+    for _ in range(3):
+        idx = torch.tensor([0, 5, 2])
+        assert torch.equal(fwd(idx.to(remote)).cpu(), table.index_select(0, idx) * 2)
+    with pytest.raises(DjinnError, match="index"):
+        fwd(torch.tensor([0, 9, 2]).to(remote)).cpu()
+    idx = torch.tensor([1, 1, 3])
+    assert torch.equal(fwd(idx.to(remote)).cpu(), table.index_select(0, idx) * 2)
+    assert fwd.stats()["replays"] >= 2
+
+
+def test_reset_forgets_recordings_and_bad_arguments_are_refused(remote):
+    fwd = djinn.replayable(lambda x: x * 2)
+    x = torch.randn(3).to(remote)
+    for _ in range(3):
+        fwd(x)
+    fwd.reset()
+    fwd(x)
+    assert fwd.stats()["recordings"] == 3 and fwd.stats()["keys"] == 1
+    with pytest.raises(TypeError):
+        djinn.replayable(3)
+    with pytest.raises(ValueError):
+        djinn.replayable(lambda x: x, after=0)
+    decorated = djinn.replayable(after=1)(lambda x: x + 1)
+    for _ in range(2):
+        assert torch.equal(decorated(x).cpu(), x.cpu() + 1)
+    assert decorated.stats()["replays"] == 1
