@@ -114,8 +114,8 @@ def test_a_graph_sent_without_waiting_says_so_whole_and_as_a_template(frontend, 
     sent: list[dict] = []
     real = Session._exec_form
 
-    def spy(self, body):
-        form = real(self, body)
+    def spy(self, body, known=None):
+        form = real(self, body, known)
         sent.append(form[0])
         return form
 
