@@ -19,7 +19,8 @@ recorded. What can be checked is checked, and a call that fails a check simply r
 
 - the *key*: each argument's kind (a remote tensor's dtype, shape, strides, offset and
   ``requires_grad``; any other argument by value), which arguments are the same tensor,
-  grad and inference mode, autocast, and the session; a new key records again;
+  grad and inference mode, autocast, the session, and when ``fn`` is a module (or a
+  module's method) the train/eval flag of each of its modules; a new key records again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
   steer Python), drew no random numbers (a replay would repeat them), made no tensor with
   an autograd history (a replay builds none), captured every op on the calling thread in
@@ -133,7 +134,7 @@ class Replayable:
         with self._lock:
             self._stats.calls += 1
             try:
-                key, tensors = _key(args, kwargs)
+                key, tensors = _key(args, kwargs, self.fn)
             except _Miss as why:
                 self._stats.plain[str(why)] += 1
                 return self.fn(*args, **kwargs)
@@ -206,7 +207,7 @@ def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2) -> Any:
 
 
 # -- the key -----------------------------------------------------------------------------
-def _key(args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+def _key(args: tuple, kwargs: dict, fn: Any) -> tuple[Any, list[Any]]:
     from .lazy import LazyTensor
 
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -242,11 +243,21 @@ def _key(args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled(DEVICE_TYPE),
         torch.get_autocast_dtype(DEVICE_TYPE),
+        _training(fn),
     )
     try:
         return (str(spec), tuple(parts), mode, id(default_session())), tensors
     except TypeError:
         raise _Miss("an unhashable argument") from None
+
+
+def _training(fn: Any) -> tuple[bool, ...]:
+    """The train/eval flags of ``fn``'s modules when it is a module or a module's method:
+    ``model.train()`` changes what its forward computes (batch norm, dropout)."""
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    return tuple(m.training for m in module.modules())
 
 
 # -- recording ---------------------------------------------------------------------------
@@ -386,10 +397,13 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
     form = (rec.fingerprint, handles, rec.scalars)
     kept, _ = session.execute(body["nodes"], keep=body["keep"], inline=rec.inline, form=form)
     leaves: list[Any] = []
+    made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
     for kind, what in rec.outputs:
         if kind == "value":
             leaves.append(what)
             continue
         k, (dtype, shape, stride, offset) = what
-        leaves.append(LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k]))
+        if what not in made:
+            made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
+        leaves.append(made[what])
     return pytree.tree_unflatten(leaves, rec.out_spec)

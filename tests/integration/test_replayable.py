@@ -242,3 +242,30 @@ def test_reset_forgets_recordings_and_bad_arguments_are_refused(remote):
     for _ in range(2):
         assert torch.equal(decorated(x).cpu(), x.cpu() + 1)
     assert decorated.stats()["replays"] == 1
+
+
+def test_a_module_switched_to_training_records_again(remote):
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).eval()
+    model = _moved(local, remote)
+    fwd = djinn.replayable(model)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(fwd(x.to(remote)).cpu(), local(x))
+        model.train()  # batch statistics now, and running statistics updated in place
+        local.train()
+        for _ in range(3):
+            assert torch.allclose(fwd(x.to(remote)).cpu(), local(x), atol=1e-6)
+        assert torch.allclose(model[1].running_mean.cpu(), local[1].running_mean, atol=1e-6)
+    stats = fwd.stats()
+    assert stats["keys"] == 2 and stats["replays"] == 2, stats
+
+
+def test_an_output_returned_twice_is_one_tensor(remote):
+    fwd = djinn.replayable(lambda x: (y := x * 3, y))
+    x = torch.randn(4).to(remote)
+    for _ in range(3):
+        a, b = fwd(x)
+        assert a is b and torch.equal(a.cpu(), x.cpu() * 3)
+    assert fwd.stats()["replays"] == 1
