@@ -1,12 +1,15 @@
 """Model path: GPT-2 prefill and decode steps, remote (by fingerprint) against local eager.
 
     python benchmarks/model_path.py [--layers 12] [--prefill 64] [--steps 16] [--json PATH]
+    python benchmarks/model_path.py --layers 1 --width 64 --vocab 1000   # fixed overhead
 
 Uses the default appliance (DJINN_ADDRESS, else an embedded one). Reports median latency
 of a 64-token prefill and of single decode steps (KV cache kept on the appliance), the
 ratio to local eager in the same run, and the bytes each call puts on the wire (which
 must not grow with the context). Design targets: remote / local ≤ 1.10 on CPU workers;
-decode bytes per step constant.
+decode bytes per step constant. A tiny model (``--width 64 --vocab 1000``) shows the fixed
+cost of a call, what a GPU's fast forward leaves exposed: the step's remote - local, and
+the worker's own time per request kind (its stats document) beside the client's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from _common import save_json
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768, help="n_embd (heads: width / 64)")
+    parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--prefill", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
@@ -35,7 +40,14 @@ def main() -> int:
     import djinn  # noqa: F401 - the remote device
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers)
+    cfg = transformers.GPT2Config(
+        n_layer=args.layers,
+        n_embd=args.width,
+        n_head=max(1, args.width // 64),
+        vocab_size=args.vocab,
+        bos_token_id=min(50256, args.vocab - 1),  # GPT-2's, inside a smaller vocabulary
+        eos_token_id=min(50256, args.vocab - 1),
+    )
     local = transformers.GPT2LMHeadModel(cfg).eval()
     t0 = time.perf_counter()
     model = copy.deepcopy(local).to("remote_accelerator:0")
@@ -81,11 +93,30 @@ def main() -> int:
                 past = out.past_key_values
         return prefill, steps
 
+    client = model._djinn.session.client
+
+    def worker_seconds() -> dict[str, tuple[int, float]]:
+        """(count, seconds) per request kind on the workers, from the stats document."""
+        time.sleep(0.3)  # a worker pushes its stats at most every 0.1 s
+        got: dict[str, tuple[int, float]] = {}
+        for r in client.stats()["requests"]:
+            if r["worker"] != "supervisor":
+                n, t = got.get(r["kind"], (0, 0.0))
+                got[r["kind"]] = (n + r["count"], t + r["sum_s"])
+        return got
+
     remote_round()  # warm: hints cached, appliance warm
     local_round()
+    served: dict[str, list[float]] = {}
     r_pre, r_step, l_pre, l_step, sizes, pre_bytes = [], [], [], [], [], 0
     for _ in range(args.repeat):  # interleaved rounds: both see the same machine
+        before = worker_seconds()
         p, s, b, pb = remote_round()
+        after = worker_seconds()
+        for kind, (n, t) in after.items():
+            n0, t0 = before.get(kind, (0, 0.0))
+            if kind in ("CALL", "EXEC") and n > n0:
+                served.setdefault(kind, []).append((t - t0) / (n - n0))
         r_pre.append(p)
         r_step += s
         sizes += b
@@ -96,7 +127,7 @@ def main() -> int:
     med = statistics.median
     n_params = sum(p.numel() for p in local.parameters())
     result = {
-        "model": f"GPT-2 {args.layers} layers",
+        "model": f"GPT-2 {args.layers} layers, width {args.width}, vocabulary {args.vocab}",
         "prefill_tokens": args.prefill,
         "register_s": round(register_s, 2),
         "prefill_ms": {
@@ -109,6 +140,8 @@ def main() -> int:
             "local": round(med(l_step) * 1e3, 2),
             "ratio": round(med(r_step) / med(l_step), 3),
         },
+        "decode_overhead_ms": round((med(r_step) - med(l_step)) * 1e3, 3),
+        "worker_ms_per_request": {k: round(med(v) * 1e3, 3) for k, v in served.items()},
         "bytes": {
             "prefill_call": pre_bytes,
             "decode_step_min": min(sizes),
@@ -129,6 +162,11 @@ def main() -> int:
     print(
         f"| decode step | {result['decode_ms']['remote']} | {result['decode_ms']['local']} | "
         f"{result['decode_ms']['ratio']} | {min(sizes)}..{max(sizes)} |"
+    )
+    print(
+        f"\ndecode step remote - local: {result['decode_overhead_ms']} ms; the worker's mean "
+        f"time per request (CALL: the model's call, EXEC: the sampling graph; prefill "
+        f"included): {result['worker_ms_per_request']} ms"
     )
     print(
         f"\nregistration (fingerprint + upload of {n_params / 1e6:.0f}M "
