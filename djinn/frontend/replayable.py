@@ -19,8 +19,10 @@ recorded. What can be checked is checked, and a call that fails a check simply r
 
 - the *key*: each argument's kind (a remote tensor's dtype, shape, strides, offset and
   ``requires_grad``; any other argument by value), which arguments are the same tensor,
-  grad and inference mode, autocast, the session, and when ``fn`` is a module (or a
-  module's method) the train/eval flag of each of its modules; a new key records again;
+  grad and inference mode, autocast, the session, and for the modules ``fn`` is, is a
+  method of, or names (in its closure, or globals its code reads) each one's train/eval
+  flag and which tensors are its parameters and buffers (``model.weight = Parameter(..)``
+  reassigned); a new key records again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
   steer Python), drew no random numbers (a replay would repeat them), made no tensor with
   an autograd history (a replay builds none), captured every op on the calling thread in
@@ -243,7 +245,7 @@ def _key(args: tuple, kwargs: dict, fn: Any) -> tuple[Any, list[Any]]:
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled(DEVICE_TYPE),
         torch.get_autocast_dtype(DEVICE_TYPE),
-        _training(fn),
+        _modules_state(fn),
     )
     try:
         return (str(spec), tuple(parts), mode, id(default_session())), tensors
@@ -251,13 +253,37 @@ def _key(args: tuple, kwargs: dict, fn: Any) -> tuple[Any, list[Any]]:
         raise _Miss("an unhashable argument") from None
 
 
-def _training(fn: Any) -> tuple[bool, ...]:
-    """The train/eval flags of ``fn``'s modules when it is a module or a module's method:
-    ``model.train()`` changes what its forward computes (batch norm, dropout)."""
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(module, torch.nn.Module):
-        return ()
-    return tuple(m.training for m in module.modules())
+def _modules_of(fn: Any) -> list[torch.nn.Module]:
+    """The modules ``fn`` is, is a method of, or names: in its closure or, by a name its
+    code reads, in its globals (``lambda x: model(x)``)."""
+    if isinstance(fn, torch.nn.Module):
+        return [fn]
+    found = [m] if isinstance(m := getattr(fn, "__self__", None), torch.nn.Module) else []
+    fn = getattr(fn, "__func__", fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        if isinstance(value := names.get(name), torch.nn.Module):
+            found.append(value)
+    return found
+
+
+def _modules_state(fn: Any) -> tuple:
+    """What of ``fn``'s modules changes what it computes without a tensor changing in
+    place: each module's train/eval flag (batch norm, dropout), and which tensor objects
+    are its parameters and buffers (``module.weight = Parameter(...)``)."""
+    state: list[Any] = []
+    for module in _modules_of(fn):
+        state.append(tuple(m.training for m in module.modules()))
+        state.append(tuple(id(t) for t in module.parameters()))
+        state.append(tuple(id(t) for t in module.buffers()))
+    return tuple(state)
 
 
 # -- recording ---------------------------------------------------------------------------

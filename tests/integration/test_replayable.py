@@ -269,3 +269,21 @@ def test_an_output_returned_twice_is_one_tensor(remote):
         a, b = fwd(x)
         assert a is b and torch.equal(a.cpu(), x.cpu() * 3)
     assert fwd.stats()["replays"] == 1
+
+
+def test_a_parameter_reassigned_on_a_module_records_again(remote):
+    local = _mlp()
+    model = _moved(local, remote)
+    fwd = djinn.replayable(lambda x: model(x))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            fwd(x.to(remote))
+        fresh = torch.randn(32, 16)
+        # a new Parameter object: the old one, still alive here, keeps its handle
+        old = model[0].weight
+        model[0].weight = torch.nn.Parameter(fresh.to(remote))
+        local[0].weight = torch.nn.Parameter(fresh)
+        assert torch.equal(fwd(x.to(remote)).cpu(), local(x))
+        assert old is not None
+    assert fwd.stats()["keys"] == 2
