@@ -24,6 +24,13 @@ true``, where a graph the client sent without waiting for it runs with one threa
 (Note [a capturing client beside its worker]: its parameters are then local eager's at
 that thread count, which the last column measures). Repeats interleave local and the
 remote loops, so all see the same machine. Goal (issue 11): remote at most 1.20x local eager.
+
+The replay rows run the step as a ``djinn.replayable`` function (Note [replayable
+functions]) on the first appliance: with the default Adam, whose bias corrections are
+Python floats that change every step, so it never replays (the row shows what recording
+costs); with ``Adam(capturable=True)``, whose step counts and corrections stay on the
+device, against the same loop captured op by op (bit for bit: PyTorch has no capturable
+Adam on the CPU to compare with); and with SGD (momentum 0.9) against local eager SGD.
 """
 
 from __future__ import annotations
@@ -58,20 +65,40 @@ def build(width: int, layers: int) -> torch.nn.Module:
     )
 
 
+OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "capturable": lambda ps: torch.optim.Adam(ps, lr=1e-3, capturable=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+REPLAYS: list[dict] = []  # each replayed loop's stats(), for the report
+
+
 def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-         device: str) -> tuple[float, list[torch.Tensor]]:  # fmt: skip
+         device: str, optimizer: str = "adam",
+         replay: bool = False) -> tuple[float, list[torch.Tensor]]:  # fmt: skip
     """Train on ``batches`` (moved to ``device``); seconds, and the parameters after."""
+    import djinn
+
     model = copy.deepcopy(model).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     data = [(x.to(device), y.to(device)) for x, y in batches]
-    t0 = time.perf_counter()
-    for x, y in data:
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step) if replay else step
+    t0 = time.perf_counter()
+    for x, y in data:
+        run(x, y)
     params = [p.detach().cpu() for p in model.parameters()]  # waits for every step
-    return time.perf_counter() - t0, params
+    took = time.perf_counter() - t0
+    if replay:
+        REPLAYS.append({"optimizer": optimizer, **run.stats()})
+    return took, params
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -138,6 +165,11 @@ def main() -> int:
         loop(model, batches[:2], "cpu")
         local_s, remote_s, interp_s, all_s, diffs, all_diffs = [], [], [], [], [], []
         spin_s = []
+        rows: dict[str, list[float]] = {}  # the replay rows' seconds
+        replay_diffs: dict[str, float] = {}
+        with using(planned.unix):
+            for optimizer in OPTIMIZERS:
+                loop(model, batches[:4], R, optimizer, replay=True)  # warm
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
@@ -159,6 +191,27 @@ def main() -> int:
                 took, other = loop(model, batches, R)
             all_s.append(took)
             all_diffs.append(max_diff(other, want))
+            with using(planned.unix):
+                took, other = loop(model, batches, R, "adam", replay=True)
+                rows.setdefault("adam", []).append(took)
+                replay_diffs["adam"] = max(replay_diffs.get("adam", 0.0), max_diff(other, want))
+                took, captured = loop(model, batches, R, "capturable")
+                rows.setdefault("capturable captured", []).append(took)
+                took, other = loop(model, batches, R, "capturable", replay=True)
+                rows.setdefault("capturable", []).append(took)
+                replay_diffs["capturable"] = max(
+                    replay_diffs.get("capturable", 0.0), max_diff(other, captured)
+                )
+                replay_diffs["capturable vs adam"] = max_diff(other, want)
+            took, sgd_want = loop(model, batches, "cpu", "sgd")
+            rows.setdefault("sgd local", []).append(took)
+            with using(planned.unix):
+                took, other = loop(model, batches, R, "sgd")
+                rows.setdefault("sgd captured", []).append(took)
+                took, replayed = loop(model, batches, R, "sgd", replay=True)
+                rows.setdefault("sgd", []).append(took)
+            replay_diffs["sgd captured"] = max_diff(other, sgd_want)
+            replay_diffs["sgd"] = max(replay_diffs.get("sgd", 0.0), max_diff(replayed, sgd_want))
         plans = stats_plans(planned.unix)
     local, remote = statistics.median(local_s), statistics.median(remote_s)
     interp, every = statistics.median(interp_s), statistics.median(all_s)
@@ -183,6 +236,27 @@ def main() -> int:
           " = true)", f"{local:.3f}", f"{every:.3f}", f"{every / local:.2f}x",
           f"{max(all_diffs):.1e}", ""]],
     ))  # fmt: skip
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    last = {r["optimizer"]: r for r in REPLAYS}
+    print()
+    print(md_table(
+        ["replayed step (djinn.replayable)", "reference s", "remote s", "remote / reference",
+         "max |param diff| vs reference", "replays of the last loop"],
+        [["default Adam (its floats change: never replays)", f"local {local:.3f}",
+          f"{med['adam']:.3f}", f"{med['adam'] / local:.2f}x",
+          f"{replay_diffs['adam']:.1e}", f"{last['adam']['replays']}"],
+         ["Adam(capturable=True), vs the same loop captured op by op",
+          f"captured {med['capturable captured']:.3f}", f"{med['capturable']:.3f}",
+          f"{med['capturable'] / med['capturable captured']:.2f}x (local: "
+          f"{med['capturable'] / local:.2f}x)", f"{replay_diffs['capturable']:.1e} "
+          f"(vs local default Adam: {replay_diffs['capturable vs adam']:.1e})",
+          f"{last['capturable']['replays']}"],
+         ["SGD (momentum 0.9), vs local eager SGD", f"local {med['sgd local']:.3f}",
+          f"{med['sgd']:.3f}", f"{med['sgd'] / med['sgd local']:.2f}x (captured: "
+          f"{med['sgd captured'] / med['sgd local']:.2f}x)",
+          f"{replay_diffs['sgd']:.1e} (captured: {replay_diffs['sgd captured']:.1e})",
+          f"{last['sgd']['replays']}"]],
+    ))  # fmt: skip
     print(f"\nplans: {plans['runs']} requests run by {plans['plans']} plans "
           f"({plans['nodes']} nodes); refused templates: {plans['refused']}")  # fmt: skip
     print(f"\n(batch {args.batch} x {args.seq} tokens; medians of {args.repeat}; goal <= 1.20x)")
@@ -191,6 +265,8 @@ def main() -> int:
                "beside_client_max_param_diff": max(all_diffs),
                "plans": plans, "max_param_diff": max(diffs),
                "local_threads_diff": floor,
+               "replay_s": rows, "replay_max_param_diff": replay_diffs,
+               "replay_stats": REPLAYS[-len(OPTIMIZERS):],
                "args": vars(args), "torch": torch.__version__}, args.json)  # fmt: skip
     return 0
 

@@ -243,7 +243,7 @@ class _Args:
             ref = ref_for_node(x, self.trace)
             reads = self.trace.reads
             if reads is not None and isinstance(ref, RemoteTensor):
-                reads.setdefault(ref.handle, x.__dict__["_b"])  # Note [replayable functions]
+                reads.setdefault(ref.handle, (x.__dict__["_b"], x))  # Note [replayable functions]
             if self.trace.recorders and getattr(x, "_is_param", False):
                 from djinn.graph.builder import WEIGHTS
 

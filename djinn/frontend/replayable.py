@@ -19,15 +19,17 @@ recorded. What can be checked is checked, and a call that fails a check simply r
 
 - the *key*: each argument's kind (a remote tensor's dtype, shape, strides, offset and
   ``requires_grad``; any other argument by value), which arguments are the same tensor,
-  grad and inference mode, autocast, the session, and for the modules ``fn`` is, is a
-  method of, or names (in its closure, or globals its code reads) each one's train/eval
-  flag and which tensors are its parameters and buffers (``model.weight = Parameter(..)``
-  reassigned); a new key records again;
+  grad and inference mode, autocast, the session; for the modules ``fn`` is, is a method
+  of, or names (in its closure, or globals its code reads) each one's train/eval flag and
+  which tensors are its parameters and buffers (``model.weight = Parameter(..)``
+  reassigned), and for the optimizers it names their parameters and hyperparameters (a
+  scheduler's new learning rate); a new key records again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
   steer Python), drew no random numbers (a replay would repeat them), made no tensor with
-  an autograd history (a replay builds none), captured every op on the calling thread in
-  one graph, returned only tensors it made (and plain values), and left no other tensor it
-  made alive (``self.cache = x``: a replay could not update it);
+  an autograd history (a replay builds none), captured every op in one graph (its own
+  and its backward pass's), returned only tensors it made (and plain values), and left
+  no other tensor it made alive but gradients in ``.grad`` (``self.cache = x``: a replay
+  could not set it);
 - a key replays only after ``after`` recordings in a row gave the same graph, the same
   floats and inline tensors, the same inputs and the same outputs: a float that changes
   from call to call (an optimizer's bias correction) is Python state a replay would
@@ -37,9 +39,18 @@ recorded. What can be checked is checked, and a call that fails a check simply r
   same handle. A tensor replaced (``p.data = ...``), written in place since (an optimizer
   step rebinds it), or dropped makes the key record again.
 
-What cannot be checked is a Python value ``fn`` reads that changes later while every
-tensor stays the same (``optimizer.param_groups[0]["lr"]`` set by a scheduler): a replay
-uses the recorded value, as a CUDA graph does. ``reset()`` forgets every recording.
+A training step replays too: its backward pass, which PyTorch runs on its device thread
+while ``fn`` waits, joins the recording's graph, and the gradients it leaves in ``.grad``
+of the tensors it read are set again by each replay (``opt.zero_grad()`` belongs inside
+``fn``: outside, it drops them and every call records). An optimizer's first step makes
+its state, so it records from the second call; an optimizer whose step computes Python
+floats that change each step (the default ``Adam``'s bias corrections) never replays,
+while ``Adam(capturable=True)`` and ``SGD`` do.
+
+What cannot be checked is other Python state ``fn`` reads that changes later while every
+tensor stays the same (a flag on an object it does not name, a float a hook reads): a
+replay uses the recorded value, as a CUDA graph does. ``reset()`` forgets every
+recording.
 
 A replay runs every op the recorded call ran, in order, with every check of the
 appliance (the template is instantiated there exactly as if sent whole), so its results
@@ -83,9 +94,11 @@ class _Record:
     scalars: list[float]
     inline: list[torch.Tensor]
     sources: list[tuple[str, Any]]  # per input: ("arg", i) or ("held", weakref to a Binding)
-    handles: list[str]  # the input handles as recorded (a held one must stay the same)
+    handles: list[str]  # the input handles: as recorded, or as the last replay left them
     outputs: list[tuple[str, Any]]  # per result leaf: ("kept", (k, spec)) or ("value", v)
     out_spec: Any
+    # gradients it left in .grad: per kept slot, weakrefs to the Bindings that hold it
+    grads: list[tuple[int, list[Any]]] = field(default_factory=list)
     same: int = 1  # recordings in a row that gave this record
     ops: int = 0
 
@@ -96,6 +109,7 @@ class _Record:
             and self.handles_shape() == other.handles_shape()
             and self.outputs == other.outputs
             and self.out_spec == other.out_spec
+            and [k for k, _ in self.grads] == [k for k, _ in other.grads]
             and len(self.inline) == len(other.inline)
             and all(_same_bytes(a, b) for a, b in zip(self.inline, other.inline, strict=True))
         )
@@ -179,9 +193,11 @@ class Replayable:
         chunk, tr.chunk_ops = tr.chunk_ops, 0  # one graph (Note [streamed graphs])
         reads: dict[str, Any] = {}
         tr.reads = reads
+        outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         try:
             result = self.fn(*args, **kwargs)
         finally:
+            trace_mod.RECORDING = outer
             tr.chunk_ops = chunk
             tr.reads = None
         try:
@@ -253,37 +269,55 @@ def _key(args: tuple, kwargs: dict, fn: Any) -> tuple[Any, list[Any]]:
         raise _Miss("an unhashable argument") from None
 
 
-def _modules_of(fn: Any) -> list[torch.nn.Module]:
-    """The modules ``fn`` is, is a method of, or names: in its closure or, by a name its
-    code reads, in its globals (``lambda x: model(x)``)."""
-    if isinstance(fn, torch.nn.Module):
+STATEFUL = (torch.nn.Module, torch.optim.Optimizer)
+
+
+def _objects_of(fn: Any) -> list[Any]:
+    """The modules and optimizers ``fn`` is, is a method of, or names: in its closure or,
+    by a name its code reads, in its globals (``lambda x: model(x)``)."""
+    if isinstance(fn, STATEFUL):
         return [fn]
-    found = [m] if isinstance(m := getattr(fn, "__self__", None), torch.nn.Module) else []
+    found = [m] if isinstance(m := getattr(fn, "__self__", None), STATEFUL) else []
     fn = getattr(fn, "__func__", fn)
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # a cell not yet filled
             continue
-        if isinstance(value, torch.nn.Module):
+        if isinstance(value, STATEFUL):
             found.append(value)
     code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     for name in getattr(code, "co_names", ()):
-        if isinstance(value := names.get(name), torch.nn.Module):
+        if isinstance(value := names.get(name), STATEFUL):
             found.append(value)
     return found
 
 
 def _modules_state(fn: Any) -> tuple:
-    """What of ``fn``'s modules changes what it computes without a tensor changing in
-    place: each module's train/eval flag (batch norm, dropout), and which tensor objects
-    are its parameters and buffers (``module.weight = Parameter(...)``)."""
+    """What of ``fn``'s modules and optimizers changes what it computes without a tensor
+    changing in place: each module's train/eval flag (batch norm, dropout) and which
+    tensor objects are its parameters and buffers (``module.weight = Parameter(...)``);
+    each optimizer's hyperparameters (a scheduler's learning rate) and parameters."""
     state: list[Any] = []
-    for module in _modules_of(fn):
-        state.append(tuple(m.training for m in module.modules()))
-        state.append(tuple(id(t) for t in module.parameters()))
-        state.append(tuple(id(t) for t in module.buffers()))
+    for obj in _objects_of(fn):
+        if isinstance(obj, torch.nn.Module):
+            state.append(tuple(m.training for m in obj.modules()))
+            state.append(tuple(id(t) for t in obj.parameters()))
+            state.append(tuple(id(t) for t in obj.buffers()))
+            continue
+        for group in obj.param_groups:
+            state.append(tuple(id(p) for p in group["params"]))
+            state.append(
+                tuple((k, v) for k, v in sorted(group.items()) if k != "params" and _plain(v))
+            )
     return tuple(state)
+
+
+def _plain(v: Any) -> bool:
+    """A hyperparameter held as a Python value (a tensor one changes in place)."""
+    if isinstance(v, tuple):
+        return all(_plain(x) for x in v)
+    return v is None or type(v) in PLAIN
 
 
 # -- recording ---------------------------------------------------------------------------
@@ -329,14 +363,21 @@ def _recorded(
         else:  # an object may hold tensors of this call (a KV cache): a replay's would not
             raise _final(f"it returns a {type(x).__name__}, not a tensor or a plain value")
     returned = {o for o, _ in outs if o is not None}
+    grad_cells = _grad_cells(reads, tensors)
+    left: dict[tuple[int, int], list[Any]] = {}  # gradients in .grad, by output
     for n in nodes:
         for k in range(n.nout):
             if (id(n), k) in returned:
                 continue
             for w in n.holders[k]:
                 cell = w()
-                if cell is not None and isinstance(cell.ref, Pending) and cell.ref.node is n:
-                    raise _final(f"it keeps a tensor it made that it does not return ({n.name})")
+                if cell is None or not isinstance(cell.ref, Pending) or cell.ref.node is not n:
+                    continue
+                if id(cell) not in grad_cells:  # self.cache = x: a replay could not set it
+                    # (not final: an optimizer's first step makes its state, later ones
+                    # update it in place)
+                    raise _Miss(f"it keeps a tensor it made that it does not return ({n.name})")
+                left.setdefault((id(n), k), []).append(weakref.ref(cell))
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
     try:
@@ -350,6 +391,9 @@ def _recorded(
     if fetch or len(keep) != len(targets):
         raise _Miss("its graph fetched or kept more than it returns")
     slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
+    grads = [(slot[where], cells) for where, cells in left.items() if where in slot]
+    if len(grads) != len(left):
+        raise _Miss("a gradient was not kept")
     outputs: list[tuple[str, Any]] = []
     for where, what in outs:
         if where is None:
@@ -366,7 +410,7 @@ def _recorded(
             by_arg.setdefault(ref.handle, i)
     sources: list[tuple[str, Any]] = []
     for h in inputs:
-        cell = reads.get(h)
+        cell = reads[h][0] if h in reads else None
         if h in by_arg:
             sources.append(("arg", by_arg[h]))
         elif cell is not None and isinstance(cell.ref, RemoteTensor) and cell.ref.handle == h:
@@ -382,8 +426,22 @@ def _recorded(
         handles=list(inputs),
         outputs=outputs,
         out_spec=out_spec,
+        grads=grads,
         ops=len(encoded),
     )
+
+
+def _grad_cells(reads: dict[str, Any], tensors: list[Any]) -> set[int]:
+    """The Bindings of the ``.grad`` of every tensor the call read or took: a gradient a
+    backward pass left there is set again by a replay (Note [replayable functions])."""
+    from .lazy import LazyTensor
+
+    cells: set[int] = set()
+    for t in [t for _cell, t in reads.values()] + tensors:
+        grad = t._grad if isinstance(t, torch.Tensor) and t.is_leaf else None
+        if isinstance(grad, LazyTensor):
+            cells.add(id(grad.__dict__["_b"]))
+    return cells
 
 
 def _spec_key(spec: TensorSpec) -> tuple:
@@ -405,6 +463,9 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
     else:
         trace_mod.land_all()
     session = default_session()
+    grads = [[w() for w in cells] for _k, cells in rec.grads]
+    if any(c is None or not isinstance(c.ref, RemoteTensor) for cs in grads for c in cs):
+        raise _Miss("a gradient it left in .grad was replaced or dropped since")
     handles: list[str] = []
     for (kind, src), recorded in zip(rec.sources, rec.handles, strict=True):
         if kind == "arg":
@@ -422,6 +483,12 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
     body = templates.instantiate(rec.tpl, handles, rec.scalars)
     form = (rec.fingerprint, handles, rec.scalars)
     kept, _ = session.execute(body["nodes"], keep=body["keep"], inline=rec.inline, form=form)
+    for (k, _cells), cs in zip(rec.grads, grads, strict=True):
+        for cell in cs:
+            cell.ref = kept[k]  # the .grad the call leaves, as a run of fn would
+            for i, (kind, src) in enumerate(rec.sources):
+                if kind == "held" and src() is cell:  # read by the next call
+                    rec.handles[i] = kept[k].handle
     leaves: list[Any] = []
     made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
     for kind, what in rec.outputs:

@@ -43,8 +43,8 @@ class Trace:
         self.recorders: list[Any] = []  # djinn.capture() blocks building an SRG
         self.backward_task = -1  # graph task whose end flushes this trace
         self.chunk_ops = _chunk_ops()  # Note [streamed graphs]; 0: never streamed
-        # while a replayable function records: handle -> the Binding of the remote tensor
-        # its ops read there (Note [replayable functions])
+        # while a replayable function records: handle -> (the Binding, the tensor) of each
+        # remote tensor its ops read (Note [replayable functions])
         self.reads: dict[str, Any] | None = None
 
     def _after_backward(self) -> None:
@@ -57,7 +57,8 @@ class Trace:
         with self.lock:  # another thread may be flushing this trace (cross-thread reads)
             self.nodes.append(node)
         task = torch._C._current_graph_task_id()
-        if task != -1 and self.backward_task != task:
+        # a recording (Note [replayable functions]) flushes its backward with the rest
+        if task != -1 and self.backward_task != task and self.reads is None:
             # Note [flush after backward]: backward() runs on the autograd engine's
             # thread, whose trace no one else reads unless a gradient is. Gradients
             # dropped unread (zero_grad(set_to_none=True)) would leave their nodes, and
@@ -104,7 +105,20 @@ _local = threading.local()  # .trace; .observer: the graph a flush sends, while 
 AUTOGRAD_RECORDERS: list[Any] = []  # capture blocks open in any thread (see Trace.add)
 
 
+# Note [replayable functions]: (thread id, trace) while a replayable function records.
+# The backward pass it runs executes on PyTorch's device thread while the recording thread
+# waits in backward(): that thread's ops join the recording's graph, in program order.
+RECORDING: tuple[int, Trace] | None = None
+
+
 def current() -> Trace:
+    rec = RECORDING
+    if (
+        rec is not None
+        and rec[0] != threading.get_ident()
+        and torch._C._current_graph_task_id() != -1
+    ):
+        return rec[1]
     trace = getattr(_local, "trace", None)
     if trace is None:
         trace = _local.trace = Trace()

@@ -287,3 +287,120 @@ def test_a_parameter_reassigned_on_a_module_records_again(remote):
         assert torch.equal(fwd(x.to(remote)).cpu(), local(x))
         assert old is not None
     assert fwd.stats()["keys"] == 2
+
+
+# -- training steps ---------------------------------------------------------------------------
+def _encoder() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), torch.nn.Linear(16, 1)
+    )
+
+
+def _train(model, make_opt, batches, replay, zero_inside=True):
+    opt = make_opt(model.parameters())
+
+    def step(x, y):
+        if zero_inside:
+            opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step) if replay else step
+    losses = []
+    for x, y in batches:
+        if not zero_inside:
+            opt.zero_grad()
+        losses.append(run(x, y))
+    return losses, run
+
+
+def _batches(device, n=6):
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(4, 5, 16, generator=gen).to(device),
+            torch.randn(4, 5, 1, generator=gen).to(device),
+        )
+        for _ in range(n)
+    ]
+
+
+def test_an_sgd_training_step_replays_with_local_eagers_bits(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    want, _ = _train(local, sgd, _batches("cpu"), replay=False)
+    got, run = _train(model, sgd, _batches(remote), replay=True)
+    assert all(torch.equal(g.cpu(), w.detach()) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)  # the gradients a replay left in .grad
+    stats = run.stats()
+    # the first step makes the momentum buffers; the next two record; the rest replay
+    assert stats["replays"] == 3 and stats["recordings"] == 2, stats
+
+
+def test_a_capturable_adam_step_replays_with_the_captured_loops_bits(remote):
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2, capturable=True)  # noqa: E731
+    captured = _moved(_encoder(), remote)
+    replayed = _moved(_encoder(), remote)
+    _train(captured, adam, _batches(remote), replay=False)
+    _, run = _train(replayed, adam, _batches(remote), replay=True)
+    for p, q in zip(replayed.parameters(), captured.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+    assert run.stats()["replays"] == 3, run.stats()
+
+
+def test_a_default_adam_step_never_replays_and_keeps_local_eagers_numbers(remote):
+    """Its bias corrections are Python floats that change every step."""
+    local = _encoder()
+    model = _moved(local, remote)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    _train(local, adam, _batches("cpu"), replay=False)
+    _, run = _train(model, adam, _batches(remote), replay=True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    stats = run.stats()
+    assert stats["replays"] == 0 and stats["recordings"] == 5, stats
+
+
+def test_a_learning_rate_changed_by_a_scheduler_records_again(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+
+    def train(m, device, replay):
+        opt = sgd(m.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+
+        run = djinn.replayable(step) if replay else step
+        for x, y in _batches(device, 8):
+            run(x, y)
+            sched.step()  # every third step, a new learning rate the graph holds as a float
+        return run
+
+    train(local, "cpu", False)
+    run = train(model, remote, True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["keys"] == 3 and run.stats()["replays"] == 2, run.stats()
+
+
+def test_zero_grad_outside_the_step_drops_the_gradients_and_each_call_records(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    _train(local, sgd, _batches("cpu"), replay=False, zero_inside=False)
+    _, run = _train(model, sgd, _batches(remote), replay=True, zero_inside=False)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["replays"] == 0, run.stats()
