@@ -14,13 +14,16 @@ Note [positions on a GPU]: a model with an absolute position table (GPT-2's ``wp
 BERT's ``position_embeddings``, OPT's ``embed_positions``) looks its positions up with
 the same ``embedding``: a prompt longer than the table, or a decode step past it, is the
 same device-side assert, and so is a BERT ``token_type_ids`` past its type table. The
-table is the ``nn.Embedding`` whose rows, less an ``offset`` it declares (OPT's 2), are
-the config's ``max_position_embeddings``; a model without one (rotary positions: Llama)
-is not checked. The positions a forward uses are its ``position_ids`` or
+table is the ``nn.Embedding`` named as one (``wpe``, ``*position*``: a vocabulary as
+large as the positions, Mistral's, or DeBERTa's relative table is not) whose rows, less
+an ``offset`` it declares (OPT's 2), are the config's ``max_position_embeddings``; it
+holds that many positions, less RoBERTa's padding index plus one, where its positions
+start. A model without one (rotary positions: Llama) is not checked. An encoder-decoder's
+encoder and decoder count apart. The positions a forward uses are its ``position_ids`` or
 ``cache_position`` when given, else the cache's length plus the new tokens (the last
 position is one less; an attention-mask cumsum, as OPT's, never passes it). A
 ``generate()`` call is checked for the length it may reach (the prompt plus
-``max_new_tokens``, else ``max_length``, else the model's generation config, less one:
+``max_new_tokens``, else ``max_length``, else its generation config, less one:
 the last token comes from the logits of the one before it): it would
 run past the table mid-way, where local PyTorch on CUDA asserts too, unless an end token
 stopped it first, so such a call is refused up front, never started.
@@ -85,7 +88,7 @@ _TABLES: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKe
 
 
 def _positions(module: Any) -> int | None:
-    """Rows of the model's absolute position table, less its offset (Note [positions on
+    """How many positions the model's absolute position table holds (Note [positions on
     a GPU]); None when it has none. Looked for once per model: a walk of its modules."""
     config = getattr(module, "config", None)
     most = getattr(config, "max_position_embeddings", None)
@@ -94,15 +97,34 @@ def _positions(module: Any) -> int | None:
     if module not in _TABLES:
         _TABLES[module] = next(
             (
-                most
-                for sub in module.modules()
+                _held(sub)
+                for name, sub in module.named_modules()
                 if isinstance(sub, torch.nn.Embedding)
-                and isinstance(offset := getattr(sub, "offset", 0), int)
-                and sub.num_embeddings - offset == most
+                and _named_as_positions(name)
+                and sub.num_embeddings - _offset(sub) == most
             ),
             None,
         )
     return _TABLES[module]
+
+
+def _named_as_positions(name: str) -> bool:
+    """A position table by its name: a vocabulary as large as the positions (Mistral's)
+    or DeBERTa's relative table of that size are not one."""
+    last = name.rpartition(".")[2].lower()
+    return last == "wpe" or "position" in last
+
+
+def _offset(table: torch.nn.Embedding) -> int:
+    offset = getattr(table, "offset", 0)  # OPT's, BART's: rows before position 0
+    return offset if isinstance(offset, int) else 0
+
+
+def _held(table: torch.nn.Embedding) -> int:
+    """Positions a table holds: RoBERTa's count from its padding index plus one."""
+    rows = table.num_embeddings - _offset(table)
+    pad = table.padding_idx
+    return rows - (pad + 1) if isinstance(pad, int) and 0 <= pad < rows else rows
 
 
 def _tokens(args: tuple, kwargs: dict) -> int | None:
@@ -125,28 +147,56 @@ def _cached(kwargs: dict) -> int:
         return 0
 
 
-def _reach(module: Any, method: str, args: tuple, kwargs: dict) -> int | None:
-    """One past the last position the call may look up (Note [positions on a GPU])."""
-    for key in ("position_ids", "cache_position"):
+def _given(kwargs: dict, *keys: str) -> int | None:
+    """One past the largest position ``kwargs`` names; a negative one as it is."""
+    for key in keys:
         given = _ids(kwargs.get(key))
         if given is not None:
             lo, hi = (int(v) for v in torch.aminmax(given))
             return hi + 1 if lo >= 0 else lo  # a negative position is refused as well
+    return None
+
+
+def _length(value: Any) -> int | None:
+    return int(value.shape[-1]) if isinstance(value, torch.Tensor) and value.dim() else None
+
+
+def _reach(module: Any, method: str, args: tuple, kwargs: dict) -> int | None:
+    """One past the last position the call may look up (Note [positions on a GPU])."""
+    config = getattr(module, "config", None)
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    if method == "generate":
+        return _generated(module, args, kwargs, seq2seq)
+    given = _given(kwargs, "position_ids", "cache_position")
+    if given is not None:
+        return given
     tokens = _tokens(args, kwargs)
-    if tokens is None:
-        return None
-    reach = _cached(kwargs) + tokens
-    if method != "generate":
-        return reach
+    if seq2seq:  # the encoder's positions, and the decoder's after its cache
+        decoder = _length(kwargs.get("decoder_input_ids"))
+        decoder = None if decoder is None else _cached(kwargs) + decoder
+        return max((n for n in (tokens, decoder) if n is not None), default=None)
+    return None if tokens is None else _cached(kwargs) + tokens
+
+
+def _generated(module: Any, args: tuple, kwargs: dict, seq2seq: bool) -> int | None:
+    """The reach of ``generate()``: its ``input_ids`` are the whole sequence (a cache it
+    is given covers a prefix of them), and a sequence-to-sequence model's decoder starts
+    from one token."""
     new, longest = kwargs.get("max_new_tokens"), kwargs.get("max_length")
-    config = getattr(module, "generation_config", None)
+    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
     if new is None and longest is None:
         new = getattr(config, "max_new_tokens", None)
         longest = getattr(config, "max_length", None)
+    prompt = _tokens(args, kwargs) or 0
+    start = 1 if seq2seq else max(prompt, (_given(kwargs, "position_ids") or 0))
     # the last new token comes from the logits of the one before: no lookup of its own
     if isinstance(new, int):
-        return reach + max(new - 1, 0)
-    return max(reach, longest - 1) if isinstance(longest, int) else None
+        reach = start + max(new - 1, 0)
+    elif isinstance(longest, int):
+        reach = max(start, longest - 1)
+    else:
+        return None
+    return max(reach, prompt) if seq2seq else reach
 
 
 def _check_positions(module: Any, name: str, args: tuple, kwargs: dict) -> None:

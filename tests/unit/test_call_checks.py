@@ -149,3 +149,96 @@ def test_rotary_positions_have_no_table_and_are_not_checked():
     )
     llama = LlamaForCausalLM(cfg).eval()
     _passes_and_cpu_runs(llama, (torch.zeros(1, 12, dtype=torch.long),), {})
+
+
+def test_roberta_positions_count_from_its_padding_index():
+    from transformers import RobertaConfig, RobertaModel
+
+    cfg = RobertaConfig(
+        vocab_size=100,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=20,
+    )
+    roberta = RobertaModel(cfg).eval()  # positions 2.. of 20 rows: 18 tokens
+    _passes_and_cpu_runs(roberta, (torch.randint(3, 100, (1, 18)),), {})
+    _refused_as_cpu_refuses(roberta, (torch.randint(3, 100, (1, 19)),), {}, "position 18")
+
+
+def _bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(
+        vocab_size=100,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+    )
+    return BartForConditionalGeneration(cfg).eval()
+
+
+def test_an_encoder_decoder_counts_its_encoder_and_decoder_apart():
+    bart = _bart()
+    ids = torch.randint(3, 100, (1, 60))
+    new = {"input_ids": ids, "max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False}
+    _passes_and_cpu_runs(bart, (), new, "generate")
+    _passes_and_cpu_runs(bart, (), {"input_ids": ids, "decoder_input_ids": ids[:, :10]})
+    long = {"input_ids": ids[:, :10], "decoder_input_ids": torch.randint(3, 100, (1, 70))}
+    _refused_as_cpu_refuses(bart, (), long, "position 69")
+
+
+def test_a_vocabulary_or_relative_table_the_size_of_the_positions_is_not_a_position_table():
+    from transformers import DebertaV2Config, DebertaV2Model, MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )
+    ).eval()
+    _passes_and_cpu_runs(mistral, (torch.randint(0, 64, (1, 80)),), {})
+    deberta = DebertaV2Model(
+        DebertaV2Config(
+            vocab_size=100,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+            relative_attention=True,
+            position_buckets=32,
+            position_biased_input=False,
+        )
+    ).eval()
+    _passes_and_cpu_runs(deberta, (torch.randint(3, 100, (1, 100)),), {})
+
+
+def test_generate_reads_its_own_generation_config_and_a_cache_of_its_prompt(model):
+    from transformers import GenerationConfig
+
+    model.generation_config.max_new_tokens = 100
+    try:
+        ids = torch.ones(1, 8, dtype=torch.long)
+        short = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0)
+        _passes_and_cpu_runs(model, (ids,), {"generation_config": short}, "generate")
+        long = GenerationConfig(max_new_tokens=100, do_sample=False, pad_token_id=0)
+        _refused_as_cpu_refuses(model, (ids,), {"generation_config": long}, "position", "generate")
+    finally:
+        model.generation_config.max_new_tokens = None
+    ids = torch.ones(1, 20, dtype=torch.long)
+    with torch.no_grad():
+        prefix = model(ids[:, :12], use_cache=True).past_key_values  # a prompt's cached prefix
+    kwargs = {"past_key_values": prefix, "max_new_tokens": 12, "do_sample": False}
+    _passes_and_cpu_runs(model, (ids,), {**kwargs, "pad_token_id": 0}, "generate")
