@@ -13,17 +13,19 @@ with the op count, nor do the bytes on the wire.
 
 The contract is a CUDA graph's: what ``fn`` computes must follow from its tensor
 arguments and the remote tensors it reads (model weights, updated in place or not), with
-its Python-side state (a learning rate in a dict, a flag on a module) as it was when
-recorded. What can be checked is checked, and a call that fails a check simply runs
-``fn`` as before (``stats()`` counts why):
+its Python-side state as it was when recorded. What can be checked is checked, and a
+call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
 
-- the *key*: each argument's kind (a remote tensor's dtype, shape, strides, offset and
-  ``requires_grad``; any other argument by value), which arguments are the same tensor,
-  grad and inference mode, autocast, the session; for the modules ``fn`` is, is a method
-  of, or names (in its closure, or globals its code reads) each one's train/eval flag and
-  which tensors are its parameters and buffers (``model.weight = Parameter(..)``
-  reassigned), and for the optimizers it names their parameters and hyperparameters (a
-  scheduler's new learning rate); a new key records again;
+- the *key* (replay_key.py): each argument's kind (a remote tensor's dtype, shape,
+  strides, offset, ``requires_grad`` and inference flag; a plain value by value, a float
+  by its bits; any other object by identity), which arguments are one tensor (one
+  handle), grad and inference mode, autocast, and the session; a new key records again;
+- the *state* the recording used, checked before every replay: each module whose
+  forward ran (its train/eval flag, hooks, and which tensor objects bound to which values
+  are its parameters and buffers, wanting gradients or not), each optimizer that stepped
+  (its parameters, and hyperparameters held as Python values: a scheduler's learning
+  rate), and the remote tensors ``fn`` names in its closure or globals; a change records
+  again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
   steer Python), drew no random numbers (a replay would repeat them), made no tensor with
   an autograd history (a replay builds none), captured every op in one graph (its own
@@ -34,18 +36,27 @@ recorded. What can be checked is checked, and a call that fails a check simply r
   floats and inline tensors, the same inputs and the same outputs: a float that changes
   from call to call (an optimizer's bias correction) is Python state a replay would
   freeze, so that key keeps recording;
-- each input a replay reads besides the arguments (a weight) must still be what the
+- each input a replay reads besides the arguments (a weight) must still be what every
   tensor that held it at recording holds: the same binding (Note [bindings]) bound to the
-  same handle. A tensor replaced (``p.data = ...``), written in place since (an optimizer
-  step rebinds it), or dropped makes the key record again.
+  same handle. A tensor replaced (``p.data = ...``) or dropped makes the key record
+  again; one written in place is read as it is now. A gradient it reads is read from
+  ``.grad`` as it is now. An argument that is also a tensor it reads by name (a weight
+  passed in) is not replayed;
+- a small CPU tensor it reads (sent inline) must still hold the bytes it held.
 
 A training step replays too: its backward pass, which PyTorch runs on its device thread
-while ``fn`` waits, joins the recording's graph, and the gradients it leaves in ``.grad``
-of the tensors it read are set again by each replay (``opt.zero_grad()`` belongs inside
-``fn``: outside, it drops them and every call records). An optimizer's first step makes
-its state, so it records from the second call; an optimizer whose step computes Python
-floats that change each step (the default ``Adam``'s bias corrections) never replays,
-while ``Adam(capturable=True)`` and ``SGD`` do.
+while ``fn`` waits, joins the recording's graph, and each replay puts new gradient
+tensors in ``.grad`` of the tensors that got them, as a run of ``fn`` would (a gradient
+kept from an earlier step keeps its value). A replay's in-place writes count in the
+version counters of the tensors it writes, as eager's do, so autograd still refuses a
+saved tensor written since. An optimizer's first step makes its state, so it records
+from the second call; an optimizer whose step computes Python floats that change each
+step (the default ``Adam``'s bias corrections) never replays, while
+``Adam(capturable=True)`` and ``SGD`` do.
+
+A replay whose graph fails raises at the call, as eager does, and the ops after the
+failing one do not run; a capture would have run the independent ones and raised at the
+read (Note [failed values]).
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
@@ -60,8 +71,9 @@ are the bits a capture of the same call would give.
 from __future__ import annotations
 
 import threading
+import types
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,16 +85,12 @@ from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
+from .failures import written_values
 from .meta import TensorSpec
 from .nodes import Pending
+from .replay_key import PLAIN, Miss, State, Used, key, named_tensors
 
-DEVICE_TYPE = "remote_accelerator"
-# what a call may return besides tensors, as recorded: immutable values
-PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-class _Miss(Exception):
-    """This call cannot replay or record: ``fn`` runs as it is (the reason is counted)."""
+MAX_KEYS = 16  # recordings kept per function, the least recently used let go
 
 
 @dataclass
@@ -93,12 +101,15 @@ class _Record:
     tpl: dict[str, Any]
     scalars: list[float]
     inline: list[torch.Tensor]
-    sources: list[tuple[str, Any]]  # per input: ("arg", i) or ("held", weakref to a Binding)
-    handles: list[str]  # the input handles: as recorded, or as the last replay left them
+    external: list[tuple[Any, torch.Tensor]]  # CPU tensors it read (weakref, bytes then)
+    # per input: ("arg", i), ("held", [weakrefs to Bindings]) or ("grad", tensor)
+    sources: list[tuple[str, Any]]
+    handles: list[str]  # the input handles as recorded
+    written: list[tuple[str, Any]]  # what its in-place ops write: ("arg", i) or a tensor
     outputs: list[tuple[str, Any]]  # per result leaf: ("kept", (k, spec)) or ("value", v)
     out_spec: Any
-    # gradients it left in .grad: per kept slot, weakrefs to the Bindings that hold it
-    grads: list[tuple[int, list[Any]]] = field(default_factory=list)
+    grads: list[tuple[int, torch.Tensor, tuple]]  # (kept slot, tensor, spec) per .grad
+    state: State
     same: int = 1  # recordings in a row that gave this record
     ops: int = 0
 
@@ -106,20 +117,20 @@ class _Record:
         return (
             self.fingerprint == other.fingerprint
             and self.scalars == other.scalars
-            and self.handles_shape() == other.handles_shape()
+            and self._shape() == other._shape()
             and self.outputs == other.outputs
             and self.out_spec == other.out_spec
-            and [k for k, _ in self.grads] == [k for k, _ in other.grads]
             and len(self.inline) == len(other.inline)
             and all(_same_bytes(a, b) for a, b in zip(self.inline, other.inline, strict=True))
         )
 
-    def handles_shape(self) -> list[Any]:
-        """Sources, with a held input named by its handle (an argument's changes)."""
-        return [
-            ("arg", s[1]) if s[0] == "arg" else ("held", h)
-            for s, h in zip(self.sources, self.handles, strict=True)
+    def _shape(self) -> list[Any]:
+        """Where each input and each gradient come from, a held input named by its handle."""
+        where = [
+            (kind, src if kind == "arg" else id(src) if kind == "grad" else h)
+            for (kind, src), h in zip(self.sources, self.handles, strict=True)
         ]
+        return [*where, *((k, id(t)) for k, t, _ in self.grads)]
 
 
 @dataclass
@@ -140,38 +151,45 @@ class Replayable:
             raise ValueError("after must be an integer of at least 1")
         self.fn = fn
         self.after = after
-        self._records: dict[Any, _Record | str] = {}
+        self._records: OrderedDict[Any, _Record | str] = OrderedDict()
         self._stats = _Stats()
         self._lock = threading.RLock()  # one call records or replays at a time
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
 
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        """``@djinn.replayable`` on a method: bound to its instance (an argument, keyed
+        by identity)."""
+        return self if obj is None else types.MethodType(self, obj)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self._stats.calls += 1
             try:
-                key, tensors = _key(args, kwargs, self.fn)
-            except _Miss as why:
+                k, tensors = key(args, kwargs)
+            except Miss as why:
                 self._stats.plain[str(why)] += 1
                 return self.fn(*args, **kwargs)
-            rec = self._records.get(key)
+            rec = self._records.get(k)
+            if rec is not None:
+                self._records.move_to_end(k)
             if isinstance(rec, str):  # this key can never replay: say why once more
                 self._stats.plain[rec] += 1
                 return self.fn(*args, **kwargs)
             if rec is not None and rec.same >= self.after:
                 try:
                     out = _replay(rec, tensors)
-                except _Miss as why:
+                except Miss as why:
                     self._stats.plain[str(why)] += 1
-                    del self._records[key]  # record afresh
+                    del self._records[k]  # record afresh
                 else:
                     self._stats.replays += 1
                     return out
-            return self._record(key, args, kwargs, tensors)
+            return self._record(k, args, kwargs, tensors)
 
     def reset(self) -> None:
         """Forget every recording: the next calls record again (after a change to Python
-        state the function reads, such as a learning rate)."""
+        state the function reads that no check sees)."""
         with self._lock:
             self._records.clear()
 
@@ -186,33 +204,41 @@ class Replayable:
             "keys": len(self._records),
         }
 
-    def _record(self, key: Any, args: tuple, kwargs: dict, tensors: list[Any]) -> Any:
+    def _record(self, k: Any, args: tuple, kwargs: dict, tensors: list[Any]) -> Any:
         tr = trace_mod.current()
         trace_mod.flush(tr)  # what came before runs first: the graph holds fn's ops only
         nodes = tr.nodes
         chunk, tr.chunk_ops = tr.chunk_ops, 0  # one graph (Note [streamed graphs])
-        reads: dict[str, Any] = {}
+        reads: dict[Any, list[tuple[Any, Any]]] = {}
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         try:
-            result = self.fn(*args, **kwargs)
+            with Used() as used:
+                result = self.fn(*args, **kwargs)
         finally:
             trace_mod.RECORDING = outer
             tr.chunk_ops = chunk
             tr.reads = None
         try:
-            rec = _recorded(tr, nodes, result, tensors, reads)
-        except _Miss as why:
+            state = State(used, named_tensors(self.fn))
+            rec = _recorded(tr, nodes, result, tensors, reads, state)
+        except Miss as why:
             self._stats.plain[str(why)] += 1
-            if getattr(why, "final", False):
-                self._records[key] = str(why)
+            if why.final:
+                self._keep(k, str(why))
             return result
         self._stats.recordings += 1
-        old = self._records.get(key)
+        old = self._records.get(k)
         if isinstance(old, _Record) and old.matches(rec):
             rec.same = old.same + 1
-        self._records[key] = rec
+        self._keep(k, rec)
         return result
+
+    def _keep(self, k: Any, rec: _Record | str) -> None:
+        self._records[k] = rec
+        self._records.move_to_end(k)
+        while len(self._records) > MAX_KEYS:
+            self._records.popitem(last=False)
 
 
 def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2) -> Any:
@@ -224,147 +250,122 @@ def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2) -> Any:
     return Replayable(fn, after=after)
 
 
-# -- the key -----------------------------------------------------------------------------
-def _key(args: tuple, kwargs: dict, fn: Any) -> tuple[Any, list[Any]]:
-    from .lazy import LazyTensor
-
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    parts: list[Any] = []
-    tensors: list[Any] = []
-    for x in leaves:
-        if isinstance(x, LazyTensor):
-            same = next((j for j, t in enumerate(tensors) if t is x), len(tensors))
-            parts.append(
-                (
-                    "T",
-                    x.dtype,
-                    tuple(x.shape),
-                    tuple(x.stride()),
-                    x.storage_offset(),
-                    x.requires_grad,
-                    same,
-                )
-            )
-            tensors.append(x)
-        elif isinstance(x, torch.Tensor):
-            raise _Miss("a local tensor argument (its values would be frozen)")
-        else:
-            try:
-                hash(x)
-            except TypeError:
-                raise _Miss(f"an unhashable {type(x).__name__} argument") from None
-            parts.append(("V", type(x), x))
-    from .session import default_session
-
-    mode = (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled(DEVICE_TYPE),
-        torch.get_autocast_dtype(DEVICE_TYPE),
-        _modules_state(fn),
-    )
-    try:
-        return (str(spec), tuple(parts), mode, id(default_session())), tensors
-    except TypeError:
-        raise _Miss("an unhashable argument") from None
-
-
-STATEFUL = (torch.nn.Module, torch.optim.Optimizer)
-
-
-def _objects_of(fn: Any) -> list[Any]:
-    """The modules and optimizers ``fn`` is, is a method of, or names: in its closure or,
-    by a name its code reads, in its globals (``lambda x: model(x)``)."""
-    if isinstance(fn, STATEFUL):
-        return [fn]
-    found = [m] if isinstance(m := getattr(fn, "__self__", None), STATEFUL) else []
-    fn = getattr(fn, "__func__", fn)
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # a cell not yet filled
-            continue
-        if isinstance(value, STATEFUL):
-            found.append(value)
-    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    for name in getattr(code, "co_names", ()):
-        if isinstance(value := names.get(name), STATEFUL):
-            found.append(value)
-    return found
-
-
-def _modules_state(fn: Any) -> tuple:
-    """What of ``fn``'s modules and optimizers changes what it computes without a tensor
-    changing in place: each module's train/eval flag (batch norm, dropout) and which
-    tensor objects are its parameters and buffers (``module.weight = Parameter(...)``);
-    each optimizer's hyperparameters (a scheduler's learning rate) and parameters."""
-    state: list[Any] = []
-    for obj in _objects_of(fn):
-        if isinstance(obj, torch.nn.Module):
-            state.append(tuple(m.training for m in obj.modules()))
-            state.append(tuple(id(t) for t in obj.parameters()))
-            state.append(tuple(id(t) for t in obj.buffers()))
-            continue
-        for group in obj.param_groups:
-            state.append(tuple(id(p) for p in group["params"]))
-            state.append(
-                tuple((k, v) for k, v in sorted(group.items()) if k != "params" and _plain(v))
-            )
-    return tuple(state)
-
-
-def _plain(v: Any) -> bool:
-    """A hyperparameter held as a Python value (a tensor one changes in place)."""
-    if isinstance(v, tuple):
-        return all(_plain(x) for x in v)
-    return v is None or type(v) in PLAIN
-
-
 # -- recording ---------------------------------------------------------------------------
-def _final(why: str) -> _Miss:
-    """A reason this key can never replay: it stops recording."""
-    exc = _Miss(why)
-    exc.final = True  # type: ignore[attr-defined]
-    return exc
-
-
 def _recorded(
-    tr: Any, nodes: list[Any], result: Any, tensors: list[Any], reads: dict[str, Any]
+    tr: Any,
+    nodes: list[Any],
+    result: Any,
+    tensors: list[Any],
+    reads: dict[Any, list[tuple[Any, Any]]],
+    state: State,
 ) -> _Record:
     """Check the call just captured (Note [replayable functions]), then run it as one
     graph, watching what goes on the wire; its record."""
     from .lazy import LazyTensor, spec_of
 
+    cpu = [entries[0][1] for k, entries in list(reads.items()) if isinstance(k, tuple)]
+    for k in [k for k in reads if isinstance(k, tuple)]:
+        del reads[k]
+    local = [(weakref.ref(t), t.detach().clone()) for t in cpu]
+    del cpu  # what fn made itself dies with it; what outlives it is state it reads
     if tr.nodes is not nodes or not nodes:
-        raise _final(
-            "it read a value, ran a backward pass or captured nothing"
-            if nodes or tr.nodes is not nodes
-            else "it captured no op"
+        raise Miss(
+            "it read a value or captured nothing" if tr.nodes is not nodes else "it captured no op",
+            final=True,
         )
     ids = {id(n) for n in nodes}
     if any(n.rng is not None for n in nodes):
-        raise _final("it draws random numbers")
+        raise Miss("it draws random numbers", final=True)
     if any(n.failed is not None or n.executed or n.inflight is not None for n in nodes):
-        raise _Miss("an op failed while it was captured")
+        raise Miss("an op failed while it was captured")
+    readers = [t for entries in reads.values() for _cell, t in entries]
+    if torch.is_grad_enabled() and any(t.grad_fn is not None for t in readers + tensors):
+        raise Miss("it writes an autograd history into a tensor it reads", final=True)
+    named = state.tensors()
+    if any(id(t) in named for t in tensors):
+        raise Miss("an argument is also a tensor it reads by name")
     leaves, out_spec = pytree.tree_flatten(result)
     outs: list[tuple[Any, Any]] = []  # per leaf: ((node id, index), spec) or (None, value)
     for x in leaves:
         if isinstance(x, LazyTensor):
             ref = x._ref
             if not isinstance(ref, Pending) or id(ref.node) not in ids:
-                raise _final("it returns a tensor it did not make")
+                raise Miss("it returns a tensor it did not make", final=True)
             if x.requires_grad or x.grad_fn is not None:
-                raise _final("it makes tensors with an autograd history")
+                raise Miss("it makes tensors with an autograd history", final=True)
             outs.append(((id(ref.node), ref.index), spec_of(x)))
         elif isinstance(x, torch.Tensor):
-            raise _final("it returns a local tensor")
+            raise Miss("it returns a local tensor", final=True)
         elif x is None or type(x) in PLAIN:
             outs.append((None, x))
         else:  # an object may hold tensors of this call (a KV cache): a replay's would not
-            raise _final(f"it returns a {type(x).__name__}, not a tensor or a plain value")
-    returned = {o for o, _ in outs if o is not None}
-    grad_cells = _grad_cells(reads, tensors)
-    left: dict[tuple[int, int], list[Any]] = {}  # gradients in .grad, by output
+            raise Miss(f"it returns a {type(x).__name__}, not a tensor or a plain value", True)
+    owners = _grad_owners(readers + tensors)
+    left = _left_in_grad(nodes, {o for o, _ in outs if o is not None}, owners)
+    written = {v.handle for n in nodes for v in written_values(n.op, n.args, n.kwargs)
+               if isinstance(v, RemoteTensor)}  # fmt: skip
+    seen: dict[str, Any] = {}
+    trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
+    try:
+        trace_mod.flush(tr)
+    finally:
+        trace_mod._local.observer = None
+    graph = seen.pop("graph", None)
+    if graph is None:
+        raise Miss("its graph was not sent")
+    encoded, keep, fetch, inline, targets = graph
+    del graph
+    if fetch or len(keep) != len(targets):
+        raise Miss("its graph fetched or kept more than it returns")
+    slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
+    if any(where not in slot for where in left):
+        raise Miss("a gradient was not kept")
+    grads = [(slot[where], t, spec) for where, (t, spec) in left.items()]
+    outputs: list[tuple[str, Any]] = []
+    for where, what in outs:
+        if where is None:
+            outputs.append(("value", what))
+        elif where in slot:
+            outputs.append(("kept", (slot[where], _spec_key(what))))
+        else:
+            raise Miss("an output was not kept")
+    tpl, inputs, scalars = templates.template({"nodes": encoded, "keep": keep, "fetch": []})
+    sources, changed = _sources(inputs, tensors, reads, owners, written)
+    return _Record(
+        fingerprint=templates.fingerprint(tpl),
+        tpl=tpl,
+        scalars=scalars,
+        inline=[t.detach().clone() for t in inline],
+        external=[(w, bytes_) for w, bytes_ in local if w() is not None],
+        sources=sources,
+        handles=list(inputs),
+        written=changed,
+        outputs=outputs,
+        out_spec=out_spec,
+        grads=grads,
+        state=state,
+        ops=len(encoded),
+    )
+
+
+def _grad_owners(tensors: list[Any]) -> dict[int, Any]:
+    """id of a ``.grad``'s Binding -> the tensor whose gradient it is."""
+    from .lazy import LazyTensor
+
+    owners: dict[int, Any] = {}
+    for t in tensors:
+        grad = t._grad if t.is_leaf else None
+        if isinstance(grad, LazyTensor):
+            owners[id(grad.__dict__["_b"])] = t
+    return owners
+
+
+def _left_in_grad(nodes: list[Any], returned: set, owners: dict[int, Any]) -> dict:
+    """The outputs it made that stay alive, other than those it returns: gradients a
+    backward pass left in ``.grad`` (each replay puts new ones there), by output."""
+    from .lazy import spec_of
+
+    left: dict[tuple[int, int], tuple[Any, tuple]] = {}
     for n in nodes:
         for k in range(n.nout):
             if (id(n), k) in returned:
@@ -373,75 +374,57 @@ def _recorded(
                 cell = w()
                 if cell is None or not isinstance(cell.ref, Pending) or cell.ref.node is not n:
                     continue
-                if id(cell) not in grad_cells:  # self.cache = x: a replay could not set it
-                    # (not final: an optimizer's first step makes its state, later ones
-                    # update it in place)
-                    raise _Miss(f"it keeps a tensor it made that it does not return ({n.name})")
-                left.setdefault((id(n), k), []).append(weakref.ref(cell))
-    seen: dict[str, Any] = {}
-    trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
-    try:
-        trace_mod.flush(tr)
-    finally:
-        trace_mod._local.observer = None
-    graph = seen.get("graph")
-    if graph is None:
-        raise _Miss("its graph was not sent")
-    encoded, keep, fetch, inline, targets = graph
-    if fetch or len(keep) != len(targets):
-        raise _Miss("its graph fetched or kept more than it returns")
-    slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
-    grads = [(slot[where], cells) for where, cells in left.items() if where in slot]
-    if len(grads) != len(left):
-        raise _Miss("a gradient was not kept")
-    outputs: list[tuple[str, Any]] = []
-    for where, what in outs:
-        if where is None:
-            outputs.append(("value", what))
-        elif where in slot:
-            outputs.append(("kept", (slot[where], _spec_key(what))))
-        else:
-            raise _Miss("an output was not kept")
-    tpl, inputs, scalars = templates.template({"nodes": encoded, "keep": keep, "fetch": []})
-    by_arg = {}
+                owner = owners.get(id(cell))
+                if owner is None or (id(n), k) in left:  # self.cache = x: a replay could not
+                    # set it (not final: an optimizer's first step makes its state, later
+                    # ones update it in place)
+                    raise Miss(f"it keeps a tensor it made that it does not return ({n.name})")
+                left[(id(n), k)] = (owner, _spec_key(spec_of(owner._grad)))
+    return left
+
+
+def _sources(
+    inputs: list[str],
+    tensors: list[Any],
+    reads: dict[Any, list[tuple[Any, Any]]],
+    owners: dict[int, Any],
+    written: set[str],
+) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """Where each input of the graph comes from, and what its in-place ops write."""
+    by_arg: dict[str, int] = {}
     for i, t in enumerate(tensors):
         ref = trace_mod.resolved(t._ref)
         if isinstance(ref, RemoteTensor):
             by_arg.setdefault(ref.handle, i)
+    args = {id(t) for t in tensors}
     sources: list[tuple[str, Any]] = []
+    changed: list[tuple[str, Any]] = []
     for h in inputs:
-        cell = reads[h][0] if h in reads else None
+        entries = reads.get(h, [])
         if h in by_arg:
+            if any(id(t) not in args for _cell, t in entries):
+                raise Miss("an argument is also a tensor it reads by another name")
             sources.append(("arg", by_arg[h]))
-        elif cell is not None and isinstance(cell.ref, RemoteTensor) and cell.ref.handle == h:
-            sources.append(("held", weakref.ref(cell)))
+            if h in written:
+                changed.extend(("arg", i) for i, t in enumerate(tensors) if id(t) in {
+                    id(x) for _c, x in entries})  # fmt: skip
+            continue
+        cells = [cell for cell, _t in entries]
+        if not cells or not all(_holds(c, h) for c in cells):
+            raise Miss("an input's source is unknown")
+        owner = next((owners[id(c)] for c in cells if id(c) in owners), None)
+        if owner is not None:  # a gradient: read from .grad as it is then
+            sources.append(("grad", owner))
         else:
-            raise _Miss("an input's source is unknown")
-    return _Record(
-        fingerprint=templates.fingerprint(tpl),
-        tpl=tpl,
-        scalars=scalars,
-        inline=[t.detach().clone() for t in inline],
-        sources=sources,
-        handles=list(inputs),
-        outputs=outputs,
-        out_spec=out_spec,
-        grads=grads,
-        ops=len(encoded),
-    )
+            sources.append(("held", [weakref.ref(c) for c in cells]))
+        if h in written:
+            changed.extend(("tensor", t) for _c, t in entries)
+    return sources, changed
 
 
-def _grad_cells(reads: dict[str, Any], tensors: list[Any]) -> set[int]:
-    """The Bindings of the ``.grad`` of every tensor the call read or took: a gradient a
-    backward pass left there is set again by a replay (Note [replayable functions])."""
-    from .lazy import LazyTensor
-
-    cells: set[int] = set()
-    for t in [t for _cell, t in reads.values()] + tensors:
-        grad = t._grad if isinstance(t, torch.Tensor) and t.is_leaf else None
-        if isinstance(grad, LazyTensor):
-            cells.add(id(grad.__dict__["_b"]))
-    return cells
+def _holds(cell: Any, handle: str) -> bool:
+    """A Binding, alive, still bound to ``handle``."""
+    return cell is not None and isinstance(cell.ref, RemoteTensor) and cell.ref.handle == handle
 
 
 def _spec_key(spec: TensorSpec) -> tuple:
@@ -462,33 +445,23 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         trace_mod.flush(tr)  # the arguments' own ops run first
     else:
         trace_mod.land_all()
+    if not rec.state.same():
+        raise Miss("a module, optimizer or tensor it uses changed since")
+    for w, recorded in rec.external:
+        now = w()
+        if now is None or not _same_bytes(now, recorded):
+            raise Miss("a local tensor it reads changed since")
     session = default_session()
-    grads = [[w() for w in cells] for _k, cells in rec.grads]
-    if any(c is None or not isinstance(c.ref, RemoteTensor) for cs in grads for c in cs):
-        raise _Miss("a gradient it left in .grad was replaced or dropped since")
-    handles: list[str] = []
-    for (kind, src), recorded in zip(rec.sources, rec.handles, strict=True):
-        if kind == "arg":
-            ref = trace_mod.resolved(tensors[src]._ref)
-        else:
-            cell = src()
-            ref = None if cell is None else cell.ref
-            if not isinstance(ref, RemoteTensor) or ref.handle != recorded:
-                raise _Miss("a tensor it reads was replaced, written or dropped since")
-        if not isinstance(ref, RemoteTensor) or ref.session is not session:
-            raise _Miss("an input is not a remote tensor of this session")
-        if ref.failed is not None:
-            raise ref.failed
-        handles.append(ref.handle)
+    handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
+               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
     body = templates.instantiate(rec.tpl, handles, rec.scalars)
     form = (rec.fingerprint, handles, rec.scalars)
     kept, _ = session.execute(body["nodes"], keep=body["keep"], inline=rec.inline, form=form)
-    for (k, _cells), cs in zip(rec.grads, grads, strict=True):
-        for cell in cs:
-            cell.ref = kept[k]  # the .grad the call leaves, as a run of fn would
-            for i, (kind, src) in enumerate(rec.sources):
-                if kind == "held" and src() is cell:  # read by the next call
-                    rec.handles[i] = kept[k].handle
+    for kind, what in rec.written:  # as eager's in-place ops count (autograd checks them)
+        t = tensors[what] if kind == "arg" else what
+        torch.autograd.graph.increment_version(t)
+    for k, owner, (dtype, shape, stride, offset) in rec.grads:
+        owner.grad = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
     leaves: list[Any] = []
     made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
     for kind, what in rec.outputs:
@@ -500,3 +473,22 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
             made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
         leaves.append(made[what])
     return pytree.tree_unflatten(leaves, rec.out_spec)
+
+
+def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> str:
+    """The handle an input of the graph has now (a Miss if it is not what it was)."""
+    if kind == "arg":
+        ref = trace_mod.resolved(tensors[src]._ref)
+    elif kind == "grad":
+        grad = src._grad
+        ref = None if grad is None else trace_mod.resolved(grad.__dict__["_b"].ref)
+    else:
+        cells = [w() for w in src]
+        if not all(_holds(c, recorded) for c in cells):
+            raise Miss("a tensor it reads was replaced or dropped since")
+        ref = cells[0].ref
+    if not isinstance(ref, RemoteTensor) or ref.session is not session:
+        raise Miss("an input is not a remote tensor of this session")
+    if ref.failed is not None:
+        raise ref.failed
+    return ref.handle

@@ -22,9 +22,9 @@ def sent_ops(remote, monkeypatch):
     session = default_session()
     real = session._exec_form
 
-    def spy(body):
+    def spy(body, known=None):
         ops.extend(n["op"] for n in body["nodes"])
-        return real(body)
+        return real(body, known)
 
     monkeypatch.setattr(session, "_exec_form", spy)
     return ops
@@ -247,9 +247,9 @@ def test_a_programs_first_attention_call_is_fused_too(appliance, monkeypatch):
     ops: list[str] = []
     real = Session._exec_form
 
-    def spy(self, body):
+    def spy(self, body, known=None):
         ops.extend(n["op"] for n in body["nodes"])
-        return real(self, body)
+        return real(self, body, known)
 
     monkeypatch.setattr(Session, "_exec_form", spy)
     q, k, v = _qkv(2, 4, 16, 8)

@@ -1,0 +1,212 @@
+"""What a replayable function's call is checked against before it replays: the key of its
+arguments, and the state of the modules, optimizers and tensors it used (Note
+[replayable functions], replayable.py)."""
+
+from __future__ import annotations
+
+import struct
+import weakref
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from djinn.runtime.remote import RemoteTensor
+
+from . import trace as trace_mod
+
+DEVICE_TYPE = "remote_accelerator"
+# what a call may return besides tensors, as recorded: immutable values
+PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class Miss(Exception):
+    """This call cannot replay or record: ``fn`` runs as it is (the reason is counted).
+    ``final``: the key never will."""
+
+    def __init__(self, why: str, final: bool = False) -> None:
+        super().__init__(why)
+        self.final = final
+
+
+# -- the key -----------------------------------------------------------------------------
+def key(args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+    """The key of a call, and its remote tensor arguments in order."""
+    from .lazy import LazyTensor
+    from .session import default_session
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts: list[Any] = []
+    tensors: list[Any] = []
+    names: list[Any] = []  # per tensor argument: its handle, else itself (not yet run)
+    for x in leaves:
+        if isinstance(x, LazyTensor):
+            ref = trace_mod.resolved(x._ref)
+            name = ref.handle if isinstance(ref, RemoteTensor) else id(x)
+            same = next((j for j, n in enumerate(names) if n == name), len(names))
+            parts.append(
+                (
+                    "T",
+                    x.dtype,
+                    tuple(x.shape),
+                    tuple(x.stride()),
+                    x.storage_offset(),
+                    x.requires_grad,
+                    x.is_inference(),
+                    same,  # which argument it is the same tensor as (one handle, two names)
+                )
+            )
+            tensors.append(x)
+            names.append(name)
+        elif isinstance(x, torch.Tensor):
+            raise Miss("a local tensor argument (its values would be frozen)")
+        else:
+            parts.append(_value_key(x))
+    mode = (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled(DEVICE_TYPE),
+        torch.get_autocast_dtype(DEVICE_TYPE),
+    )
+    return (str(spec), tuple(parts), mode, id(default_session())), tensors
+
+
+def _value_key(x: Any) -> Any:
+    """A plain argument by value (a float by its bits: 0.0 and -0.0 differ, a NaN is
+    itself); any other object by identity, never held (a module passed in stays the
+    caller's to free; what its forward reads is checked by state())."""
+    kind = type(x)
+    if kind is float:
+        return ("f", struct.pack("<d", x))
+    if kind is complex:
+        return ("c", struct.pack("<dd", x.real, x.imag))
+    if x is None or kind in (bool, int, str, bytes, torch.dtype, torch.device):
+        return (kind, x)
+    return ("id", kind, id(x))
+
+
+# -- the state it used -------------------------------------------------------------------
+class Used:
+    """The modules whose forward ran and the optimizers that stepped while a call was
+    recorded (PyTorch's global hooks, installed for the recording only)."""
+
+    def __init__(self) -> None:
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Used:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def module_ran(module: torch.nn.Module, _args: Any) -> None:
+            self.modules.setdefault(id(module), module)
+
+        def stepped(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            self.optimizers.setdefault(id(opt), opt)
+
+        self._handles = [
+            register_module_forward_pre_hook(module_ran),
+            register_optimizer_step_pre_hook(stepped),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def named_tensors(fn: Any) -> list[Any]:
+    """Remote tensors ``fn`` names: in its closure or, by a name its code reads, in its
+    globals (a weight a lambda closes over)."""
+    from .lazy import LazyTensor
+
+    fn = getattr(fn, "func", fn)  # functools.partial
+    fn = getattr(fn, "__func__", fn)  # a bound method
+    found: list[Any] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if isinstance(value, LazyTensor):
+            found.append(value)
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        if isinstance(value := names.get(name), LazyTensor):
+            found.append(value)
+    return found
+
+
+def tensor_state(t: torch.Tensor) -> tuple:
+    """Which tensor object, bound to which value (Note [bindings]: a swap, ``.data =``,
+    reassignment change it), and whether it wants gradients."""
+    return (id(t), id(t.__dict__.get("_b")), t.requires_grad)
+
+
+def module_state(m: torch.nn.Module) -> tuple:
+    """What of a module changes what its forward computes without a tensor changing in
+    place: its train/eval flag, its hooks, its own parameters and buffers."""
+    own = [*m._parameters.values(), *m._buffers.values()]
+    return (
+        m.training,
+        len(m._forward_hooks),
+        len(m._forward_pre_hooks),
+        tuple(tensor_state(t) if t is not None else None for t in own),
+    )
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> tuple:
+    """An optimizer's parameters and its hyperparameters held as Python values (a
+    scheduler's learning rate)."""
+    return tuple(
+        (
+            tuple(tensor_state(p) for p in group["params"]),
+            tuple((k, v) for k, v in sorted(group.items()) if k != "params" and _plain(v)),
+        )
+        for group in opt.param_groups
+    )
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return all(_plain(x) for x in v)
+    return v is None or type(v) in PLAIN
+
+
+class State:
+    """The state a recording used, checked again before each replay."""
+
+    def __init__(self, used: Used, named: list[Any]) -> None:
+        self._modules = [weakref.ref(m) for m in used.modules.values()]
+        self._optimizers = [weakref.ref(o) for o in used.optimizers.values()]
+        self._named = named  # the closure's tensors: alive as long as fn is
+        self.value = self.now()
+
+    def now(self) -> tuple | None:
+        """The state as it is now; None if a module or optimizer it used is gone."""
+        modules = [r() for r in self._modules]
+        optimizers = [r() for r in self._optimizers]
+        if any(m is None for m in modules) or any(o is None for o in optimizers):
+            return None
+        return (
+            tuple(module_state(m) for m in modules),
+            tuple(optimizer_state(o) for o in optimizers),
+            tuple(tensor_state(t) for t in self._named),
+        )
+
+    def same(self) -> bool:
+        return self.now() == self.value
+
+    def tensors(self) -> set[int]:
+        """ids of the tensors it names: the modules' and optimizers' and the closure's."""
+        out = {id(t) for t in self._named}
+        for r in self._modules:
+            m = r()
+            if m is not None:
+                out.update(id(t) for t in [*m._parameters.values(), *m._buffers.values()])
+        for r in self._optimizers:
+            o = r()
+            if o is not None:
+                out.update(id(p) for g in o.param_groups for p in g["params"])
+        return out
