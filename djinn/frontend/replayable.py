@@ -35,7 +35,9 @@ call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
 - a key replays only after ``after`` recordings in a row gave the same graph, the same
   floats and inline tensors, the same inputs and the same outputs: a float that changes
   from call to call (an optimizer's bias correction) is Python state a replay would
-  freeze, so that key keeps recording;
+  freeze, so that key keeps recording, and after ``MAX_UNLIKE`` recordings in a row
+  unlike the one before stops recording (a recording waits for its graph, where a plain
+  call lets the worker run it while the client captures on);
 - each input a replay reads besides the arguments (a weight) must still be what every
   tensor that held it at recording holds: the same binding (Note [bindings]) bound to the
   same handle. A tensor replaced (``p.data = ...``) or dropped makes the key record
@@ -91,6 +93,10 @@ from .nodes import Pending
 from .replay_key import PLAIN, Miss, State, Used, key, named_tensors
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
+# recordings in a row unlike the one before after which a key stops recording: its graph
+# or floats change every call (the default Adam's bias corrections), and a recording
+# costs a call its overlap (it waits for its graph)
+MAX_UNLIKE = 4
 
 
 @dataclass
@@ -111,6 +117,7 @@ class _Record:
     grads: list[tuple[int, torch.Tensor, tuple]]  # (kept slot, tensor, spec) per .grad
     state: State
     same: int = 1  # recordings in a row that gave this record
+    unlike: int = 0  # recordings in a row unlike the one before
     ops: int = 0
 
     def matches(self, other: _Record) -> bool:
@@ -231,6 +238,11 @@ class Replayable:
         old = self._records.get(k)
         if isinstance(old, _Record) and old.matches(rec):
             rec.same = old.same + 1
+        elif isinstance(old, _Record):
+            rec.unlike = old.unlike + 1
+            if rec.unlike >= MAX_UNLIKE:
+                self._keep(k, "its graph, floats or inputs change from call to call")
+                return result
         self._keep(k, rec)
         return result
 

@@ -360,12 +360,15 @@ def test_a_default_adam_step_never_replays_and_keeps_local_eagers_numbers(remote
     local = _encoder()
     model = _moved(local, remote)
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
-    _train(local, adam, _batches("cpu"), replay=False)
-    _, run = _train(model, adam, _batches(remote), replay=True)
+    _train(local, adam, _batches("cpu", 9), replay=False)
+    _, run = _train(model, adam, _batches(remote, 9), replay=True)
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
     stats = run.stats()
+    # its first step makes its state; four recordings unlike the one before, then it
+    # stops recording (a recording waits for its graph: plain calls overlap)
     assert stats["replays"] == 0 and stats["recordings"] == 5, stats
+    assert stats["plain"]["its graph, floats or inputs change from call to call"] == 3, stats
 
 
 def test_a_learning_rate_changed_by_a_scheduler_records_again(remote):
