@@ -17,6 +17,9 @@ PyTorch is as it was). Which holder, and so which scope, each one has:
 | FORWARD_HOOKS   | global module forward hooks (module paths)       | open ``capture()``    |
 | CUDA_QUERIES    | ``torch.cuda`` queries answered for the appliance| ``djinn run``         |
 | META_PARAMETERS | a parameter-registration hook (ghost loading)    | ``from_pretrained``   |
+| RECORDING_HOOKS | global module-forward and optimizer-step hooks   | a ``replayable``      |
+|                 | (what a recording used: Note [replayable         | recording             |
+|                 | functions])                                      |                       |
 
 Note [python backend]: ``rename_privateuse1_backend`` alone makes the device string
 legal, but a tensor subclass on that device *aborts the process* (a C++ error, no
@@ -269,6 +272,29 @@ def _attach_meta_parameters() -> Any:
     return torch.nn.modules.module.register_module_parameter_registration_hook(_to_meta)
 
 
+# -- RECORDING_HOOKS: Note [replayable functions] (replayable.py) ----------------------------
+_watchers: list[Any] = []  # recordings under way: told each module forward, optimizer step
+
+
+def _module_ran(module: torch.nn.Module, _args: Any) -> None:
+    for watcher in list(_watchers):
+        watcher.module_ran(module)
+
+
+def _stepped(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    for watcher in list(_watchers):
+        watcher.stepped(opt)
+
+
+def _attach_recording_hooks() -> list[Any]:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    return [
+        torch.nn.modules.module.register_module_forward_pre_hook(_module_ran),
+        register_optimizer_step_pre_hook(_stepped),
+    ]
+
+
 BACKEND = Attachment("backend", _attach_backend, lambda _state: None)
 KERNELS = Attachment("kernels", _attach_kernels, _detach_kernels)
 SERIALIZATION = Attachment("serialization", _attach_serialization, _detach_serialization)
@@ -277,7 +303,16 @@ CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_que
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
-ALL = (BACKEND, KERNELS, SERIALIZATION, FORWARD_HOOKS, CUDA_QUERIES, META_PARAMETERS)
+RECORDING_HOOKS = Attachment("recording_hooks", _attach_recording_hooks, _detach_hooks)
+ALL = (
+    BACKEND,
+    KERNELS,
+    SERIALIZATION,
+    FORWARD_HOOKS,
+    CUDA_QUERIES,
+    META_PARAMETERS,
+    RECORDING_HOOKS,
+)
 _DEVICE = (BACKEND, KERNELS, SERIALIZATION)  # what `import djinn` holds
 _registered = False
 
@@ -319,3 +354,17 @@ def parameters_on_meta() -> Iterator[None]:
             yield
         finally:
             _meta_local.depth -= 1
+
+
+@contextlib.contextmanager
+def watching(watcher: Any) -> Iterator[None]:
+    """While a replayable function records: every module forward and optimizer step, on
+    any thread, is told to ``watcher`` (``module_ran(m)``, ``stepped(opt)``)."""
+    with RECORDING_HOOKS.held():
+        with _lock:
+            _watchers.append(watcher)
+        try:
+            yield
+        finally:
+            with _lock:
+                _watchers.remove(watcher)

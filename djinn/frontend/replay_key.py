@@ -88,32 +88,18 @@ def _value_key(x: Any) -> Any:
 # -- the state it used -------------------------------------------------------------------
 class Used:
     """The modules whose forward ran and the optimizers that stepped while a call was
-    recorded (PyTorch's global hooks, installed for the recording only)."""
+    recorded (PyTorch's global hooks, held for the recording only: RECORDING_HOOKS in
+    extension_points.py)."""
 
     def __init__(self) -> None:
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self._handles: list[Any] = []
 
-    def __enter__(self) -> Used:
-        from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+    def module_ran(self, module: torch.nn.Module) -> None:
+        self.modules.setdefault(id(module), module)
 
-        def module_ran(module: torch.nn.Module, _args: Any) -> None:
-            self.modules.setdefault(id(module), module)
-
-        def stepped(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            self.optimizers.setdefault(id(opt), opt)
-
-        self._handles = [
-            register_module_forward_pre_hook(module_ran),
-            register_optimizer_step_pre_hook(stepped),
-        ]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
+    def stepped(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.setdefault(id(opt), opt)
 
 
 def named_tensors(fn: Any) -> list[Any]:

@@ -86,6 +86,7 @@ import torch.utils._pytree as pytree
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
+from . import extension_points
 from . import trace as trace_mod
 from .failures import written_values
 from .meta import TensorSpec
@@ -219,8 +220,9 @@ class Replayable:
         reads: dict[Any, list[tuple[Any, Any]]] = {}
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
+        used = Used()
         try:
-            with Used() as used:
+            with extension_points.watching(used):
                 result = self.fn(*args, **kwargs)
         finally:
             trace_mod.RECORDING = outer

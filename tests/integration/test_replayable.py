@@ -610,3 +610,16 @@ def test_a_method_can_be_replayable_and_a_module_argument_is_not_kept(remote):
     del m
     gc.collect()
     assert gone() is None  # the key names it by identity, never holds it
+
+
+def test_a_recording_leaves_pytorchs_global_hooks_as_they_were(remote):
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = (len(hooks), len(_global_optimizer_pre_hooks))
+    model = _moved(_mlp(), remote)
+    fwd = djinn.replayable(lambda x: model(x))
+    with torch.no_grad():
+        fwd(torch.randn(2, 16).to(remote))
+    assert (len(hooks), len(_global_optimizer_pre_hooks)) == before
+    assert fwd.stats()["recordings"] == 1
