@@ -130,34 +130,78 @@ def tensor_state(t: torch.Tensor) -> tuple:
     return (id(t), id(t.__dict__.get("_b")), t.requires_grad)
 
 
+def _hooks(t: torch.Tensor) -> tuple:
+    return (
+        len(getattr(t, "_backward_hooks", None) or ()),
+        len(getattr(t, "_post_accumulate_grad_hooks", None) or ()),
+    )
+
+
 def module_state(m: torch.nn.Module) -> tuple:
     """What of a module changes what its forward computes without a tensor changing in
-    place: its train/eval flag, its hooks, its own parameters and buffers."""
+    place: its train/eval flag, its hooks, its own parameters and buffers (and theirs)."""
     own = [*m._parameters.values(), *m._buffers.values()]
     return (
         m.training,
         len(m._forward_hooks),
         len(m._forward_pre_hooks),
-        tuple(tensor_state(t) if t is not None else None for t in own),
+        len(m._backward_hooks),
+        len(m._backward_pre_hooks),
+        tuple((tensor_state(t), _hooks(t)) if t is not None else None for t in own),
     )
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> tuple:
-    """An optimizer's parameters and its hyperparameters held as Python values (a
-    scheduler's learning rate)."""
-    return tuple(
-        (
-            tuple(tensor_state(p) for p in group["params"]),
-            tuple((k, v) for k, v in sorted(group.items()) if k != "params" and _plain(v)),
-        )
-        for group in opt.param_groups
+    """An optimizer's parameters and their state tensors (a ``load_state_dict`` or a
+    cleared state replaces them), its hooks, and its hyperparameters: Python values (a
+    scheduler's learning rate) by value, a CPU tensor by its values."""
+    return (
+        len(getattr(opt, "_optimizer_step_pre_hooks", ())),
+        len(getattr(opt, "_optimizer_step_post_hooks", ())),
+        tuple(
+            (
+                tuple(tensor_state(p) for p in group["params"]),
+                tuple((k, _hyper(v)) for k, v in sorted(group.items()) if k != "params"),
+                tuple(
+                    tuple((k, _hyper(v)) for k, v in sorted(opt.state.get(p, {}).items()))
+                    for p in group["params"]
+                ),
+            )
+            for group in opt.param_groups
+        ),
     )
 
 
-def _plain(v: Any) -> bool:
+def _hyper(v: Any) -> Any:
+    """A hyperparameter or state entry as the check compares it."""
+    from .lazy import LazyTensor
+
+    if isinstance(v, LazyTensor):
+        return tensor_state(v)  # read by the graph as it is: its identity is what counts
+    if isinstance(v, torch.Tensor):
+        return ("cpu", id(v), tuple(v.reshape(-1).tolist()) if v.numel() <= 64 else id(v))
     if isinstance(v, tuple):
-        return all(_plain(x) for x in v)
-    return v is None or type(v) in PLAIN
+        return tuple(_hyper(x) for x in v)
+    return v if v is None or type(v) in PLAIN else ("id", type(v), id(v))
+
+
+def global_hooks() -> tuple:
+    """PyTorch's process-wide module and optimizer hooks (none of Djinn's own is held
+    while this is compared)."""
+    from torch.nn.modules import module as m
+    from torch.optim import optimizer as o
+
+    return tuple(
+        len(getattr(mod, name, ()))
+        for mod, name in (
+            (m, "_global_forward_hooks"),
+            (m, "_global_forward_pre_hooks"),
+            (m, "_global_backward_hooks"),
+            (m, "_global_backward_pre_hooks"),
+            (o, "_global_optimizer_pre_hooks"),
+            (o, "_global_optimizer_post_hooks"),
+        )
+    )
 
 
 class State:
@@ -179,6 +223,7 @@ class State:
             tuple(module_state(m) for m in modules),
             tuple(optimizer_state(o) for o in optimizers),
             tuple(tensor_state(t) for t in self._named),
+            global_hooks(),
         )
 
     def same(self) -> bool:

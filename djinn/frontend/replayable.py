@@ -21,11 +21,14 @@ call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
   by its bits; any other object by identity), which arguments are one tensor (one
   handle), grad and inference mode, autocast, and the session; a new key records again;
 - the *state* the recording used, checked before every replay: each module whose
-  forward ran (its train/eval flag, hooks, and which tensor objects bound to which values
-  are its parameters and buffers, wanting gradients or not), each optimizer that stepped
-  (its parameters, and hyperparameters held as Python values: a scheduler's learning
-  rate), and the remote tensors ``fn`` names in its closure or globals; a change records
-  again;
+  forward ran or that was an argument (a method's ``self``): its train/eval flag, its
+  forward and backward hooks, and which tensor objects bound to which values are its
+  parameters and buffers, with their gradient hooks and ``requires_grad``; each
+  optimizer that stepped: its hooks, parameters, state tensors (``load_state_dict``
+  replaces them) and hyperparameters (a scheduler's learning rate; a CPU tensor one by
+  its values); the remote tensors ``fn`` names in its closure or globals; PyTorch's
+  global module and optimizer hooks; and whether each ``.grad`` a replay sets was empty
+  when the recording began (else a run would add to it); a change records again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
   steer Python), drew no random numbers (a replay would repeat them), made no tensor with
   an autograd history (a replay builds none), captured every op in one graph (its own
@@ -36,8 +39,9 @@ call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
   floats and inline tensors, the same inputs and the same outputs: a float that changes
   from call to call (an optimizer's bias correction) is Python state a replay would
   freeze, so that key keeps recording, and after ``MAX_UNLIKE`` recordings in a row
-  unlike the one before stops recording (a recording waits for its graph, where a plain
-  call lets the worker run it while the client captures on);
+  unlike the one before runs as it is for ``PAUSE_CALLS`` calls before it records again
+  (a recording waits for its graph, where a plain call lets the worker run it while the
+  client captures on; a learning-rate warm-up ends);
 - each input a replay reads besides the arguments (a weight) must still be what every
   tensor that held it at recording holds: the same binding (Note [bindings]) bound to the
   same handle. A tensor replaced (``p.data = ...``) or dropped makes the key record
@@ -98,6 +102,7 @@ MAX_KEYS = 16  # recordings kept per function, the least recently used let go
 # or floats change every call (the default Adam's bias corrections), and a recording
 # costs a call its overlap (it waits for its graph)
 MAX_UNLIKE = 4
+PAUSE_CALLS = 16  # calls run as they are before such a key records again (a warm-up ended)
 
 
 @dataclass
@@ -117,6 +122,9 @@ class _Record:
     out_spec: Any
     grads: list[tuple[int, torch.Tensor, tuple]]  # (kept slot, tensor, spec) per .grad
     state: State
+    # per gradient: whether its .grad was None when the call began (known from the second
+    # recording of a key on: the first one's owners are known only once it has run)
+    empty: list[bool | None] = field(default_factory=list)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
     ops: int = 0
@@ -159,7 +167,8 @@ class Replayable:
             raise ValueError("after must be an integer of at least 1")
         self.fn = fn
         self.after = after
-        self._records: OrderedDict[Any, _Record | str] = OrderedDict()
+        # a record; a reason it never replays; or (a reason, the call it may record again at)
+        self._records: OrderedDict[Any, _Record | str | tuple] = OrderedDict()
         self._stats = _Stats()
         self._lock = threading.RLock()  # one call records or replays at a time
         self.__wrapped__ = fn
@@ -181,6 +190,13 @@ class Replayable:
             rec = self._records.get(k)
             if rec is not None:
                 self._records.move_to_end(k)
+            if isinstance(rec, tuple):  # unlike recordings: a pause (MAX_UNLIKE)
+                why, until = rec
+                if self._stats.calls < until:
+                    self._stats.plain[why] += 1
+                    return self.fn(*args, **kwargs)
+                del self._records[k]
+                rec = None
             if isinstance(rec, str):  # this key can never replay: say why once more
                 self._stats.plain[rec] += 1
                 return self.fn(*args, **kwargs)
@@ -213,6 +229,13 @@ class Replayable:
         }
 
     def _record(self, k: Any, args: tuple, kwargs: dict, tensors: list[Any]) -> Any:
+        prev = self._records.get(k)
+        # whether each gradient a previous recording left was None as this call begins
+        empty = (
+            {id(t): t._grad is None for _k, t, _spec in prev.grads}
+            if isinstance(prev, _Record)
+            else {}
+        )
         tr = trace_mod.current()
         trace_mod.flush(tr)  # what came before runs first: the graph holds fn's ops only
         nodes = tr.nodes
@@ -221,6 +244,10 @@ class Replayable:
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         used = Used()
+        for x in pytree.tree_leaves((args, kwargs)):  # a module given (a method's self)
+            if isinstance(x, torch.nn.Module):
+                for m in x.modules():
+                    used.module_ran(m)
         try:
             with extension_points.watching(used):
                 result = self.fn(*args, **kwargs)
@@ -243,12 +270,14 @@ class Replayable:
         elif isinstance(old, _Record):
             rec.unlike = old.unlike + 1
             if rec.unlike >= MAX_UNLIKE:
-                self._keep(k, "its graph, floats or inputs change from call to call")
+                why = "its graph, floats or inputs change from call to call"
+                self._keep(k, (why, self._stats.calls + PAUSE_CALLS))
                 return result
+        rec.empty = [empty.get(id(t)) for _k, t, _spec in rec.grads]
         self._keep(k, rec)
         return result
 
-    def _keep(self, k: Any, rec: _Record | str) -> None:
+    def _keep(self, k: Any, rec: _Record | str | tuple) -> None:
         self._records[k] = rec
         self._records.move_to_end(k)
         while len(self._records) > MAX_KEYS:
@@ -461,6 +490,9 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         trace_mod.land_all()
     if not rec.state.same():
         raise Miss("a module, optimizer or tensor it uses changed since")
+    for (_k, owner, _spec), empty in zip(rec.grads, rec.empty, strict=True):
+        if empty is None or (owner._grad is None) != empty:  # a run would accumulate
+            raise Miss("a .grad it sets was not as it was when recorded")
     for w, recorded in rec.external:
         now = w()
         if now is None or not _same_bytes(now, recorded):

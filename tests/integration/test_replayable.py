@@ -623,3 +623,80 @@ def test_a_recording_leaves_pytorchs_global_hooks_as_they_were(remote):
         fwd(torch.randn(2, 16).to(remote))
     assert (len(hooks), len(_global_optimizer_pre_hooks)) == before
     assert fwd.stats()["recordings"] == 1
+
+
+# -- found by a second review ------------------------------------------------------------------
+def _sgd_loop(model, opt, batches, run, between=None):
+    for i, (x, y) in enumerate(batches):
+        if between is not None:
+            between(i)
+        run(x, y)
+
+
+def _step_of(model, opt, zero=True):
+    def step(x, y):
+        if zero:
+            opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _twins(remote):
+    local = _encoder()
+    return local, _moved(local, remote)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["gradients accumulate", "a gradient hook", "a learning rate tensor", "optimizer state"],
+)
+def test_what_changes_a_training_step_between_calls_is_seen(remote, change):
+    local, model = _twins(remote)
+    lr = {"a learning rate tensor": lambda: torch.tensor(0.05)}.get(change, lambda: 0.05)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr(), momentum=0.9) for m in (local, model)]
+    zero = change != "gradients accumulate"
+    steps = [_step_of(m, o, zero) for m, o in zip((local, model), opts, strict=True)]
+    fwd = djinn.replayable(steps[1])
+    saved = [o.state_dict() for o in opts]
+
+    def between(i, m, o, keep):
+        if i == 5 and change == "gradients accumulate":
+            return  # no zero_grad from here on: .grad must add up
+        if change == "gradients accumulate" and i < 5:
+            o.zero_grad()
+        if i == 5 and change == "a gradient hook":
+            m[1].weight.register_hook(lambda g: g * 3)
+        if i == 5 and change == "a learning rate tensor":
+            o.param_groups[0]["lr"].fill_(0.01)
+        if i == 5 and change == "optimizer state":
+            o.load_state_dict(keep)
+
+    for m, o, run, keep in zip((local, model), opts, (steps[0], fwd), saved, strict=True):
+        batches = _batches("cpu" if m is local else remote, 8)
+        _sgd_loop(m, o, batches, run, lambda i, m=m, o=o, keep=keep: between(i, m, o, keep))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-6), change
+    assert fwd.stats()["replays"] >= 1, fwd.stats()
+
+
+def test_a_replayable_method_sees_its_modules_flag(remote):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        @djinn.replayable
+        def run(self, x):
+            return self.lin(x) * (2.0 if self.training else 1.0)
+
+    torch.manual_seed(0)
+    local = Scaled()
+    model = _moved(local, remote)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            model.run(x.to(remote))
+        model.eval()
+        assert torch.equal(model.run(x.to(remote)).cpu(), local.lin(x))
