@@ -241,9 +241,8 @@ class _Args:
                     ("L", x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
                 )
             ref = ref_for_node(x, self.trace)
-            reads = self.trace.reads
-            if reads is not None and isinstance(ref, RemoteTensor):
-                replay_reads(reads, ref.handle, x)
+            if self.trace.reads is not None and isinstance(ref, RemoteTensor):
+                self.trace.read(ref.handle, x)
             if self.trace.recorders and getattr(x, "_is_param", False):
                 from djinn.graph.builder import WEIGHTS
 
@@ -257,7 +256,7 @@ class _Args:
                 raise UnsupportedOp(f"{x.layout} tensors cannot be sent to the appliance yet")
             self.flat.append(x)
             if self.trace.reads is not None:
-                replay_reads(self.trace.reads, ("cpu", id(x)), x)
+                self.trace.read(("cpu", id(x)), x)
             if self.key is not None:
                 # Small local tensors can steer output shapes (tensor_split indices): their
                 # values are part of the signature. Large ones never do in practice.
@@ -280,15 +279,6 @@ class _Args:
             except TypeError:
                 self.key = None
         return x
-
-
-def replay_reads(reads: dict[Any, list[tuple[Any, Any]]], name: Any, x: torch.Tensor) -> None:
-    """Note [replayable functions]: a tensor a recording read, under its handle (a CPU
-    tensor under its id), with its Binding; each distinct tensor of one handle once."""
-    cell = x.__dict__.get("_b")
-    entries = reads.setdefault(name, [])
-    if all(c is not cell or t is not x for c, t in entries):
-        entries.append((cell, x))
 
 
 def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:

@@ -127,7 +127,6 @@ class _Record:
     empty: list[bool | None] = field(default_factory=list)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
-    ops: int = 0
 
     def matches(self, other: _Record) -> bool:
         return (
@@ -387,7 +386,6 @@ def _recorded(
         out_spec=out_spec,
         grads=grads,
         state=state,
-        ops=len(encoded),
     )
 
 

@@ -25,7 +25,6 @@ from .lazy import (
     capture,
     fetch,
     ref_for_node,
-    replay_reads,
     run_locally,
     snapshot,
     spec_of,
@@ -82,7 +81,7 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
         ref = snapshot(src)
         trace = current()
         if trace.reads is not None:  # Note [replayable functions]: state it reads
-            replay_reads(trace.reads, ("cpu", id(src)), src)
+            trace.read(("cpu", id(src)), src)
         if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
             bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
             return dst

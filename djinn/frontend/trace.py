@@ -47,6 +47,14 @@ class Trace:
         # remote tensor its ops read (Note [replayable functions])
         self.reads: dict[str, Any] | None = None
 
+    def read(self, name: Any, x: torch.Tensor) -> None:
+        """Note [replayable functions]: a tensor a recording read, under its handle (a CPU
+        tensor under its id), with its Binding; each distinct tensor of one handle once."""
+        cell = x.__dict__.get("_b")
+        entries = self.reads.setdefault(name, [])
+        if all(c is not cell or t is not x for c, t in entries):
+            entries.append((cell, x))
+
     def _after_backward(self) -> None:
         self.backward_task = -1
         land_all()  # graphs this backward pass sent: their errors are backward()'s

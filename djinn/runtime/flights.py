@@ -1,0 +1,135 @@
+"""Graphs sent without waiting for their reply (Note [asynchronous flushes]): a mixin of
+``Session`` (session.py), whose requests read such a graph's reply first."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from djinn.errors import DjinnError, NotFound
+from djinn.protocol.frames import Kind
+from djinn.protocol.tensors import to_wire
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+def _template_gone(exc: NotFound) -> bool:
+    return "graph template" in exc.message
+
+
+class Flights:
+    """``Session``'s part that sends a graph and goes on; the attributes it uses
+    (``_flight``, ``_flight_lock``, ``_lineage``, ``channel``...) are the session's."""
+
+    def run_graph_async(self, nodes: Any, keep: Sequence, inline: Sequence) -> Flight:
+        """Send a graph that fetches nothing and go on: ``Flight.outcome()`` gives what
+        ``run_graph`` would have. The next request of the session reads its reply
+        first; a worker lost meanwhile is recovered from then, as for any request."""
+        segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
+        # "unwaited": Note [a capturing client beside its worker] (appliance/executor)
+        body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True, "unwaited": True}
+        self._settle()
+        f = Flight(self, body, segments)
+        with self._serial():
+            if self._lineage is not None:
+                f.gen = self._lineage.before_request()
+            sent, f.fp = self._exec_form(body)
+            f.sent = self._outgoing(sent)
+            f.started = time.perf_counter()
+            try:
+                f.rid = self.channel.send(Kind.EXEC, f.sent, segments, sink=self._sink)
+            except DjinnError as exc:
+                f.error = exc  # _settle deals with it as with a failed reply
+            self._flight = f
+        return f
+
+    def _serial(self) -> Any:
+        """The lock under which a graph in flight is sent and settled. Taken after the
+        journal's (whose cuts and recoveries make requests), never before it."""
+        if self._lineage is None:
+            return self._flight_lock
+        both = contextlib.ExitStack()
+        both.enter_context(self._lineage.lock)
+        both.enter_context(self._flight_lock)
+        return both
+
+    def _settle(self) -> None:
+        """Read the reply of the graph in flight, if any (Note [asynchronous flushes]), and
+        record it, before the session's next request is sent or recorded."""
+        if self._flight is None:
+            return
+        with self._serial():
+            f, self._flight = self._flight, None
+            if f is None:
+                return
+            body = f.body
+            try:
+                try:
+                    out = self._flight_reply(f)
+                except DjinnError as exc:
+                    out, body = self._flight_again(f, exc)
+                seconds = time.perf_counter() - f.started
+                f.result = self._finish_exec(body, f.segments, out, seconds)
+            except DjinnError as exc:
+                f.error = exc  # raised where the program waits for this graph
+            finally:
+                f.landed = True
+
+    def _flight_reply(self, f: Flight) -> dict[str, Any]:
+        if f.error is not None:  # it could not even be sent
+            error, f.error = f.error, None
+            self._not_done(error, f.sent)
+            raise error
+        try:
+            frame = self.channel.receive(f.rid)
+        except DjinnError as exc:
+            self._not_done(exc, f.sent)
+            raise
+        self._done(f.sent)
+        out = self._unpack(frame)
+        self._kept_graph(f.sent, f.fp, out)
+        return out
+
+    def _flight_again(self, f: Flight, exc: DjinnError) -> tuple[dict[str, Any], Any]:
+        """Send a graph in flight again, waiting this time: its template was let go, or
+        its worker was lost (the session is rebuilt first, as ``run_body`` does)."""
+        attempt = lambda b: self._exec_body(b, f.segments)  # noqa: E731
+        if isinstance(exc, NotFound) and _template_gone(exc):
+            self._graphs.discard(f.fp)
+            if self._lineage is None:
+                return attempt(f.body), f.body
+            return self._lineage.run_body(attempt, f.body)
+        if self._lineage is None:
+            raise exc
+        return self._lineage.resend(exc, f.gen, attempt, f.body)
+
+
+class Flight:
+    """A graph sent without waiting for its reply (Note [asynchronous flushes])."""
+
+    __slots__ = ("body", "error", "fp", "gen", "landed", "result", "rid", "segments", "sent",
+                 "session", "started")  # fmt: skip
+
+    def __init__(self, session: Session, body: dict[str, Any], segments: list) -> None:
+        self.session = session
+        self.body, self.segments = body, segments
+        self.sent: dict[str, Any] = body
+        self.fp: str | None = None
+        self.gen = 0
+        self.rid = 0
+        self.started = 0.0
+        self.landed = False
+        self.result: tuple[list[Any], list[Any], dict[str, Any] | None] | None = None
+        self.error: DjinnError | None = None
+
+    def outcome(self) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
+        """(kept, fetched, failure), as ``Session.run_graph``; its error if it failed."""
+        if not self.landed:
+            self.session._settle()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
