@@ -1,0 +1,237 @@
+"""Note [replayable functions]: training steps replayed (their backward pass, their
+gradients in ``.grad``, their optimizers), with local eager's or a capture's bits, and
+what changes a step between calls seen before it replays."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import djinn
+
+
+def _moved(model: torch.nn.Module, remote: str) -> torch.nn.Module:
+    return copy.deepcopy(model).to(remote)
+
+
+def _encoder() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), torch.nn.Linear(16, 1)
+    )
+
+
+def _train(model, make_opt, batches, replay, zero_inside=True):
+    opt = make_opt(model.parameters())
+
+    def step(x, y):
+        if zero_inside:
+            opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step) if replay else step
+    losses = []
+    for x, y in batches:
+        if not zero_inside:
+            opt.zero_grad()
+        losses.append(run(x, y))
+    return losses, run
+
+
+def _batches(device, n=6):
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(4, 5, 16, generator=gen).to(device),
+            torch.randn(4, 5, 1, generator=gen).to(device),
+        )
+        for _ in range(n)
+    ]
+
+
+def test_an_sgd_training_step_replays_with_local_eagers_bits(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    want, _ = _train(local, sgd, _batches("cpu"), replay=False)
+    got, run = _train(model, sgd, _batches(remote), replay=True)
+    assert all(torch.equal(g.cpu(), w.detach()) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)  # the gradients a replay left in .grad
+    stats = run.stats()
+    # the first step makes the momentum buffers; the next two record; the rest replay
+    assert stats["replays"] == 3 and stats["recordings"] == 2, stats
+
+
+def test_a_capturable_adam_step_replays_with_the_captured_loops_bits(remote):
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2, capturable=True)  # noqa: E731
+    captured = _moved(_encoder(), remote)
+    replayed = _moved(_encoder(), remote)
+    _train(captured, adam, _batches(remote), replay=False)
+    _, run = _train(replayed, adam, _batches(remote), replay=True)
+    for p, q in zip(replayed.parameters(), captured.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+    assert run.stats()["replays"] == 3, run.stats()
+
+
+def test_a_default_adam_step_never_replays_and_keeps_local_eagers_numbers(remote):
+    """Its bias corrections are Python floats that change every step."""
+    local = _encoder()
+    model = _moved(local, remote)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    _train(local, adam, _batches("cpu", 9), replay=False)
+    _, run = _train(model, adam, _batches(remote, 9), replay=True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    stats = run.stats()
+    # its first step makes its state; four recordings unlike the one before, then it
+    # stops recording (a recording waits for its graph: plain calls overlap)
+    assert stats["replays"] == 0 and stats["recordings"] == 5, stats
+    assert stats["plain"]["its graph, floats or inputs change from call to call"] == 3, stats
+
+
+def test_a_learning_rate_changed_by_a_scheduler_records_again(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+
+    def train(m, device, replay):
+        opt = sgd(m.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+
+        run = djinn.replayable(step) if replay else step
+        for x, y in _batches(device, 8):
+            run(x, y)
+            sched.step()  # every third step, a new learning rate the graph holds as a float
+        return run
+
+    train(local, "cpu", False)
+    run = train(model, remote, True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["recordings"] == 6 and run.stats()["replays"] == 2, run.stats()
+
+
+def test_zero_grad_outside_the_step_still_gets_fresh_gradients(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    _train(local, sgd, _batches("cpu"), replay=False, zero_inside=False)
+    _, run = _train(model, sgd, _batches(remote), replay=True, zero_inside=False)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)
+    assert run.stats()["replays"] == 4, run.stats()
+
+
+def test_a_layer_frozen_after_replays_start_stays_frozen(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    want_opt, got_opt = sgd(local.parameters()), sgd(model.parameters())
+
+    def step(m, opt, x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+    fwd = djinn.replayable(lambda x, y: step(model, got_opt, x, y))
+    for i, ((x, y), (rx, ry)) in enumerate(
+        zip(_batches("cpu", 8), _batches(remote, 8), strict=True)
+    ):
+        if i == 5:
+            for m in (local, model):
+                m[1].weight.requires_grad_(False)
+        step(local, want_opt, x, y)
+        fwd(rx, ry)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert fwd.stats()["replays"] >= 2
+
+
+def test_a_gradient_kept_from_an_earlier_step_keeps_its_value(remote):
+    model = _moved(_encoder(), remote)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kept = []
+
+    @djinn.replayable
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for x, y in _batches(remote, 5):
+        step(x, y)
+        w = model[1].weight
+        kept.append((w.grad, w.grad.cpu()))
+    assert step.stats()["replays"] == 3
+    for grad, value in kept:
+        assert torch.equal(grad.cpu(), value)
+    assert len({id(g) for g, _ in kept}) == 5
+
+
+def _sgd_loop(model, opt, batches, run, between=None):
+    for i, (x, y) in enumerate(batches):
+        if between is not None:
+            between(i)
+        run(x, y)
+
+
+def _step_of(model, opt, zero=True):
+    def step(x, y):
+        if zero:
+            opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _twins(remote):
+    local = _encoder()
+    return local, _moved(local, remote)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["gradients accumulate", "a gradient hook", "a learning rate tensor", "optimizer state"],
+)
+def test_what_changes_a_training_step_between_calls_is_seen(remote, change):
+    local, model = _twins(remote)
+    lr = {"a learning rate tensor": lambda: torch.tensor(0.05)}.get(change, lambda: 0.05)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr(), momentum=0.9) for m in (local, model)]
+    zero = change != "gradients accumulate"
+    steps = [_step_of(m, o, zero) for m, o in zip((local, model), opts, strict=True)]
+    fwd = djinn.replayable(steps[1])
+    saved = [o.state_dict() for o in opts]
+
+    def between(i, m, o, keep):
+        if i == 5 and change == "gradients accumulate":
+            return  # no zero_grad from here on: .grad must add up
+        if change == "gradients accumulate" and i < 5:
+            o.zero_grad()
+        if i == 5 and change == "a gradient hook":
+            m[1].weight.register_hook(lambda g: g * 3)
+        if i == 5 and change == "a learning rate tensor":
+            o.param_groups[0]["lr"].fill_(0.01)
+        if i == 5 and change == "optimizer state":
+            o.load_state_dict(keep)
+
+    for m, o, run, keep in zip((local, model), opts, (steps[0], fwd), saved, strict=True):
+        batches = _batches("cpu" if m is local else remote, 8)
+        _sgd_loop(m, o, batches, run, lambda i, m=m, o=o, keep=keep: between(i, m, o, keep))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-6), change
+    assert fwd.stats()["replays"] >= 1, fwd.stats()
