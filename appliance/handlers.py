@@ -22,7 +22,7 @@ from djinn.protocol.tensors import describe, from_wire, to_wire, validate
 
 from .executor import threads
 from .executor.graph import GraphRun
-from .executor.plan import PlanRun, input_signature
+from .executor.plan import input_signature
 from .generate_steps import call_steps
 from .model_handlers import handle_call, handle_load, handle_register
 from .sessions import WorkerSession
@@ -236,9 +236,10 @@ def _template_run(
     if tensors is not None and all(type(v) is float for v in scalars):
         signature = input_signature(tensors)
         plan = w.plans.find(fp, signature, scalars)
-        if plan is not None:
-            return PlanRun(plan, fp, body, inputs, tensors, s.tensor, frame.segments, device,
-                           stack), None  # fmt: skip
+        if plan is not None:  # Note [compiled plans]: compiled, or node by node
+            runner = w.plans.runner(plan, fp, device)
+            return runner(plan, fp, body, inputs, tensors, s.tensor, frame.segments, device,
+                          stack), None  # fmt: skip
     run = GraphRun(w.graphs.expand(body, tpl), s.tensor, frame.segments, device, stack)
     run.template = fp
     if signature is None or not w.plans.should_record(fp):

@@ -160,6 +160,7 @@ class Supervisor:
                 "model_methods": cfg.model_methods,
                 "prewarm": cfg.prewarm,
                 "graph_plan_after": cfg.graph_plan_after,
+                "graph_compile_after": cfg.graph_compile_after,
             }
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:

@@ -129,7 +129,10 @@ class Worker:
         self.scheduler = scheduler_from(init)  # Note [threading model] (scheduler.py)
         self.batcher = Batcher(self.scheduler.batch_max)  # Note [cross-session batching]
         self.graphs = GraphTemplates()  # Note [graph templates]
-        self.plans = GraphPlans(int(init.get("graph_plan_after", 2)))  # Note [graph plans]
+        self.plans = GraphPlans(  # Note [graph plans], Note [compiled plans]
+            int(init.get("graph_plan_after", 2)),
+            compile_after=int(init.get("graph_compile_after", 1)),
+        )
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(

@@ -101,6 +101,8 @@ class GraphRun:
         # Note [graph plans]: (op, bytes, meta output) of each node, while a plan of this
         # run's template is being recorded
         self.recording: list[tuple[Any, int, Any]] | None = None
+        self.casts: set[int] = set()  # nodes whose output _like_meta cast (while recording)
+        self.held = self.peak_held = 0  # stack bytes this run holds; their most at once
         self.input_storages: Callable[[], list[int]] = lambda: []
         # Note [a capturing client beside its worker] (threads.py): the intra-op threads
         # its ops run with, when fewer than the worker's own
@@ -175,15 +177,15 @@ class GraphRun:
         """The real kernel, once the node's checks passed, and what follows it: the
         dtype the client was told, the bounds of what it returned, the stack's account,
         and the intermediates this node was the last to read."""
-        self.wrote = self.wrote or _writes(op)
+        self.wrote = self.wrote or writes(op)
         try:
             out = op(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
             raise ExecutionError(f"{name} (node {i}): {exc}") from None
-        if self.device.type == "cpu" and op in norm_stats.OPS:
-            meta = _cpu_statistics(op, args, kwargs, meta)
-        out = _like_meta(out, meta)
-        oppolicy.check_bounds(out, name)
+        cast = finished(self.device, op, name, args, kwargs, out, meta)
+        if self.recording is not None and _differs(cast, out):
+            self.casts.add(i)  # Note [compiled plans]: the cast stays in the compiled run
+        out = cast
         self.values[i] = out
         self._account(out, +1)
         for j in last_use.pop(i, ()):
@@ -205,7 +207,7 @@ class GraphRun:
         return need, meta
 
     def has_extra_checks(self, op: Any) -> bool:
-        return opchecks.has_check(op) or (self.device.type != "cpu" and index_bounds.has_guard(op))
+        return has_extra_checks(op, self.device)
 
     def _extra_checks(self, op: Any, named: dict[str, Any]) -> None:
         """The op's own checks (``opchecks``), and on a GPU its index guards (Note [indices
@@ -217,6 +219,7 @@ class GraphRun:
     def _make_room(self, op: Any, need: int, i: int) -> None:
         """``need`` bytes of stack for node ``i``, evicting what the policy gives up;
         DeviceShort (the request may wait and run again) or RESOURCE_EXHAUSTED."""
+        self.peak_held = max(self.peak_held, self.held + need)  # Note [compiled plans]
         free = self.stack.vmu.make_room(need)  # Note [one device budget] (vmu/device.py)
         if need > free:
             text = (
@@ -261,10 +264,13 @@ class GraphRun:
                         raise ResourceExhausted(text) from None
                     raise
                 self._stack_refs[ptr] = [storage.nbytes(), 1]
+                self.held += storage.nbytes()
+                self.peak_held = max(self.peak_held, self.held)
             elif delta > 0 or ref[1] > 1:
                 ref[1] += delta
             else:
                 self.stack.release(ref[0])
+                self.held -= ref[0]
                 del self._stack_refs[ptr]
 
     def _input_ptrs(self) -> set[int]:
@@ -353,6 +359,30 @@ class GraphRun:
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
 
 
+def has_extra_checks(op: Any, device: torch.device) -> bool:
+    """Whether ``op`` has checks beyond its schema and meta kernel (``opchecks``; on a
+    GPU, index guards): those read values, so a plan runs them every time."""
+    return opchecks.has_check(op) or (device.type != "cpu" and index_bounds.has_guard(op))
+
+
+def finished(
+    device: torch.device,
+    op: Any,
+    name: Any,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    out: Any,
+    meta: Any,
+) -> Any:
+    """What follows a kernel: the dtype the client was told (Note [meta dtypes], Note
+    [statistics dtypes]) and the bounds of what it returned."""
+    if device.type == "cpu" and op in norm_stats.OPS:
+        meta = _cpu_statistics(op, args, kwargs, meta)
+    out = _like_meta(out, meta)
+    oppolicy.check_bounds(out, name)
+    return out
+
+
 def _cpu_statistics(op: Any, args: list[Any], kwargs: dict[str, Any], meta: Any) -> Any:
     """Note [statistics dtypes] (djinn/protocol/norm_stats.py): a half-precision
     normalization's saved statistics keep the CPU kernel's dtype, as the client was told."""
@@ -379,6 +409,13 @@ def _like_meta(out: Any, meta: Any) -> Any:
     return out
 
 
+def _differs(cast: Any, out: Any) -> bool:
+    """Whether ``_like_meta`` gave other tensors than the kernel's."""
+    if isinstance(out, (tuple, list)) and isinstance(cast, (tuple, list)):
+        return any(c is not o for c, o in zip(cast, out, strict=True))
+    return cast is not out
+
+
 def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:
     refs = body.get(key, [])
     if not isinstance(refs, list) or not all(
@@ -394,7 +431,7 @@ def _ref_list(body: dict[str, Any], key: str) -> list[dict[str, Any]]:
 _WRITES: dict[Any, bool] = {}
 
 
-def _writes(op: Any) -> bool:
+def writes(op: Any) -> bool:
     """Whether ``op`` writes into one of its arguments (``Tensor(a!)`` in its schema)."""
     known = _WRITES.get(op)
     if known is None:

@@ -36,17 +36,19 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
 
-from djinn.errors import ExecutionError, InvalidArgument
+from djinn.errors import DjinnError, ExecutionError, InvalidArgument
+from djinn.protocol import norm_stats
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
-from . import metacheck, opargs
-from .graph import GraphRun
+from . import metacheck, opargs, threads
+from .graph import GraphRun, finished, has_extra_checks, writes
+from .plan_source import NotCompilable, compile_plan
 
 log = logging.getLogger("djinn.appliance.plan")
 
@@ -93,6 +95,17 @@ class Plan:
         self.key_scalars = key_scalars  # scalars whose value an op's checks may depend on
         self.scalar_values = scalar_values
         self.scalars = scalars  # how many the template takes
+        # Note [compiled plans]: the template's nodes (their arguments), what the recorded
+        # run found beyond each node's checks, and the compiled function once there is one
+        self.source_nodes: list[dict[str, Any]] = tpl["nodes"]
+        self.casts: set[int] = set()
+        self.peak = 0
+        self.pinned = sorted({r["$v"] for r in self.keep + self.fetch if "$v" in r})
+        writes_at = [k for k, node in enumerate(nodes) if writes(node.op)]
+        self.first_write = writes_at[0] if writes_at else len(nodes)
+        self.runs = 0
+        self.code: Callable[..., Any] | None = None
+        self.uncompilable = False
 
     def fits(self, signature: tuple, scalars: list[float]) -> bool:
         return (
@@ -175,6 +188,66 @@ class PlanRun(GraphRun):
             raise type(exc)(f"node {i}: {exc.message}") from None
 
 
+OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)  # as GraphRun._call
+
+
+class CompiledRun(PlanRun):
+    """A template's request run by its plan's compiled function (Note [compiled plans])."""
+
+    def steps(self) -> Generator[None, None, tuple[list[Any], list[Any]]]:
+        plan, code = self.plan, self.plan.code
+        assert code is not None
+        self.stack.reserve(plan.peak)  # short: nothing ran yet, so the request may wait
+        self._reached = len(plan.nodes) - 1
+        values: list[Any] = [None] * len(plan.nodes)
+        try:
+            yield from code(self, values, self.ins, self.scs, self.lookup)
+        finally:
+            self.stack.release(plan.peak)
+            self.wrote = plan.first_write <= self._reached
+        self.values = {n: values[n] for n in plan.pinned}
+        return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
+
+    # -- called by the compiled function -------------------------------------------------
+    def enter(self) -> None:
+        if self.threads is not None:
+            threads.use(self.threads)
+
+    def leave(self) -> None:
+        if self.threads is not None:
+            threads.use(threads.base())
+
+    def slow(self, i: int, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """A node that needs more than its kernel, as an interpreted node runs it."""
+        node = self.plan.nodes[i]
+        if node.rng is not None:
+            self._seed(node.rng)
+        if self.has_extra_checks(node.op):
+            self._value_checks(i, node.op, args, kwargs)
+        out = node.op(*args, **kwargs)
+        return finished(self.device, node.op, node.name, args, kwargs, out, node.meta)
+
+    def fail(self, i: int, exc: Exception) -> None:
+        """Node ``i`` raised ``exc``: raise what an interpreted run raises, or with
+        "partial" end the run there (Note [partial graphs])."""
+        self._reached = i
+        if isinstance(exc, DjinnError):
+            error = exc
+        elif isinstance(exc, OP_ERRORS):
+            error = ExecutionError(f"{self.plan.nodes[i].name} (node {i}): {exc}")
+        else:
+            raise exc
+        if not self.partial:
+            raise error from None
+        self.failed = (i, error)
+
+    def inline(self, x: dict[str, Any]) -> torch.Tensor:
+        return inline_tensor(x, self.segments, self.device)
+
+    def filled(self, x: dict[str, Any]) -> Any:
+        return decode_constant(_filled(x, self.scs), self.device)[1]
+
+
 def _refs(refs: Any, inputs: list[str]) -> list[dict[str, Any]]:
     """A template's keep / fetch references with its inputs put back."""
     return [{"$h": inputs[r["$in"]]} if "$in" in r else r for r in refs]
@@ -184,8 +257,9 @@ class GraphPlans:
     """The worker's plans, by template fingerprint and input signature (bounded LRU),
     and the counts the stats document shows."""
 
-    def __init__(self, after: int, max_nodes: int = MAX_PLAN_NODES) -> None:
+    def __init__(self, after: int, max_nodes: int = MAX_PLAN_NODES, compile_after: int = 0) -> None:
         self.after = after  # interpreted runs of a template before one records; 0: never
+        self.compile_after = compile_after  # planned runs before it compiles; 0: never
         self.max_nodes = max_nodes
         self._plans: OrderedDict[str, list[Plan]] = OrderedDict()
         self._nodes = 0
@@ -194,6 +268,9 @@ class GraphPlans:
         self.plan_runs = 0
         self.recorded = 0
         self.refused = 0
+        self.compiled = 0  # plans compiled (Note [compiled plans])
+        self.compiled_runs = 0
+        self.uncompiled = 0  # plans the generator would not write, or compile() refused
 
     def find(self, fp: str, signature: tuple, scalars: list[float]) -> Plan | None:
         plans = self._plans.get(fp)
@@ -204,6 +281,25 @@ class GraphPlans:
                     self.plan_runs += 1
                     return plan
         return None
+
+    def runner(self, plan: Plan, fp: str, device: torch.device) -> type[PlanRun]:
+        """How ``plan`` runs this time: compiled once it has run ``compile_after`` times
+        (Note [compiled plans]), else node by node. A plan that cannot be compiled is
+        counted and runs as a plan."""
+        if plan.code is None:
+            plan.runs += 1
+            if not self.compile_after or plan.uncompilable or plan.runs <= self.compile_after:
+                return PlanRun
+            try:
+                plan.code = _compile_plan(plan, fp, device)
+            except Exception as exc:  # any failure: the plan runs as it is (counted, logged)
+                plan.uncompilable = True
+                self.uncompiled += 1
+                log.warning("graph template %s: not compiled (%s)", fp[:12], exc)
+                return PlanRun
+            self.compiled += 1
+        self.compiled_runs += 1
+        return CompiledRun
 
     def should_record(self, fp: str) -> bool:
         """Count an interpreted run of ``fp``; whether this one records a plan."""
@@ -264,6 +360,7 @@ class GraphPlans:
             tuple(scalars[k] for k in keys),
             len(scalars),
         )
+        plan.casts, plan.peak = set(run.casts), run.peak_held
         plans = self._plans.setdefault(fp, [])
         plans.insert(0, plan)
         self._nodes += len(nodes)
@@ -285,7 +382,37 @@ class GraphPlans:
             "runs": self.plan_runs,
             "recorded": self.recorded,
             "refused": self.refused,
+            "compiled": self.compiled,
+            "compiled_runs": self.compiled_runs,
+            "uncompiled": self.uncompiled,
         }
+
+
+def _compile_plan(plan: Plan, fp: str, device: torch.device) -> Callable[..., Any]:
+    """Note [compiled plans]: which nodes need more than their kernel, then the source."""
+
+    def slow(i: int) -> bool:
+        node = plan.nodes[i]
+        return (
+            node.rng is not None
+            or i in plan.casts
+            or has_extra_checks(node.op, device)
+            or (device.type == "cpu" and node.op in norm_stats.OPS)
+            or "as_strided" in node.op._schema.name
+        )
+
+    if len(plan.source_nodes) != len(plan.nodes):
+        raise NotCompilable("the template and its plan differ")
+    return compile_plan(
+        plan.nodes,
+        plan.source_nodes,
+        plan.last_use,
+        slow,
+        len(plan.signature),
+        plan.scalars,
+        device,
+        fp[:12],
+    )
 
 
 # -- compiling a template's arguments --------------------------------------------------------

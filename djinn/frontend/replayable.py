@@ -125,6 +125,7 @@ class _Record:
     # per gradient: whether its .grad was None when the call began (known from the second
     # recording of a key on: the first one's owners are known only once it has run)
     empty: list[bool | None] = field(default_factory=list)
+    fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
 
@@ -498,7 +499,9 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
     session = default_session()
     handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
                zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
-    body = templates.instantiate(rec.tpl, handles, rec.scalars)
+    if rec.fill is None:
+        rec.fill = templates.instantiator(rec.tpl)
+    body = rec.fill(handles, rec.scalars)
     form = (rec.fingerprint, handles, rec.scalars)
     kept, _ = session.execute(body["nodes"], keep=body["keep"], inline=rec.inline, form=form)
     for kind, what in rec.written:  # as eager's in-place ops count (autograd checks them)

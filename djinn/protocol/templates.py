@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -68,6 +69,25 @@ def fingerprint(tpl: dict[str, Any]) -> str:
 def instantiate(tpl: dict[str, Any], inputs: Any, scalars: Any) -> dict[str, Any]:
     """The graph body ``tpl`` stands for, with ``inputs`` and ``scalars`` put back;
     INVALID_ARGUMENT if they do not fit it."""
+    walk = _filler(inputs, scalars)
+    return {part: walk(tpl[part]) for part in PARTS}
+
+
+def instantiator(tpl: dict[str, Any]) -> Callable[[Any, Any], dict[str, Any]]:
+    """``instantiate`` for the many calls of one template (a client's replays, Note
+    [replayable functions]): the nodes and references that hold no input and no scalar
+    are shared by every body it makes instead of copied again. What it makes is read,
+    never written (the journal's rewrites, ``remap``, make new bodies)."""
+    parts = {part: [(_has_slot(v), v) for v in tpl[part]] for part in PARTS}
+
+    def make(inputs: Any, scalars: Any) -> dict[str, Any]:
+        walk = _filler(inputs, scalars)
+        return {part: [walk(v) if s else v for s, v in items] for part, items in parts.items()}
+
+    return make
+
+
+def _filler(inputs: Any, scalars: Any) -> Callable[[Any], Any]:
     if not isinstance(inputs, list) or not all(isinstance(h, str) for h in inputs):
         raise InvalidArgument("inputs must be a list of handles")
     if not isinstance(scalars, list) or not all(type(v) is float for v in scalars):
@@ -85,7 +105,15 @@ def instantiate(tpl: dict[str, Any], inputs: Any, scalars: Any) -> dict[str, Any
             return {k: walk(v) for k, v in x.items()}
         return x
 
-    return {part: walk(tpl[part]) for part in PARTS}
+    return walk
+
+
+def _has_slot(x: Any) -> bool:
+    if type(x) is list:
+        return any(_has_slot(v) for v in x)
+    if type(x) is dict:
+        return (len(x) == 1 and ("$in" in x or "$s" in x)) or any(_has_slot(v) for v in x.values())
+    return False
 
 
 def _slot(values: list, k: Any, what: str) -> Any:

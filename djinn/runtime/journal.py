@@ -308,16 +308,26 @@ def view_outputs(op: str) -> tuple[bool, ...]:
 def mark_views(body: dict[str, Any], kept: list[Any]) -> None:
     """Handles that may share storage with another: made again from their bases after
     a cut when the op that made them took handles only, else a cut waits for them."""
+    apply_views(view_kinds(body, [None if k is None else k.handle for k in kept]), kept)
+
+
+def view_kinds(body: dict[str, Any], kept: list[str | None]) -> list[Any]:
+    """Per kept output (``kept``: its handle, None if its node never ran): None if it
+    is no view; ``(node, ref)``, the node that makes it again from handles; "private"
+    (Note [private views]: the same tensor if read back and put again, when dense); or
+    "view"."""
     nodes, keep = body.get("nodes", []), body.get("keep", [])
     private: set[int] | None = None
     # this graph's outputs kept as handles: a view of one is made again from it
     named = {
-        (r["$v"], r.get("i")): k.handle
+        (r["$v"], r.get("i")): k
         for r, k in zip(keep, kept, strict=False)
         if k is not None and isinstance(r, dict) and type(r.get("$v")) is int
     }
-    for i, (ref, remote) in enumerate(zip(keep, kept, strict=False)):
-        if remote is None or not isinstance(ref, dict) or "$v" not in ref:
+    out: list[Any] = []
+    for i, (ref, handle) in enumerate(zip(keep, kept, strict=False)):
+        out.append(None)
+        if handle is None or not isinstance(ref, dict) or "$v" not in ref:
             continue
         views = view_outputs(str(nodes[ref["$v"]].get("op", "")))
         k = ref.get("i", 0)
@@ -325,13 +335,64 @@ def mark_views(body: dict[str, Any], kept: list[Any]) -> None:
             node = _on_handles(nodes[ref["$v"]], named)
             if _from_handles_only(node):
                 # the node, and how the graph named this output (``i`` only when multi)
-                remote.view = ({**node}, {**ref, "$v": 0})
+                out[i] = (node, {**ref, "$v": 0})
                 continue
             if private is None:
                 private = private_views(body, kept)
-            # Note [private views]: read back and put again, it is the same tensor
+            out[i] = "private" if i in private else "view"
+    return out
+
+
+def apply_views(kinds: list[Any], kept: list[Any]) -> None:
+    """Set each kept RemoteTensor's ``view`` as ``view_kinds`` found."""
+    for kind, remote in zip(kinds, kept, strict=False):
+        if kind is None or remote is None:
+            continue
+        if isinstance(kind, tuple):
+            remote.view = ({**kind[0]}, {**kind[1]})
+        else:  # Note [private views]: read back and put again, it is the same tensor
             dense = is_dense(list(remote.shape), list(remote.strides))
-            remote.view = not (i in private and dense)
+            remote.view = not (kind == "private" and dense)
+
+
+class GraphFacts:
+    """Note [journal facts of a template]: what the journal works out of a graph (which
+    handles it may write, which kept handles are views of which, ``entry_writes`` and
+    ``view_kinds``) walks every node, and depends only on the graph's template and on
+    which of its handles are one: a replayed training step paid about 1.5 ms a call for
+    it (``benchmarks/training_step.py``). A template's facts are worked out once, on its
+    body with every input and kept handle renamed to a placeholder (``@3``, ``@k3``), and
+    each later call renames them to its own handles. Only bodies whose inputs are
+    distinct handles use them (a template's inputs are, by construction)."""
+
+    def __init__(self, body: dict[str, Any], inputs: list[str], kept: list[str]) -> None:
+        names = {h: f"@{j}" for j, h in enumerate(inputs)}
+        names.update({h: f"@k{j}" for j, h in enumerate(kept)})
+        generic = remap(body, names)
+        holders = [f"@k{j}" for j in range(len(kept))]
+        self.writes = entry_writes(Entry("exec", generic, out=holders))
+        self.kinds = view_kinds(generic, list(holders))
+        self.inputs, self.kept = len(inputs), len(kept)
+
+    def fits(self, inputs: list[str], kept: list[str | None]) -> bool:
+        return (
+            len(inputs) == self.inputs
+            and len(kept) == self.kept
+            and None not in kept
+            and len(set(inputs)) == len(inputs)
+        )
+
+    def of(self, inputs: list[str], kept: list[str]) -> tuple[Any, list[Any]]:
+        """(``entry_writes``, ``view_kinds``) of the call with these handles."""
+        names = {f"@{j}": h for j, h in enumerate(inputs)}
+        names.update({f"@k{j}": h for j, h in enumerate(kept)})
+        written, bases = self.writes
+        writes = (
+            {names.get(h, h) for h in written},
+            {names[k]: {names.get(h, h) for h in v} for k, v in bases.items()},
+        )
+        kinds = [(remap(k[0], names), k[1]) if isinstance(k, tuple) else k for k in self.kinds]
+        return writes, kinds
 
 
 def _on_handles(node: dict[str, Any], named: dict[tuple[int, Any], str]) -> dict[str, Any]:

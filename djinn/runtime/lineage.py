@@ -68,6 +68,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,8 +80,10 @@ from djinn.errors import DjinnError, RecoveryFailed, SessionLost, Unavailable, W
 from . import kv_replay
 from .journal import (  # noqa: F401 - Entry and the helpers are this module's API too
     Entry,
+    GraphFacts,
     _from_handles_only,
     _remade_views,
+    apply_views,
     entry_writes,
     kept,
     mark_views,
@@ -104,6 +107,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("djinn.runtime.lineage")
 NODE_BYTES = 700  # what one recorded graph node costs the client (its dicts; tracemalloc)
 MAPS_KEPT = 16  # handle renamings kept for requests built before a recovery
+MAX_FACTS = 64  # templates whose journal facts a session keeps (Note [journal facts of a template])
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class Lineage:
         self.cuts_put_off = 0
         self.last_cut_s = 0.0
         self._tls = threading.local()  # how long this thread's last request took
+        self._facts: OrderedDict[str, GraphFacts] = OrderedDict()  # by template fingerprint
         self.standby: Session | None = None  # Note [warm standby]
         self._standby_lock = threading.Lock()
         self.standby_s: list[float] = []
@@ -175,7 +180,8 @@ class Lineage:
     def record(self, entry: Entry) -> None:
         # what it writes, worked out now rather than in the next cut, whose time decides
         # how soon the one after it comes (Note [unchanged puts])
-        entry.writes = entry_writes(entry)
+        if entry.writes is None:
+            entry.writes = entry_writes(entry)
         with self.lock:
             self.entries.append(entry)
             self.nbytes += entry.nbytes
@@ -230,6 +236,28 @@ class Lineage:
     @staticmethod
     def mark_views(body: dict[str, Any], kept: list[Any]) -> None:
         mark_views(body, kept)
+
+    def record_graph(
+        self, entry: Entry, kept: list[Any], form: tuple[str, list[str], Any] | None
+    ) -> None:
+        """Record a graph's ``entry`` and mark its ``kept`` views; ``form`` (fingerprint,
+        inputs, scalars), when known, lets its template's facts be worked out once (Note
+        [journal facts of a template])."""
+        handles = [None if k is None else k.handle for k in kept]
+        facts = None
+        if form is not None:
+            fp, inputs, _ = form
+            facts = self._facts.get(fp)
+            if facts is None and _distinct(inputs, handles):
+                facts = self._facts[fp] = GraphFacts(entry.body, inputs, handles)
+                while len(self._facts) > MAX_FACTS and self._facts:
+                    self._facts.popitem(last=False)
+        if facts is not None and facts.fits(inputs, handles) and _distinct(inputs, handles):
+            entry.writes, kinds = facts.of(inputs, handles)
+            apply_views(kinds, kept)
+        else:
+            mark_views(entry.body, kept)
+        self.record(entry)
 
     # -- retrying ----------------------------------------------------------------------
     def run(self, attempt: Callable[[Any], Any], body: Any = None, repeat: bool = True) -> Any:
@@ -514,3 +542,10 @@ class Lineage:
             "journal_base_bytes": self.base_bytes,
             "journal_peak_bytes": self.peak_bytes,
         }
+
+
+def _distinct(inputs: list[str], kept: list[str | None]) -> bool:
+    """Whether a graph's inputs and kept handles are all different handles (Note [journal
+    facts of a template])."""
+    names = [*inputs, *kept]
+    return None not in kept and len(set(names)) == len(names)

@@ -445,20 +445,27 @@ class Session(Flights):
         else:
             # a body the journal rewrote (handles of a rebuilt session) has another form
             attempt = lambda b: self._exec_body(b, segments, form if b is body else None)  # noqa: E731
+            sent = body
             out, body = self._lineage.run_body(attempt, body)
+            form = form if body is sent else None
         seconds = self._lineage.took() if self._lineage is not None else 0.0
-        return self._finish_exec(body, segments, out, seconds)
+        return self._finish_exec(body, segments, out, seconds, form)
 
     def _finish_exec(
-        self, body: dict[str, Any], segments: list, out: dict[str, Any], seconds: float
+        self,
+        body: dict[str, Any],
+        segments: list,
+        out: dict[str, Any],
+        seconds: float,
+        form: tuple[str, list[str], list[float]] | None = None,
     ) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
-        """An EXEC's reply as (kept, fetched, failure), recorded in the journal."""
+        """An EXEC's reply as (kept, fetched, failure), recorded in the journal; ``form``
+        when the body's template is known (Note [journal facts of a template])."""
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         if self._lineage is not None:
-            self._lineage.mark_views(body, kept)
             entry = lineage.Lineage.graph_entry(body, segments, out)
             entry.seconds = seconds
-            self._lineage.record(entry)
+            self._lineage.record_graph(entry, kept, form)
         tensors = iter(out["tensors"])
         fetched = [
             NOT_RUN if isinstance(v, dict) else next(tensors) if v is None else v

@@ -84,6 +84,18 @@ SETTINGS: tuple[Setting, ...] = (
         high=1_000_000,
     ),
     Setting(
+        "graph_compile_after",
+        1,
+        "Runs of one execution plan (graph_plan_after) before the worker compiles it: the "
+        "plan's ops written out as one Python function that calls each kernel directly, "
+        "with the stack reserved once per run instead of per op; the same kernels on the "
+        "same arguments, so the same results (Note [compiled plans]). A plan that cannot be "
+        "compiled runs as a plan, and the stats count it. 0: never.",
+        "int",
+        low=0,
+        high=1_000_000,
+    ),
+    Setting(
         "fallback",
         "error",
         "What a client does when the appliance it is configured to use (address, "

@@ -1,6 +1,7 @@
-"""Note [graph plans] end to end: a training loop whose steps the worker runs by plans
-ends with the very parameters of the same loop on a worker that interprets every step,
-and the stats document says how many requests plans ran."""
+"""Note [graph plans] and Note [compiled plans] end to end: a training loop whose steps
+the worker runs by plans, compiled or not, ends with the very parameters of the same loop
+on a worker that interprets every step, and the stats document says how many requests
+plans ran."""
 
 from __future__ import annotations
 
@@ -35,12 +36,18 @@ def _plans(app) -> dict:
 
 
 def test_a_loop_run_by_plans_ends_with_the_parameters_of_one_interpreted(fresh_appliance):
-    planned = fresh_appliance(graph_plan_after=1)
+    compiled = fresh_appliance(graph_plan_after=1)  # Note [compiled plans]: after one plan run
+    planned = fresh_appliance(graph_plan_after=1, graph_compile_after=0)
     interpreted = fresh_appliance(graph_plan_after=0)
-    got, want = _train(planned, 8), _train(interpreted, 8)
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, w)  # the same kernels on the same values: bit-identical
+    want = _train(interpreted, 8)
+    for app in (compiled, planned):
+        for g, w in zip(_train(app, 8), want, strict=True):
+            assert torch.equal(g, w)  # the same kernels on the same values: bit-identical
+    plans = wait_for(lambda: (p := _plans(compiled))["compiled_runs"] and p)
+    assert plans["recorded"] >= 1 and plans["compiled"] >= 1 and plans["uncompiled"] == 0
+    assert plans["runs"] > plans["compiled_runs"]  # the first plan run is not compiled
     plans = wait_for(lambda: (p := _plans(planned))["runs"] and p)
-    assert plans["recorded"] >= 1 and plans["plans"] >= 1
+    assert plans["compiled"] == plans["compiled_runs"] == 0
     assert _plans(interpreted) == {"plans": 0, "nodes": 0, "runs": 0, "recorded": 0,
-                                   "refused": 0}  # fmt: skip
+                                   "refused": 0, "compiled": 0, "compiled_runs": 0,
+                                   "uncompiled": 0}  # fmt: skip

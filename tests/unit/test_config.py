@@ -137,6 +137,7 @@ BAD_VALUES = {
     "embedded_start_timeout": [0],
     "graph_chunk_ops": [-1, 100_001, 2.5, "many"],
     "graph_plan_after": [-1, 1_000_001, 0.5, "often"],
+    "graph_compile_after": [-1, 1_000_001, 0.5, "soon"],
     "fallback": ["remote", "", ["local"]],
     "fleet_placement": ["nearest", ""],
     "fleet_report_interval": [0, 61, "often"],

@@ -1,13 +1,16 @@
 """Note [graph plans]: a template's plan runs the same kernels on the same arguments as
-the interpreted run it was recorded from, and is only used where its checks still hold."""
+the interpreted run it was recorded from, and is only used where its checks still hold.
+Note [compiled plans]: so does the plan compiled to one function; the tests that take
+``runner`` run both ways."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from djinn.appliance.executor import plan as plan_mod
 from djinn.appliance.executor.graph import GraphRun
-from djinn.appliance.executor.plan import GraphPlans, PlanRun, input_signature
+from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
 from djinn.appliance.vmu.device import DeviceShort, DeviceVMU, Segment
 from djinn.errors import ExecutionError, NotFound, ResourceExhausted
 from djinn.protocol import templates
@@ -49,19 +52,25 @@ def interpreted(body, s: Session, stack, plans: GraphPlans | None = None, segmen
     return out, plan, run
 
 
-def planned(body, s: Session, stack, plans: GraphPlans, segments=()):
-    """The same request run by a plan, if one fits; None otherwise."""
+def planned(body, s: Session, stack, plans: GraphPlans, segments=(), runner=PlanRun):
+    """The same request run by a plan (``runner``: PlanRun, or CompiledRun with the plan
+    compiled first), if one fits; None otherwise."""
     tpl, inputs, scalars = templates.template(body)
     fp = templates.fingerprint(tpl)
     tensors = [s.tensor(h) for h in inputs]
     plan = plans.find(fp, input_signature(tensors), scalars)
     if plan is None:
         return None
+    if runner is CompiledRun and plan.code is None:
+        plan.code = plan_mod._compile_plan(plan, fp, CPU)
     request = {"graph": fp, "inputs": inputs, "scalars": scalars}
     if body.get("partial"):
         request["partial"] = True
-    run = PlanRun(plan, fp, request, inputs, tensors, s.tensor, list(segments), CPU, stack)
+    run = runner(plan, fp, request, inputs, tensors, s.tensor, list(segments), CPU, stack)
     return run.run(), run
+
+
+RUNNERS = pytest.mark.parametrize("runner", [PlanRun, CompiledRun], ids=["plan", "compiled"])
 
 
 def stack_of(capacity: int = 1 << 30) -> Segment:
@@ -97,7 +106,8 @@ def _session():
     return Session(g=torch.randn(4, 5), m=torch.randn(4, 5), w=torch.randn(4, 5))
 
 
-def test_a_plan_gives_what_the_interpreter_gives_with_other_scalars():
+@RUNNERS
+def test_a_plan_gives_what_the_interpreter_gives_with_other_scalars(runner):
     plans, stack = GraphPlans(after=1), stack_of()
     a, b = _session(), _session()
     _, plan, _ = interpreted(_step(0.1, 0.9), a, stack, plans)
@@ -105,7 +115,7 @@ def test_a_plan_gives_what_the_interpreter_gives_with_other_scalars():
     interpreted(_step(0.1, 0.9), b, stack)
     for lr, beta in ((0.01, 0.99), (0.5, 0.5)):  # new floats: the same plan
         (want_keep, want_fetch), _, _ = interpreted(_step(lr, beta), a, stack)
-        (got_keep, got_fetch), _ = planned(_step(lr, beta), b, stack, plans)
+        (got_keep, got_fetch), _ = planned(_step(lr, beta), b, stack, plans, runner=runner)
         for got, want in zip(got_keep + got_fetch, want_keep + want_fetch, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want)
     assert torch.equal(a.handles["w"], b.handles["w"])  # the in-place update happened once
@@ -128,7 +138,8 @@ def test_inputs_of_another_signature_get_no_plan():
     assert planned(_step(0.1, 0.9), as_double, stack, plans) is None  # another dtype
 
 
-def test_a_float_that_decides_a_shape_is_part_of_the_plans_key():
+@RUNNERS
+def test_a_float_that_decides_a_shape_is_part_of_the_plans_key(runner):
     plans, stack = GraphPlans(after=1), stack_of()
     s = Session(x=torch.zeros(1))
 
@@ -141,9 +152,11 @@ def test_a_float_that_decides_a_shape_is_part_of_the_plans_key():
         return body_of(nodes, fetch=[{"$v": 1}])
 
     interpreted(arange(5.0), s, stack, plans)
-    (_, fetch), _ = planned(arange(5.0), s, stack, plans)
+    (_, fetch), _ = planned(arange(5.0), s, stack, plans, runner=runner)
     assert torch.equal(fetch[0], torch.arange(0, 5.0, 1))
-    assert planned(arange(7.0), s, stack, plans) is None  # another length: interpreted
+    assert (
+        planned(arange(7.0), s, stack, plans, runner=runner) is None
+    )  # another length: interpreted
     (_, fetch), _, _ = interpreted(arange(7.0), s, stack)
     assert fetch[0].shape == (7,)
 
@@ -176,7 +189,8 @@ def test_a_failed_recording_run_makes_no_plan():
     assert run.failed is not None and plan is None and plans.recorded == 0
 
 
-def test_a_plan_still_fails_where_the_kernel_refuses_values():
+@RUNNERS
+def test_a_plan_still_fails_where_the_kernel_refuses_values(runner):
     """Index values are not part of a plan's key: the kernel's own check still runs."""
     plans, stack = GraphPlans(after=1), stack_of()
     ok = Session(x=torch.randn(3, 4), i=torch.tensor([0, 2]))
@@ -187,7 +201,7 @@ def test_a_plan_still_fails_where_the_kernel_refuses_values():
     interpreted(body, ok, stack, plans)
     bad = Session(x=ok.handles["x"], i=torch.tensor([0, 7]))
     with pytest.raises(ExecutionError, match="index_select"):
-        planned(body, bad, stack, plans)
+        planned(body, bad, stack, plans, runner=runner)
     assert stack.used == 0
 
 
@@ -218,7 +232,8 @@ def test_a_plan_asks_the_stack_for_the_bytes_the_checks_found():
         planned(inplace, s, crowded(), plans)
 
 
-def test_random_ops_draw_from_the_state_each_request_sends():
+@RUNNERS
+def test_random_ops_draw_from_the_state_each_request_sends(runner):
     plans, stack = GraphPlans(after=1), stack_of()
     s = Session(x=torch.ones(8, 8))
     body = body_of(
@@ -230,7 +245,7 @@ def test_random_ops_draw_from_the_state_each_request_sends():
     interpreted(body, s, stack, plans, segments=seg[:1])
     for k in (0, 1):
         (_, want), _, _ = interpreted(body, s, stack, segments=seg[k : k + 1])
-        (_, got), _ = planned(body, s, stack, plans, segments=seg[k : k + 1])
+        (_, got), _ = planned(body, s, stack, plans, segments=seg[k : k + 1], runner=runner)
         assert torch.equal(got[0], want[0])
 
 
@@ -243,7 +258,8 @@ def test_plans_are_bounded_by_their_nodes():
     assert plans.stats()["nodes"] <= 12 and plans.stats()["plans"] == 2
 
 
-def test_a_plan_runs_the_checks_that_read_values():
+@RUNNERS
+def test_a_plan_runs_the_checks_that_read_values(runner):
     """Note [value checks in a plan]: a template recorded with valid targets must not take a
     crafted target past the classes straight to nll_loss_backward, which writes there
     unchecked (a SIGSEGV of the worker): plans are chosen by metadata, not values."""
@@ -268,7 +284,159 @@ def test_a_plan_runs_the_checks_that_read_values():
 
     plans, stack = GraphPlans(after=1), stack_of()
     interpreted(step(), session([0, 2]), stack, plans)
-    (_, (got,)), _ = planned(step(), session([1, 2]), stack, plans)
+    (_, (got,)), _ = planned(step(), session([1, 2]), stack, plans, runner=runner)
     assert plans.plan_runs == 1 and got.shape == (2, 3)
     with pytest.raises(InvalidArgument, match="out of bounds"):
-        planned(step(), session([0, 10**9]), stack, plans)
+        planned(step(), session([0, 10**9]), stack, plans, runner=runner)
+
+
+# -- Note [compiled plans] ----------------------------------------------------------------
+def _chain(n: int):
+    """``n`` nodes, each reading the one before: x + 1, then negations."""
+    nodes = [{"op": "aten::add.Tensor", "args": [{"$h": "x"}, 1]}]
+    nodes += [{"op": "aten::neg.default", "args": [{"$v": k}]} for k in range(n - 1)]
+    return body_of(nodes, fetch=[{"$v": n - 1}])
+
+
+def test_plans_compile_after_their_runs_and_the_counts_say_so():
+    plans, stack, s = GraphPlans(after=1, compile_after=2), stack_of(), Session(x=torch.ones(3))
+    _, plan, _ = interpreted(_chain(4), s, stack, plans)
+    fp = templates.fingerprint(templates.template(_chain(4))[0])
+    runners = [plans.runner(plan, fp, CPU) for _ in range(4)]
+    assert runners == [PlanRun, PlanRun, CompiledRun, CompiledRun]
+    assert plans.stats()["compiled"] == 1 and plans.stats()["compiled_runs"] == 2
+    never = GraphPlans(after=1, compile_after=0)
+    _, plan, _ = interpreted(_chain(4), s, stack, never)
+    assert {never.runner(plan, fp, CPU) for _ in range(5)} == {PlanRun}
+
+
+def test_a_plan_that_cannot_be_compiled_runs_as_a_plan_and_is_counted(monkeypatch):
+    from djinn.appliance.executor import plan_source
+
+    monkeypatch.setattr(plan_source, "COMPILE_MAX_NODES", 3)
+    plans, stack, s = GraphPlans(after=1, compile_after=1), stack_of(), Session(x=torch.ones(3))
+    _, plan, _ = interpreted(_chain(4), s, stack, plans)
+    fp = templates.fingerprint(templates.template(_chain(4))[0])
+    assert [plans.runner(plan, fp, CPU) for _ in range(4)] == [PlanRun] * 4
+    assert plans.stats()["uncompiled"] == 1 and plans.stats()["compiled"] == 0  # tried once
+    (_, (got,)), _ = planned(_chain(4), s, stack, plans)
+    assert torch.equal(got, (torch.ones(3) + 1).neg().neg().neg())
+
+
+def test_a_compiled_run_yields_to_the_scheduler_between_chunks():
+    from djinn.appliance.executor.plan_source import CHUNK
+
+    plans, stack, s = GraphPlans(after=1), stack_of(), Session(x=torch.ones(3))
+    n = 3 * CHUNK + 1
+    (_, want), _, _ = interpreted(_chain(n), s, stack, plans)
+    tpl, inputs, scalars = templates.template(_chain(n))
+    fp = templates.fingerprint(tpl)
+    plan = plans.find(fp, input_signature([s.tensor("x")]), scalars)
+    plan.code = plan_mod._compile_plan(plan, fp, CPU)
+    run = CompiledRun(plan, fp, {"graph": fp, "inputs": inputs, "scalars": scalars}, inputs,
+                      [s.tensor("x")], s.tensor, [], CPU, stack)  # fmt: skip
+    steps, pauses = run.steps(), 0
+    while True:
+        try:
+            next(steps)
+            pauses += 1
+            assert stack.used == plan.peak  # held while the run waits between chunks
+        except StopIteration as stop:
+            _, got = stop.value
+            break
+    assert pauses == 3 and torch.equal(got[0], want[0]) and stack.used == 0
+
+
+def test_a_compiled_run_holds_its_peak_from_the_start_so_a_short_one_may_wait():
+    """Note [compiled plans]: the stack is asked for the run's most bytes before the first
+    node, so an in-place graph that is short has written nothing and may wait and run
+    again (a plan run node by node would have written, and could only fail)."""
+    plans = GraphPlans(after=1)
+    s = Session(x=torch.randn(256, 256))
+    inplace = body_of(
+        [
+            {"op": "aten::add_.Tensor", "args": [{"$h": "x"}, 1]},
+            {"op": "aten::mm.default", "args": [{"$h": "x"}, {"$h": "x"}]},
+        ],
+        fetch=[{"$v": 1}],
+    )
+    interpreted(inplace, s, stack_of(), plans)
+    before, stack = s.handles["x"].clone(), crowded()
+    with pytest.raises(DeviceShort):
+        planned(inplace, s, stack, plans, runner=CompiledRun)
+    assert torch.equal(s.handles["x"], before)  # nothing ran
+    assert stack.used == 900 << 10  # what others hold, and no more
+
+
+def test_a_compiled_partial_graph_ends_where_an_interpreted_one_ends():
+    def body():
+        return body_of(
+            [
+                {"op": "aten::neg.default", "args": [{"$h": "x"}]},
+                {"op": "aten::index_select.default", "args": [{"$h": "x"}, 0, {"$h": "i"}]},
+                {"op": "aten::add_.Tensor", "args": [{"$h": "y"}, 1]},
+            ],
+            keep=[{"$v": 0}, {"$v": 1}],
+            fetch=[{"$v": 0}, {"$v": 2}],
+            partial=True,
+        )
+
+    plans, stack = GraphPlans(after=1), stack_of()
+    x = torch.randn(3, 4)
+    interpreted(body(), Session(x=x, i=torch.tensor([0, 2]), y=torch.zeros(2)), stack, plans)
+    want_s = Session(x=x, i=torch.tensor([0, 7]), y=torch.zeros(2))
+    got_s = Session(x=x, i=torch.tensor([0, 7]), y=torch.zeros(2))
+    (want_keep, want_fetch), _, want = interpreted(body(), want_s, stack)
+    (got_keep, got_fetch), got = planned(body(), got_s, stack, plans, runner=CompiledRun)
+    assert got.failed[0] == want.failed[0] == 1
+    assert type(got.failed[1]) is type(want.failed[1]) is ExecutionError
+    assert "index_select" in got.failed[1].message
+    assert torch.equal(got_keep[0], want_keep[0]) and got_keep[1] is want_keep[1] is None
+    assert torch.equal(got_fetch[0], want_fetch[0]) and got_fetch[1] is want_fetch[1] is None
+    assert torch.equal(got_s.handles["y"], want_s.handles["y"])  # the add_ never ran
+    assert got.wrote is want.wrote is False and stack.used == 0
+
+
+def test_a_cast_the_recorded_run_made_stays_in_the_compiled_run():
+    """Note [statistics dtypes]: a bfloat16 layer norm's statistics as the CPU kernel
+    makes them, where its meta kernel says float32."""
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = Session(x=torch.randn(4, 8, dtype=torch.bfloat16), w=torch.randn(8, dtype=torch.bfloat16))
+    body = body_of(
+        [
+            {
+                "op": "aten::native_layer_norm.default",
+                "args": [{"$h": "x"}, [8], {"$h": "w"}, None, 1e-5],
+            }
+        ],
+        fetch=[{"$v": 0, "i": 0}, {"$v": 0, "i": 1}, {"$v": 0, "i": 2}],
+    )
+    (_, want), _, _ = interpreted(body, s, stack, plans)
+    (_, got), _ = planned(body, s, stack, plans, runner=CompiledRun)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_nothing_the_client_sent_is_written_into_the_compiled_source():
+    """Handles, strings and floats are bound to generated names: the function's code
+    holds none of them, and its namespace has no builtins."""
+    handle = 'x"]); __import__("os").system("false"); #'
+    s = Session(**{handle: torch.tensor([7.0, -7.0]), "d": torch.tensor([2.0, 2.0])})
+    body = body_of(
+        [
+            {
+                "op": "aten::div.Tensor_mode",
+                "args": [{"$h": handle}, {"$h": "d"}],
+                "kwargs": {"rounding_mode": "floor"},
+            }
+        ],
+        fetch=[{"$v": 0}],
+    )
+    plans, stack = GraphPlans(after=1), stack_of()
+    (_, want), _, _ = interpreted(body, s, stack, plans)
+    (_, got), run = planned(body, s, stack, plans, runner=CompiledRun)
+    assert torch.equal(got[0], want[0])
+    code = run.plan.code
+    texts = {c for c in code.__code__.co_consts if isinstance(c, str)} | set(code.__code__.co_names)
+    assert not any(handle in t or "floor" in t for t in texts)
+    assert code.__globals__["__builtins__"] == {}

@@ -1,0 +1,98 @@
+"""Note [journal facts of a template]: what the journal works out of a replayed graph,
+worked out once on its template and renamed to each call's handles, is what it works out
+of the call's whole body; and ``templates.instantiator`` makes the bodies
+``templates.instantiate`` makes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from djinn.protocol import templates
+from djinn.runtime.journal import Entry, GraphFacts, apply_views, entry_writes, view_kinds
+from djinn.runtime.lineage import _distinct
+
+
+def h(x):
+    return {"$h": x}
+
+
+def v(i, k=None):
+    return {"$v": i} if k is None else {"$v": i, "i": k}
+
+
+# an optimizer-like step: writes a weight in place, and another through a view of it;
+# keeps a view of a weight (made again from handles), two views of one intermediate (not
+# private: they share it), a view of an intermediate it keeps nowhere else (private), and
+# a plain result
+NODES = [
+    {"op": "aten::add_.Tensor", "args": [h("W"), h("G")], "kwargs": {"alpha": -0.1}},
+    {"op": "aten::t.default", "args": [h("B")]},
+    {"op": "aten::mul_.Scalar", "args": [v(1), 0.9]},
+    {"op": "aten::t.default", "args": [h("W")]},
+    {"op": "aten::mm.default", "args": [h("G"), h("G")]},
+    {"op": "aten::t.default", "args": [v(4)]},
+    {"op": "aten::mm.default", "args": [h("B"), h("B")]},
+    {"op": "aten::t.default", "args": [v(6)]},
+    {"op": "aten::sum.default", "args": [h("G")]},
+    {"op": "aten::view.default", "args": [v(4), [16]]},
+]
+KEEP = [v(3), v(5), v(7), v(8), v(9)]
+
+
+def body(names: dict[str, str]) -> dict:
+    """The step's graph with its handles named ``names``."""
+    return templates.instantiate(templates.template({"nodes": NODES, "keep": KEEP})[0],
+                                 [names[k] for k in ("W", "G", "B")], [-0.1, 0.9])  # fmt: skip
+
+
+def test_a_templates_facts_renamed_are_the_facts_of_each_call():
+    first = {"W": "w1", "G": "g1", "B": "b1"}
+    kept1 = ["k10", "k11", "k12", "k13", "k14"]
+    facts = GraphFacts(body(first), ["w1", "g1", "b1"], kept1)
+    for names, kept in (
+        ({"W": "w2", "G": "g2", "B": "b2"}, ["k20", "k21", "k22", "k23", "k24"]),
+        ({"W": "g1", "G": "w1", "B": "x"}, ["k30", "k31", "k32", "k33", "k34"]),
+    ):
+        inputs = [names[k] for k in ("W", "G", "B")]
+        assert facts.fits(inputs, kept)
+        writes, kinds = facts.of(inputs, kept)
+        whole = body(names)
+        assert writes == entry_writes(Entry("exec", whole, out=kept))
+        assert kinds == view_kinds(whole, kept)
+    # what the graph does, by the last call's names (W is "g1", B is "x")
+    written, bases = writes
+    assert written == {"g1", "x"}
+    assert kinds == [({"op": "aten::t.default", "args": [h("g1")]}, v(0)), "view", "private",
+                     None, "view"]  # fmt: skip
+    assert bases["k30"] == {"g1"}
+
+
+def test_facts_are_used_only_where_every_handle_is_another():
+    facts = GraphFacts(body({"W": "w", "G": "g", "B": "b"}), ["w", "g", "b"], ["k"] * 5)
+    assert not facts.fits(["w", "g"], ["k"] * 5)  # another template's arity
+    assert not facts.fits(["w", "g", "b"], ["k1", None, "k3", "k4", "k5"])  # a node failed
+    assert not _distinct(["w", "w", "b"], ["k1", "k2", "k3", "k4", "k5"])  # one handle twice
+    assert not _distinct(["w", "g", "b"], ["w", "k2", "k3", "k4", "k5"])  # kept is an input
+    assert _distinct(["w", "g", "b"], ["k1", "k2", "k3", "k4", "k5"])
+
+
+def test_applied_kinds_mark_kept_tensors_as_the_whole_body_would():
+    dense = SimpleNamespace(view=None, shape=[4, 4], strides=[4, 1])
+    strided = SimpleNamespace(view=None, shape=[4, 4], strides=[8, 1])  # a slice: gaps
+    kept = [SimpleNamespace(view=None), dense, strided, None]
+    apply_views([({"op": "aten::t.default", "args": [h("w")]}, v(0)), "private", "private",
+                 "view"], kept)  # fmt: skip
+    assert kept[0].view == ({"op": "aten::t.default", "args": [h("w")]}, v(0))
+    assert dense.view is False  # private and dense: read back, it is the same tensor
+    assert strided.view is True
+
+
+def test_an_instantiator_makes_what_instantiate_makes():
+    tpl, inputs, scalars = templates.template({"nodes": NODES, "keep": KEEP, "fetch": [v(8)]})
+    make = templates.instantiator(tpl)
+    for ins, sc in ((inputs, scalars), (["a", "b", "c"], [1.5, -2.0])):
+        assert make(ins, sc) == templates.instantiate(tpl, ins, sc)
+    one, two = make(["a", "b", "c"], [1.0, 2.0]), make(["d", "e", "f"], [3.0, 4.0])
+    assert one["nodes"][5] is two["nodes"][5] is tpl["nodes"][5]  # no slot: shared
+    assert one["nodes"][0] is not two["nodes"][0]  # a node with a slot: its own copy
+    assert one["nodes"][0]["args"][0] == h("a") and two["nodes"][0]["args"][0] == h("d")
