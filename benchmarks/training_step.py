@@ -15,9 +15,10 @@ to instead of CPU flash attention, rounds differently).
     python benchmarks/training_step.py            # 20 steps, 3 repeats
     python benchmarks/training_step.py --steps 5 --repeat 1
 
-The remote loop runs on four private appliances (``djinn serve``, one CPU worker
-each): the defaults, where the worker runs a repeated step by its execution plan (Note
-[graph plans]); ``graph_plan_after = 0``, where it interprets every step op by op;
+The remote loop runs on five private appliances (``djinn serve``, one CPU worker
+each): the defaults, where the worker runs a repeated step by its execution plan,
+compiled (Note [graph plans], Note [compiled plans]); ``graph_compile_after = 0``, where
+the plan runs op by op; ``graph_plan_after = 0``, where it interprets every step op by op;
 ``cpu_wait_policy = inherit``, where the worker's idle OpenMP threads spin as long as the
 runtime's own default (Note [idle OpenMP threads]); and ``cpu_threads_beside_client =
 true``, where a graph the client sent without waiting for it runs with one thread fewer
@@ -147,9 +148,12 @@ def main() -> int:
     ]  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        for name in ("plans", "interpreted", "spinning", "beside"):
+        for name in ("plans", "uncompiled", "interpreted", "spinning", "beside"):
             (work / name).mkdir()
         planned = stack.enter_context(appliance(work / "plans", GiB, "none"))
+        uncompiled = stack.enter_context(
+            appliance(work / "uncompiled", GiB, "none", graph_compile_after=0)
+        )
         interpreted = stack.enter_context(
             appliance(work / "interpreted", GiB, "none", graph_plan_after=0)
         )
@@ -159,17 +163,18 @@ def main() -> int:
         beside = stack.enter_context(
             appliance(work / "beside", GiB, "none", cpu_threads_beside_client=True)
         )
-        for app in (planned, interpreted, spinning, beside):
+        for app in (planned, uncompiled, interpreted, spinning, beside):
             with using(app.unix):
                 loop(model, batches[:2], R)  # warm: the appliance's kernels, the meta caches
         loop(model, batches[:2], "cpu")
         local_s, remote_s, interp_s, all_s, diffs, all_diffs = [], [], [], [], [], []
-        spin_s = []
+        spin_s, plan_s = [], []
         rows: dict[str, list[float]] = {}  # the replay rows' seconds
         replay_diffs: dict[str, float] = {}
-        with using(planned.unix):
-            for optimizer in OPTIMIZERS:
-                loop(model, batches[:4], R, optimizer, replay=True)  # warm
+        for app in (planned, uncompiled):
+            with using(app.unix):
+                for optimizer in OPTIMIZERS:
+                    loop(model, batches[:4], R, optimizer, replay=True)  # warm
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
@@ -177,6 +182,11 @@ def main() -> int:
                 took, got = loop(model, batches, R)
             remote_s.append(took)
             diffs.append(max_diff(got, want))
+            with using(uncompiled.unix):
+                took, other = loop(model, batches, R)
+            plan_s.append(took)
+            if any(not torch.equal(a, b) for a, b in zip(got, other, strict=True)):
+                raise AssertionError("a compiled plan's results differ from the plan's")
             with using(interpreted.unix):
                 took, other = loop(model, batches, R)
             interp_s.append(took)
@@ -210,12 +220,17 @@ def main() -> int:
                 rows.setdefault("sgd captured", []).append(took)
                 took, replayed = loop(model, batches, R, "sgd", replay=True)
                 rows.setdefault("sgd", []).append(took)
+            with using(uncompiled.unix):
+                took, other = loop(model, batches, R, "sgd", replay=True)
+                rows.setdefault("sgd uncompiled", []).append(took)
+            if any(not torch.equal(a, b) for a, b in zip(replayed, other, strict=True)):
+                raise AssertionError("a compiled plan's results differ from the plan's")
             replay_diffs["sgd captured"] = max_diff(other, sgd_want)
             replay_diffs["sgd"] = max(replay_diffs.get("sgd", 0.0), max_diff(replayed, sgd_want))
         plans = stats_plans(planned.unix)
     local, remote = statistics.median(local_s), statistics.median(remote_s)
     interp, every = statistics.median(interp_s), statistics.median(all_s)
-    spin = statistics.median(spin_s)
+    spin, plan = statistics.median(spin_s), statistics.median(plan_s)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     _, other = loop(model, batches, "cpu")
@@ -227,6 +242,8 @@ def main() -> int:
         [[f"{args.steps} Adam steps, TransformerEncoder {args.layers}x{args.width}",
           f"{local:.3f}", f"{remote:.3f}", f"{remote / local:.2f}x", f"{max(diffs):.1e}",
           f"{floor:.1e}"],
+         ["same, plans not compiled (graph_compile_after = 0)", f"{local:.3f}",
+          f"{plan:.3f}", f"{plan / local:.2f}x", "bit-identical to the first row", ""],
          ["same, the worker interpreting every step (graph_plan_after = 0)", f"{local:.3f}",
           f"{interp:.3f}", f"{interp / local:.2f}x", "bit-identical to the first row", ""],
          ["same, idle OpenMP threads spinning as the runtime's default (cpu_wait_policy ="
@@ -253,15 +270,18 @@ def main() -> int:
           f"{last['capturable']['replays']}"],
          ["SGD (momentum 0.9), vs local eager SGD", f"local {med['sgd local']:.3f}",
           f"{med['sgd']:.3f}", f"{med['sgd'] / med['sgd local']:.2f}x (captured: "
-          f"{med['sgd captured'] / med['sgd local']:.2f}x)",
+          f"{med['sgd captured'] / med['sgd local']:.2f}x; plans not compiled: "
+          f"{med['sgd uncompiled'] / med['sgd local']:.2f}x)",
           f"{replay_diffs['sgd']:.1e} (captured: {replay_diffs['sgd captured']:.1e})",
           f"{last['sgd']['replays']}"]],
     ))  # fmt: skip
     print(f"\nplans: {plans['runs']} requests run by {plans['plans']} plans "
-          f"({plans['nodes']} nodes); refused templates: {plans['refused']}")  # fmt: skip
+          f"({plans['nodes']} nodes), {plans['compiled_runs']} of them compiled "
+          f"({plans['compiled']} compiled, {plans['uncompiled']} left uncompiled); refused "
+          f"templates: {plans['refused']}")  # fmt: skip
     print(f"\n(batch {args.batch} x {args.seq} tokens; medians of {args.repeat}; goal <= 1.20x)")
     save_json({"local_s": local_s, "remote_s": remote_s, "interpreted_s": interp_s,
-               "spinning_s": spin_s, "beside_client_s": all_s,
+               "spinning_s": spin_s, "beside_client_s": all_s, "uncompiled_s": plan_s,
                "beside_client_max_param_diff": max(all_diffs),
                "plans": plans, "max_param_diff": max(diffs),
                "local_threads_diff": floor,

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import DjinnError, ExecutionError, InvalidArgument
+from djinn.errors import DjinnError, ExecutionError, InvalidArgument, ResourceExhausted
 from djinn.protocol import norm_stats
 from djinn.protocol.values import decode_constant, inline_tensor
 
@@ -197,7 +197,14 @@ class CompiledRun(PlanRun):
     def steps(self) -> Generator[None, None, tuple[list[Any], list[Any]]]:
         plan, code = self.plan, self.plan.code
         assert code is not None
-        self.stack.reserve(plan.peak)  # short: nothing ran yet, so the request may wait
+        try:
+            self.stack.reserve(plan.peak)  # short: nothing ran yet, so the request may wait
+        except ResourceExhausted:
+            if not self.partial:
+                raise
+            # Note [partial graphs]: the nodes that fit run, and the run ends at the first
+            # that does not, as a plan run node by node ends
+            return (yield from PlanRun.steps(self))
         self._reached = len(plan.nodes) - 1
         values: list[Any] = [None] * len(plan.nodes)
         try:
@@ -323,9 +330,17 @@ class GraphPlans:
         recording = run.recording
         if recording is None or run.failed is not None or len(recording) != len(tpl["nodes"]):
             return None  # it failed part-way: the next run records again
+        why = None
         if any(meta is None for _op, _need, meta in recording):
-            log.info("graph template %s: no plan (an op without a meta kernel)", fp[:12])
-            self._refused.add(fp)  # data-dependent sizes: never plannable
+            why = "an op without a meta kernel"  # data-dependent sizes: never plannable
+        elif _names_handle(tpl):
+            # Note [graph plans]: a handle the template kept as it is (one with more keys
+            # than "$h") is a constant of the template, so its tensor's shape is in no
+            # signature: a plan recorded with it small would vouch for it grown
+            why = "a handle the template keeps as it is"
+        if why is not None:
+            log.info("graph template %s: no plan (%s)", fp[:12], why)
+            self._refused.add(fp)
             self._runs.pop(fp, None)
             self.refused += 1
             return None
@@ -440,14 +455,14 @@ def _compile(x: Any, device: torch.device) -> tuple[bool, Any]:
     if len(x) == 1 and "$s" in x:
         k = x["$s"]
         return False, lambda run: run.scs[k]
+    if "$h" in x:  # kept as it is (more keys than "$h"): plans refuse these (_names_handle)
+        handle = x["$h"]
+        return False, lambda run: run.lookup(handle)
     if "$v" in x:
         n, i = x["$v"], x.get("i")
         if i is None:
             return False, lambda run: run.values[n]
         return False, lambda run: run.values[n][i]
-    if "$h" in x:  # a handle the template kept as it is (one with more keys than "$h")
-        handle = x["$h"]
-        return False, lambda run: run.lookup(handle)
     if "$t" in x:
         return False, lambda run: inline_tensor(x, run.segments, run.device)
     if any(isinstance(k, str) and k.startswith("$") for k in x) and _has_scalar(x):
@@ -480,6 +495,14 @@ def _getter(compiled: tuple[bool, Any]) -> Getter:
     if isinstance(value, dict):
         return lambda run: value.copy()
     raise InvalidArgument("a node's args must be a list and its kwargs an object")
+
+
+def _names_handle(x: Any) -> bool:
+    if isinstance(x, list):
+        return any(_names_handle(v) for v in x)
+    if isinstance(x, dict):
+        return "$h" in x or any(_names_handle(v) for v in x.values())
+    return False
 
 
 def _scalars_in(x: Any, found: set[int]) -> None:

@@ -50,6 +50,7 @@ from djinn.protocol.graph import MAX_DEPTH
 from djinn.protocol.values import decode_constant
 
 COMPILE_MAX_NODES = 20_000  # compile() of a bigger plan would hold the worker too long
+COMPILE_MAX_CHARS = 1 << 20  # nor of a longer source (a node may name thousands of values)
 CHUNK = 8  # nodes between two yields to the scheduler
 LITERAL_LIST = 8  # a constant list at most this long is written out; longer ones are bound
 _PLAIN = (int, float, bool, str, type(None))
@@ -76,8 +77,9 @@ def compile_plan(
     if len(nodes) > COMPILE_MAX_NODES:
         raise NotCompilable(f"{len(nodes)} nodes (at most {COMPILE_MAX_NODES} are compiled)")
     w = _Writer(inputs, scalars, device)
-    body = ["R.enter()"]
+    body, chars = ["R.enter()"], 0
     for i, (node, src) in enumerate(zip(nodes, source_nodes, strict=True)):
+        mark = len(body)
         if i and i % CHUNK == 0:
             body += ["R.leave()", "yield", "R.enter()"]
         body.append(f"i = {i}")
@@ -97,6 +99,9 @@ def compile_plan(
             body.append(f"V[{i}] = {w.op(node.op)}({', '.join(arg_src)})")
         for j in last_use.get(i, ()):
             body.append(f"V[{_int(j, 0, i)}] = None")
+        chars += sum(len(line) for line in body[mark:])
+        if chars > COMPILE_MAX_CHARS:  # checked as it grows: refusing takes no longer
+            raise NotCompilable(f"a source of more than {COMPILE_MAX_CHARS} characters")
     body.append("R.leave()")
     text = "\n".join(
         [
@@ -152,11 +157,11 @@ class _Writer:
             return f"I[{_int(x['$in'], 0, self.inputs)}]"
         if len(x) == 1 and "$s" in x:
             return f"S[{_int(x['$s'], 0, self.scalars)}]"
+        if "$h" in x:  # before "$v", as GraphRun._ref reads it (plans refuse them)
+            return f"L({self.const(x['$h'])})"
         if "$v" in x:
             ref = f"V[{_int(x['$v'], 0, at)}]"
             return ref if x.get("i") is None else f"{ref}[{_int(x['i'], 0, 1 << 16)}]"
-        if "$h" in x:
-            return f"L({self.const(x['$h'])})"
         if "$t" in x:
             return f"R.inline({self.const(x)})"
         if any(isinstance(k, str) and k.startswith("$") for k in x) and _has_scalar(x):

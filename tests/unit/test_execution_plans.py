@@ -440,3 +440,46 @@ def test_nothing_the_client_sent_is_written_into_the_compiled_source():
     texts = {c for c in code.__code__.co_consts if isinstance(c, str)} | set(code.__code__.co_names)
     assert not any(handle in t or "floor" in t for t in texts)
     assert code.__globals__["__builtins__"] == {}
+
+
+def test_a_compiled_partial_graph_short_of_memory_ends_at_the_node_that_does_not_fit():
+    """Note [partial graphs]: a partial request whose whole peak does not fit runs the
+    nodes that do, as a plan run node by node does, instead of waiting whole."""
+    body = body_of(
+        [
+            {"op": "aten::neg.default", "args": [{"$h": "x"}]},  # 4 KiB
+            {"op": "aten::mm.default", "args": [{"$h": "y"}, {"$h": "y"}]},  # 256 KiB
+        ],
+        keep=[{"$v": 0}],
+        fetch=[{"$v": 1}],
+        partial=True,
+    )
+    plans, s = GraphPlans(after=1), Session(x=torch.ones(1024), y=torch.randn(256, 256))
+    interpreted(body, s, stack_of(), plans)
+    (keep, fetch), run = planned(body, s, crowded(), plans, runner=CompiledRun)
+    assert torch.equal(keep[0], -torch.ones(1024)) and fetch[0] is None
+    assert run.failed[0] == 1 and run.failed[1].code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_template_that_keeps_a_handle_as_it_is_is_never_planned():
+    """A handle with more keys than "$h" stays in the template as a constant, so the
+    shape of its tensor is in no signature: a plan recorded while it was small would run
+    it grown, its checks and the stack's account skipped (found by a review)."""
+    plans, stack = GraphPlans(after=1), stack_of()
+    s = Session(h=torch.zeros(4))
+    body = body_of([{"op": "aten::clone.default", "args": [{"$h": "h", "x": 0}]}],
+                   fetch=[{"$v": 0}])  # fmt: skip
+    _, plan, _ = interpreted(body, s, stack, plans)
+    assert plan is None and plans.refused == 1
+    assert planned(body, s, stack, plans) is None
+
+
+def test_a_plan_whose_source_would_be_too_long_is_refused_before_it_is_written(monkeypatch):
+    from djinn.appliance.executor import plan_source
+
+    monkeypatch.setattr(plan_source, "COMPILE_MAX_CHARS", 200)
+    plans, stack, s = GraphPlans(after=1, compile_after=1), stack_of(), Session(x=torch.ones(3))
+    _, plan, _ = interpreted(_chain(40), s, stack, plans)
+    fp = templates.fingerprint(templates.template(_chain(40))[0])
+    assert [plans.runner(plan, fp, CPU) for _ in range(3)] == [PlanRun] * 3
+    assert plans.stats()["uncompiled"] == 1
