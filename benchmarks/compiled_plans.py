@@ -1,0 +1,170 @@
+"""A worker's three ways to run a repeated graph, in one process, against local eager
+(issue 11 §2, Note [compiled plans]).
+
+A training step (the SGD step of ``training_step.py``: a ``TransformerEncoder`` of
+``--layers`` x ``--width``, MSE loss, SGD with momentum) is recorded once through
+``djinn.replayable`` on a private appliance; its graph template and its input tensors are
+then read back, and the step's graph is run here, in this process, as a worker runs it:
+
+- interpreted: every op decoded and checked (``GraphRun``, Note [op validation]);
+- planned: by its execution plan, op by op (``PlanRun``, Note [graph plans]);
+- compiled: by the plan's generated function (``CompiledRun``, Note [compiled plans]);
+
+beside the same step in local eager PyTorch, all in the same rounds. No socket and no
+other process is involved: the figures are the worker's execution alone, so they say what
+the worker adds to the kernels. Each round runs each way ``--calls`` times; the table
+gives the median round's milliseconds per call and its ratio to local eager, and checks
+that the three ways give the same bits.
+
+    python benchmarks/compiled_plans.py
+    python benchmarks/compiled_plans.py --layers 4 --width 128 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _appliance import appliance
+from _common import GiB, save_json
+from _report import md_table
+from training_step import build, using
+
+R = "remote_accelerator:0"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default="benchmarks/results/compiled_plans.json")
+    args = parser.parse_args()
+    import djinn
+    from djinn.appliance.executor.graph import GraphRun
+    from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
+    from djinn.appliance.vmu.device import DeviceVMU
+    from djinn.frontend.session import default_session
+    from djinn.protocol import templates
+    from djinn.protocol.frames import Kind
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.seq, args.width, generator=gen)
+    y = torch.randn(args.batch, args.seq, 1, generator=gen)
+    with (
+        tempfile.TemporaryDirectory() as work,
+        appliance(Path(work), GiB, "none") as app,
+        using(app.unix),
+    ):
+        model = build(args.width, args.layers).train().to(R)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+        @djinn.replayable
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        rx, ry = x.to(R), y.to(R)
+        for _ in range(3):
+            step(rx, ry).cpu()
+        rec = next(r for r in step._records.values() if hasattr(r, "tpl"))
+        s = default_session()
+        got = s._unpack(s._call(Kind.GET, {"handles": list(rec.handles)}))["tensors"]
+        inline = [t.clone() for t in rec.inline]
+    tensors = {h: t.clone() for h, t in zip(rec.handles, got, strict=True)}
+    cpu, handles = torch.device("cpu"), list(rec.handles)
+    stack = DeviceVMU(8 * GiB)["stack"]
+    ins = [tensors[h] for h in handles]
+    segments = [memoryview(t.numpy()) for t in inline]
+    fp, body = rec.fingerprint, {"graph": rec.fingerprint, "inputs": handles,
+                                 "scalars": rec.scalars}  # fmt: skip
+
+    def interpreted_run() -> GraphRun:
+        whole = templates.instantiate(rec.tpl, handles, rec.scalars)
+        run = GraphRun(whole, tensors.__getitem__, segments, cpu, stack)
+        run.template = fp
+        return run
+
+    def interpreted() -> tuple:
+        return interpreted_run().run()
+
+    recording = interpreted_run()
+    recording.recording = []
+    recording.run()
+    plans = GraphPlans(after=1, compile_after=1)
+    plan = plans.record(fp, rec.tpl, recording, input_signature(ins), rec.scalars, cpu)
+    assert plan is not None, "the step's template was not planned"
+    while plans.runner(plan, fp, cpu) is not CompiledRun:
+        pass
+    assert plan.code is not None, "the step's plan was not compiled"
+
+    def by(runner: type) -> tuple:
+        return runner(plan, fp, body, handles, ins, tensors.__getitem__, segments, cpu,
+                      stack).run()  # fmt: skip
+
+    # the same step in local eager PyTorch, from the same weights
+    local = build(args.width, args.layers).train()
+    local_opt = torch.optim.SGD(local.parameters(), lr=1e-2, momentum=0.9)
+
+    def eager() -> None:
+        local_opt.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        local_opt.step()
+
+    # the same bits three ways: each runs the step once from the same inputs; compared:
+    # what it kept (the gradients, the loss) and what it wrote (weights, momentum)
+    start = {h: t.clone() for h, t in tensors.items()}
+    outs = []
+    for way in (interpreted, lambda: by(PlanRun), lambda: by(CompiledRun)):
+        for h, t in start.items():
+            tensors[h].copy_(t)
+        keep, _ = way()
+        outs.append([t.clone() for t in [*keep, *ins]])
+    same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True))
+
+    ways = {
+        "local eager": eager,
+        "interpreted (GraphRun)": interpreted,
+        "planned (PlanRun)": lambda: by(PlanRun),
+        "compiled (CompiledRun)": lambda: by(CompiledRun),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for fn in ways.values():
+        fn()  # warm
+    for _ in range(args.rounds):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / args.calls * 1e3)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    base = med["local eager"]
+    print(f"SGD training step, TransformerEncoder {args.layers}x{args.width}, batch "
+          f"{args.batch}x{args.seq}: {len(plan.nodes)} ops, {len(handles)} inputs; "
+          f"intra-op threads {torch.get_num_threads()}\n")  # fmt: skip
+    print(md_table(
+        ["way", "ms per step (median round)", "/ local eager", "rounds (ms)"],
+        [[name, f"{m:.2f}", f"{m / base:.2f}x", ", ".join(f"{t:.2f}" for t in times[name])]
+         for name, m in med.items()],
+    ))  # fmt: skip
+    print(f"\nthe three worker runs give the same bits: {same}; plans "
+          f"{plans.stats()}")  # fmt: skip
+    save_json({"ms": times, "median_ms": med, "same_bits": same, "ops": len(plan.nodes),
+               "inputs": len(handles), "args": vars(args), "torch": torch.__version__},
+              args.json)  # fmt: skip
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
