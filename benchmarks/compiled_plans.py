@@ -1,33 +1,43 @@
 """A worker's three ways to run a repeated graph, in one process, against local eager
 (issue 11 §2, Note [compiled plans]).
 
-A training step (the SGD step of ``training_step.py``: a ``TransformerEncoder`` of
-``--layers`` x ``--width``, MSE loss, SGD with momentum) is recorded once through
-``djinn.replayable`` on a private appliance; its graph template and its input tensors are
-then read back, and the step's graph is run here, in this process, as a worker runs it:
+A repeated call is recorded once through ``djinn.replayable`` on a private appliance; its
+graph template and its input tensors are then read back, and the call's graph is run
+here, in this process, as a worker runs it:
 
 - interpreted: every op decoded and checked (``GraphRun``, Note [op validation]);
 - planned: by its execution plan, op by op (``PlanRun``, Note [graph plans]);
 - compiled: by the plan's generated function (``CompiledRun``, Note [compiled plans]);
 
-beside the same step in local eager PyTorch, all in the same rounds. No socket and no
+beside the same call in local eager PyTorch, all in the same rounds. No socket and no
 other process is involved: the figures are the worker's execution alone, so they say what
 the worker adds to the kernels. Each round runs each way ``--calls`` times; the table
-gives the median round's milliseconds per call and its ratio to local eager, and checks
-that the three ways give the same bits.
+gives the median round's milliseconds per call and its ratio to local eager, and the
+script checks that the three ways give the same bits (exit status 1 if not).
 
-    python benchmarks/compiled_plans.py
-    python benchmarks/compiled_plans.py --layers 4 --width 128 --rounds 3
+Workloads (``--workload``):
+
+- ``sgd`` (default): the SGD step of ``training_step.py``, a ``TransformerEncoder`` of
+  ``--layers`` x ``--width``, MSE loss, SGD with momentum;
+- ``gpt2``: the forward of a randomly initialised GPT-2 of ``--layers`` layers (12 for
+  GPT-2 small) on ``--seq`` tokens, under ``torch.no_grad()``, the call ``capture.py``
+  replays.
+
+    python benchmarks/compiled_plans.py                       # about 40 s
+    python benchmarks/compiled_plans.py --workload gpt2 --layers 12 --seq 64 --calls 3
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from _appliance import appliance
@@ -38,8 +48,61 @@ from training_step import build, using
 R = "remote_accelerator:0"
 
 
+def sgd_step(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str]:
+    """(the remote call, its remote arguments, the same call in local eager, a title)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.seq, args.width, generator=gen)
+    y = torch.randn(args.batch, args.seq, 1, generator=gen)
+    model = build(args.width, args.layers).train()
+    local = copy.deepcopy(model)
+    remote = model.to(R)
+    opt = torch.optim.SGD(remote.parameters(), lr=1e-2, momentum=0.9)
+    local_opt = torch.optim.SGD(local.parameters(), lr=1e-2, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(remote(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def eager() -> None:
+        local_opt.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        local_opt.step()
+
+    title = (f"SGD training step, TransformerEncoder {args.layers}x{args.width}, batch "
+             f"{args.batch}x{args.seq}")  # fmt: skip
+    return step, (x.to(R), y.to(R)), eager, title
+
+
+def gpt2_forward(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str]:
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=args.layers)
+    torch.manual_seed(0)
+    local = transformers.GPT2LMHeadModel(cfg).eval()
+    # moved in training mode so it stays on the graph path (capture.py says why)
+    remote = copy.deepcopy(local).train().to(R).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, args.seq))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return remote(x).logits
+
+    def eager() -> None:
+        with torch.no_grad():
+            local(ids)
+
+    return forward, (ids.to(R),), eager, f"GPT-2 forward, {args.layers} layers, {args.seq} tokens"
+
+
+WORKLOADS = {"sgd": sgd_step, "gpt2": gpt2_forward}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="sgd")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
@@ -49,42 +112,41 @@ def main() -> int:
     parser.add_argument("--json", default="benchmarks/results/compiled_plans.json")
     args = parser.parse_args()
     import djinn
-    from djinn.appliance.executor.graph import GraphRun
-    from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
-    from djinn.appliance.vmu.device import DeviceVMU
     from djinn.frontend.session import default_session
-    from djinn.protocol import templates
     from djinn.protocol.frames import Kind
 
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.seq, args.width, generator=gen)
-    y = torch.randn(args.batch, args.seq, 1, generator=gen)
     with (
         tempfile.TemporaryDirectory() as work,
         appliance(Path(work), GiB, "none") as app,
         using(app.unix),
     ):
-        model = build(args.width, args.layers).train().to(R)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-
-        @djinn.replayable
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        rx, ry = x.to(R), y.to(R)
+        fn, remote_args, eager, title = WORKLOADS[args.workload](args)
+        call = djinn.replayable(fn)
         for _ in range(3):
-            step(rx, ry).cpu()
-        rec = next(r for r in step._records.values() if hasattr(r, "tpl"))
+            call(*remote_args).cpu()
+        rec = next(r for r in call._records.values() if hasattr(r, "tpl"))
         s = default_session()
         got = s._unpack(s._call(Kind.GET, {"handles": list(rec.handles)}))["tensors"]
         inline = [t.clone() for t in rec.inline]
     tensors = {h: t.clone() for h, t in zip(rec.handles, got, strict=True)}
+    return compare(args, rec, tensors, inline, eager, title)
+
+
+def compare(
+    args: argparse.Namespace,
+    rec: Any,
+    tensors: dict[str, torch.Tensor],
+    inline: list[torch.Tensor],
+    eager: Callable[[], None],
+    title: str,
+) -> int:
+    from djinn.appliance.executor.graph import GraphRun
+    from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
+    from djinn.appliance.vmu.device import DeviceVMU
+    from djinn.protocol import templates
+
     cpu, handles = torch.device("cpu"), list(rec.handles)
-    stack = DeviceVMU(8 * GiB)["stack"]
+    stack = DeviceVMU(16 * GiB)["stack"]
     ins = [tensors[h] for h in handles]
     segments = [memoryview(t.numpy()) for t in inline]
     fp, body = rec.fingerprint, {"graph": rec.fingerprint, "inputs": handles,
@@ -104,33 +166,24 @@ def main() -> int:
     recording.run()
     plans = GraphPlans(after=1, compile_after=1)
     plan = plans.record(fp, rec.tpl, recording, input_signature(ins), rec.scalars, cpu)
-    assert plan is not None, "the step's template was not planned"
+    assert plan is not None, "the call's template was not planned"
     while plans.runner(plan, fp, cpu) is not CompiledRun:
         pass
-    assert plan.code is not None, "the step's plan was not compiled"
+    assert plan.code is not None, "the call's plan was not compiled"
 
     def by(runner: type) -> tuple:
         return runner(plan, fp, body, handles, ins, tensors.__getitem__, segments, cpu,
                       stack).run()  # fmt: skip
 
-    # the same step in local eager PyTorch, from the same weights
-    local = build(args.width, args.layers).train()
-    local_opt = torch.optim.SGD(local.parameters(), lr=1e-2, momentum=0.9)
-
-    def eager() -> None:
-        local_opt.zero_grad()
-        torch.nn.functional.mse_loss(local(x), y).backward()
-        local_opt.step()
-
-    # the same bits three ways: each runs the step once from the same inputs; compared:
-    # what it kept (the gradients, the loss) and what it wrote (weights, momentum)
+    # the same bits three ways: each runs the call once from the same inputs; compared:
+    # what it kept and fetched, and what it wrote in place (a step's weights, momentum)
     start = {h: t.clone() for h, t in tensors.items()}
     outs = []
     for way in (interpreted, lambda: by(PlanRun), lambda: by(CompiledRun)):
         for h, t in start.items():
             tensors[h].copy_(t)
-        keep, _ = way()
-        outs.append([t.clone() for t in [*keep, *ins]])
+        keep, fetch = way()
+        outs.append([t.clone() for t in [*keep, *fetch, *ins] if isinstance(t, torch.Tensor)])
     same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o, strict=True))
 
     ways = {
@@ -141,7 +194,8 @@ def main() -> int:
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for fn in ways.values():
-        fn()  # warm
+        for _ in range(3):
+            fn()  # warm: the first calls pay one-time costs (thread pools, kernel choices)
     for _ in range(args.rounds):
         for name, fn in ways.items():
             t0 = time.perf_counter()
@@ -150,19 +204,18 @@ def main() -> int:
             times[name].append((time.perf_counter() - t0) / args.calls * 1e3)
     med = {name: statistics.median(v) for name, v in times.items()}
     base = med["local eager"]
-    print(f"SGD training step, TransformerEncoder {args.layers}x{args.width}, batch "
-          f"{args.batch}x{args.seq}: {len(plan.nodes)} ops, {len(handles)} inputs; "
-          f"intra-op threads {torch.get_num_threads()}\n")  # fmt: skip
+    print(f"{title}: {len(plan.nodes)} ops, {len(handles)} inputs; intra-op threads "
+          f"{torch.get_num_threads()}\n")  # fmt: skip
     print(md_table(
-        ["way", "ms per step (median round)", "/ local eager", "rounds (ms)"],
+        ["way", "ms per call (median round)", "/ local eager", "rounds (ms)"],
         [[name, f"{m:.2f}", f"{m / base:.2f}x", ", ".join(f"{t:.2f}" for t in times[name])]
          for name, m in med.items()],
     ))  # fmt: skip
     print(f"\nthe three worker runs give the same bits: {same}; plans "
           f"{plans.stats()}")  # fmt: skip
-    save_json({"ms": times, "median_ms": med, "same_bits": same, "ops": len(plan.nodes),
-               "inputs": len(handles), "args": vars(args), "torch": torch.__version__},
-              args.json)  # fmt: skip
+    save_json({"workload": title, "ms": times, "median_ms": med, "same_bits": same,
+               "ops": len(plan.nodes), "inputs": len(handles), "args": vars(args),
+               "torch": torch.__version__}, args.json)  # fmt: skip
     return 0 if same else 1
 
 
