@@ -76,6 +76,87 @@ def test_adam_training_interrupted_by_a_worker_kill_ends_with_the_same_parameter
         assert (a - b).abs().max().item() <= 1e-6
 
 
+def _replayed_sgd(steps: int, device: str, kill_at: int | None = None, app=None) -> tuple:
+    """An SGD loop whose step is ``djinn.replayable`` (on ``device``): its parameters after
+    ``steps`` steps, and the replay stats."""
+    import djinn
+    from djinn.frontend.session import default_session
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model = model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    call = djinn.replayable(step) if device == R else step
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+        if i == kill_at:
+            _kill_worker(app, default_session())
+        call(x.to(device), y.to(device))
+    stats = call.stats() if device == R else None
+    return [p.detach().cpu() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("cut_after_s", ["3600", "0.01"], ids=["whole-journal", "cut-often"])
+def test_a_replayed_training_loop_interrupted_by_a_worker_kill_ends_with_eagers_parameters(
+    recovering, monkeypatch, cut_after_s
+):
+    """Note [journal facts of a template]: a replay's journal entry takes what it writes
+    and which of its outputs are views from its template's facts, renamed; the session is
+    rebuilt from those entries (and cut from them) exactly as from a captured step's."""
+    from djinn.frontend import session
+
+    monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", cut_after_s)
+    session.reset()
+    want, _ = _replayed_sgd(10, "cpu")
+    got, stats = _replayed_sgd(10, R, kill_at=6, app=recovering)
+    assert session.default_session().recovery_stats()["recoveries"] == 1
+    assert stats["replays"] >= 3  # replays before the kill, and after it
+    for a, b in zip(want, got, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
+def test_a_tensor_only_a_replay_wrote_is_rebuilt_with_what_it_wrote(recovering, monkeypatch):
+    """A put that only a replay writes into (in place) is no longer the bytes it was put
+    with: a cut must read it back, not keep the put (Note [unchanged puts]). The replay's
+    journal entry says what it writes from its template's facts (Note [journal facts of a
+    template]); a kill after the cut then rebuilds the tensor as the replay left it."""
+    import djinn
+    from djinn.frontend import session
+
+    monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", "0.01")
+    session.reset()
+
+    def add_twice(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.add_(x * 2)
+
+    acc = djinn.replayable(add_twice)
+    n = 1 << 16  # big enough to be uploaded (a PUT), not sent inline in a graph
+    x = torch.arange(float(n))
+    for _ in range(3):
+        acc(x.to(R), torch.zeros(n).to(R))
+    fresh = torch.zeros(n).to(R)  # a new put, written by a replay alone
+    cuts = session.default_session().recovery_stats()["checkpoints"]
+    acc(x.to(R), fresh)
+    assert acc.stats()["replays"] >= 2
+    for _ in range(200):  # later requests, until the journal is cut before one
+        torch.ones(2).to(R).cpu()
+        if session.default_session().recovery_stats()["checkpoints"] > cuts:
+            break
+    assert session.default_session().recovery_stats()["checkpoints"] > cuts
+    _kill_worker(recovering, session.default_session())
+    assert torch.equal(fresh.cpu(), x * 2)
+    assert session.default_session().recovery_stats()["recoveries"] == 1
+
+
 def test_a_cut_between_backward_and_step_keeps_the_gradients(recovering, monkeypatch):
     """Note [private views]: autograd keeps a weight's gradient as a view (the transpose
     of a product) of storage only it holds. A cut reads it back instead of waiting, and
