@@ -29,7 +29,9 @@ exception: they run on every planned run (Note [value checks in a plan]).
 What a plan cannot vouch for runs interpreted: inputs of another signature (a plan per
 signature, a few per template), a template with an op that has no meta kernel (its
 output's size depends on values, so later nodes' checks cannot be known in advance:
-the template is *refused* and never recorded again), a recording run that failed.
+the template is *refused* and never recorded again), a template that names a handle as
+it is (``{"$h": h}`` with more keys: a constant of the template, so its tensor's shape is
+in no signature; refused too), a recording run that failed.
 """
 
 from __future__ import annotations

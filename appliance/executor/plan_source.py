@@ -20,8 +20,9 @@ instead:
 - the threads and the scheduler: the function yields every ``CHUNK`` nodes, setting the
   graph's intra-op threads for each chunk (Note [a capturing client beside its worker]);
 - the bounds of views: the geometry of every value follows from the inputs' signature and
-  the template, which the recorded run checked, so only the ``as_strided`` family, whose
-  geometry is an argument, is checked again.
+  the template, which the recorded run checked (a template that names a handle outside
+  its inputs gets no plan), so only the ``as_strided`` family, whose geometry is an
+  argument, is checked again.
 
 A node that needs more than its kernel goes through ``PlanRun.slow``, the same code as an
 interpreted node's: a random op (seeded from its request), an op whose checks read values
