@@ -425,7 +425,8 @@ class Worker:
             s.touch()
             s.requests += 1
             self.store.release_slabs(s, frame.body.get("release"))
-            self.free_piggybacked(s, frame.body.get("free"), frame.body.get("free_objects"))
+            released = frame.body.get("free"), frame.body.get("free_objects")
+            worker_memory.free_released(self, s, *released)
             if frame.kind == Kind.SESSION_CLOSE:
                 self.reply(s, rid, {"closed": True}, [])
                 self.end_session(s, CLOSED)
@@ -503,21 +504,6 @@ class Worker:
                 self.busy.current = busy
         finally:
             steps.close()  # closed early (its session ended): its finally blocks run now
-
-    def free_piggybacked(self, s: WorkerSession, handles: Any, objects: Any = None) -> None:
-        """Handles and remote objects the client's garbage collector released, sent along
-        with a request."""
-        if isinstance(handles, list):
-            for h in handles[:65536]:
-                if isinstance(h, str):
-                    self.store.drop(s, h)
-        if isinstance(objects, list):
-            for oid in objects[:65536]:
-                obj = s.objects.pop(oid, None) if isinstance(oid, str) else None
-                if obj is not None:
-                    s.object_ids.pop(id(obj), None)
-            self.store.charge_objects(s)
-            self.memory.forget_objects(s)  # swapped-out caches among them
 
     def reply(self, s: WorkerSession, rid: int, body: dict, segments: list) -> None:
         self.send(s, encode_frame(Kind.REPLY, rid, body, segments))

@@ -14,6 +14,7 @@ from .tenant_quota import TenantQuotas
 from .vmu.tiers import TierMover
 
 if TYPE_CHECKING:
+    from .sessions import WorkerSession
     from .worker import Worker
 
 log = logging.getLogger("djinn.appliance.worker")
@@ -53,3 +54,19 @@ def memory_manager(w: Worker, init: dict[str, Any]) -> MemoryManager:
     w.store.tenant_check = tenants.check_device
     w.store.slabs.tenant_host = tenants.check_host
     return memory
+
+
+def free_released(w: Worker, s: WorkerSession, handles: Any, objects: Any = None) -> None:
+    """Handles and remote objects the client's garbage collector released, sent along
+    with a request."""
+    if isinstance(handles, list):
+        for h in handles[:65536]:
+            if isinstance(h, str):
+                w.store.drop(s, h)
+    if isinstance(objects, list):
+        for oid in objects[:65536]:
+            obj = s.objects.pop(oid, None) if isinstance(oid, str) else None
+            if obj is not None:
+                s.object_ids.pop(id(obj), None)
+        w.store.charge_objects(s)
+        w.memory.forget_objects(s)  # swapped-out caches among them

@@ -37,6 +37,8 @@ from ..vmu.device import DeviceShort, Segment
 from . import index_bounds, metacheck, opargs, opchecks, oppolicy, threads
 
 _OP_CACHE: dict[str, Any] = {}
+# what a kernel raises for arguments it refuses: reported as EXECUTION_ERROR naming the op
+OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)
 MAX_PLANS = 256  # templates whose last uses are kept (the worker keeps as many templates)
 _LAST_USES: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
 
@@ -180,7 +182,7 @@ class GraphRun:
         self.wrote = self.wrote or writes(op)
         try:
             out = op(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+        except OP_ERRORS as exc:
             raise ExecutionError(f"{name} (node {i}): {exc}") from None
         cast = finished(self.device, op, name, args, kwargs, out, meta)
         if self.recording is not None and _differs(cast, out):
@@ -205,9 +207,6 @@ class GraphRun:
             raise type(exc)(f"node {i}: {exc.message}") from None
         self._make_room(op, need, i)
         return need, meta
-
-    def has_extra_checks(self, op: Any) -> bool:
-        return has_extra_checks(op, self.device)
 
     def _extra_checks(self, op: Any, named: dict[str, Any]) -> None:
         """The op's own checks (``opchecks``), and on a GPU its index guards (Note [indices

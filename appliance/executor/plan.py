@@ -44,13 +44,12 @@ from typing import Any
 import torch
 
 from djinn.errors import DjinnError, ExecutionError, InvalidArgument, ResourceExhausted
-from djinn.protocol import norm_stats
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
 from . import metacheck, opargs, threads
-from .graph import GraphRun, finished, has_extra_checks, writes
-from .plan_source import NotCompilable, compile_plan
+from .graph import OP_ERRORS, GraphRun, finished, has_extra_checks, writes
+from .plan_source import NotCompilable, compile_plan, tagged_with_scalars
 
 log = logging.getLogger("djinn.appliance.plan")
 
@@ -171,11 +170,19 @@ class PlanRun(GraphRun):
         if node.rng is not None:
             self._seed(node.rng)
         args, kwargs = node.args(self), node.kwargs(self)
-        if self.has_extra_checks(node.op):
+        if has_extra_checks(node.op, self.device):
             self._value_checks(i, node.op, args, kwargs)
         if node.need >= 0:  # an op with no meta kernel never makes it into a plan
             self._make_room(node.op, node.need, i)
         self._call(i, node.op, node.name, args, kwargs, node.meta, last_use)
+
+    def inline(self, x: dict[str, Any]) -> torch.Tensor:
+        """An inline tensor of this request (its bytes are in the request's segments)."""
+        return inline_tensor(x, self.segments, self.device)
+
+    def filled(self, x: dict[str, Any]) -> Any:
+        """A tagged constant made of this request's scalars (``tagged_with_scalars``)."""
+        return decode_constant(_filled(x, self.scs), self.device)[1]
 
     def _value_checks(self, i: int, op: Any, args: list, kwargs: dict) -> None:
         """Note [value checks in a plan]: the signature a plan is chosen by holds the
@@ -188,9 +195,6 @@ class PlanRun(GraphRun):
             self._extra_checks(op, opargs.bind(op, args, kwargs, self.device))
         except (InvalidArgument, ExecutionError) as exc:
             raise type(exc)(f"node {i}: {exc.message}") from None
-
-
-OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)  # as GraphRun._call
 
 
 class CompiledRun(PlanRun):
@@ -231,7 +235,7 @@ class CompiledRun(PlanRun):
         node = self.plan.nodes[i]
         if node.rng is not None:
             self._seed(node.rng)
-        if self.has_extra_checks(node.op):
+        if has_extra_checks(node.op, self.device):
             self._value_checks(i, node.op, args, kwargs)
         out = node.op(*args, **kwargs)
         return finished(self.device, node.op, node.name, args, kwargs, out, node.meta)
@@ -249,12 +253,6 @@ class CompiledRun(PlanRun):
         if not self.partial:
             raise error from None
         self.failed = (i, error)
-
-    def inline(self, x: dict[str, Any]) -> torch.Tensor:
-        return inline_tensor(x, self.segments, self.device)
-
-    def filled(self, x: dict[str, Any]) -> Any:
-        return decode_constant(_filled(x, self.scs), self.device)[1]
 
 
 def _refs(refs: Any, inputs: list[str]) -> list[dict[str, Any]]:
@@ -414,7 +412,6 @@ def _compile_plan(plan: Plan, fp: str, device: torch.device) -> Callable[..., An
             node.rng is not None
             or i in plan.casts
             or has_extra_checks(node.op, device)
-            or (device.type == "cpu" and node.op in norm_stats.OPS)
             or "as_strided" in node.op._schema.name
         )
 
@@ -466,10 +463,9 @@ def _compile(x: Any, device: torch.device) -> tuple[bool, Any]:
             return False, lambda run: run.values[n]
         return False, lambda run: run.values[n][i]
     if "$t" in x:
-        return False, lambda run: inline_tensor(x, run.segments, run.device)
-    if any(isinstance(k, str) and k.startswith("$") for k in x) and _has_scalar(x):
-        # a tagged constant made of floats ({"$complex": [re, im]}): decoded each run
-        return False, lambda run: decode_constant(_filled(x, run.scs), run.device)[1]
+        return False, lambda run: run.inline(x)
+    if tagged_with_scalars(x):
+        return False, lambda run: run.filled(x)
     found, value = decode_constant(x, device)
     if found:
         return True, value
@@ -517,12 +513,6 @@ def _scalars_in(x: Any, found: set[int]) -> None:
         else:
             for v in x.values():
                 _scalars_in(v, found)
-
-
-def _has_scalar(x: Any) -> bool:
-    found: set[int] = set()
-    _scalars_in(x, found)
-    return bool(found)
 
 
 def _filled(x: Any, scalars: list[float]) -> Any:

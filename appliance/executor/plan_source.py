@@ -24,11 +24,13 @@ instead:
   its inputs gets no plan), so only the ``as_strided`` family, whose geometry is an
   argument, is checked again.
 
-A node that needs more than its kernel goes through ``PlanRun.slow``, the same code as an
-interpreted node's: a random op (seeded from its request), an op whose checks read values
-(Note [value checks in a plan]), an output the recorded run cast (Note [meta dtypes]), an
-``as_strided``. The kernels and their arguments are the plan's, so the results are the same
-bits. When a node fails, the function hands its index to ``PlanRun.fail``, which raises, or
+A node that needs more than its kernel goes through ``CompiledRun.slow``, the same code as
+an interpreted node's: a random op (seeded from its request), an op whose checks read
+values (Note [value checks in a plan]), an output the recorded run cast (Note [meta
+dtypes]; the inputs' dtypes are the plan's, so a node the recorded run did not cast needs
+no cast), an ``as_strided``. The kernels and their arguments are the plan's, so the results
+are the same bits. When a node fails, the function hands its index to ``CompiledRun.fail``,
+which raises, or
 with "partial" ends the run where an interpreted one would (Note [partial graphs]).
 
 Safety: nothing the client sent is written into the source. Ops, handles, strings, floats
@@ -165,7 +167,7 @@ class _Writer:
             return ref if x.get("i") is None else f"{ref}[{_int(x['i'], 0, 1 << 16)}]"
         if "$t" in x:
             return f"R.inline({self.const(x)})"
-        if any(isinstance(k, str) and k.startswith("$") for k in x) and _has_scalar(x):
+        if tagged_with_scalars(x):
             return f"R.filled({self.const(x)})"
         found, value = decode_constant(x, self.device)
         if found:
@@ -178,6 +180,12 @@ def _int(v: Any, low: int, high: int) -> int:
     if type(v) is not int or not low <= v < high:
         raise NotCompilable(f"index {v!r} outside [{low}, {high})")
     return v
+
+
+def tagged_with_scalars(x: dict[str, Any]) -> bool:
+    """A tagged constant made of floats the template took out (``{"$complex": [re, im]}``
+    with ``{"$s": k}`` parts): decoded on each run, with that run's scalars."""
+    return any(isinstance(k, str) and k.startswith("$") for k in x) and _has_scalar(x)
 
 
 def _has_scalar(x: Any) -> bool:

@@ -376,10 +376,7 @@ class GraphFacts:
 
     def fits(self, inputs: list[str], kept: list[str | None]) -> bool:
         return (
-            len(inputs) == self.inputs
-            and len(kept) == self.kept
-            and None not in kept
-            and len(set(inputs)) == len(inputs)
+            len(inputs) == self.inputs and len(kept) == self.kept and distinct_handles(inputs, kept)
         )
 
     def of(self, inputs: list[str], kept: list[str]) -> tuple[Any, list[Any]]:
@@ -391,8 +388,27 @@ class GraphFacts:
             {names.get(h, h) for h in written},
             {names[k]: {names.get(h, h) for h in v} for k, v in bases.items()},
         )
-        kinds = [(remap(k[0], names), k[1]) if isinstance(k, tuple) else k for k in self.kinds]
+        kinds = [(_renamed(k[0], names), k[1]) if isinstance(k, tuple) else k for k in self.kinds]
         return writes, kinds
+
+
+def distinct_handles(inputs: list[str], kept: list[str | None]) -> bool:
+    """Whether a graph's inputs and kept handles are all different handles, none of them
+    missing (a node that never ran): what ``GraphFacts`` needs to rename them."""
+    names = [*inputs, *kept]
+    return None not in kept and len(set(names)) == len(names)
+
+
+def _renamed(x: Any, names: dict[str, str]) -> Any:
+    """``x`` with the handles (``{"$h": ...}``) ``names`` renames: a string argument that
+    happens to spell a placeholder stays as it is."""
+    if isinstance(x, list):
+        return [_renamed(v, names) for v in x]
+    if isinstance(x, dict):
+        if len(x) == 1 and isinstance(x.get("$h"), str):
+            return {"$h": names.get(x["$h"], x["$h"])}
+        return {k: _renamed(v, names) for k, v in x.items()}
+    return x
 
 
 def _on_handles(node: dict[str, Any], named: dict[tuple[int, Any], str]) -> dict[str, Any]:

@@ -84,6 +84,7 @@ from .journal import (  # noqa: F401 - Entry and the helpers are this module's A
     _from_handles_only,
     _remade_views,
     apply_views,
+    distinct_handles,
     entry_writes,
     kept,
     mark_views,
@@ -244,19 +245,19 @@ class Lineage:
         inputs, scalars), when known, lets its template's facts be worked out once (Note
         [journal facts of a template])."""
         handles = [None if k is None else k.handle for k in kept]
-        facts = None
-        if form is not None:
+        if form is not None and distinct_handles(form[1], handles):
             fp, inputs, _ = form
             facts = self._facts.get(fp)
-            if facts is None and _distinct(inputs, handles):
+            if facts is None:
                 facts = self._facts[fp] = GraphFacts(entry.body, inputs, handles)
                 while len(self._facts) > MAX_FACTS and self._facts:
                     self._facts.popitem(last=False)
-        if facts is not None and facts.fits(inputs, handles) and _distinct(inputs, handles):
-            entry.writes, kinds = facts.of(inputs, handles)
-            apply_views(kinds, kept)
-        else:
-            mark_views(entry.body, kept)
+            if facts.fits(inputs, handles):
+                entry.writes, kinds = facts.of(inputs, handles)
+                apply_views(kinds, kept)
+                self.record(entry)
+                return
+        mark_views(entry.body, kept)
         self.record(entry)
 
     # -- retrying ----------------------------------------------------------------------
@@ -542,10 +543,3 @@ class Lineage:
             "journal_base_bytes": self.base_bytes,
             "journal_peak_bytes": self.peak_bytes,
         }
-
-
-def _distinct(inputs: list[str], kept: list[str | None]) -> bool:
-    """Whether a graph's inputs and kept handles are all different handles (Note [journal
-    facts of a template])."""
-    names = [*inputs, *kept]
-    return None not in kept and len(set(names)) == len(names)

@@ -54,6 +54,17 @@ def _refused_as_cpu_refuses(model, args, kwargs, match, method="forward"):
         getattr(model, method)(*args, **kwargs)
 
 
+def _tiny(config: str, model: str, **fields):
+    """A one-layer, width-16, two-head transformers ``model`` (its ``config`` class,
+    with ``fields``), in eval mode."""
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, **fields
+    )
+    return getattr(transformers, model)(cfg).eval()
+
+
 def _passes_and_cpu_runs(model, args, kwargs, method="forward"):
     call_checks.check(model, f"m.{method}", args, kwargs)
     getattr(model, method)(*args, **kwargs)
@@ -98,17 +109,9 @@ def test_generate_is_checked_for_the_length_it_may_reach(model):
 
 
 def test_bert_positions_and_token_types_are_checked():
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(
-        num_hidden_layers=1,
-        hidden_size=16,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=50,
-        max_position_embeddings=24,
+    bert = _tiny(
+        "BertConfig", "BertModel", intermediate_size=32, vocab_size=50, max_position_embeddings=24
     )
-    bert = BertModel(cfg).eval()
     _passes_and_cpu_runs(bert, (torch.zeros(1, 24, dtype=torch.long),), {})
     _refused_as_cpu_refuses(bert, (torch.zeros(1, 25, dtype=torch.long),), {}, "position 24")
     ids = torch.zeros(1, 4, dtype=torch.long)
@@ -119,50 +122,38 @@ def test_bert_positions_and_token_types_are_checked():
 
 
 def test_an_offset_position_table_is_read_less_its_offset():
-    from transformers import OPTConfig, OPTForCausalLM
-
-    cfg = OPTConfig(
-        num_hidden_layers=1,
-        hidden_size=16,
-        num_attention_heads=2,
+    opt = _tiny(  # its table has 26 rows, from offset 2
+        "OPTConfig",
+        "OPTForCausalLM",
         ffn_dim=32,
         vocab_size=50,
         max_position_embeddings=24,
         word_embed_proj_dim=16,
     )
-    opt = OPTForCausalLM(cfg).eval()  # its table has 26 rows, from offset 2
     _passes_and_cpu_runs(opt, (torch.zeros(1, 24, dtype=torch.long),), {})
     _refused_as_cpu_refuses(opt, (torch.zeros(1, 25, dtype=torch.long),), {}, "position 24")
 
 
 def test_rotary_positions_have_no_table_and_are_not_checked():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=1,
-        hidden_size=16,
-        num_attention_heads=2,
+    llama = _tiny(
+        "LlamaConfig",
+        "LlamaForCausalLM",
         num_key_value_heads=2,
         intermediate_size=32,
         vocab_size=50,
         max_position_embeddings=8,
     )
-    llama = LlamaForCausalLM(cfg).eval()
     _passes_and_cpu_runs(llama, (torch.zeros(1, 12, dtype=torch.long),), {})
 
 
 def test_roberta_positions_count_from_its_padding_index():
-    from transformers import RobertaConfig, RobertaModel
-
-    cfg = RobertaConfig(
+    roberta = _tiny(  # positions 2.. of 20 rows: 18 tokens
+        "RobertaConfig",
+        "RobertaModel",
         vocab_size=100,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=20,
     )
-    roberta = RobertaModel(cfg).eval()  # positions 2.. of 20 rows: 18 tokens
     _passes_and_cpu_runs(roberta, (torch.randint(3, 100, (1, 18)),), {})
     _refused_as_cpu_refuses(roberta, (torch.randint(3, 100, (1, 19)),), {}, "position 18")
 
@@ -195,33 +186,25 @@ def test_an_encoder_decoder_counts_its_encoder_and_decoder_apart():
 
 
 def test_a_vocabulary_or_relative_table_the_size_of_the_positions_is_not_a_position_table():
-    from transformers import DebertaV2Config, DebertaV2Model, MistralConfig, MistralForCausalLM
-
-    mistral = MistralForCausalLM(
-        MistralConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    mistral = _tiny(
+        "MistralConfig",
+        "MistralForCausalLM",
+        vocab_size=64,
+        intermediate_size=32,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     _passes_and_cpu_runs(mistral, (torch.randint(0, 64, (1, 80)),), {})
-    deberta = DebertaV2Model(
-        DebertaV2Config(
-            vocab_size=100,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=64,
-            relative_attention=True,
-            position_buckets=32,
-            position_biased_input=False,
-        )
-    ).eval()
+    deberta = _tiny(
+        "DebertaV2Config",
+        "DebertaV2Model",
+        vocab_size=100,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        relative_attention=True,
+        position_buckets=32,
+        position_biased_input=False,
+    )
     _passes_and_cpu_runs(deberta, (torch.randint(3, 100, (1, 100)),), {})
 
 

@@ -298,15 +298,20 @@ def _chain(n: int):
     return body_of(nodes, fetch=[{"$v": n - 1}])
 
 
+def _chain_plan(n: int, plans: GraphPlans) -> tuple:
+    """The plan ``plans`` records of ``_chain(n)``, and its template's fingerprint."""
+    _, plan, _ = interpreted(_chain(n), Session(x=torch.ones(3)), stack_of(), plans)
+    return plan, templates.fingerprint(templates.template(_chain(n))[0])
+
+
 def test_plans_compile_after_their_runs_and_the_counts_say_so():
-    plans, stack, s = GraphPlans(after=1, compile_after=2), stack_of(), Session(x=torch.ones(3))
-    _, plan, _ = interpreted(_chain(4), s, stack, plans)
-    fp = templates.fingerprint(templates.template(_chain(4))[0])
+    plans = GraphPlans(after=1, compile_after=2)
+    plan, fp = _chain_plan(4, plans)
     runners = [plans.runner(plan, fp, CPU) for _ in range(4)]
     assert runners == [PlanRun, PlanRun, CompiledRun, CompiledRun]
     assert plans.stats()["compiled"] == 1 and plans.stats()["compiled_runs"] == 2
     never = GraphPlans(after=1, compile_after=0)
-    _, plan, _ = interpreted(_chain(4), s, stack, never)
+    plan, _ = _chain_plan(4, never)
     assert {never.runner(plan, fp, CPU) for _ in range(5)} == {PlanRun}
 
 
@@ -315,8 +320,7 @@ def test_a_plan_that_cannot_be_compiled_runs_as_a_plan_and_is_counted(monkeypatc
 
     monkeypatch.setattr(plan_source, "COMPILE_MAX_NODES", 3)
     plans, stack, s = GraphPlans(after=1, compile_after=1), stack_of(), Session(x=torch.ones(3))
-    _, plan, _ = interpreted(_chain(4), s, stack, plans)
-    fp = templates.fingerprint(templates.template(_chain(4))[0])
+    plan, fp = _chain_plan(4, plans)
     assert [plans.runner(plan, fp, CPU) for _ in range(4)] == [PlanRun] * 4
     assert plans.stats()["uncompiled"] == 1 and plans.stats()["compiled"] == 0  # tried once
     (_, (got,)), _ = planned(_chain(4), s, stack, plans)
@@ -399,7 +403,8 @@ def test_a_compiled_partial_graph_ends_where_an_interpreted_one_ends():
 
 def test_a_cast_the_recorded_run_made_stays_in_the_compiled_run():
     """Note [statistics dtypes]: a bfloat16 layer norm's statistics as the CPU kernel
-    makes them, where its meta kernel says float32."""
+    makes them, where its meta kernel says float32: the compiled run gives the dtypes the
+    interpreted run gave (which casts only where the recording saw one)."""
     plans, stack = GraphPlans(after=1), stack_of()
     s = Session(x=torch.randn(4, 8, dtype=torch.bfloat16), w=torch.randn(8, dtype=torch.bfloat16))
     body = body_of(
@@ -478,8 +483,7 @@ def test_a_plan_whose_source_would_be_too_long_is_refused_before_it_is_written(m
     from djinn.appliance.executor import plan_source
 
     monkeypatch.setattr(plan_source, "COMPILE_MAX_CHARS", 200)
-    plans, stack, s = GraphPlans(after=1, compile_after=1), stack_of(), Session(x=torch.ones(3))
-    _, plan, _ = interpreted(_chain(40), s, stack, plans)
-    fp = templates.fingerprint(templates.template(_chain(40))[0])
+    plans = GraphPlans(after=1, compile_after=1)
+    plan, fp = _chain_plan(40, plans)
     assert [plans.runner(plan, fp, CPU) for _ in range(3)] == [PlanRun] * 3
     assert plans.stats()["uncompiled"] == 1

@@ -8,8 +8,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from djinn.protocol import templates
-from djinn.runtime.journal import Entry, GraphFacts, apply_views, entry_writes, view_kinds
-from djinn.runtime.lineage import _distinct
+from djinn.runtime.journal import (
+    Entry,
+    GraphFacts,
+    apply_views,
+    distinct_handles,
+    entry_writes,
+    view_kinds,
+)
 
 
 def h(x):
@@ -71,9 +77,9 @@ def test_facts_are_used_only_where_every_handle_is_another():
     facts = GraphFacts(body({"W": "w", "G": "g", "B": "b"}), ["w", "g", "b"], ["k"] * 5)
     assert not facts.fits(["w", "g"], ["k"] * 5)  # another template's arity
     assert not facts.fits(["w", "g", "b"], ["k1", None, "k3", "k4", "k5"])  # a node failed
-    assert not _distinct(["w", "w", "b"], ["k1", "k2", "k3", "k4", "k5"])  # one handle twice
-    assert not _distinct(["w", "g", "b"], ["w", "k2", "k3", "k4", "k5"])  # kept is an input
-    assert _distinct(["w", "g", "b"], ["k1", "k2", "k3", "k4", "k5"])
+    assert not distinct_handles(["w", "w", "b"], ["k1", "k2", "k3", "k4", "k5"])  # one handle twice
+    assert not distinct_handles(["w", "g", "b"], ["w", "k2", "k3", "k4", "k5"])  # kept is an input
+    assert distinct_handles(["w", "g", "b"], ["k1", "k2", "k3", "k4", "k5"])
 
 
 def test_applied_kinds_mark_kept_tensors_as_the_whole_body_would():
@@ -96,3 +102,11 @@ def test_an_instantiator_makes_what_instantiate_makes():
     assert one["nodes"][5] is two["nodes"][5] is tpl["nodes"][5]  # no slot: shared
     assert one["nodes"][0] is not two["nodes"][0]  # a node with a slot: its own copy
     assert one["nodes"][0]["args"][0] == h("a") and two["nodes"][0]["args"][0] == h("d")
+
+
+def test_only_handles_are_renamed_not_strings_that_spell_a_placeholder():
+    from djinn.runtime.journal import _renamed
+
+    node = {"op": "aten::t.default", "args": [h("@0"), "@0"], "kwargs": {"x": {"$h": "@k1"}}}
+    assert _renamed(node, {"@0": "w", "@k1": "k"}) == {
+        "op": "aten::t.default", "args": [h("w"), "@0"], "kwargs": {"x": h("k")}}  # fmt: skip
