@@ -161,6 +161,7 @@ class Supervisor:
                 "prewarm": cfg.prewarm,
                 "graph_plan_after": cfg.graph_plan_after,
                 "graph_compile_after": cfg.graph_compile_after,
+                "worker_spin_us": cfg.worker_spin_us,
             }
             self.workers.append(WorkerHandle(i, device, init))
         for w in self.workers:

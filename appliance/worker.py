@@ -16,6 +16,7 @@ import argparse
 import collections
 import contextlib
 import logging
+import math
 import os
 import selectors
 import signal
@@ -39,6 +40,7 @@ from djinn.errors import (
 from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
 from djinn.transport.arena import ArenaMapping
 from djinn.transport.framing import FrameReader, PeerClosed, default_sink
+from djinn.transport.spin import Spin
 
 from . import control, device_lost, gc_freeze, leases, prewarm, worker_memory, worker_stats
 from .admission import AdmissionQueue
@@ -119,6 +121,7 @@ class Worker:
         self.model_methods = set(_csv(init.get("model_methods", "generate")))
         self.sessions: dict[int, WorkerSession] = {}
         self.sel = selectors.DefaultSelector()
+        self.spin = Spin(float(init.get("worker_spin_us", 0.0)))  # Note [spin before sleeping]
         self.sel.register(ctl, selectors.EVENT_READ, None)
         self.requests = RequestStats(init.get("stats_window", 60.0))
         self.stopping = False
@@ -161,7 +164,7 @@ class Worker:
     def step(self) -> bool:
         # with work scheduled, only look at the sockets between two slices of it
         # (a decode step may be held a moment for others to batch with: wait_s)
-        ready = self.sel.select(self.scheduler.wait_s() if self.scheduler else LOOP_TICK_S)
+        ready = self.wait(self.scheduler.wait_s() if self.scheduler else LOOP_TICK_S)
         if not ready and not self.scheduler and self._trim_due:  # Note [heap trim]
             self._trim_due = False
             trim_heap()
@@ -192,6 +195,22 @@ class Worker:
         leases.sweep(self)
         worker_stats.push(self)
         return True
+
+    def wait(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
+        """The sockets ready within ``timeout`` seconds: polled for a moment first, if the
+        last wait was as short (Note [spin before sleeping])."""
+        if timeout <= 0 or not self.spin.window:
+            return self.sel.select(timeout)
+        t0 = time.perf_counter()
+        ready = self.spin.poll(self._ready_now, limit=timeout)
+        if not ready:
+            ready = self.sel.select(max(0.0, timeout - (time.perf_counter() - t0)))
+        # nothing within the timeout: no quick answer to expect either
+        self.spin.waited(time.perf_counter() - t0 if ready else math.inf)
+        return ready
+
+    def _ready_now(self) -> list[tuple[selectors.SelectorKey, int]]:
+        return self.sel.select(0)
 
     def on_control(self) -> bool:
         try:

@@ -85,5 +85,6 @@ def build(w: Worker, now: float, serving_thread: bool) -> tuple[list[dict], dict
             "batching": w.batcher.stats.as_dict(),
         },
         "adopted": w.adopted,
+        "spin": w.spin.stats(),  # Note [spin before sleeping]
     }
     return sessions, msg

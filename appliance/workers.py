@@ -172,6 +172,9 @@ class WorkerHandle:
             # Note [busy stats] (busy.py): what a busy worker runs, and how old its report is
             "busy": self.stats.get("busy"),
             "stats_age_s": None if self.stats_at is None else round(now - self.stats_at, 3),
+            # Note [spin before sleeping]: its window, waits that polled, and those of them
+            # whose request came while it polled
+            "spin": self.stats.get("spin"),
             "utilisation": util.get("percent"),
             "utilisation_source": util.get("source"),
             # a GPU's memory as NVML sees it (every process on the card), and as this

@@ -12,6 +12,7 @@ import itertools
 import os
 import select
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,15 +21,21 @@ from djinn.errors import DjinnError, ProtocolError, error_from_wire
 from djinn.protocol.frames import HEADER_SIZE, VERSION, Frame, Kind, encode_frame
 from djinn.transport.address import Address
 from djinn.transport.framing import FrameReader, PeerClosed, Sink, default_sink, send_buffers
+from djinn.transport.spin import Spin
 
 CLIENT_NAME = "djinn-python"
 
 
 class Channel:
-    def __init__(self, address: Address, on_lost: Callable[[str], DjinnError]) -> None:
+    def __init__(
+        self, address: Address, on_lost: Callable[[str], DjinnError], spin_us: float = 0.0
+    ) -> None:
         self.address = address
         self.sock = address.open()
         self.reader = FrameReader(self.sock, authenticated=True)
+        self.spin = Spin(spin_us)  # Note [spin before sleeping] (djinn/transport/spin.py)
+        self._poller = select.poll()
+        self._poller.register(self.sock, select.POLLIN)
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
         self._on_lost = on_lost
@@ -81,9 +88,7 @@ class Channel:
         if self.reader.buffered():
             return True
         try:
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN)
-            return bool(poller.poll(0))
+            return bool(self._poller.poll(0))
         except (OSError, ValueError):  # closed under us: the next request says so
             return False
 
@@ -132,6 +137,8 @@ class Channel:
             raise self._on_lost("connection already closed")
         try:
             self.reader.sink = sink or default_sink
+            if self.spin.window and not self.reader.buffered():
+                self._await_reply(kind)
             frame = None
             while frame is None:
                 frame = self.reader.poll()
@@ -151,6 +158,18 @@ class Channel:
             self.close()
             raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
         return frame
+
+    def _await_reply(self, kind: Kind) -> None:
+        """Until the reply's first bytes are here: polling a moment, then sleeping (Note
+        [spin before sleeping]). How long it took decides whether the next such wait
+        polls."""
+        t0 = time.perf_counter()
+        if not self.spin.poll(self.reply_waiting, kind):
+            timeout = self.sock.gettimeout()  # Note [client timeouts]
+            if not self._poller.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError(f"no reply for {timeout:g} s")
+            # readable, or closed: the read says which
+        self.spin.waited(time.perf_counter() - t0, kind)
 
     def call_bytes(self) -> int:
         """Bytes both ways on this channel so far, heartbeats left out."""

@@ -24,11 +24,16 @@ def _lost(why: str) -> DjinnError:
 class Client:
     """A connection to one appliance. Cheap to keep; open sessions to hold tensors."""
 
-    def __init__(self, address: str, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, token: str | None = None, *, spin_us: float | None = None
+    ) -> None:
         self.address: Address = parse_address(address)
         self.token = token
+        # Note [spin before sleeping]: how long its channels poll for a reply (None: the
+        # client_spin_us setting)
+        self.spin_us = config_mod.load().client_spin_us if spin_us is None else spin_us
         self._arenas: dict[str, ArenaMapping] = {}
-        self._ctl = Channel(self.address, _lost)
+        self._ctl = Channel(self.address, _lost, self.spin_us)
         self.server = self._ctl.hello(token)
 
     def session(self, *, recover: bool = False) -> Any:

@@ -83,7 +83,7 @@ class Session(Flights):
 
     def _open(self, avoid: int | None = None, prefer: int | None = None) -> None:
         """Open the session on the appliance: a new connection handed to a worker."""
-        self.channel = Channel(self.client.address, self._lost_error)
+        self.channel = Channel(self.client.address, self._lost_error, self.client.spin_us)
         self.channel.hello(self.client.token)
         body: dict[str, Any] = {"client": "python"}
         if avoid is not None:

@@ -60,6 +60,17 @@ SETTINGS: tuple[Setting, ...] = (
         high=3600.0,
     ),
     Setting(
+        "client_spin_us",
+        200.0,
+        "Microseconds a client polls for a reply before it sleeps (Note [spin before "
+        "sleeping]; the worker's side is worker_spin_us). It polls only for a kind of "
+        "request whose last reply came that quickly, so a long EXEC costs one window, "
+        "then none; never on one core. 0: always sleep.",
+        "float",
+        low=0.0,
+        high=100_000.0,
+    ),
+    Setting(
         "graph_chunk_ops",
         4096,
         "A thread that has captured this many ops without needing a value sends them to "

@@ -104,7 +104,9 @@ def test_one_gib_round_trip(fresh_appliance, via):
         back = r.cpu()
         assert back.shape == t.shape
         assert torch.equal(back[::4096], t[::4096]) and torch.equal(back[1::4096], t[1::4096])
-        assert torch.equal(back, t)
+        # bit for bit: the rest of t is whatever torch.empty left there, NaNs included,
+        # and a NaN equals nothing, not even the same NaN
+        assert torch.equal(back.view(torch.int32), t.view(torch.int32))
         del back
         r.free()
 

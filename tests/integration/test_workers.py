@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from djinn.errors import SessionLost, WorkerLost
+from djinn.runtime.client import Client
+from djinn.transport.spin import usable_cores
 from tests.conftest import wait_for
 
 
@@ -139,3 +141,39 @@ def test_inherit_leaves_the_environments_wait_policy(fresh_appliance, monkeypatc
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     env = _worker_env(fresh_appliance(cpu_wait_policy="inherit"))
     assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="spinning is off on one core, by design")
+def test_a_worker_polls_while_requests_come_quickly_and_sleeps_when_idle(fresh_appliance):
+    """Note [spin before sleeping]: in a tight loop of small requests the worker's waits
+    poll, and requests end them; once its client goes quiet it sleeps again (a worker that
+    kept polling would take a whole core while idle)."""
+    app = fresh_appliance()
+    t = torch.arange(4.0)
+    with Client(app.unix, spin_us=200) as c, c.session() as s:
+        for _ in range(200):
+            assert torch.equal(s.put(t).cpu(), t)
+        spin = wait_for(lambda: (_workers(app)[0].get("spin") or {}).get("answered"))
+        assert _workers(app)[0]["spin"]["window_us"] == 200.0
+        assert spin > 0
+        pid = _workers(app)[0]["pid"]
+        before = _cpu_seconds(pid)
+        threading.Event().wait(1.5)  # the session stays open: heartbeats only
+        assert _cpu_seconds(pid) - before < 0.5
+
+
+def test_worker_spin_us_zero_never_polls(fresh_appliance):
+    app = fresh_appliance(worker_spin_us=0)
+    t = torch.arange(4.0)
+    with Client(app.unix, spin_us=0) as c, c.session() as s:
+        assert c._ctl.spin.window == 0.0
+        for _ in range(50):
+            assert torch.equal(s.put(t).cpu(), t)
+        assert s.channel.spin.stats() == {"window_us": 0.0, "polled": 0, "answered": 0}
+    spin = wait_for(lambda: _workers(app)[0].get("spin"))
+    assert spin == {"window_us": 0.0, "polled": 0, "answered": 0}
