@@ -307,6 +307,18 @@ class Scheduler:
             self._running = None if paused else work.key
         return work
 
+    def ran_alone(self, session: Any, began: float) -> None:
+        """A request that ran at once, the scheduler holding nothing (Note [immediate
+        requests] in worker.py), since ``began`` (this scheduler's clock): counted and
+        charged as the one slice it would have run in."""
+        end = self.clock()
+        ran = end - began
+        self.slices += 1
+        self.completed += 1
+        self.longest_slice_s = max(self.longest_slice_s, ran)
+        self._tenants.add(session_tenant(session), ran, end)
+        self._sessions.add(session.id, ran, end)
+
     def _charge(self, work: Work, seconds: float, end: float) -> None:
         self._tenants.add(session_tenant(work.session), seconds, end)
         self._sessions.add(work.session.id, seconds, end)

@@ -23,10 +23,16 @@ _CMD = struct.Struct("<cQ")  # command, argument
 SINK_RING = 64 * MiB  # the peer's receive buffer: warm, reused, at most this big
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, polling: bool = False) -> None:
+    """Fill ``view`` from ``sock``: blocking, or (``polling``) retrying a non-blocking
+    recv until the bytes are there, never sleeping."""
     got = 0
+    flags = socket.MSG_DONTWAIT if polling else 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:], len(view) - got, flags)
+        except BlockingIOError:
+            continue
         if n == 0:
             raise EOFError("peer closed the connection")
         got += n
@@ -38,7 +44,9 @@ def peer_main(transport: str, where: str) -> int:
 
     ``P n``: echo n messages of PING_BYTES, blocking recv. ``E n``: the same through an
     epoll selector on a non-blocking socket, as a server that multiplexes many sessions
-    (the appliance's worker) must wait for them. ``S n``: receive n bytes with
+    (the appliance's worker) must wait for them. ``B n``: the same, polling a
+    non-blocking recv without ever sleeping (the floor for two ends that poll, Note [spin
+    before sleeping] in djinn/transport/spin.py). ``S n``: receive n bytes with
     ``recv_into`` (into one warm buffer of min(n, SINK_RING) bytes, reused round-robin, so
     a 1 GiB stream does not cost the peer 1 GiB of memory), then ack one byte.
     """
@@ -60,6 +68,10 @@ def peer_main(transport: str, where: str) -> int:
                     sock.sendall(ping)
             elif cmd == b"E":
                 _echo_selected(sock, ping, arg)
+            elif cmd == b"B":
+                for _ in range(arg):
+                    recv_exact(sock, ping, polling=True)
+                    sock.sendall(ping)
             elif cmd == b"S":
                 if len(ring) < min(arg, SINK_RING):
                     ring.release()
@@ -127,17 +139,20 @@ class Peer:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ack = memoryview(bytearray(1))
 
-    def ping_pong(self, iterations: int, warmup: int, selected: bool = False) -> list[int]:
+    def ping_pong(
+        self, iterations: int, warmup: int, selected: bool = False, polling: bool = False
+    ) -> list[int]:
         """Round trips of PING_BYTES, the peer blocking in recv or, ``selected``, waiting
-        in an epoll selector first."""
+        in an epoll selector first; ``polling``: both ends poll and never sleep."""
         msg = memoryview(bytes(range(PING_BYTES)))
         back = memoryview(bytearray(PING_BYTES))
-        self.sock.sendall(_CMD.pack(b"E" if selected else b"P", warmup + iterations))
+        cmd = b"B" if polling else b"E" if selected else b"P"
+        self.sock.sendall(_CMD.pack(cmd, warmup + iterations))
         samples: list[int] = []
         for i in range(warmup + iterations):
             t0 = clock()
             self.sock.sendall(msg)
-            recv_exact(self.sock, back)
+            recv_exact(self.sock, back, polling)
             t1 = clock()
             if i >= warmup:
                 samples.append(t1 - t0)

@@ -11,6 +11,9 @@ from _common import TRANSPORTS, fmt_bytes
 # Design targets and a quoted (not measured) peer, printed as reference lines.
 TARGET_ARENA_VS_MEMCPY = 0.5  # arena bulk put+get >= 0.5x memcpy
 TARGET_TINY_UNIX_P50_US = 100.0  # tiny round trip over unix, p50
+TARGET_BARE_VS_RAW = 2.0  # issue 11: a HEARTBEAT <= 2x the raw (blocking) ping-pong
+TARGET_TINY_VS_RAW = 4.0  # issue 11: a tiny put+get <= 4x the raw ping-pong
+TARGET_MIB_VS_MEMCPY = 0.3  # issue 11: 1 MiB put+get >= 0.3x memcpy
 RPC_TINY_P50_US = 330.0  # torch.distributed.rpc, tiny round trip p50 (quoted)
 RPC_BULK_GBPS = 1.5  # torch.distributed.rpc bulk, upper bound (quoted)
 
@@ -63,8 +66,10 @@ def render(doc: dict[str, Any]) -> str:
                 f"{c['p50_us']:.1f}",
                 f"{c['p99_us']:.1f}",
                 f"{tiny['selected_ping_pong'][transport]['p50_us']:.1f}",
+                f"{tiny['polling_ping_pong'][transport]['p50_us']:.1f}",
                 f"{d['heartbeat']['p50_us'] / c['p50_us']:.1f}x",
                 f"{tiny['roundtrip_vs_ping_pong'][transport]:.1f}x",
+                f"{d['roundtrip']['p50_us'] / tiny['polling_ping_pong'][transport]['p50_us']:.1f}x",
             ]
         )
     headers = [
@@ -77,8 +82,10 @@ def render(doc: dict[str, Any]) -> str:
         "raw ping-pong p50",
         "raw p99",
         "selector ping-pong p50",
+        "polling ping-pong p50",
         "HEARTBEAT / raw",
         "put+get / raw",
+        "put+get / polling",
     ]
     out.append(md_table(headers, rows))
     out.append("")
@@ -86,7 +93,10 @@ def render(doc: dict[str, Any]) -> str:
         "Raw ping-pong: 64-byte message between two processes, blocking recv "
         "(unix = socketpair, tcp = loopback, TCP_NODELAY). Selector ping-pong: the same, "
         "the echoing peer waiting in epoll on a non-blocking socket first, as a server of "
-        "many sessions (the worker) must. A put+get is two requests."
+        "many sessions (the worker) must. Polling ping-pong: both ends poll a non-blocking "
+        "recv and never sleep, as a client and worker that spin before sleeping do while "
+        "answers come quickly (Note [spin before sleeping]; client_spin_us, "
+        "worker_spin_us). A put+get is two requests."
     )
     out.append("")
     out.append("## Bulk put+get, GB/s (1e9 B/s): best of reps (median); ratios use best-of put+get")
@@ -171,7 +181,38 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": v >= TARGET_ARENA_VS_MEMCPY,
             }
         )
-    p50 = doc["tiny"]["djinn"]["unix"]["roundtrip"]["p50_us"]
+    tiny = doc["tiny"]
+    for transport in TRANSPORTS:
+        raw = tiny["raw_ping_pong"][transport]["p50_us"]
+        beat = tiny["djinn"][transport]["heartbeat"]["p50_us"] / raw
+        both = tiny["roundtrip_vs_ping_pong"][transport]
+        checks.append(
+            {
+                "target": f"issue 11: a bare request (HEARTBEAT) <= {TARGET_BARE_VS_RAW:g}x "
+                f"raw ping-pong ({transport})",
+                "measured": f"{beat:.2f}x",
+                "met": beat <= TARGET_BARE_VS_RAW,
+            }
+        )
+        checks.append(
+            {
+                "target": f"issue 11: tiny put+get <= {TARGET_TINY_VS_RAW:g}x raw ping-pong "
+                f"({transport})",
+                "measured": f"{both:.2f}x",
+                "met": both <= TARGET_TINY_VS_RAW,
+            }
+        )
+    small = [item for item in doc["bulk"] if item["bytes"] == 1 << 20]
+    for item in small:
+        v = item["djinn"]["unix"]["vs_memcpy"]
+        checks.append(
+            {
+                "target": f"issue 11: 1 MiB put+get >= {TARGET_MIB_VS_MEMCPY:g}x memcpy (unix)",
+                "measured": f"{v:.3f}x",
+                "met": v >= TARGET_MIB_VS_MEMCPY,
+            }
+        )
+    p50 = tiny["djinn"]["unix"]["roundtrip"]["p50_us"]
     checks.append(
         {
             "target": f"tiny round trip <= {TARGET_TINY_UNIX_P50_US:.0f} µs p50 over unix",

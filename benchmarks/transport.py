@@ -104,6 +104,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         t: latency(p.ping_pong(iterations, warmup, selected=True))
                         for t, p in raw.items()
                     }
+                    # both ends polling, never sleeping: the floor for a client and a
+                    # worker that poll before they sleep (Note [spin before sleeping])
+                    tiny["polling_ping_pong"] = {
+                        t: latency(p.ping_pong(iterations, warmup, polling=True))
+                        for t, p in raw.items()
+                    }
                     tiny["roundtrip_vs_ping_pong"] = {
                         t: ratio(
                             tiny["djinn"][t]["roundtrip"]["p50_us"],

@@ -401,3 +401,26 @@ def test_prometheus_has_the_batches_and_the_session_shares():
     assert samples[key] == 0.4
     key = ("djinn_tenant_exec_seconds_total", (("tenant", "token:alice"), ("worker", "0")))
     assert samples[key] == 1.5
+
+
+def test_a_request_run_at_once_is_charged_and_counted_as_its_slice():
+    """Note [immediate requests]: a put or get the worker ran without queueing (nothing
+    else was queued) counts in the tenants' and sessions' shares and the events as the
+    one slice the queue would have given it."""
+    clock = Clock()
+    sched = Scheduler(SemanticScheduler(), clock=clock)
+    a = FakeSession("a")
+    b = FakeSession("b", peer="unix:pid=2,uid=2000")
+    began = clock.now
+    clock.now += 0.25
+    sched.ran_alone(a, began)
+    log: list = []
+    sched.submit(b, frame(Kind.EXEC), {"kind": "EXEC", "nodes": 500})
+    run_all(sched, {"b": graph(clock, log, "b", 1, 0.25)}, [])
+    rows = sched.session_stats()
+    assert (rows["a"]["exec_s"], rows["b"]["exec_s"]) == pytest.approx((0.25, 0.25))
+    assert rows["a"]["exec_share"] == pytest.approx(0.5, abs=0.01)
+    stats = sched.stats()
+    assert (stats["completed"], stats["slices"]) == (2, 2)
+    assert stats["longest_slice_s"] == pytest.approx(0.25)
+    assert stats["tenants"]["uid:1000"]["exec_s"] == pytest.approx(0.25)
