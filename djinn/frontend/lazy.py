@@ -217,9 +217,20 @@ _values_matter_of: dict[Any, bool] = {}  # per op: capture is a hot path, tags a
 def _values_matter(func: Any) -> bool:
     matter = _values_matter_of.get(func)
     if matter is None:
-        matter = torch.Tag.pointwise not in getattr(func, "tags", ())
+        pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
+        matter = not pointwise and not _foreach(func)
         _values_matter_of[func] = matter
     return matter
+
+
+def _foreach(func: Any) -> bool:
+    """A ``_foreach_*`` op: each output is the pointwise op's on the tensors at its
+    position, so its metadata is theirs too, whatever the scalars' values (Note [pointwise
+    keys]). PyTorch tags the pointwise ops, not their foreach forms: an ``Adam(foreach=
+    True)`` step's bias corrections, new Python floats in a ScalarList every step, missed
+    the cache each step, and inferring a foreach op over 22 tensors on meta took ms."""
+    name = getattr(func, "__name__", "")
+    return name.startswith("_foreach_")
 
 
 class _Args:

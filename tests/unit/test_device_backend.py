@@ -67,3 +67,23 @@ def test_a_pointwise_op_keys_its_scalars_by_kind_and_a_shape_op_by_value():
     for step in (0.5, 0.25, 1.0):
         n = int(4 / step)
         assert torch.arange(0, 4, step, device="remote_accelerator:0").shape == (n,)
+
+
+def test_a_foreach_op_keys_its_scalar_lists_by_kind():
+    """Note [pointwise keys] for the ``_foreach_*`` forms, which PyTorch does not tag
+    pointwise: Adam(foreach=True)'s per-step bias corrections (a new ScalarList each step)
+    reuse one cache entry, and an integer list's results keep their dtype."""
+    from djinn.frontend import meta
+
+    xs = [torch.empty(3, 4, device="remote_accelerator:0") for _ in range(3)]
+    ints = [torch.empty(2, dtype=torch.long, device="remote_accelerator:0") for _ in range(2)]
+    torch._foreach_div_(xs, [1.5, 2.5, 3.5])
+    outs = torch._foreach_mul(xs, [0.5, 0.25, 0.125])
+    size = meta.cache_size()
+    for step in range(2, 12):
+        torch._foreach_div_(xs, [1.0 - 0.9**step] * 3)
+        outs = torch._foreach_mul(xs, [step / 3.0] * 3)
+    assert meta.cache_size() == size
+    assert [(o.shape, o.dtype) for o in outs] == [((3, 4), torch.float32)] * 3
+    assert [o.dtype for o in torch._foreach_mul(ints, [2, 3])] == [torch.long] * 2
+    assert [o.dtype for o in torch._foreach_mul(ints, [2.5, 3.5])] == [torch.float32] * 2
