@@ -34,6 +34,8 @@ class Channel:
         self.sock = address.open()
         self.reader = FrameReader(self.sock, authenticated=True)
         self.spin = Spin(spin_us)  # Note [spin before sleeping] (djinn/transport/spin.py)
+        # used under the lock only: a poll object refuses a second poll() while one runs
+        # (the heartbeat thread asks reply_waiting without the lock, with its own)
         self._poller = select.poll()
         self._poller.register(self.sock, select.POLLIN)
         self.lock = threading.Lock()
@@ -88,9 +90,15 @@ class Channel:
         if self.reader.buffered():
             return True
         try:
-            return bool(self._poller.poll(0))
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            return bool(poller.poll(0))
         except (OSError, ValueError):  # closed under us: the next request says so
             return False
+
+    def _readable(self) -> bool:
+        """``reply_waiting`` for the thread holding the lock, with the channel's poller."""
+        return bool(self.reader.buffered() or self._poller.poll(0))
 
     def receive(self, rid: int) -> Frame:
         """The reply to ``send``'s request ``rid`` (its error raised)."""
@@ -162,9 +170,11 @@ class Channel:
     def _await_reply(self, kind: Kind) -> None:
         """Until the reply's first bytes are here: polling a moment, then sleeping (Note
         [spin before sleeping]). How long it took decides whether the next such wait
-        polls."""
+        polls. A reply already here (a flight's, read later) says nothing of that."""
+        if self._readable():
+            return
         t0 = time.perf_counter()
-        if not self.spin.poll(self.reply_waiting, kind):
+        if not self.spin.poll(self._readable, kind):
             timeout = self.sock.gettimeout()  # Note [client timeouts]
             if not self._poller.poll(None if timeout is None else timeout * 1000):
                 raise TimeoutError(f"no reply for {timeout:g} s")

@@ -98,3 +98,47 @@ def test_a_client_waiting_on_a_silent_appliance_still_times_out(tmp_path):
         for s in held:
             s.close()
         server.close()
+
+
+def test_the_heartbeat_threads_check_never_collides_with_a_waiting_call(tmp_path):
+    """The heartbeat thread asks ``reply_waiting`` without the channel's lock while a call
+    may be waiting for its reply: a poll object shared between them raised "concurrent
+    poll() invocation" in one of the two (a dead heartbeat thread, or a reply left unread
+    and the next one taken for it)."""
+    path = str(tmp_path / "silent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    held: list[socket.socket] = []
+    accepting = threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True)
+    accepting.start()
+    ch = Channel(parse_address(f"unix://{path}"), Unavailable, spin_us=200)
+    failures: list[BaseException] = []
+    ended: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            ch.call(Kind.HEARTBEAT)
+        except BaseException as exc:
+            ended.append(exc)
+
+    try:
+        ch.sock.settimeout(1.0)
+        waiting = threading.Thread(target=call, daemon=True)
+        waiting.start()
+        while waiting.is_alive():
+            try:
+                assert ch.reply_waiting() is False
+            except BaseException as exc:
+                failures.append(exc)
+                break
+            time.sleep(0.001)
+        waiting.join(10)
+        assert not failures
+        assert len(ended) == 1 and isinstance(ended[0], Unavailable)  # its own timeout
+    finally:
+        ch.close()
+        accepting.join(5)
+        for s in held:
+            s.close()
+        server.close()
