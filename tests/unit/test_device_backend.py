@@ -87,3 +87,20 @@ def test_a_foreach_op_keys_its_scalar_lists_by_kind():
     assert [(o.shape, o.dtype) for o in outs] == [((3, 4), torch.float32)] * 3
     assert [o.dtype for o in torch._foreach_mul(ints, [2, 3])] == [torch.long] * 2
     assert [o.dtype for o in torch._foreach_mul(ints, [2.5, 3.5])] == [torch.float32] * 2
+
+
+def test_an_op_that_returns_nothing_is_inferred_once(monkeypatch):
+    """An in-place foreach op's spec is None: it must still count as cached, not be
+    inferred on meta again at every capture."""
+    from djinn.frontend import meta
+
+    xs = [torch.empty(3, 4, device="remote_accelerator:0") for _ in range(3)]
+    ys = [torch.empty(3, 4, device="remote_accelerator:0") for _ in range(3)]
+    torch._foreach_addcdiv_(xs, ys, ys, [0.5, 0.25, 0.125])
+    ran: list[object] = []
+    real = meta._spec
+    monkeypatch.setattr(meta, "_spec", lambda out, flat: ran.append(out) or real(out, flat))
+    for step in range(5):
+        torch._foreach_addcdiv_(xs, ys, ys, [step / 3.0] * 3)
+        torch._foreach_lerp_(xs, ys, 0.1 * step)
+    assert ran == [None]  # the lerp, once; the addcdiv not at all
