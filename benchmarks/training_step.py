@@ -70,7 +70,9 @@ OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "capturable": lambda ps: torch.optim.Adam(ps, lr=1e-3, capturable=True),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "foreach": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
 }
+REPLAYED = ("adam", "capturable", "sgd")  # the optimizers of the replay table
 REPLAYS: list[dict] = []  # each replayed loop's stats(), for the report
 
 
@@ -173,8 +175,10 @@ def main() -> int:
         replay_diffs: dict[str, float] = {}
         for app in (planned, uncompiled):
             with using(app.unix):
-                for optimizer in OPTIMIZERS:
+                for optimizer in REPLAYED:
                     loop(model, batches[:4], R, optimizer, replay=True)  # warm
+        with using(planned.unix):
+            loop(model, batches[:2], R, "foreach")  # warm
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
@@ -201,6 +205,13 @@ def main() -> int:
                 took, other = loop(model, batches, R)
             all_s.append(took)
             all_diffs.append(max_diff(other, want))
+            took, foreach_want = loop(model, batches, "cpu", "foreach")
+            rows.setdefault("foreach local", []).append(took)
+            with using(planned.unix):
+                took, other = loop(model, batches, R, "foreach")
+            rows.setdefault("foreach", []).append(took)
+            foreach_diff = max_diff(other, foreach_want)
+            replay_diffs["foreach"] = max(replay_diffs.get("foreach", 0.0), foreach_diff)
             with using(planned.unix):
                 took, other = loop(model, batches, R, "adam", replay=True)
                 rows.setdefault("adam", []).append(took)
@@ -231,6 +242,7 @@ def main() -> int:
     local, remote = statistics.median(local_s), statistics.median(remote_s)
     interp, every = statistics.median(interp_s), statistics.median(all_s)
     spin, plan = statistics.median(spin_s), statistics.median(plan_s)
+    med = {k: statistics.median(v) for k, v in rows.items()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     _, other = loop(model, batches, "cpu")
@@ -251,9 +263,12 @@ def main() -> int:
           "bit-identical to the first row", ""],
          ["same, a graph sent without waiting on a thread fewer (cpu_threads_beside_client"
           " = true)", f"{local:.3f}", f"{every:.3f}", f"{every / local:.2f}x",
-          f"{max(all_diffs):.1e}", ""]],
+          f"{max(all_diffs):.1e}", ""],
+         ["Adam(foreach=True), vs local eager Adam(foreach=True)",
+          f"{med['foreach local']:.3f}", f"{med['foreach']:.3f}",
+          f"{med['foreach'] / med['foreach local']:.2f}x", f"{replay_diffs['foreach']:.1e}",
+          ""]],
     ))  # fmt: skip
-    med = {k: statistics.median(v) for k, v in rows.items()}
     last = {r["optimizer"]: r for r in REPLAYS}
     print()
     print(md_table(
@@ -286,7 +301,7 @@ def main() -> int:
                "plans": plans, "max_param_diff": max(diffs),
                "local_threads_diff": floor,
                "replay_s": rows, "replay_max_param_diff": replay_diffs,
-               "replay_stats": REPLAYS[-len(OPTIMIZERS):],
+               "replay_stats": REPLAYS[-len(REPLAYED):],
                "args": vars(args), "torch": torch.__version__}, args.json)  # fmt: skip
     return 0
 
