@@ -74,9 +74,9 @@ def test_a_slow_answer_turns_spinning_off_for_its_key_until_a_quick_one(two_core
     assert s.poll(ready, "EXEC") == ["x"]
 
 
-def test_a_client_waiting_on_a_silent_appliance_still_times_out(tmp_path):
-    """The poll that replaces the blocking read keeps Note [client timeouts]: a reply that
-    never comes ends the call with the connection-lost error, not a hang."""
+@pytest.fixture
+def silent_channel(tmp_path):
+    """A client channel (spinning) to a Unix socket that accepts and never answers."""
     path = str(tmp_path / "silent.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
@@ -86,12 +86,7 @@ def test_a_client_waiting_on_a_silent_appliance_still_times_out(tmp_path):
     accepting.start()
     ch = Channel(parse_address(f"unix://{path}"), Unavailable, spin_us=200)
     try:
-        ch.sock.settimeout(0.3)
-        t0 = time.perf_counter()
-        with pytest.raises(Unavailable, match=r"no reply for 0\.3 s"):
-            ch.call(Kind.HEARTBEAT)
-        assert time.perf_counter() - t0 < 30  # gave up; did not wait forever
-        assert ch.closed
+        yield ch
     finally:
         ch.close()
         accepting.join(5)
@@ -100,19 +95,24 @@ def test_a_client_waiting_on_a_silent_appliance_still_times_out(tmp_path):
         server.close()
 
 
-def test_the_heartbeat_threads_check_never_collides_with_a_waiting_call(tmp_path):
+def test_a_client_waiting_on_a_silent_appliance_still_times_out(silent_channel):
+    """The poll that replaces the blocking read keeps Note [client timeouts]: a reply that
+    never comes ends the call with the connection-lost error, not a hang."""
+    ch = silent_channel
+    ch.sock.settimeout(0.3)
+    t0 = time.perf_counter()
+    with pytest.raises(Unavailable, match=r"no reply for 0\.3 s"):
+        ch.call(Kind.HEARTBEAT)
+    assert time.perf_counter() - t0 < 30  # gave up; did not wait forever
+    assert ch.closed
+
+
+def test_the_heartbeat_threads_check_never_collides_with_a_waiting_call(silent_channel):
     """The heartbeat thread asks ``reply_waiting`` without the channel's lock while a call
     may be waiting for its reply: a poll object shared between them raised "concurrent
     poll() invocation" in one of the two (a dead heartbeat thread, or a reply left unread
     and the next one taken for it)."""
-    path = str(tmp_path / "silent.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    held: list[socket.socket] = []
-    accepting = threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True)
-    accepting.start()
-    ch = Channel(parse_address(f"unix://{path}"), Unavailable, spin_us=200)
+    ch = silent_channel
     failures: list[BaseException] = []
     ended: list[BaseException] = []
 
@@ -122,23 +122,16 @@ def test_the_heartbeat_threads_check_never_collides_with_a_waiting_call(tmp_path
         except BaseException as exc:
             ended.append(exc)
 
-    try:
-        ch.sock.settimeout(1.0)
-        waiting = threading.Thread(target=call, daemon=True)
-        waiting.start()
-        while waiting.is_alive():
-            try:
-                assert ch.reply_waiting() is False
-            except BaseException as exc:
-                failures.append(exc)
-                break
-            time.sleep(0.001)
-        waiting.join(10)
-        assert not failures
-        assert len(ended) == 1 and isinstance(ended[0], Unavailable)  # its own timeout
-    finally:
-        ch.close()
-        accepting.join(5)
-        for s in held:
-            s.close()
-        server.close()
+    ch.sock.settimeout(1.0)
+    waiting = threading.Thread(target=call, daemon=True)
+    waiting.start()
+    while waiting.is_alive():
+        try:
+            assert ch.reply_waiting() is False
+        except BaseException as exc:
+            failures.append(exc)
+            break
+        time.sleep(0.001)
+    waiting.join(10)
+    assert not failures
+    assert len(ended) == 1 and isinstance(ended[0], Unavailable)  # its own timeout
