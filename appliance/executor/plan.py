@@ -331,8 +331,11 @@ class GraphPlans:
         if recording is None or run.failed is not None or len(recording) != len(tpl["nodes"]):
             return None  # it failed part-way: the next run records again
         why = None
-        if any(meta is None for _op, _need, meta in recording):
-            why = "an op without a meta kernel"  # data-dependent sizes: never plannable
+        # need < 0 marks an op without a meta kernel (GraphRun._check); a meta output of
+        # None is an op that returns nothing (an in-place _foreach_ op), and plannable
+        metaless = sorted({str(op) for op, need, _meta in recording if need < 0})
+        if metaless:  # data-dependent sizes: never plannable
+            why = "an op without a meta kernel: " + ", ".join(metaless[:3])
         elif _names_handle(tpl):
             # Note [graph plans]: a handle the template kept as it is (one with more keys
             # than "$h") is a constant of the template, so its tensor's shape is in no

@@ -487,3 +487,34 @@ def test_a_plan_whose_source_would_be_too_long_is_refused_before_it_is_written(m
     plan, fp = _chain_plan(40, plans)
     assert [plans.runner(plan, fp, CPU) for _ in range(3)] == [PlanRun] * 3
     assert plans.stats()["uncompiled"] == 1
+
+
+@RUNNERS
+def test_an_in_place_foreach_step_is_planned_and_gives_the_interpreters_bits(runner):
+    """An op that returns nothing (``_foreach_addcdiv_``) has the meta output None; the
+    recording read that as "no meta kernel" and refused every Adam(foreach=True) step."""
+
+    def step(lr: float):
+        ws, gs = [{"$h": "w0"}, {"$h": "w1"}], [{"$h": "g0"}, {"$h": "g1"}]
+        return body_of(
+            [
+                {"op": "aten::_foreach_mul_.Scalar", "args": [gs, 0.9]},
+                {"op": "aten::_foreach_addcdiv_.ScalarList", "args": [ws, gs, gs, [lr, lr]]},
+                {"op": "aten::_foreach_sqrt.default", "args": [ws]},
+            ],
+            keep=[{"$v": 2, "i": 0}],
+            fetch=[{"$h": "w0"}, {"$h": "w1"}],
+        )
+
+    def fresh():
+        torch.manual_seed(0)
+        return Session(w0=torch.rand(3, 4) + 1, w1=torch.rand(5) + 1, g0=torch.randn(3, 4),
+                       g1=torch.randn(5))  # fmt: skip
+
+    plans, stack = GraphPlans(after=1), stack_of()
+    _, plan, _ = interpreted(step(0.01), fresh(), stack, plans)
+    assert plan is not None and plans.refused == 0
+    want, _, _ = interpreted(step(0.02), fresh(), stack)
+    got, _ = planned(step(0.02), fresh(), stack, plans, runner=runner)
+    for a, b in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
+        assert torch.equal(a, b)
