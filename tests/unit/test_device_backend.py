@@ -104,3 +104,16 @@ def test_an_op_that_returns_nothing_is_inferred_once(monkeypatch):
         torch._foreach_addcdiv_(xs, ys, ys, [step / 3.0] * 3)
         torch._foreach_lerp_(xs, ys, 0.1 * step)
     assert ran == [None]  # the lerp, once; the addcdiv not at all
+
+
+def test_remote_parameters_get_the_foreach_default_as_on_cuda():
+    """Note [foreach by default]: PyTorch's optimizers and ``clip_grad_norm_`` take their
+    foreach path for parameters of the remote device, as for CUDA's; CPU ones keep theirs."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    remote = [torch.nn.Parameter(torch.empty(2, 3, device="remote_accelerator:0"))]
+    local = [torch.nn.Parameter(torch.empty(2, 3))]
+    assert _default_to_fused_or_foreach(remote, False, False) == (False, True)
+    assert _default_to_fused_or_foreach(local, False, False) == (False, False)
+    assert _has_foreach_support(remote, remote[0].device)

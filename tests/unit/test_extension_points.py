@@ -29,16 +29,23 @@ def test_unregister_gives_pytorch_back_as_it_was():
         from torch._C import _dispatch_has_kernel_for_dispatch_key as has
         import djinn.frontend.extension_points as ep
 
+        import torch.utils._foreach_utils as fu
+        from torch.optim.optimizer import _foreach_supported_types as optim_types
+        from djinn.frontend.lazy import LazyTensor
+
         before = (torch.nn.Module.to, len(torch.serialization._package_registry))
+        types_before = (list(optim_types), list(fu._foreach_supported_types))
         ep.register()
         assert torch.nn.Module.to is before[0]  # Note [module to]: never replaced
         assert has("aten::_to_copy", "PrivateUse1")
         assert len(torch.serialization._package_registry) == before[1] + 1
+        assert LazyTensor in optim_types and LazyTensor in fu._foreach_supported_types
         ep.unregister()
         assert torch.nn.Module.to is before[0]
         assert not has("aten::_to_copy", "PrivateUse1")
         assert not has("aten::mm", "AutocastPrivateUse1")
         assert len(torch.serialization._package_registry) == before[1]
+        assert (list(optim_types), list(fu._foreach_supported_types)) == types_before
         ep.register()  # and again: attachments come back
         assert has("aten::_to_copy", "PrivateUse1")
         print("ok")
