@@ -424,3 +424,31 @@ def test_a_request_run_at_once_is_charged_and_counted_as_its_slice():
     assert (stats["completed"], stats["slices"]) == (2, 2)
     assert stats["longest_slice_s"] == pytest.approx(0.25)
     assert stats["tenants"]["uid:1000"]["exec_s"] == pytest.approx(0.25)
+
+
+def test_one_immediate_request_per_visit_the_rest_wait_for_the_scheduler():
+    """Note [immediate requests]: a session's pipelined puts and gets are not all run at
+    once while the scheduler is empty; one is, the next is queued, so the worker's loop
+    goes back to its other sockets (a client streaming 3,000 GETs held another session's
+    heartbeat 130 ms). Worker.serve on a session whose reader holds three GETs."""
+    from djinn.appliance.worker import Worker
+
+    frames = [SimpleNamespace(kind=Kind.GET, body={}) for _ in range(3)]
+    ran: list = []
+    reader = SimpleNamespace(poll=lambda: frames.pop(0) if frames else None)
+    reader.buffered = lambda: len(frames)
+    session = FakeSession("a")
+    session.reader, session.outbox = reader, b""
+    session.sock = SimpleNamespace(fileno=lambda: 3)
+    session.touch = lambda: None
+    sched = Scheduler(SemanticScheduler(), clock=Clock())
+    worker = SimpleNamespace(
+        scheduler=sched,
+        graphs=SimpleNamespace(size_of=lambda fp: 0),
+        dispatch_steps=lambda s, f: iter(ran.append(f) or ()),
+    )
+    Worker.serve(worker, session)
+    assert len(ran) == 1  # the first ran at once, charged as its slice
+    assert sched.has(session) and len(sched) == 1  # the second waits in the queue
+    assert len(frames) == 1  # the third is not read until the second has run
+    assert sched.stats()["completed"] == 1
