@@ -309,7 +309,7 @@ class Scheduler:
 
     def ran_alone(self, session: Any, began: float) -> None:
         """A request that ran at once, the scheduler holding nothing (Note [immediate
-        requests] in worker.py), since ``began`` (this scheduler's clock): counted and
+        requests] in request_kinds.py), since ``began`` (this scheduler's clock): counted and
         charged as the one slice it would have run in."""
         end = self.clock()
         ran = end - began

@@ -16,7 +16,6 @@ import argparse
 import collections
 import contextlib
 import logging
-import math
 import os
 import selectors
 import signal
@@ -54,6 +53,7 @@ from .handlers import HANDLERS, STEPPED
 from .memtrim import keep_heap_warm, trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
+from .request_kinds import IMMEDIATE, UNSCHEDULED
 from .scheduler import Work, scheduler_from, tenant_of, work_facts
 from .sessions import CLOSED, ENDED, OPEN, WorkerSession
 from .store import TensorStore
@@ -64,24 +64,6 @@ from .vmu.device import DeviceShort, DeviceVMU
 log = logging.getLogger("djinn.appliance.worker")
 
 LOOP_TICK_S = 0.1  # lease sweep and stats push granularity
-# Note [unscheduled heartbeats]: a HEARTBEAT or PING is answered as soon as it is read,
-# not queued for the scheduler. It does no work (its reply is the session's byte count),
-# so there is nothing to order, weigh or charge to a tenant, and its session has no other
-# request in the scheduler (the loop reads no frame of a session that has one). The
-# scheduler's submit, choice and accounting were a third of the worker's CPU time for a
-# heartbeat (benchmarks/transport.py's protocol floor).
-UNSCHEDULED = frozenset({Kind.HEARTBEAT, Kind.PING})
-# Note [immediate requests]: a request that moves bytes and runs no op (a put, a get, a
-# free, a slab lease) runs to its end in one slice however it is scheduled: its handler
-# never yields. So when the scheduler holds no other request there is nothing to order it
-# against, and it runs as soon as it is read, charged to its tenant and session as the
-# one slice it would have been (Scheduler.ran_alone). Queueing it cost the worker about 6
-# µs of a 35 µs tiny GET (submit, facts, choice, generator, accounting). With anything
-# queued it queues too: the policy orders it with the rest. One per visit to a session's
-# socket: the requests a client streams without waiting behind it go to the scheduler,
-# or that client would hold the worker for its whole stream (a review measured another
-# session's heartbeat waiting 130 ms behind 3,000 pipelined GETs).
-IMMEDIATE = frozenset({Kind.PUT, Kind.GET, Kind.FREE, Kind.ALLOC})
 MAX_INLINE_FRAME = 256 << 20  # payload bytes one frame may make the worker buffer privately
 
 
@@ -175,7 +157,9 @@ class Worker:
     def step(self) -> bool:
         # with work scheduled, only look at the sockets between two slices of it
         # (a decode step may be held a moment for others to batch with: wait_s)
-        ready = self.wait(self.scheduler.wait_s() if self.scheduler else LOOP_TICK_S)
+        # Note [spin before sleeping]: polled for a moment first, if the last wait was short
+        timeout = self.scheduler.wait_s() if self.scheduler else LOOP_TICK_S
+        ready = self.spin.select(self.sel, timeout)
         if not ready and not self.scheduler and self._trim_due:  # Note [heap trim]
             self._trim_due = False
             trim_heap()
@@ -206,22 +190,6 @@ class Worker:
         leases.sweep(self)
         worker_stats.push(self)
         return True
-
-    def wait(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
-        """The sockets ready within ``timeout`` seconds: polled for a moment first, if the
-        last wait was as short (Note [spin before sleeping])."""
-        if timeout <= 0 or not self.spin.window:
-            return self.sel.select(timeout)
-        t0 = time.perf_counter()
-        ready = self.spin.poll(self._ready_now, limit=timeout)
-        if not ready:
-            ready = self.sel.select(max(0.0, timeout - (time.perf_counter() - t0)))
-        # nothing within the timeout: no quick answer to expect either
-        self.spin.waited(time.perf_counter() - t0 if ready else math.inf)
-        return ready
-
-    def _ready_now(self) -> list[tuple[selectors.SelectorKey, int]]:
-        return self.sel.select(0)
 
     def on_control(self) -> bool:
         try:

@@ -200,39 +200,6 @@ def spec_of(t: torch.Tensor) -> TensorSpec:
 
 
 # -- capture -------------------------------------------------------------------------------
-# Note [pointwise keys]: the meta cache's key holds the values of an op's scalars and of
-# small local tensors, because some ops' output shapes depend on them (view sizes, arange's
-# bounds, interpolate's scale factors). A pointwise op's output metadata never does: its
-# shape is its tensor operands' broadcast, its dtype follows the scalars' *kinds* (bool,
-# integer, floating, complex), not their values. Keyed by value, an optimizer's step,
-# whose bias corrections are new Python floats every step, added a cache entry per op
-# per step (a 1,000-step Adam loop grew the client by 3.8 MB until the cache's
-# wholesale clear at 65,536 entries). For pointwise ops the key holds the kind alone.
-SCALAR_KINDS = (bool, int, float, complex)
-
-
-_values_matter_of: dict[Any, bool] = {}  # per op: capture is a hot path, tags a list
-
-
-def _values_matter(func: Any) -> bool:
-    matter = _values_matter_of.get(func)
-    if matter is None:
-        pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
-        matter = not pointwise and not _foreach(func)
-        _values_matter_of[func] = matter
-    return matter
-
-
-def _foreach(func: Any) -> bool:
-    """A ``_foreach_*`` op: each output is the pointwise op's on the tensors at its
-    position, so its metadata is theirs too, whatever the scalars' values (Note [pointwise
-    keys]). PyTorch tags the pointwise ops, not their foreach forms: an ``Adam(foreach=
-    True)`` step's bias corrections, new Python floats in a ScalarList every step, missed
-    the cache each step, and inferring a foreach op over 22 tensors on meta took ms."""
-    name = getattr(func, "__name__", "")
-    return name.startswith("_foreach_")
-
-
 class _Args:
     """One pass over an op's arguments: refs for the node, a cache key, meta inputs."""
 
@@ -281,7 +248,7 @@ class _Args:
                 self.key.append(("(", len(x)))
             return [self.ref(v) for v in x]
         if self.key is not None:
-            if not self.by_value and type(x) in SCALAR_KINDS:
+            if not self.by_value and type(x) in meta_mod.SCALAR_KINDS:
                 self.key.append((type(x),))
                 return x
             try:
@@ -379,7 +346,7 @@ def streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
 
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     trace = streamed(current())
-    a = _Args(trace, _values_matter(func))
+    a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
     for k, v in kwargs.items():

@@ -25,7 +25,9 @@ for work:
 
 from __future__ import annotations
 
+import math
 import os
+import selectors
 import time
 from collections.abc import Callable, Hashable
 from typing import TypeVar
@@ -69,6 +71,21 @@ class Spin:
             if time.perf_counter() >= end:
                 return got
             os.sched_yield()
+
+    def select(
+        self, sel: selectors.BaseSelector, timeout: float
+    ) -> list[tuple[selectors.SelectorKey, int]]:
+        """``sel``'s ready keys within ``timeout`` seconds, polled for a moment first if
+        the last such wait was as short (a worker's loop)."""
+        if timeout <= 0 or not self.window:
+            return sel.select(timeout)
+        t0 = time.perf_counter()
+        ready = self.poll(lambda: sel.select(0), limit=timeout)
+        if not ready:
+            ready = sel.select(max(0.0, timeout - (time.perf_counter() - t0)))
+        # nothing within the timeout: no quick answer to expect either
+        self.waited(time.perf_counter() - t0 if ready else math.inf)
+        return ready
 
     def stats(self) -> dict[str, float | int]:
         """The window (0: off) and the waits that polled, and how many of them got their
