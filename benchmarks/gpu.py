@@ -14,9 +14,11 @@ beside its ceiling or peer taken in the same run:
   process and NVML, before and after a model is loaded;
 - **model path**: a GPT-2 (``--layers``) prefill of ``--prefill`` tokens and single decode
   steps (KV cache kept on the appliance), remote against the same model on this GPU;
-- **graph path**: the same GPT-2's forward captured op by op, and a 20-step Adam loop of a
-  small ``nn.TransformerEncoder``, remote against local GPU eager, with the largest
-  difference from local of the logits and of the parameters after the loop.
+- **graph path**: the same GPT-2's forward captured op by op and replayed by
+  ``djinn.replayable``, and a 20-step Adam loop of a small ``nn.TransformerEncoder``
+  (captured; and ``Adam(capturable=True)`` replayed), remote against local GPU eager, with
+  the largest difference from local of the logits and of the parameters after the loop
+  (the captured loop also against a local loop whose attention is the math kernel's).
 
     python benchmarks/gpu.py                 # GPT-2 small
     python benchmarks/gpu.py --layers 48 --width 1600 --heads 25   # GPT-2 XL's shape
@@ -190,27 +192,47 @@ def model_path(local: torch.nn.Module, vocab: int, prefill: int, steps: int,
     }
 
 
-def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int) -> dict:
-    """The forward captured op by op (moved in training mode, so not registered)."""
+def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
+                  client: Any) -> dict:  # fmt: skip
+    """The forward captured op by op (moved in training mode, so not registered), and the
+    same forward replayed by ``djinn.replayable`` (no op captured; the worker runs the kept
+    graph by its plan, compiled after ``graph_compile_after`` runs), each against this GPU
+    in the same rounds."""
+    import djinn
+
     remote = copy.deepcopy(local).cpu().train().to(R).eval()
     assert getattr(remote, "_djinn", None) is None, "expected the graph path"
     ids = torch.randint(0, vocab, (1, tokens))
     rids, gids = ids.to(R), ids.cuda()
     gpu = local.cuda()
+    replayed = djinn.replayable(lambda x: remote(x).logits)
     with torch.no_grad():
         remote(rids).logits.cpu()
         gpu(gids).logits.cpu()  # warm both
+        for _ in range(replayed.after + 3):  # recorded, confirmed, replayed, compiled
+            replayed(rids).cpu()
         rounds = [
-            (timed(lambda: remote(rids).logits.cpu()), timed(lambda: gpu(gids).logits.cpu()))
+            (
+                timed(lambda: remote(rids).logits.cpu()),
+                timed(lambda: gpu(gids).logits.cpu()),
+                timed(lambda: replayed(rids).cpu()),
+            )
             for _ in range(repeat)
         ]
-        diff = (remote(rids).logits.cpu() - gpu(gids).logits.cpu()).abs().max().item()
-    r, g = statistics.median(x[0] for x in rounds), statistics.median(x[1] for x in rounds)
+        want = gpu(gids).logits.cpu()
+        diff = (remote(rids).logits.cpu() - want).abs().max().item()
+        replay_diff = (replayed(rids).cpu() - want).abs().max().item()
+    r, g, p = (statistics.median(x[i] for x in rounds) for i in range(3))
     return {
         "tokens": tokens,
         "ms": [round(r * 1e3, 2), round(g * 1e3, 2)],
         "ratio": round(r / g, 3),
         "max_abs_diff_logits": diff,
+        "replayed_ms": round(p * 1e3, 2),
+        "replayed_ratio": round(p / g, 3),
+        "replayed_max_abs_diff_logits": replay_diff,
+        "replay": replayed.stats(),
+        "plans": client.stats()["scheduler"][0]["graph_plans"],
     }
 
 
@@ -224,38 +246,60 @@ def training_batches(steps: int) -> tuple[torch.nn.Module, list]:
     return model, batches
 
 
+LOCAL_LOOPS = {  # name: (optimizer, attention kernels of the local loop or None for any)
+    "adam": ("adam", None),
+    "adam_math": ("adam", "math"),
+    "capturable": ("capturable", None),
+}
+
+
 def local_training_child(repeat: int, steps: int, out: str) -> int:
-    """The local GPU eager loop, in a process that never imported djinn: once a PrivateUse1
+    """The local GPU eager loops, in a process that never imported djinn: once a PrivateUse1
     device is registered, PyTorch routes every CUDA backward's stream bookkeeping to it and
     the engine asserts (``opt_ready_stream && opt_parent_stream``, pytorch#161129), so a
-    process that imported djinn cannot train on its local GPU (seen on an H200)."""
+    process that imported djinn cannot train on its local GPU (seen on an H200).
+
+    ``adam_math`` is the default loop with attention restricted to the math kernel: the
+    remote device captures attention as the math kernel's ops, while local CUDA eager
+    picks a fused kernel for float32, so the two are compared to tell a kernel choice from
+    a wrong number."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from training_step import loop
 
     model, batches = training_batches(steps)
-    loop(model, batches[:2], "cuda")  # warm
-    times, params = [], []
-    for _ in range(repeat):
-        took, params = loop(model, batches, "cuda")
-        times.append(took)
-    torch.save({"times": times, "params": params}, out)
+    result = {}
+    for name, (optimizer, kernels) in LOCAL_LOOPS.items():
+        scope = sdpa_kernel(SDPBackend.MATH) if kernels else contextlib.nullcontext()
+        with scope:
+            loop(model, batches[:2], "cuda", optimizer)  # warm
+            times, params = [], []
+            for _ in range(repeat):
+                took, params = loop(model, batches, "cuda", optimizer)
+                times.append(took)
+        result[name] = {"times": times, "params": params}
+    torch.save(result, out)
     return 0
 
 
 def training(repeat: int, steps: int = 20) -> dict[str, Any]:
-    """training_step.py's loop (Adam, a 2-layer encoder of width 64), remote and on this
-    GPU in a child process (``local_training_child``); the parameters after the loop
-    compared (a GPU's kernels round differently from a CPU's, so local GPU eager is the
-    reference here)."""
+    """training_step.py's loop (a 2-layer encoder of width 64), remote and on this GPU in a
+    child process (``local_training_child``); the parameters after the loop compared (a
+    GPU's kernels round differently from a CPU's, so local GPU eager is the reference
+    here). Two remote loops: Adam captured step by step, and ``Adam(capturable=True)``
+    replayed by ``djinn.replayable`` (issue 11's training target)."""
     import subprocess
 
     from training_step import loop
 
     model, batches = training_batches(steps)
-    loop(model, batches[:2], R)  # warm
-    remote_s, got = [], []
-    for _ in range(repeat):
-        took, got = loop(model, batches, R)
-        remote_s.append(took)
+    remote: dict[str, tuple[list[float], list[torch.Tensor]]] = {}
+    for name, optimizer, replay in (("adam", "adam", False), ("capturable", "capturable", True)):
+        loop(model, batches[:2], R, optimizer)  # warm
+        times, got = [], []
+        for _ in range(repeat):
+            took, got = loop(model, batches, R, optimizer, replay=replay)
+            times.append(took)
+        remote[name] = (times, got)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "local.pt")
         subprocess.run(
@@ -263,12 +307,21 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
             check=True, timeout=150,
         )  # fmt: skip
         local = torch.load(out)  # this benchmark's own child wrote it
-    r, g = statistics.median(remote_s), statistics.median(local["times"])
+    med = statistics.median
+    r, g = med(remote["adam"][0]), med(local["adam"]["times"])
+    rc, gc = med(remote["capturable"][0]), med(local["capturable"]["times"])
     return {
         "steps": steps,
         "s": [round(r, 3), round(g, 3)],
         "ratio": round(r / g, 3),
-        "max_param_diff": max_diff(got, local["params"]),
+        "max_param_diff": max_diff(remote["adam"][1], local["adam"]["params"]),
+        "max_param_diff_math_attention": max_diff(remote["adam"][1], local["adam_math"]["params"]),
+        "local_math_attention_s": round(med(local["adam_math"]["times"]), 3),
+        "replayed_capturable_s": [round(rc, 3), round(gc, 3)],
+        "replayed_capturable_ratio": round(rc / gc, 3),
+        "replayed_capturable_max_param_diff": max_diff(
+            remote["capturable"][1], local["capturable"]["params"]
+        ),
         "local_in": "a child process without djinn (pytorch#161129)",
     }
 
@@ -330,7 +383,7 @@ def main() -> int:
             ("model_path", model_section),
             ("vmu_loaded", lambda: vmu_figures(client)),
             ("graph_forward", lambda: graph_forward(local, cfg.vocab_size, args.tokens,
-                                                    args.repeat)),
+                                                    args.repeat, client)),
             ("training", lambda: training(max(1, args.repeat // 2))),
         ]  # fmt: skip
         for name, section in sections:
@@ -383,10 +436,20 @@ def report(doc: dict[str, Any]) -> None:
         gf = doc["graph_forward"]
         print(f"| graph path: forward, {gf['tokens']} tokens | {gf['ms'][0]} | {gf['ms'][1]} | "
               f"{gf['ratio']} | {gf['max_abs_diff_logits']:.1e} |")  # fmt: skip
+        print(f"| graph path: the same forward replayed | {gf['replayed_ms']} | {gf['ms'][1]} "
+              f"| {gf['replayed_ratio']} | {gf['replayed_max_abs_diff_logits']:.1e} |")  # fmt: skip
     if ok("training"):
         tr = doc["training"]
         print(f"| graph path: {tr['steps']}-step Adam loop (s) | {tr['s'][0]} | {tr['s'][1]} | "
-              f"{tr['ratio']} | {tr['max_param_diff']:.1e} (params) |")  # fmt: skip
+              f"{tr['ratio']} | {tr['max_param_diff']:.1e} (params; "
+              f"{tr['max_param_diff_math_attention']:.1e} against local with math "
+              f"attention, {tr['local_math_attention_s']} s) |")  # fmt: skip
+        rc = tr["replayed_capturable_s"]
+        print(f"| graph path: the same, `Adam(capturable=True)` replayed (s) | {rc[0]} | "
+              f"{rc[1]} | {tr['replayed_capturable_ratio']} | "
+              f"{tr['replayed_capturable_max_param_diff']:.1e} (params) |")  # fmt: skip
+    if ok("graph_forward"):
+        print(f"\nworker 0's plans: {doc['graph_forward']['plans']}")
     if ok("model_path"):
         print(f"\nregistration of the model: {doc['model_path']['register_s']} s")
     print("\n| VMU | before load | after load |")

@@ -2,8 +2,9 @@
 # A lent GPU's checks in one command (issue 14), for the device machine's image, whose
 # python3 already holds a CUDA build of torch: install Djinn and the wheels it lacks
 # there (carried in .whl/, README "GPU checks"), then the gpu-marked tests, the GPU
-# benchmark and the transport benchmark. Each step has its own time limit so that a hang
-# costs one step, and every log lands in $OUT (or /tmp/gpu_check).
+# benchmark, the transport benchmark and test_failures_stay_local.py on GPU workers. Each
+# step has its own time limit so that a hang costs one step, and every log lands in $OUT
+# (or /tmp/gpu_check).
 #
 #     bash benchmarks/gpu_check.sh [pytest args for an extra test run]
 #     SKIP="transport" bash benchmarks/gpu_check.sh   # steps named in SKIP are left out
@@ -33,6 +34,9 @@ step gpu_tests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --timeou
     tests/integration/test_gpu.py tests/unit/test_tiers.py
 step gpu_bench 200 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
 step transport 120 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
+# one failed op breaks nothing else, on GPU workers: a bad index answered without a restart
+DJINN_TEST_GPUS=auto step failures_on_gpu 150 python3 -m pytest -p no:cacheprovider -q -rfE \
+    --timeout 120 tests/integration/test_failures_stay_local.py
 if [ $# -gt 0 ]; then
     step extra_tests ${EXTRA_LIMIT:-400} python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 "$@"
 fi

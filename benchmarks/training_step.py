@@ -79,9 +79,9 @@ REPLAYS: list[dict] = []  # each replayed loop's stats(), for the report
 def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
          device: str, optimizer: str = "adam",
          replay: bool = False) -> tuple[float, list[torch.Tensor]]:  # fmt: skip
-    """Train on ``batches`` (moved to ``device``); seconds, and the parameters after."""
-    import djinn
-
+    """Train on ``batches`` (moved to ``device``); seconds, and the parameters after.
+    Djinn is imported only to replay: gpu.py's local CUDA loop runs here in a process that
+    must not import it (pytorch#161129, see gpu.py's ``local_training_child``)."""
     model = copy.deepcopy(model).to(device)
     opt = OPTIMIZERS[optimizer](model.parameters())
     data = [(x.to(device), y.to(device)) for x, y in batches]
@@ -93,7 +93,12 @@ def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
         opt.step()
         return loss.detach()
 
-    run = djinn.replayable(step) if replay else step
+    if replay:
+        import djinn
+
+        run = djinn.replayable(step)
+    else:
+        run = step
     t0 = time.perf_counter()
     for x, y in data:
         run(x, y)

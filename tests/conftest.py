@@ -83,8 +83,10 @@ def start_appliance(tmp: Path, serve_args: tuple[str, ...] = (), **settings) -> 
         "prewarm": False,
         # CPU workers on every host: most tests compare with CPU eager bit for bit (and
         # seeded draws with CPU's generator), which a GPU worker's kernels cannot match;
-        # the CUDA paths have their own gpu-marked tests (tests/integration/test_gpu.py)
-        "gpus": "none",
+        # the CUDA paths have their own gpu-marked tests (tests/integration/test_gpu.py).
+        # DJINN_TEST_GPUS=auto gives them GPU workers on a lent GPU (benchmarks/gpu_check.sh),
+        # for tests whose contract is not CPU's bits (test_failures_stay_local.py)
+        "gpus": os.environ.get("DJINN_TEST_GPUS", "none"),
     }
     values.update(settings)
     lines = []
