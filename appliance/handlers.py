@@ -237,7 +237,7 @@ def _template_run(
         signature = input_signature(tensors)
         plan = w.plans.find(fp, signature, scalars)
         if plan is not None:  # Note [compiled plans]: compiled, or node by node
-            runner = w.plans.runner(plan, fp, device)
+            runner = w.cuda_graphs.runner(plan, w.plans.runner(plan, fp, device), device)
             return runner(plan, fp, body, inputs, tensors, s.tensor, frame.segments, device,
                           stack), None  # fmt: skip
     run = GraphRun(w.graphs.expand(body, tpl), s.tensor, frame.segments, device, stack)

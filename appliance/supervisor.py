@@ -161,6 +161,8 @@ class Supervisor:
                 "prewarm": cfg.prewarm,
                 "graph_plan_after": cfg.graph_plan_after,
                 "graph_compile_after": cfg.graph_compile_after,
+                "cuda_graphs": cfg.cuda_graphs,
+                "cuda_graph_bytes": cfg.cuda_graph_bytes,
                 "worker_spin_us": cfg.worker_spin_us,
             }
             self.workers.append(WorkerHandle(i, device, init))

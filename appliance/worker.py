@@ -46,6 +46,7 @@ from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
 from .executor import threads
+from .executor.cuda_graphs import CudaGraphs
 from .executor.device import open_device
 from .executor.plan import GraphPlans
 from .graphs import GraphTemplates
@@ -129,6 +130,10 @@ class Worker:
             int(init.get("graph_plan_after", 2)),
             compile_after=int(init.get("graph_compile_after", 1)),
         )
+        self.cuda_graphs = CudaGraphs(  # Note [CUDA graphs for plans]
+            bool(init.get("cuda_graphs", True)), int(init.get("cuda_graph_bytes", 1 << 30))
+        )
+        self.plans.dropped = self.cuda_graphs.forget
         self.adopted = 0  # sessions adopted so far: the supervisor's opening rows end here
         self.utilisation = Utilisation(init["device"])
         self.busy = BusyTracker(

@@ -82,6 +82,7 @@ def build(w: Worker, now: float, serving_thread: bool) -> tuple[list[dict], dict
             **w.scheduler.stats(),
             "graph_templates": w.graphs.stats(),
             "graph_plans": w.plans.stats(),  # Note [graph plans]
+            "cuda_graphs": w.cuda_graphs.stats(),  # Note [CUDA graphs for plans]
             "batching": w.batcher.stats.as_dict(),
         },
         "adopted": w.adopted,

@@ -223,6 +223,7 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
         diff = (remote(rids).logits.cpu() - want).abs().max().item()
         replay_diff = (replayed(rids).cpu() - want).abs().max().item()
     r, g, p = (statistics.median(x[i] for x in rounds) for i in range(3))
+    time.sleep(1.5)  # the worker's stats reach the supervisor every worker_stats.STATS_PUSH_S
     return {
         "tokens": tokens,
         "ms": [round(r * 1e3, 2), round(g * 1e3, 2)],
@@ -233,6 +234,7 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
         "replayed_max_abs_diff_logits": replay_diff,
         "replay": replayed.stats(),
         "plans": client.stats()["scheduler"][0]["graph_plans"],
+        "cuda_graphs": client.stats()["scheduler"][0]["cuda_graphs"],
     }
 
 
@@ -396,6 +398,19 @@ def main() -> int:
                 note(f"{name} failed: {doc[name]['error']}")
             save_json(doc, args.json)  # what is measured survives a later section's limit
         keep.clear()
+    # the replayed forward once more, on an appliance whose plans are not CUDA graphs
+    # (Note [CUDA graphs for plans]): what the graphs buy, same machine, same run
+    note("graph_forward without CUDA graphs")
+    try:
+        with tempfile.TemporaryDirectory() as tmp, appliance(
+            Path(tmp), parse_bytes(args.arena), "auto", cuda_graphs=False
+        ) as app, using(app.unix), Client(app.unix) as client:  # fmt: skip
+            doc["graph_forward_no_cuda_graphs"] = graph_forward(
+                local, cfg.vocab_size, args.tokens, args.repeat, client
+            )
+    except Exception as exc:  # reported with the other sections
+        doc["graph_forward_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    save_json(doc, args.json)
     report(doc)
     save_json(doc, args.json)
     print(json.dumps(doc))
@@ -438,6 +453,11 @@ def report(doc: dict[str, Any]) -> None:
               f"{gf['ratio']} | {gf['max_abs_diff_logits']:.1e} |")  # fmt: skip
         print(f"| graph path: the same forward replayed | {gf['replayed_ms']} | {gf['ms'][1]} "
               f"| {gf['replayed_ratio']} | {gf['replayed_max_abs_diff_logits']:.1e} |")  # fmt: skip
+    if ok("graph_forward_no_cuda_graphs"):
+        nf = doc["graph_forward_no_cuda_graphs"]
+        print(f"| graph path: replayed, `cuda_graphs = false` (another appliance) | "
+              f"{nf['replayed_ms']} | {nf['ms'][1]} | {nf['replayed_ratio']} | "
+              f"{nf['replayed_max_abs_diff_logits']:.1e} |")  # fmt: skip
     if ok("training"):
         tr = doc["training"]
         print(f"| graph path: {tr['steps']}-step Adam loop (s) | {tr['s'][0]} | {tr['s'][1]} | "
@@ -449,7 +469,10 @@ def report(doc: dict[str, Any]) -> None:
               f"{rc[1]} | {tr['replayed_capturable_ratio']} | "
               f"{tr['replayed_capturable_max_param_diff']:.1e} (params) |")  # fmt: skip
     if ok("graph_forward"):
-        print(f"\nworker 0's plans: {doc['graph_forward']['plans']}")
+        print(
+            f"\nworker 0's plans: {doc['graph_forward']['plans']}; CUDA graphs: "
+            f"{doc['graph_forward']['cuda_graphs']}"
+        )
     if ok("model_path"):
         print(f"\nregistration of the model: {doc['model_path']['register_s']} s")
     print("\n| VMU | before load | after load |")

@@ -107,6 +107,8 @@ class Plan:
         self.runs = 0
         self.code: Callable[..., Any] | None = None
         self.uncompilable = False
+        # Note [CUDA graphs for plans]: None until asked, False if it does not qualify
+        self.cuda_graph: dict[str, Any] | bool | None = None
 
     def fits(self, signature: tuple, scalars: list[float]) -> bool:
         return (
@@ -278,6 +280,8 @@ class GraphPlans:
         self.compiled = 0  # plans compiled (Note [compiled plans])
         self.compiled_runs = 0
         self.uncompiled = 0  # plans the generator would not write, or compile() refused
+        # told of the plans let go (the worker's CUDA graphs go with them)
+        self.dropped: Callable[[list[Plan]], None] = lambda plans: None
 
     def find(self, fp: str, signature: tuple, scalars: list[float]) -> Plan | None:
         plans = self._plans.get(fp)
@@ -383,11 +387,14 @@ class GraphPlans:
         plans.insert(0, plan)
         self._nodes += len(nodes)
         while len(plans) > PLANS_PER_TEMPLATE:
-            self._nodes -= len(plans.pop().nodes)
+            gone = plans.pop()
+            self._nodes -= len(gone.nodes)
+            self.dropped([gone])
         self._plans.move_to_end(fp)
         while self._nodes > self.max_nodes and self._plans:
             _, old = self._plans.popitem(last=False)
             self._nodes -= sum(len(p.nodes) for p in old)
+            self.dropped(old)
         self._runs.pop(fp, None)
         self.recorded += 1
         log.info("graph template %s: plan recorded (%d nodes)", fp[:12], len(nodes))

@@ -107,6 +107,25 @@ SETTINGS: tuple[Setting, ...] = (
         high=1_000_000,
     ),
     Setting(
+        "cuda_graphs",
+        True,
+        "On a GPU worker, replay a compiled plan that qualifies as one CUDA graph: its "
+        "kernels launched by one call instead of one Python call each, the same bits "
+        "(Note [CUDA graphs for plans]). Plans that write into an input (training steps), "
+        "draw random numbers or read values to check them stay compiled; the stats count "
+        "each. No effect on CPU workers.",
+        "bool",
+    ),
+    Setting(
+        "cuda_graph_bytes",
+        "1GiB",
+        "Most GPU memory a worker's CUDA graphs may keep together (each keeps what its run "
+        "allocated, outside the VMU's account); the least recently replayed goes first, "
+        "and a plan whose run needs more is never captured.",
+        "bytes",
+        low=0,
+    ),
+    Setting(
         "fallback",
         "error",
         "What a client does when the appliance it is configured to use (address, "

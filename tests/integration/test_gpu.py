@@ -134,3 +134,51 @@ def test_an_index_out_of_range_on_a_gpu_worker_fails_alone(gpu_appliance, monkey
     assert torch.equal((x * 2).cpu(), torch.arange(16.0).reshape(4, 4) * 2)
     assert gpu_appliance.stats()["workers"][0]["restarts"] == 0
     session.reset()
+
+
+def test_a_replayed_forward_runs_as_a_cuda_graph(gpu_appliance, monkeypatch):
+    """Note [CUDA graphs for plans]: a forward replayed by djinn.replayable is captured once
+    its plan is compiled, then replayed as one CUDA graph: the results of local CUDA eager
+    for every new input (each a new upload, copied into the graph's buffer), a bad token id
+    refused before the replay, and the worker never restarted."""
+    import djinn
+    from djinn.errors import DjinnError
+    from djinn.frontend import session
+
+    monkeypatch.setenv("DJINN_ADDRESS", gpu_appliance.unix)
+    session.reset()
+    r = "remote_accelerator:0"
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(
+        torch.nn.Embedding(100, 32), torch.nn.Linear(32, 64), torch.nn.GELU(),
+        torch.nn.LayerNorm(64), torch.nn.Linear(64, 100),
+    )  # fmt: skip
+    remote = __import__("copy").deepcopy(local).to(r).eval()  # training mode: the graph path
+    local = local.cuda().eval()
+
+    def stats() -> dict:
+        return gpu_appliance.stats()["scheduler"][0]["cuda_graphs"]
+
+    before = stats()
+    forward = djinn.replayable(lambda ids: remote(ids))
+    with torch.no_grad():
+        # interpreted twice, recorded, planned, then compiled and captured; the next call's
+        # new ids are elsewhere: captured again, with the ids copied in; then replays
+        for k in range(12):
+            # one row of ids: with a batch, Linear's output would be a view of its addmm,
+            # and djinn.replayable runs a function that keeps such a tensor plainly
+            ids = torch.randint(0, 100, (32,), generator=torch.Generator().manual_seed(k))
+            got = forward(ids.to(r)).cpu()
+            want = local(ids.cuda()).cpu()
+            assert (got - want).abs().max().item() <= 1e-5, k
+        # the worker's stats reach the supervisor every STATS_PUSH_S
+        assert forward.stats()["replays"] == 10, forward.stats()
+        after = wait_for(lambda: (s := stats())["replays"] >= before["replays"] + 3 and s)
+        assert after["captured"] > before["captured"], after
+        assert after["failed"] == before["failed"], after
+        with pytest.raises(DjinnError, match="out of bounds"):
+            forward(torch.full((32,), 100).to(r)).cpu()
+        ids = torch.randint(0, 100, (32,))
+        assert (forward(ids.to(r)).cpu() - local(ids.cuda()).cpu()).abs().max().item() <= 1e-5
+    assert gpu_appliance.stats()["workers"][0]["restarts"] == 0
+    session.reset()

@@ -138,6 +138,8 @@ BAD_VALUES = {
     "graph_chunk_ops": [-1, 100_001, 2.5, "many"],
     "graph_plan_after": [-1, 1_000_001, 0.5, "often"],
     "graph_compile_after": [-1, 1_000_001, 0.5, "soon"],
+    "cuda_graphs": ["yes please", 2],
+    "cuda_graph_bytes": ["most", -1],
     "client_spin_us": [-1, 100_001, "fast"],
     "fallback": ["remote", "", ["local"]],
     "fleet_placement": ["nearest", ""],

@@ -1,0 +1,469 @@
+"""CUDA graphs for compiled plans: a repeated graph replayed as one launch on a GPU worker.
+
+Note [CUDA graphs for plans]: on a GPU the kernels of a small forward take less time than
+the Python that launches them. A compiled plan (Note [compiled plans]) still calls each
+op from Python, about 20-30 µs a node on a GPU host, so GPT-2 small's forward of 64
+tokens, replayed by ``djinn.replayable``, took 24 ms on an H100 against local eager's
+14 ms (``benchmarks/gpu.py``). A CUDA graph records the kernels of one run and launches
+them all again with one call, reading and writing the same addresses every time.
+
+So on a GPU worker, with ``cuda_graphs`` on, a compiled plan that qualifies is captured
+on its next run and replayed from then on. What qualifies, because a replay runs no
+Python per node and reads the same addresses:
+
+- it writes no input: an in-place or ``out=`` op writes only into a value the plan itself
+  made, never into an input or a view of one (a training step is not replayed this way);
+- no random op (each run's generator state would be baked into the graph);
+- no inline tensor with bytes, and no constant built from the request's scalars: those
+  are read from the request at each run;
+- the ops whose checks read values: on a GPU the index guards (Note [indices on a GPU])
+  read their indices, which needs a device sync, and no sync can be captured. A guard
+  whose indices are computed only from the inputs and constants by at most
+  ``PREFIX_NODES`` small nodes is checked before every replay: those nodes run first,
+  alone, and the guard reads what they give (GPT-2's token and position ids). Any other
+  check that reads values syncs during the capture, which fails it: the plan stays
+  compiled;
+- the floats the template took out (``scalars``) are those of the capture: a replay is
+  only for the same values, since a kernel's float arguments are baked into it;
+- its kept and fetched values are whole tensors of their own (no view of an input, no
+  two sharing storage): each replay's results are copied out of the graph's buffers, so
+  the next replay cannot overwrite what a session holds.
+
+Inputs: the graph reads its inputs where they were at capture. A replay whose input sits
+at another address (a new activation, where the weights stay) captures again, with that
+input copied into a buffer the graph owns before each replay; a plan is captured at most
+``MAX_CAPTURES`` times, then runs compiled when its inputs move.
+
+Memory: a graph keeps the memory its run allocated (its private pool) for as long as it
+lives. That is outside the VMU's account, so the graphs of a worker together are bounded
+by ``cuda_graph_bytes`` (each counted as its plan's peak plus its owned input buffers);
+the least recently replayed is let go first. A plan's stack bytes are reserved for each
+replay as for a compiled run.
+
+Results are the same kernels on the same arguments, so the same bits as the compiled run.
+A capture that fails (a sync, an op CUDA graphs refuse) is counted and logged, and the
+plan runs compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import torch
+
+from djinn.errors import ResourceExhausted
+
+from . import index_bounds, opchecks
+from .graph import has_extra_checks, writes
+from .plan import CompiledRun, Plan, PlanRun
+
+log = logging.getLogger("djinn.appliance.cuda_graphs")
+
+PREFIX_NODES = 16  # nodes run before a replay to compute what the index guards read
+PREFIX_NUMEL = 1 << 16  # and the most elements each of their outputs may have
+MAX_CAPTURES = 3  # captures of one plan (its inputs moved) before it stays compiled
+
+
+class Capture:
+    """How a run is captured and replayed: the CUDA one; tests put a CPU stand-in."""
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def capture(self, device: torch.device, run: Callable[[], list[Any]]) -> tuple[Any, list]:
+        """Warm ``run`` up on a side stream, then capture it; (the graph, its values)."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run()  # warm-up: the libraries' lazy set-up happens outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            values = run()
+        return graph, values
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+class PlanGraph:
+    """One plan's captured graph: what it read and what it gives."""
+
+    def __init__(self) -> None:
+        self.graph: Any = None
+        self.values: list[Any] = []
+        self.scalars: list[float] = []
+        self.addresses: list[int] = []  # each input's data_ptr at capture
+        self.owned: dict[int, torch.Tensor] = {}  # input index -> the graph's own buffer
+        self.bytes = 0
+
+
+def qualifies(plan: Plan, device: torch.device) -> tuple[str | None, list[int], list[int]]:
+    """Why ``plan`` cannot be replayed as a CUDA graph (None if it can), the nodes run
+    before each replay and the guard nodes checked then (Note [CUDA graphs for plans])."""
+    nodes, src = plan.nodes, plan.source_nodes
+    refs = [_refs(t.get("args", [])) | _refs(t.get("kwargs", {})) for t in src]
+    root: dict[int, tuple[str, int]] = {}  # a view's value -> what it is a view of
+    writers: dict[tuple[str, int], list[int]] = {}  # a value's root -> nodes writing it
+    guards: list[int] = []
+    for i, (node, tpl) in enumerate(zip(nodes, src, strict=True)):
+        if node.rng is not None or torch.Tag.nondeterministic_seeded in node.op.tags:
+            return f"a random op ({node.name})", [], []
+        if ("t", 1) in refs[i] or ("s", 1) in refs[i]:
+            return "an inline tensor or a constant of the request's scalars", [], []
+        returns = node.op._schema.returns
+        if returns and returns[0].alias_info is not None:  # a view, or the self it wrote
+            of = [_root(r, root) for r in _aliased_refs(node.op, tpl)]
+            if of:
+                root[i] = of[0]
+        for r in _written_refs(node.op, tpl) if writes(node.op) else ():
+            base = _root(r, root)
+            if base[0] == "in":
+                return f"it writes into an input ({node.name}, node {i})", [], []
+            writers.setdefault(base, []).append(i)
+        if has_extra_checks(node.op, device) and index_bounds.has_guard(node.op):
+            if opchecks.has_check(node.op):
+                return f"an op with two kinds of checks ({node.name})", [], []
+            guards.append(i)
+    prefix: set[int] = set()
+    for g in guards:
+        todo = [n for k, n in refs[g] if k == "v"]
+        while todo:
+            n = todo.pop()
+            if n in prefix:
+                continue
+            prefix.add(n)
+            meta = nodes[n].meta
+            big = isinstance(meta, torch.Tensor) and meta.numel() > PREFIX_NUMEL
+            if len(prefix) > PREFIX_NODES or n in plan.casts or big:
+                return "an index guard reads a value computed by too many nodes", [], []
+            todo += [m for k, m in refs[n] if k == "v"]
+            # what wrote into it before the guard read it (arange's out= into an empty)
+            todo += [m for m in writers.get(_root(("v", n), root), ()) if m < g]
+    return None, sorted(prefix), guards
+
+
+def _root(ref: tuple[str, int], root: dict[int, tuple[str, int]]) -> tuple[str, int]:
+    """The input or node value that ``ref`` is (a view of)."""
+    while ref[0] == "v" and ref[1] in root:
+        ref = root[ref[1]]
+    return ref
+
+
+def _refs(x: Any) -> set[tuple[str, int]]:
+    """What a template value names: ("in", j) inputs, ("v", n) node values, ("t", 1) an
+    inline tensor with bytes, ("s", 1) a tagged constant made of scalars."""
+    found: set[tuple[str, int]] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for u in v:
+                walk(u)
+        elif isinstance(v, dict):
+            if len(v) == 1 and "$in" in v:
+                found.add(("in", v["$in"]))
+            elif len(v) == 1 and "$s" in v:
+                return  # a float argument: the graph is replayed for the same values only
+            elif "$v" in v:
+                found.add(("v", v["$v"]))
+            elif "$t" in v:
+                shape = (v.get("desc") or {}).get("shape")
+                if not (isinstance(shape, list) and 0 in shape):
+                    found.add(("t", 1))
+            elif "$h" in v:
+                found.add(("t", 1))  # plans refuse these; never replayed either
+            elif any(isinstance(k, str) and k.startswith("$") for k in v) and _has_scalar(v):
+                found.add(("s", 1))
+            else:
+                for u in v.values():
+                    walk(u)
+
+    walk(x)
+    return found
+
+
+def _has_scalar(x: Any) -> bool:
+    if isinstance(x, list):
+        return any(_has_scalar(v) for v in x)
+    if isinstance(x, dict):
+        return (len(x) == 1 and "$s" in x) or any(_has_scalar(v) for v in x.values())
+    return False
+
+
+def _written_refs(op: Any, tpl: dict[str, Any]) -> set[tuple[str, int]]:
+    """The references of the arguments ``op`` writes into (``Tensor(a!)``)."""
+    return _args_refs(op, tpl, lambda info: info.is_write)
+
+
+def _aliased_refs(op: Any, tpl: dict[str, Any]) -> set[tuple[str, int]]:
+    """The references of the arguments ``op``'s output may be a view of (``Tensor(a)``)."""
+    return _args_refs(op, tpl, lambda info: True)
+
+
+def _args_refs(op: Any, tpl: dict[str, Any], which: Callable[[Any], bool]) -> set:
+    args, kwargs = tpl.get("args", []), tpl.get("kwargs", {})
+    found: set[tuple[str, int]] = set()
+    for k, a in enumerate(op._schema.arguments):
+        if a.alias_info is None or not which(a.alias_info):
+            continue
+        if a.kwarg_only or k >= len(args):
+            value = kwargs.get(a.name) if isinstance(kwargs, dict) else None
+        else:
+            value = args[k]
+        found |= {r for r in _refs(value) if r[0] in ("in", "v")}
+    return found
+
+
+class CudaGraphs:
+    """A GPU worker's captured plans (Note [CUDA graphs for plans]): which run as graphs,
+    the bytes they keep (LRU within ``max_bytes``) and the counts the stats show."""
+
+    def __init__(self, enabled: bool, max_bytes: int, capture: Capture | None = None) -> None:
+        self.enabled = enabled
+        self.max_bytes = max_bytes
+        self.capture = capture or Capture()
+        self._live: OrderedDict[int, Plan] = OrderedDict()  # id(plan) -> plan, by last use
+        self.bytes = 0
+        self.captured = 0
+        self.replays = 0
+        self.failed = 0  # captures that failed: those plans run compiled
+        self.refused = 0  # plans that do not qualify
+        self.moved = 0  # runs that found an input moved once the captures were spent
+        self.run_class = type("GraphedRun", (GraphedRun,), {"graphs": self})
+
+    def runner(self, plan: Plan, runner: type[PlanRun], device: torch.device) -> type[PlanRun]:
+        """``GraphedRun`` for a compiled plan that qualifies, else ``runner``."""
+        if not self.enabled or runner is not CompiledRun or not self.capture.supports(device):
+            return runner
+        state = plan.cuda_graph
+        if state is None:
+            why, prefix, guards = qualifies(plan, device)
+            if why is not None or plan.peak > self.max_bytes:
+                why = why or f"its peak of {plan.peak} bytes is over cuda_graph_bytes"
+                log.info("graph plan of %d nodes: no CUDA graph (%s)", len(plan.nodes), why)
+                self.refused += 1
+                plan.cuda_graph = False
+                return runner
+            state = plan.cuda_graph = {"prefix": prefix, "guards": guards, "graph": None,
+                                       "captures": 0}  # fmt: skip
+        return self.run_class if state else runner
+
+    def keep(self, plan: Plan, graph: PlanGraph) -> None:
+        """Hold ``graph`` for ``plan``, letting go of the least recently used over the bound."""
+        old = plan.cuda_graph["graph"]
+        if old is not None:
+            self.drop(plan)
+        plan.cuda_graph["graph"] = graph
+        self._live[id(plan)] = plan
+        self.bytes += graph.bytes
+        while self.bytes > self.max_bytes and len(self._live) > 1:
+            _, oldest = self._live.popitem(last=False)
+            if oldest is plan:  # never the one just captured
+                self._live[id(plan)] = plan
+                continue
+            self.bytes -= oldest.cuda_graph["graph"].bytes
+            oldest.cuda_graph["graph"] = None
+
+    def used(self, plan: Plan) -> None:
+        if id(plan) in self._live:
+            self._live.move_to_end(id(plan))
+
+    def drop(self, plan: Plan) -> None:
+        graph = plan.cuda_graph["graph"]
+        plan.cuda_graph["graph"] = None
+        if self._live.pop(id(plan), None) is not None:
+            self.bytes -= graph.bytes
+
+    def forget(self, plans: list[Plan]) -> None:
+        """Plans the worker let go of: their graphs go with them."""
+        for plan in plans:
+            if plan.cuda_graph and plan.cuda_graph["graph"] is not None:
+                self.drop(plan)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "graphs": len(self._live),
+            "bytes": self.bytes,
+            "captured": self.captured,
+            "replays": self.replays,
+            "failed": self.failed,
+            "refused": self.refused,
+            "moved": self.moved,
+        }
+
+
+class GraphedRun(CompiledRun):
+    """A compiled plan's request replayed as a CUDA graph (Note [CUDA graphs for plans]);
+    a run the graph cannot serve is the compiled run."""
+
+    graphs: CudaGraphs  # set on the worker's subclass (CudaGraphs.run_class)
+    capturing = False
+
+    def steps(self) -> Generator[None, None, tuple[list[Any], list[Any]]]:
+        state = self.plan.cuda_graph
+        if self.partial or not state:
+            return (yield from CompiledRun.steps(self))
+        graph = state["graph"]
+        if graph is None or not self._fits(graph):
+            moved = graph is not None
+            if state["captures"] >= MAX_CAPTURES:
+                self.graphs.moved += 1
+                return (yield from CompiledRun.steps(self))
+            self._guard_checks(state)  # before anything ran, as an interpreted run refuses
+            graph = self._capture(state, moved)
+            if graph is None:
+                return (yield from CompiledRun.steps(self))
+        else:
+            self._guard_checks(state)
+        return self._replay(graph)
+
+    def _fits(self, graph: PlanGraph) -> bool:
+        if self.scs != graph.scalars:
+            return False
+        return all(
+            k in graph.owned or t.data_ptr() == graph.addresses[k] for k, t in enumerate(self.ins)
+        )
+
+    def _guard_checks(self, state: dict[str, Any]) -> None:
+        """The index guards, on what the prefix nodes compute from this run's inputs, in
+        the plan's order (Note [CUDA graphs for plans])."""
+        if not state["guards"]:
+            return
+        nodes, guards, self.values = self.plan.nodes, set(state["guards"]), {}
+        try:
+            for n in sorted(guards.union(state["prefix"])):
+                node = nodes[n]
+                if n in guards:
+                    self._value_checks(n, node.op, node.args(self), node.kwargs(self))
+                else:
+                    self.values[n] = node.op(*node.args(self), **node.kwargs(self))
+        finally:
+            self.values = {}
+
+    def _value_checks(self, i: int, op: Any, args: list, kwargs: dict) -> None:
+        if self.capturing and i in self.plan.cuda_graph["guards"]:
+            return  # checked before the capture, by _guard_checks
+        super()._value_checks(i, op, args, kwargs)
+
+    def _capture(self, state: dict[str, Any], moved: bool) -> PlanGraph | None:
+        """Capture this run's plan; None (counted) if CUDA or the plan refuses."""
+        plan, graphs = self.plan, self.graphs
+        state["captures"] += 1
+        old = state["graph"]
+        pg = PlanGraph()
+        pg.scalars = list(self.scs)
+        ins = list(self.ins)
+        varying = set(old.owned) if old is not None else set()
+        if moved:
+            varying |= {
+                k for k, t in enumerate(ins)
+                if k not in old.owned and t.data_ptr() != old.addresses[k]
+            }  # fmt: skip
+        for k in varying:
+            t = ins[k]
+            if not _ownable(t, ins):
+                log.info("graph plan: input %d moved and cannot be copied in", k)
+                state["captures"] = MAX_CAPTURES
+                return None
+            pg.owned[k] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            pg.owned[k].copy_(t)
+            ins[k] = pg.owned[k]
+        pg.addresses = [t.data_ptr() for t in ins]
+        code = plan.code
+
+        def run() -> list[Any]:
+            values: list[Any] = [None] * len(plan.nodes)
+            for _ in code(self, values, ins, self.scs, self.lookup):
+                pass
+            return values
+
+        try:
+            self.stack.reserve(plan.peak)
+        except ResourceExhausted:
+            state["captures"] -= 1
+            return None  # the compiled run waits, or runs what fits (partial)
+        self.capturing = True
+        try:
+            pg.graph, values = graphs.capture.capture(self.device, run)
+            pg.values = [values[n] for n in plan.pinned]
+            _check_outputs(pg.values, ins)
+        except Exception as exc:  # any refusal: this plan runs compiled (counted, logged)
+            graphs.failed += 1
+            if old is not None:
+                graphs.drop(plan)
+            plan.cuda_graph = False
+            log.warning("graph plan of %d nodes: CUDA graph capture failed (%s: %s)",
+                        len(plan.nodes), type(exc).__name__, exc)  # fmt: skip
+            return None
+        finally:
+            self.capturing = False
+            self.stack.release(plan.peak)
+        pg.bytes = plan.peak + sum(t.untyped_storage().nbytes() for t in pg.owned.values())
+        graphs.captured += 1
+        graphs.keep(plan, pg)
+        return pg
+
+    def _replay(self, pg: PlanGraph) -> tuple[list[Any], list[Any]]:
+        plan = self.plan
+        self.stack.reserve(plan.peak)
+        try:
+            for k, buf in pg.owned.items():
+                buf.copy_(self.ins[k])
+            self.graphs.capture.replay(pg.graph)
+            # a session keeps its results: the next replay writes the graph's buffers again
+            self.values = {n: _copied(v) for n, v in zip(plan.pinned, pg.values, strict=True)}
+        finally:
+            self.stack.release(plan.peak)
+        self._reached = len(plan.nodes) - 1
+        self.graphs.replays += 1
+        self.graphs.used(plan)
+        return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
+
+
+def _ownable(t: torch.Tensor, ins: list[torch.Tensor]) -> bool:
+    """Whether input ``t`` can be copied into a buffer of the graph's own before each
+    replay: contiguous, its storage its own and the whole of it."""
+    st = t.untyped_storage()
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and st.nbytes() == t.numel() * t.element_size()
+        and sum(1 for u in ins if u.untyped_storage().data_ptr() == st.data_ptr()) == 1
+    )
+
+
+def _tensors(v: Any) -> Iterator[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for u in v:
+            yield from _tensors(u)
+
+
+def _check_outputs(values: list[Any], ins: list[torch.Tensor]) -> None:
+    """Kept and fetched values must be whole tensors of their own (see the Note)."""
+    seen = {t.untyped_storage().data_ptr() for t in ins}
+    for t in (u for v in values for u in _tensors(v)):
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            raise ValueError("a kept value shares storage with an input or another value")
+        if (
+            not t.is_contiguous()
+            or t.storage_offset()
+            or st.nbytes() != t.numel() * t.element_size()
+        ):
+            raise ValueError("a kept value is a view")
+        seen.add(st.data_ptr())
+
+
+def _copied(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, tuple):
+        return tuple(_copied(u) for u in v)
+    if isinstance(v, list):
+        return [_copied(u) for u in v]
+    return v

@@ -1,0 +1,282 @@
+"""Note [CUDA graphs for plans]: which compiled plans a GPU worker replays as one CUDA graph,
+and that a replay gives what the compiled run gives, for every run after it too.
+
+On a CPU, the capture is a stand-in with a CUDA graph's semantics: the captured run's
+inputs and outputs are its buffers, and a replay runs the plan again on those inputs and
+writes its results into those outputs. The CUDA capture itself runs in the gpu-marked
+``tests/integration/test_gpu.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from djinn.appliance.executor import cuda_graphs as cg
+from djinn.appliance.executor import plan as plan_mod
+from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
+from djinn.protocol import templates
+from tests.unit.test_execution_plans import CPU, Session, body_of, interpreted, stack_of
+
+CUDA = torch.device("cuda")  # only named: qualifies() reads the device's type
+
+
+class StandIn(cg.Capture):
+    """Capture = run once, keeping that run's values as the graph's buffers; replay = run
+    again on the captured inputs and write the results into those buffers."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.replays = fail, 0
+
+    def supports(self, device: torch.device) -> bool:
+        return True
+
+    def capture(self, device, run):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        values = run()
+        return (run, values), values
+
+    def replay(self, graph) -> None:
+        run, values = graph
+        self.replays += 1
+        for old, new in zip(values, run(), strict=True):
+            for o, n in zip(cg._tensors(old), cg._tensors(new), strict=True):
+                o.copy_(n)
+
+
+def _forward(scale: float = 2.0):
+    """x @ w, scaled, then a ReLU: a forward that writes nothing it was given."""
+    return body_of(
+        [
+            {"op": "aten::mm.default", "args": [{"$h": "x"}, {"$h": "w"}]},
+            {"op": "aten::mul.Tensor", "args": [{"$v": 0}, scale]},
+            {"op": "aten::relu.default", "args": [{"$v": 1}]},
+        ],
+        keep=[{"$v": 2}],
+        fetch=[{"$v": 1}],
+    )
+
+
+def _plan(body, s: Session, compile_it: bool = True):
+    plans = GraphPlans(after=1)
+    _, plan, _ = interpreted(body, s, stack_of(), plans)
+    fp = templates.fingerprint(templates.template(body)[0])
+    if compile_it:
+        plan.code = plan_mod._compile_plan(plan, fp, CPU)
+    return plan, fp
+
+
+def _run(body, s: Session, plan, fp, graphs: cg.CudaGraphs):
+    """The request ``body`` as a worker runs it with ``graphs``: (keep, fetch), runner."""
+    _, inputs, scalars = templates.template(body)
+    tensors = [s.tensor(h) for h in inputs]
+    assert plan.fits(input_signature(tensors), scalars)
+    runner = graphs.runner(plan, CompiledRun, CPU)
+    request = {"graph": fp, "inputs": inputs, "scalars": scalars}
+    run = runner(plan, fp, request, inputs, tensors, s.tensor, [], CPU, stack_of())
+    return run.run(), runner
+
+
+def _eager(x, w, scale=2.0):
+    mid = (x @ w) * scale
+    return mid.relu(), mid
+
+
+def _session(seed: int = 0) -> Session:
+    gen = torch.Generator().manual_seed(seed)
+    return Session(x=torch.randn(4, 8, generator=gen), w=torch.randn(8, 3, generator=gen))
+
+
+def test_a_forward_is_captured_once_then_replayed_with_the_compiled_runs_bits():
+    s = _session()
+    plan, fp = _plan(_forward(), s)
+    stand_in = StandIn()
+    graphs = cg.CudaGraphs(True, 1 << 30, stand_in)
+    outs = []
+    for _ in range(3):
+        ((kept,), (fetched,)), runner = _run(_forward(), s, plan, fp, graphs)
+        assert runner.__name__ == "GraphedRun"
+        outs.append((kept, fetched))
+    want = _eager(s.handles["x"], s.handles["w"])
+    for kept, fetched in outs:
+        assert torch.equal(kept, want[0]) and torch.equal(fetched, want[1])
+    assert graphs.stats() | {"bytes": 0} == {
+        "graphs": 1, "bytes": 0, "captured": 1, "replays": 3, "failed": 0, "refused": 0,
+        "moved": 0,
+    }  # fmt: skip
+    assert stand_in.replays == 3  # the capturing run replays too: a capture computes nothing
+
+
+def test_results_a_session_holds_are_not_overwritten_by_the_next_replay():
+    s = _session()
+    plan, fp = _plan(_forward(), s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    ((first,), _), _ = _run(_forward(), s, plan, fp, graphs)
+    kept = first.clone()
+    s.handles["w"].mul_(-1)  # the same tensor, new values: the graph reads them where they are
+    ((second,), _), _ = _run(_forward(), s, plan, fp, graphs)
+    assert torch.equal(first, kept)
+    assert torch.equal(second, _eager(s.handles["x"], s.handles["w"])[0])
+    assert graphs.captured == 1
+
+
+def test_an_input_that_moves_is_copied_into_the_graphs_own_buffer():
+    s = _session()
+    plan, fp = _plan(_forward(), s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    _run(_forward(), s, plan, fp, graphs)
+    for seed in (1, 2, 3, 4):  # a new activation each call; the weight stays
+        s.handles["x"] = _session(seed).handles["x"]
+        ((kept,), _), _ = _run(_forward(), s, plan, fp, graphs)
+        assert torch.equal(kept, _eager(s.handles["x"], s.handles["w"])[0])
+    state = plan.cuda_graph
+    assert list(state["graph"].owned) == [0]  # x is input 0; w is read where it is
+    assert graphs.captured == 2 and graphs.moved == 0
+    assert graphs.bytes == plan.peak + 4 * 8 * 4
+
+
+def test_other_scalars_capture_again_and_a_plan_captures_at_most_three_times():
+    s = _session()
+    plan, fp = _plan(_forward(2.0), s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    for scale in (2.0, 3.0, 4.0, 5.0, 2.0):
+        ((kept,), _), _ = _run(_forward(scale), s, plan, fp, graphs)
+        assert torch.equal(kept, _eager(s.handles["x"], s.handles["w"], scale)[0])
+    assert graphs.captured == cg.MAX_CAPTURES
+    assert graphs.moved == 2  # 5.0 and 2.0 again: compiled runs
+    assert graphs.stats()["graphs"] == 1
+
+
+def test_a_failed_capture_is_counted_and_the_plan_runs_compiled():
+    s = _session()
+    plan, fp = _plan(_forward(), s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn(fail=True))
+    for _ in range(2):
+        ((kept,), _), _ = _run(_forward(), s, plan, fp, graphs)
+        assert torch.equal(kept, _eager(s.handles["x"], s.handles["w"])[0])
+    assert graphs.failed == 1 and graphs.captured == 0 and plan.cuda_graph is False
+    assert graphs.runner(plan, CompiledRun, CPU) is CompiledRun
+
+
+def test_a_kept_view_of_an_input_is_not_captured():
+    body = body_of(
+        [
+            {"op": "aten::view.default", "args": [{"$h": "x"}, [32]]},
+            {"op": "aten::sum.default", "args": [{"$h": "x"}]},
+        ],
+        keep=[{"$v": 0}],
+        fetch=[{"$v": 1}],
+    )
+    s = _session()
+    plan, fp = _plan(body, s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    (kept, _), _ = _run(body, s, plan, fp, graphs)
+    assert kept[0].untyped_storage().data_ptr() == s.handles["x"].untyped_storage().data_ptr()
+    assert graphs.failed == 1  # the compiled run kept the view, as eager does
+
+
+def test_the_graphs_together_stay_within_their_bytes():
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    runs = []
+    for extra in (0, 1):  # two templates: the second has one more node
+        body = _forward()
+        body["nodes"] += [{"op": "aten::neg.default", "args": [{"$v": 2}]}] * extra
+        s = _session()
+        plan, fp = _plan(body, s)
+        runs.append((body, s, plan, fp))
+    graphs.max_bytes = runs[0][2].peak + runs[1][2].peak - 1  # room for one of the two
+    for body, s, plan, fp in runs:
+        _run(body, s, plan, fp, graphs)
+    assert graphs.stats()["graphs"] == 1 and graphs.bytes == runs[1][2].peak
+    assert runs[0][2].cuda_graph["graph"] is None  # let go; captured again when it returns
+    graphs.forget([runs[1][2]])
+    assert graphs.bytes == 0 and graphs.stats()["graphs"] == 0
+
+
+def test_only_a_compiled_plan_on_a_device_the_capture_supports_is_graphed():
+    s = _session()
+    plan, _ = _plan(_forward(), s)
+    assert cg.CudaGraphs(True, 1 << 30).runner(plan, CompiledRun, CPU) is CompiledRun
+    assert cg.CudaGraphs(False, 1 << 30, StandIn()).runner(plan, CompiledRun, CPU) is CompiledRun
+    assert cg.CudaGraphs(True, 1 << 30, StandIn()).runner(plan, PlanRun, CPU) is PlanRun
+    too_big = cg.CudaGraphs(True, plan.peak - 1, StandIn())
+    assert too_big.runner(plan, CompiledRun, CPU) is CompiledRun and too_big.refused == 1
+
+
+# -- which plans qualify ---------------------------------------------------------------------
+def _why(nodes, keep=(), fetch=(), device=CPU, **handles):
+    body = body_of(nodes, keep=keep, fetch=fetch or [{"$v": len(nodes) - 1}])
+    plan, _ = _plan(body, Session(**handles), compile_it=False)
+    return cg.qualifies(plan, device)
+
+
+def test_a_plan_that_writes_into_an_input_or_a_view_of_one_does_not_qualify():
+    x = torch.ones(4, 4)
+    why, _, _ = _why([{"op": "aten::add_.Tensor", "args": [{"$h": "x"}, 1]}], x=x)
+    assert "writes into an input" in why
+    why, _, _ = _why(
+        [
+            {"op": "aten::select.int", "args": [{"$h": "x"}, 0, 1]},
+            {"op": "aten::mul_.Scalar", "args": [{"$v": 0}, 2]},
+        ],
+        x=x,
+    )
+    assert "writes into an input" in why
+    # into what the plan made: fine
+    why, _, _ = _why(
+        [
+            {"op": "aten::clone.default", "args": [{"$h": "x"}]},
+            {"op": "aten::mul_.Scalar", "args": [{"$v": 0}, 2]},
+        ],
+        x=x,
+    )
+    assert why is None
+
+
+def test_random_ops_and_inline_bytes_do_not_qualify():
+    x = torch.ones(4, 4)
+    why, _, _ = _why([{"op": "aten::rand_like.default", "args": [{"$h": "x"}]}], x=x)
+    assert "random" in why
+    inline = {"$t": 0, "desc": {"dtype": "float32", "shape": [4], "strides": [1]}}
+    body = body_of([{"op": "aten::add.Tensor", "args": [{"$h": "x"}, inline]}], fetch=[{"$v": 0}])
+    s = Session(x=torch.ones(4))
+    segment = memoryview(bytearray(torch.arange(4.0).numpy().tobytes()))
+    plans = GraphPlans(after=1)
+    _, plan, _ = interpreted(body, s, stack_of(), plans, segments=[segment])
+    assert "inline tensor" in cg.qualifies(plan, CPU)[0]
+
+
+def test_on_a_gpu_the_index_guards_are_checked_before_each_replay_on_their_prefix():
+    """GPT-2's start: token ids (a view of an input) and position ids (arange written into
+    an empty tensor) go into embeddings, whose guards read them."""
+    nodes = [
+        {"op": "aten::view.default", "args": [{"$h": "ids"}, [-1, 4]]},
+        {"op": "aten::embedding.default", "args": [{"$h": "wte"}, {"$v": 0}]},
+        {
+            "op": "aten::empty_strided.default",
+            "args": [[0], [1]],
+            "kwargs": {"dtype": {"$dtype": "int64"}},
+        },
+        {"op": "aten::arange.start_out", "args": [0, 4], "kwargs": {"out": {"$v": 2}}},
+        {"op": "aten::unsqueeze.default", "args": [{"$v": 2}, 0]},
+        {"op": "aten::embedding.default", "args": [{"$h": "wpe"}, {"$v": 4}]},
+        {"op": "aten::add.Tensor", "args": [{"$v": 1}, {"$v": 5}]},
+    ]
+    handles = {"ids": torch.tensor([[1, 2, 3, 0]]), "wte": torch.randn(5, 2),
+               "wpe": torch.randn(4, 2)}  # fmt: skip
+    why, prefix, guards = _why(nodes, device=CUDA, **handles)
+    assert why is None and guards == [1, 5]
+    assert prefix == [0, 2, 3, 4]  # the arange that wrote into node 2's tensor included
+    why, prefix, guards = _why(nodes, device=CPU, **handles)
+    assert why is None and guards == [] and prefix == []  # a CPU kernel checks as it goes
+
+
+def test_a_guard_on_a_value_the_whole_graph_computes_does_not_qualify(monkeypatch):
+    monkeypatch.setattr(cg, "PREFIX_NODES", 2)
+    nodes = [
+        {"op": "aten::view.default", "args": [{"$h": "ids"}, [-1]]},
+        {"op": "aten::add.Tensor", "args": [{"$v": 0}, 0]},
+        {"op": "aten::remainder.Scalar", "args": [{"$v": 1}, 5]},
+        {"op": "aten::embedding.default", "args": [{"$h": "wte"}, {"$v": 2}]},
+    ]
+    why, _, _ = _why(nodes, device=CUDA, ids=torch.tensor([[1, 2]]), wte=torch.randn(5, 2))
+    assert "too many nodes" in why
