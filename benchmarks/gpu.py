@@ -222,6 +222,8 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
         want = gpu(gids).logits.cpu()
         diff = (remote(rids).logits.cpu() - want).abs().max().item()
         replay_diff = (replayed(rids).cpu() - want).abs().max().item()
+        # a replay runs the captured forward's kernels: the same bits (CUDA graphs too)
+        replay_bits = torch.equal(replayed(rids).cpu(), remote(rids).logits.cpu())
     r, g, p = (statistics.median(x[i] for x in rounds) for i in range(3))
     time.sleep(1.5)  # the worker's stats reach the supervisor every worker_stats.STATS_PUSH_S
     return {
@@ -232,6 +234,7 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
         "replayed_ms": round(p * 1e3, 2),
         "replayed_ratio": round(p / g, 3),
         "replayed_max_abs_diff_logits": replay_diff,
+        "replayed_equals_captured": replay_bits,
         "replay": replayed.stats(),
         "plans": client.stats()["scheduler"][0]["graph_plans"],
         "cuda_graphs": client.stats()["scheduler"][0]["cuda_graphs"],
@@ -452,7 +455,8 @@ def report(doc: dict[str, Any]) -> None:
         print(f"| graph path: forward, {gf['tokens']} tokens | {gf['ms'][0]} | {gf['ms'][1]} | "
               f"{gf['ratio']} | {gf['max_abs_diff_logits']:.1e} |")  # fmt: skip
         print(f"| graph path: the same forward replayed | {gf['replayed_ms']} | {gf['ms'][1]} "
-              f"| {gf['replayed_ratio']} | {gf['replayed_max_abs_diff_logits']:.1e} |")  # fmt: skip
+              f"| {gf['replayed_ratio']} | {gf['replayed_max_abs_diff_logits']:.1e} (the "
+              f"captured forward's bits: {gf['replayed_equals_captured']}) |")  # fmt: skip
     if ok("graph_forward_no_cuda_graphs"):
         nf = doc["graph_forward_no_cuda_graphs"]
         print(f"| graph path: replayed, `cuda_graphs = false` (another appliance) | "

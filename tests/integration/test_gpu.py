@@ -171,6 +171,8 @@ def test_a_replayed_forward_runs_as_a_cuda_graph(gpu_appliance, monkeypatch):
             got = forward(ids.to(r)).cpu()
             want = local(ids.cuda()).cpu()
             assert (got - want).abs().max().item() <= 1e-5, k
+            # the same kernels as the same forward captured op by op, so the same bits
+            assert torch.equal(got, remote(ids.to(r)).cpu()), k
         # the worker's stats reach the supervisor every STATS_PUSH_S
         assert forward.stats()["replays"] == 10, forward.stats()
         after = wait_for(lambda: (s := stats())["replays"] >= before["replays"] + 3 and s)
