@@ -438,6 +438,11 @@ class Lineage:
         and the model registrations. False when a cut must wait."""
         started = time.perf_counter()
         with self.lock:
+            # the graph in flight first (Note [asynchronous flushes]). Settled by the
+            # read-back below instead, its entry was recorded into the journal this cut
+            # then replaced: its outputs were neither in the snapshot nor in the journal,
+            # and after a worker loss the next graph that read one got NOT_FOUND
+            self.s._settle()
             if self._objects():
                 return self._cut_later(4)
             live = self._live()

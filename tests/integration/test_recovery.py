@@ -52,6 +52,13 @@ def _train(
         opt.zero_grad()
         loss.backward()
         if step == kill_at and after_backward:  # the gradients are live, Adam not run
+            # the cut this case is about, here whatever the machine's speed (the time
+            # rule's cuts land where it makes them): one is due, so the next request, one
+            # that asks how many bytes the session holds, is sent after it
+            lineage = default_session()._lineage
+            cuts, lineage.cut_due = lineage.checkpoints, True
+            default_session().memory_allocated()
+            assert lineage.checkpoints == cuts + 1
             _kill_worker(app, default_session())
         opt.step()
     return [p.detach().cpu() for p in model.parameters()]
@@ -160,7 +167,9 @@ def test_a_tensor_only_a_replay_wrote_is_rebuilt_with_what_it_wrote(recovering, 
 def test_a_cut_between_backward_and_step_keeps_the_gradients(recovering, monkeypatch):
     """Note [private views]: autograd keeps a weight's gradient as a view (the transpose
     of a product) of storage only it holds. A cut reads it back instead of waiting, and
-    a kill before the optimizer step restores it from that value."""
+    a kill before the optimizer step restores it from that value. (The loop's other cuts
+    come from the time rule, as many as the machine's speed makes: a CI rehearsal under
+    load made 2, where this test had asked for more than 3.)"""
     from djinn.frontend import session
 
     monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", "0.01")
@@ -169,7 +178,7 @@ def test_a_cut_between_backward_and_step_keeps_the_gradients(recovering, monkeyp
     interrupted = _train(8, kill_at=5, app=recovering, after_backward=True)
     stats = session.default_session().recovery_stats()
     assert stats["recoveries"] == 1
-    assert stats["checkpoints"] > 3 and stats["checkpoints_put_off"] == 0
+    assert stats["checkpoints_put_off"] == 0
     for a, b in zip(clean, interrupted, strict=True):
         assert (a - b).abs().max().item() <= 1e-6
 

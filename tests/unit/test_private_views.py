@@ -96,6 +96,9 @@ class _Session:
         self._lists_lock = threading.Lock()
         self._pending_free: list[str] = []
 
+    def _settle(self) -> None:
+        """No graph in flight here (Note [asynchronous flushes])."""
+
 
 def test_a_cut_that_must_wait_tries_again_after_an_eighth_of_the_replay():
     lin = Lineage(_Session({"kv": object()}), Policy(checkpoint_seconds=1.0))  # type: ignore[arg-type]
