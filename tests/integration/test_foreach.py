@@ -163,3 +163,68 @@ def test_optimizers_update_remote_weights_exactly_as_local(remote, make):
     for (name, p_l), p_r in zip(local.named_parameters(), remote_model.parameters(), strict=True):
         torch.testing.assert_close(p_r.detach().cpu(), p_l.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(local[0].weight.detach(), before.weight.detach())
+
+
+optim = torch.optim
+# Note [foreach by default]: a remote model takes each optimizer's foreach path where local
+# eager on a CPU takes its single-tensor loop; both must end at the same weights. Every
+# optimizer of torch.optim that steps without a closure or sparse gradients, at its
+# defaults and with the options that change its update (capturable=True is refused by
+# local eager on a CPU; test_replayable_training runs it remotely).
+DEFAULT_PATHS = {
+    "sgd": (optim.SGD, {}),
+    "sgd-nesterov-decay": (optim.SGD, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    "sgd-dampening-maximize": (optim.SGD, {"momentum": 0.9, "dampening": 0.1, "maximize": True}),
+    "adam": (optim.Adam, {}),
+    "adam-amsgrad-decay-maximize": (
+        optim.Adam,
+        {"amsgrad": True, "weight_decay": 0.01, "maximize": True},
+    ),
+    "adamw": (optim.AdamW, {}),
+    "adamw-amsgrad": (optim.AdamW, {"amsgrad": True}),
+    "adamax": (optim.Adamax, {}),
+    "adamax-decay-maximize": (optim.Adamax, {"weight_decay": 0.01, "maximize": True}),
+    "nadam": (optim.NAdam, {}),
+    "nadam-decoupled": (optim.NAdam, {"weight_decay": 0.01, "decoupled_weight_decay": True}),
+    "radam": (optim.RAdam, {}),
+    "radam-decoupled": (optim.RAdam, {"weight_decay": 0.01, "decoupled_weight_decay": True}),
+    "adagrad": (optim.Adagrad, {}),
+    "adagrad-decay": (optim.Adagrad, {"weight_decay": 0.01, "lr_decay": 0.01}),
+    "adadelta": (optim.Adadelta, {}),
+    "adadelta-decay-maximize": (optim.Adadelta, {"weight_decay": 0.01, "maximize": True}),
+    "rmsprop": (optim.RMSprop, {}),
+    "rmsprop-centered-momentum": (optim.RMSprop, {"centered": True, "momentum": 0.9}),
+    "asgd": (optim.ASGD, {}),
+    "rprop": (optim.Rprop, {}),
+    "adafactor": (optim.Adafactor, {}),
+}
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clip_grad_norm"])
+@pytest.mark.parametrize("name", list(DEFAULT_PATHS))
+def test_each_optimizers_default_path_ends_at_local_eagers_weights(remote, name, clip):
+    cls, options = DEFAULT_PATHS[name]
+    lr = 0.01 if cls in (optim.Adadelta, optim.Adafactor) else 0.05
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    remote_model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+    )
+    remote_model.load_state_dict(local.state_dict())
+    remote_model.to(R)
+    opt_l = cls(local.parameters(), lr=lr, **options)
+    opt_r = cls(remote_model.parameters(), lr=lr, **options)
+    x = torch.randn(8, 6)
+    for _ in range(4):
+        for model, opt, inp in ((local, opt_l, x), (remote_model, opt_r, x.to(R))):
+            opt.zero_grad()
+            model(inp).pow(2).mean().backward()
+            if clip:  # its default is the foreach path too, remotely
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+    for (label, p_l), p_r in zip(local.named_parameters(), remote_model.parameters(), strict=True):
+        got = p_r.detach().cpu()
+        torch.testing.assert_close(got, p_l.detach(), rtol=1e-5, atol=1e-6, msg=label)
+    torch.manual_seed(0)
+    start = torch.nn.Linear(6, 5)  # the seed's first weight: the steps moved it
+    assert not torch.equal(local[0].weight.detach(), start.weight.detach())
