@@ -59,6 +59,7 @@ from djinn.errors import ResourceExhausted
 from . import index_bounds, opchecks
 from .graph import has_extra_checks, writes
 from .plan import CompiledRun, Plan, PlanRun
+from .plan_source import tagged_with_scalars
 
 log = logging.getLogger("djinn.appliance.cuda_graphs")
 
@@ -175,7 +176,7 @@ def _refs(x: Any) -> set[tuple[str, int]]:
                     found.add(("t", 1))
             elif "$h" in v:
                 found.add(("t", 1))  # plans refuse these; never replayed either
-            elif any(isinstance(k, str) and k.startswith("$") for k in v) and _has_scalar(v):
+            elif tagged_with_scalars(v):
                 found.add(("s", 1))
             else:
                 for u in v.values():
@@ -183,14 +184,6 @@ def _refs(x: Any) -> set[tuple[str, int]]:
 
     walk(x)
     return found
-
-
-def _has_scalar(x: Any) -> bool:
-    if isinstance(x, list):
-        return any(_has_scalar(v) for v in x)
-    if isinstance(x, dict):
-        return (len(x) == 1 and "$s" in x) or any(_has_scalar(v) for v in x.values())
-    return False
 
 
 def _written_refs(op: Any, tpl: dict[str, Any]) -> set[tuple[str, int]]:

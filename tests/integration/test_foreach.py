@@ -124,6 +124,17 @@ def test_an_effect_only_op_with_no_live_output_still_runs(remote):
     assert x.cpu().tolist() == [3.0] * 4
 
 
+def _twins() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small model, and its copy on the remote device."""
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    remote_model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+    )
+    remote_model.load_state_dict(local.state_dict())
+    return local, remote_model.to(R)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -145,13 +156,7 @@ def test_an_effect_only_op_with_no_live_output_still_runs(remote):
     ],
 )
 def test_optimizers_update_remote_weights_exactly_as_local(remote, make):
-    torch.manual_seed(0)
-    local = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    remote_model = torch.nn.Sequential(
-        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
-    )
-    remote_model.load_state_dict(local.state_dict())
-    remote_model.to(R)
+    local, remote_model = _twins()
     opt_l, opt_r = make(local.parameters()), make(remote_model.parameters())
     x = torch.randn(8, 6)
     for _ in range(4):
@@ -205,13 +210,7 @@ DEFAULT_PATHS = {
 def test_each_optimizers_default_path_ends_at_local_eagers_weights(remote, name, clip):
     cls, options = DEFAULT_PATHS[name]
     lr = 0.01 if cls in (optim.Adadelta, optim.Adafactor) else 0.05
-    torch.manual_seed(0)
-    local = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    remote_model = torch.nn.Sequential(
-        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
-    )
-    remote_model.load_state_dict(local.state_dict())
-    remote_model.to(R)
+    local, remote_model = _twins()
     opt_l = cls(local.parameters(), lr=lr, **options)
     opt_r = cls(remote_model.parameters(), lr=lr, **options)
     x = torch.randn(8, 6)
