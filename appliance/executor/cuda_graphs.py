@@ -12,7 +12,8 @@ on its next run and replayed from then on. What qualifies, because a replay runs
 Python per node and reads the same addresses:
 
 - it writes no input: an in-place or ``out=`` op writes only into a value the plan itself
-  made, never into an input or a view of one (a training step is not replayed this way);
+  made, never into an input or a view of one, a view its schema does not declare
+  included (``UNANNOTATED_VIEWS``); a training step is not replayed this way;
 - no random op (each run's generator state would be baked into the graph);
 - no inline tensor with bytes, and no constant built from the request's scalars: those
   are read from the request at each run;
@@ -20,11 +21,15 @@ Python per node and reads the same addresses:
   read their indices, which needs a device sync, and no sync can be captured. A guard
   whose indices are computed only from the inputs and constants by at most
   ``PREFIX_NODES`` small nodes is checked before every replay: those nodes run first,
-  alone, and the guard reads what they give (GPT-2's token and position ids). Any other
+  alone, and the guard reads what they give (GPT-2's token and position ids). Each
+  guard's prefix holds what reaches it before it reads: the nodes it reads, theirs, and
+  the writes into them that come before it (a write between two guards that read one
+  value is in the second's prefix only); a guard another guard reads is run as well as
+  checked. Any other
   check that reads values syncs during the capture, which fails it: the plan stays
   compiled;
-- the floats the template took out (``scalars``) are those of the capture: a replay is
-  only for the same values, since a kernel's float arguments are baked into it;
+- the floats the template took out (``scalars``) are those of the capture, bit for bit
+  (-0.0 is not 0.0 to a division): a kernel's float arguments are baked into it;
 - its kept and fetched values are whole tensors of their own (no view of an input, no
   two sharing storage): each replay's results are copied out of the graph's buffers, so
   the next replay cannot overwrite what a session holds.
@@ -36,7 +41,8 @@ input copied into a buffer the graph owns before each replay; a plan is captured
 
 Memory: a graph keeps the memory its run allocated (its private pool) for as long as it
 lives. That is outside the VMU's account, so the graphs of a worker together are bounded
-by ``cuda_graph_bytes`` (each counted as its plan's peak plus its owned input buffers);
+by ``cuda_graph_bytes`` (each counted as its plan's peak rounded up to the allocator's
+2 MiB blocks, one more block, and its owned input buffers: ``pool_bytes``);
 the least recently replayed is let go first. A plan's stack bytes are reserved for each
 replay as for a compiled run.
 
@@ -48,6 +54,7 @@ plan runs compiled.
 from __future__ import annotations
 
 import logging
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -66,6 +73,12 @@ log = logging.getLogger("djinn.appliance.cuda_graphs")
 PREFIX_NODES = 16  # nodes run before a replay to compute what the index guards read
 PREFIX_NUMEL = 1 << 16  # and the most elements each of their outputs may have
 MAX_CAPTURES = 3  # captures of one plan (its inputs moved) before it stays compiled
+# ops whose output is a view of their first argument though their schema does not say so
+# (no ``Tensor(a)``): a write through one writes that argument
+UNANNOTATED_VIEWS = frozenset(
+    ["aten::_unsafe_view", "aten::unsafe_chunk", "aten::unsafe_split",
+     "aten::unsafe_split_with_sizes"]
+)  # fmt: skip
 
 
 class Capture:
@@ -96,7 +109,7 @@ class PlanGraph:
     def __init__(self) -> None:
         self.graph: Any = None
         self.values: list[Any] = []
-        self.scalars: list[float] = []
+        self.scalars = b""  # the capture's scalars, as their bits
         self.addresses: list[int] = []  # each input's data_ptr at capture
         self.owned: dict[int, torch.Tensor] = {}  # input index -> the graph's own buffer
         self.bytes = 0
@@ -115,11 +128,9 @@ def qualifies(plan: Plan, device: torch.device) -> tuple[str | None, list[int], 
             return f"a random op ({node.name})", [], []
         if ("t", 1) in refs[i] or ("s", 1) in refs[i]:
             return "an inline tensor or a constant of the request's scalars", [], []
-        returns = node.op._schema.returns
-        if returns and returns[0].alias_info is not None:  # a view, or the self it wrote
-            of = [_root(r, root) for r in _aliased_refs(node.op, tpl)]
-            if of:
-                root[i] = of[0]
+        of = [_root(r, root) for r in _view_sources(node.op, tpl)]
+        if of:  # a view (or the self it wrote): its root is what it is a view of
+            root[i] = of[0]
         for r in _written_refs(node.op, tpl) if writes(node.op) else ():
             base = _root(r, root)
             if base[0] == "in":
@@ -130,20 +141,22 @@ def qualifies(plan: Plan, device: torch.device) -> tuple[str | None, list[int], 
                 return f"an op with two kinds of checks ({node.name})", [], []
             guards.append(i)
     prefix: set[int] = set()
-    for g in guards:
+    for g in guards:  # each guard's own closure: what reaches it before it reads
+        seen: set[int] = set()
         todo = [n for k, n in refs[g] if k == "v"]
         while todo:
             n = todo.pop()
-            if n in prefix:
+            if n in seen:
                 continue
-            prefix.add(n)
+            seen.add(n)
             meta = nodes[n].meta
             big = isinstance(meta, torch.Tensor) and meta.numel() > PREFIX_NUMEL
-            if len(prefix) > PREFIX_NODES or n in plan.casts or big:
+            if len(prefix | seen) > PREFIX_NODES or n in plan.casts or big:
                 return "an index guard reads a value computed by too many nodes", [], []
             todo += [m for k, m in refs[n] if k == "v"]
-            # what wrote into it before the guard read it (arange's out= into an empty)
+            # what wrote into it before this guard read it (arange's out= into an empty)
             todo += [m for m in writers.get(_root(("v", n), root), ()) if m < g]
+        prefix |= seen
     return None, sorted(prefix), guards
 
 
@@ -191,9 +204,16 @@ def _written_refs(op: Any, tpl: dict[str, Any]) -> set[tuple[str, int]]:
     return _args_refs(op, tpl, lambda info: info.is_write)
 
 
-def _aliased_refs(op: Any, tpl: dict[str, Any]) -> set[tuple[str, int]]:
-    """The references of the arguments ``op``'s output may be a view of (``Tensor(a)``)."""
-    return _args_refs(op, tpl, lambda info: True)
+def _view_sources(op: Any, tpl: dict[str, Any]) -> set[tuple[str, int]]:
+    """The references of the arguments ``op``'s output may be a view of (``Tensor(a)``,
+    or the first argument of an op of ``UNANNOTATED_VIEWS``)."""
+    returns = op._schema.returns
+    if returns and returns[0].alias_info is not None:
+        return _args_refs(op, tpl, lambda info: True)
+    if op._schema.name in UNANNOTATED_VIEWS:
+        args = tpl.get("args", [])
+        return {r for r in _refs(args[:1]) if r[0] in ("in", "v")}
+    return set()
 
 
 def _args_refs(op: Any, tpl: dict[str, Any], which: Callable[[Any], bool]) -> set:
@@ -234,7 +254,7 @@ class CudaGraphs:
         state = plan.cuda_graph
         if state is None:
             why, prefix, guards = qualifies(plan, device)
-            if why is not None or plan.peak > self.max_bytes:
+            if why is not None or pool_bytes(plan.peak) > self.max_bytes:
                 why = why or f"its peak of {plan.peak} bytes is over cuda_graph_bytes"
                 log.info("graph plan of %d nodes: no CUDA graph (%s)", len(plan.nodes), why)
                 self.refused += 1
@@ -314,7 +334,7 @@ class GraphedRun(CompiledRun):
         return self._replay(graph)
 
     def _fits(self, graph: PlanGraph) -> bool:
-        if self.scs != graph.scalars:
+        if _bits(self.scs) != graph.scalars:  # -0.0 is not 0.0 to a kernel; NaN is NaN
             return False
         return all(
             k in graph.owned or t.data_ptr() == graph.addresses[k] for k, t in enumerate(self.ins)
@@ -326,13 +346,15 @@ class GraphedRun(CompiledRun):
         if not state["guards"]:
             return
         nodes, guards, self.values = self.plan.nodes, set(state["guards"]), {}
+        prefix = set(state["prefix"])
         try:
-            for n in sorted(guards.union(state["prefix"])):
+            for n in sorted(guards | prefix):
                 node = nodes[n]
+                args, kwargs = node.args(self), node.kwargs(self)
                 if n in guards:
-                    self._value_checks(n, node.op, node.args(self), node.kwargs(self))
-                else:
-                    self.values[n] = node.op(*node.args(self), **node.kwargs(self))
+                    self._value_checks(n, node.op, args, kwargs)
+                if n in prefix:  # another guard reads it (a guard too, once checked)
+                    self.values[n] = node.op(*args, **kwargs)
         finally:
             self.values = {}
 
@@ -347,7 +369,7 @@ class GraphedRun(CompiledRun):
         state["captures"] += 1
         old = state["graph"]
         pg = PlanGraph()
-        pg.scalars = list(self.scs)
+        pg.scalars = _bits(self.scs)
         ins = list(self.ins)
         varying = set(old.owned) if old is not None else set()
         if moved:
@@ -394,7 +416,8 @@ class GraphedRun(CompiledRun):
         finally:
             self.capturing = False
             self.stack.release(plan.peak)
-        pg.bytes = plan.peak + sum(t.untyped_storage().nbytes() for t in pg.owned.values())
+        owned = sum(t.untyped_storage().nbytes() for t in pg.owned.values())
+        pg.bytes = pool_bytes(plan.peak) + owned
         graphs.captured += 1
         graphs.keep(plan, pg)
         return pg
@@ -414,6 +437,18 @@ class GraphedRun(CompiledRun):
         self.graphs.replays += 1
         self.graphs.used(plan)
         return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
+
+
+def pool_bytes(peak: int) -> int:
+    """What a graph's private memory pool holds for a run whose peak is ``peak`` bytes, at
+    least: CUDA's caching allocator gives a pool 2 MiB blocks (one for small tensors, the
+    rest rounded up), so many small graphs hold more than their peaks add up to."""
+    block = 2 << 20
+    return block + -(-peak // block) * block
+
+
+def _bits(scalars: list[float]) -> bytes:
+    return struct.pack(f"<{len(scalars)}d", *scalars)
 
 
 def _ownable(t: torch.Tensor, ins: list[torch.Tensor]) -> bool:

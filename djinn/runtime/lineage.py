@@ -273,6 +273,10 @@ class Lineage:
         session is rebuilt but the request is not sent again (its result would differ:
         sampling on the appliance)."""
         gen = self.before_request()
+        with self.lock:  # a cut's settled graph may have rebuilt the session meanwhile
+            for g in range(gen, self.generation):
+                body = remap(body, self.maps.get(g, {}))
+            gen = self.generation
         tries = 0
         while True:
             try:

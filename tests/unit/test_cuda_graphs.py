@@ -8,11 +8,13 @@ writes its results into those outputs. The CUDA capture itself runs in the gpu-m
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from djinn.appliance.executor import cuda_graphs as cg
 from djinn.appliance.executor import plan as plan_mod
 from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
+from djinn.errors import DjinnError
 from djinn.protocol import templates
 from tests.unit.test_execution_plans import CPU, Session, body_of, interpreted, stack_of
 
@@ -131,7 +133,7 @@ def test_an_input_that_moves_is_copied_into_the_graphs_own_buffer():
     state = plan.cuda_graph
     assert list(state["graph"].owned) == [0]  # x is input 0; w is read where it is
     assert graphs.captured == 2 and graphs.moved == 0
-    assert graphs.bytes == plan.peak + 4 * 8 * 4
+    assert graphs.bytes == cg.pool_bytes(plan.peak) + 4 * 8 * 4
 
 
 def test_other_scalars_capture_again_and_a_plan_captures_at_most_three_times():
@@ -183,10 +185,11 @@ def test_the_graphs_together_stay_within_their_bytes():
         s = _session()
         plan, fp = _plan(body, s)
         runs.append((body, s, plan, fp))
-    graphs.max_bytes = runs[0][2].peak + runs[1][2].peak - 1  # room for one of the two
+    one = cg.pool_bytes(runs[1][2].peak)
+    graphs.max_bytes = cg.pool_bytes(runs[0][2].peak) + one - 1  # room for one of the two
     for body, s, plan, fp in runs:
         _run(body, s, plan, fp, graphs)
-    assert graphs.stats()["graphs"] == 1 and graphs.bytes == runs[1][2].peak
+    assert graphs.stats()["graphs"] == 1 and graphs.bytes == one
     assert runs[0][2].cuda_graph["graph"] is None  # let go; captured again when it returns
     graphs.forget([runs[1][2]])
     assert graphs.bytes == 0 and graphs.stats()["graphs"] == 0
@@ -198,7 +201,7 @@ def test_only_a_compiled_plan_on_a_device_the_capture_supports_is_graphed():
     assert cg.CudaGraphs(True, 1 << 30).runner(plan, CompiledRun, CPU) is CompiledRun
     assert cg.CudaGraphs(False, 1 << 30, StandIn()).runner(plan, CompiledRun, CPU) is CompiledRun
     assert cg.CudaGraphs(True, 1 << 30, StandIn()).runner(plan, PlanRun, CPU) is PlanRun
-    too_big = cg.CudaGraphs(True, plan.peak - 1, StandIn())
+    too_big = cg.CudaGraphs(True, cg.pool_bytes(plan.peak) - 1, StandIn())
     assert too_big.runner(plan, CompiledRun, CPU) is CompiledRun and too_big.refused == 1
 
 
@@ -280,3 +283,90 @@ def test_a_guard_on_a_value_the_whole_graph_computes_does_not_qualify(monkeypatc
     ]
     why, _, _ = _why(nodes, device=CUDA, ids=torch.tensor([[1, 2]]), wte=torch.randn(5, 2))
     assert "too many nodes" in why
+
+
+# -- found by a review: each of these gave a replay other than the compiled run's ----------
+@pytest.mark.parametrize("view", ["aten::_unsafe_view.default", "aten::unsafe_split.Tensor"])
+def test_a_write_through_a_view_its_schema_does_not_declare_does_not_qualify(view):
+    args = [{"$h": "x"}, [8]] if "view" in view else [{"$h": "x"}, 8]
+    written = {"$v": 0} if "view" in view else {"$v": 0, "i": 0}
+    why, _, _ = _why(
+        [
+            {"op": view, "args": args},
+            {"op": "aten::add_.Scalar", "args": [written, 1]},
+            {"op": "aten::sum.default", "args": [{"$v": 1}]},
+        ],
+        x=torch.zeros(2, 4),
+    )
+    assert why is not None and "writes into an input" in why
+
+
+def test_scalars_are_matched_by_their_bits():
+    """0.0 == -0.0 in Python, not to a kernel: x / -0.0 is -inf."""
+
+    def body(v: float):
+        return body_of([{"op": "aten::div.Scalar", "args": [{"$h": "x"}, v]}], fetch=[{"$v": 0}])
+
+    s = Session(x=torch.ones(3))
+    plan, fp = _plan(body(0.0), s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    (_, (a,)), _ = _run(body(0.0), s, plan, fp, graphs)
+    (_, (b,)), _ = _run(body(-0.0), s, plan, fp, graphs)
+    assert a.tolist() == [float("inf")] * 3 and b.tolist() == [float("-inf")] * 3
+    assert graphs.captured == 2
+
+
+def _with_gpu_guards(monkeypatch, graphs: cg.CudaGraphs) -> None:
+    """The index guards a GPU worker runs (Note [indices on a GPU]), on this CPU run."""
+    from djinn.appliance.executor import index_bounds
+
+    monkeypatch.setattr(
+        graphs.run_class, "_extra_checks", lambda self, op, named: index_bounds.check(op, named)
+    )
+
+
+def test_a_guard_whose_indices_another_guard_computes_is_checked_on_them(monkeypatch):
+    body = body_of(
+        [
+            {"op": "aten::index_select.default", "args": [{"$h": "table"}, 0, {"$h": "ids"}]},
+            {"op": "aten::embedding.default", "args": [{"$h": "wte"}, {"$v": 0}]},
+        ],
+        fetch=[{"$v": 1}],
+    )
+    s = Session(
+        table=torch.tensor([3, 1, 0, 2]), ids=torch.tensor([0, 2, 1]), wte=torch.randn(4, 2)
+    )
+    plan, fp = _plan(body, s)
+    why, prefix, guards = cg.qualifies(plan, CUDA)
+    assert why is None and guards == [0, 1] and prefix == [0]
+    plan.cuda_graph = {"prefix": prefix, "guards": guards, "graph": None, "captures": 0}
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    _with_gpu_guards(monkeypatch, graphs)
+    (_, (got,)), _ = _run(body, s, plan, fp, graphs)
+    assert torch.equal(got, s.handles["wte"][s.handles["table"][s.handles["ids"]]])
+    s.handles["table"][2] = 9  # row 9 of a 4-row table, through the first guard's output
+    with pytest.raises(DjinnError, match="index 9 is out of bounds"):
+        _run(body, s, plan, fp, graphs)
+
+
+def test_a_write_between_two_guards_is_in_the_second_guards_prefix(monkeypatch):
+    body = body_of(
+        [
+            {"op": "aten::clone.default", "args": [{"$h": "ids"}]},
+            {"op": "aten::embedding.default", "args": [{"$h": "wte"}, {"$v": 0}]},
+            {"op": "aten::add_.Tensor", "args": [{"$v": 0}, {"$h": "shift"}]},
+            {"op": "aten::embedding.default", "args": [{"$h": "wte"}, {"$v": 0}]},
+        ],
+        fetch=[{"$v": 3}],
+    )
+    s = Session(ids=torch.tensor([0, 1, 2]), shift=torch.tensor([0, 0, 0]), wte=torch.randn(4, 2))
+    plan, fp = _plan(body, s)
+    why, prefix, guards = cg.qualifies(plan, CUDA)
+    assert why is None and guards == [1, 3] and prefix == [0, 2]
+    plan.cuda_graph = {"prefix": prefix, "guards": guards, "graph": None, "captures": 0}
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    _with_gpu_guards(monkeypatch, graphs)
+    _run(body, s, plan, fp, graphs)  # captured
+    s.handles["shift"].copy_(torch.tensor([0, 0, 5]))  # 2 + 5: row 7 of 4, after the write
+    with pytest.raises(DjinnError, match="index 7 is out of bounds"):
+        _run(body, s, plan, fp, graphs)  # the guard says so: the kernel never sees it

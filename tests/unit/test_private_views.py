@@ -115,3 +115,20 @@ def test_a_cut_that_must_wait_tries_again_after_an_eighth_of_the_replay():
     request(0.03)
     assert lin.cut_due
     assert lin.stats()["checkpoints_put_off"] == 1
+
+
+def test_a_request_whose_cut_rebuilt_the_session_goes_with_the_new_handles():
+    """The cut settles the graph in flight first; if that graph's worker was lost, the
+    session is rebuilt there, and the request waiting behind the cut, built with the old
+    handles, must be sent with the new ones (a review's finding)."""
+
+    class Rebuilt(_Session):
+        def _settle(self) -> None:  # the graph in flight: its worker lost, the session rebuilt
+            lin.maps[lin.generation] = {"old": "new"}
+            lin.generation += 1
+
+    lin = Lineage(Rebuilt({}), Policy(checkpoint_seconds=1.0))  # type: ignore[arg-type]
+    lin.cut_due = True
+    sent = []
+    lin.run_body(lambda body: sent.append(body), {"args": [{"$h": "old"}]})
+    assert sent == [{"args": [{"$h": "new"}]}]
