@@ -61,10 +61,10 @@ from typing import Any
 
 import torch
 
-from djinn.errors import ResourceExhausted
+from djinn.errors import ExecutionError, ResourceExhausted
 
 from . import index_bounds, opchecks
-from .graph import has_extra_checks, writes
+from .graph import OP_ERRORS, has_extra_checks, writes
 from .plan import CompiledRun, Plan, PlanRun
 from .plan_source import tagged_with_scalars
 
@@ -354,7 +354,10 @@ class GraphedRun(CompiledRun):
                 if n in guards:
                     self._value_checks(n, node.op, args, kwargs)
                 if n in prefix:  # another guard reads it (a guard too, once checked)
-                    self.values[n] = node.op(*args, **kwargs)
+                    try:
+                        self.values[n] = node.op(*args, **kwargs)
+                    except OP_ERRORS as exc:  # as the compiled run words it (fail())
+                        raise ExecutionError(f"{node.name} (node {n}): {exc}") from None
         finally:
             self.values = {}
 

@@ -14,7 +14,7 @@ import torch
 from djinn.appliance.executor import cuda_graphs as cg
 from djinn.appliance.executor import plan as plan_mod
 from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
-from djinn.errors import DjinnError
+from djinn.errors import DjinnError, ExecutionError
 from djinn.protocol import templates
 from tests.unit.test_execution_plans import CPU, Session, body_of, interpreted, stack_of
 
@@ -370,3 +370,27 @@ def test_a_write_between_two_guards_is_in_the_second_guards_prefix(monkeypatch):
     s.handles["shift"].copy_(torch.tensor([0, 0, 5]))  # 2 + 5: row 7 of 4, after the write
     with pytest.raises(DjinnError, match="index 7 is out of bounds"):
         _run(body, s, plan, fp, graphs)  # the guard says so: the kernel never sees it
+
+
+def test_a_prefix_node_that_fails_fails_the_request_with_a_typed_error(monkeypatch):
+    body = body_of(
+        [
+            {"op": "aten::clone.default", "args": [{"$h": "ids"}]},
+            {"op": "aten::embedding.default", "args": [{"$h": "wte"}, {"$v": 0}]},
+        ],
+        fetch=[{"$v": 1}],
+    )
+    s = Session(ids=torch.tensor([0, 1, 2]), wte=torch.randn(4, 2))
+    plan, fp = _plan(body, s)
+    why, prefix, guards = cg.qualifies(plan, CUDA)
+    assert why is None and prefix == [0]
+    plan.cuda_graph = {"prefix": prefix, "guards": guards, "graph": None, "captures": 0}
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    _with_gpu_guards(monkeypatch, graphs)
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("the kernel refuses")
+
+    monkeypatch.setattr(plan.nodes[0], "op", refuses)
+    with pytest.raises(ExecutionError, match="node 0"):
+        _run(body, s, plan, fp, graphs)
