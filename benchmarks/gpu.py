@@ -211,20 +211,24 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
         gpu(gids).logits.cpu()  # warm both
         for _ in range(replayed.after + 3):  # recorded, confirmed, replayed, compiled
             replayed(rids).cpu()
+        fresh = [torch.randint(0, vocab, (1, tokens)) for _ in range(repeat)]
         rounds = [
             (
                 timed(lambda: remote(rids).logits.cpu()),
                 timed(lambda: gpu(gids).logits.cpu()),
                 timed(lambda: replayed(rids).cpu()),
+                # new ids each call, uploaded by both (a CUDA graph copies them in)
+                timed(lambda: replayed(new.to(R)).cpu()),  # noqa: B023 - called at once
+                timed(lambda: gpu(new.cuda()).logits.cpu()),  # noqa: B023
             )
-            for _ in range(repeat)
+            for new in fresh
         ]
         want = gpu(gids).logits.cpu()
         diff = (remote(rids).logits.cpu() - want).abs().max().item()
         replay_diff = (replayed(rids).cpu() - want).abs().max().item()
         # a replay runs the captured forward's kernels: the same bits (CUDA graphs too)
         replay_bits = torch.equal(replayed(rids).cpu(), remote(rids).logits.cpu())
-    r, g, p = (statistics.median(x[i] for x in rounds) for i in range(3))
+    r, g, p, pn, gn = (statistics.median(x[i] for x in rounds) for i in range(5))
     time.sleep(1.5)  # the worker's stats reach the supervisor every worker_stats.STATS_PUSH_S
     return {
         "tokens": tokens,
@@ -235,6 +239,8 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
         "replayed_ratio": round(p / g, 3),
         "replayed_max_abs_diff_logits": replay_diff,
         "replayed_equals_captured": replay_bits,
+        "replayed_new_ids_ms": [round(pn * 1e3, 2), round(gn * 1e3, 2)],
+        "replayed_new_ids_ratio": round(pn / gn, 3),
         "replay": replayed.stats(),
         "plans": client.stats()["scheduler"][0]["graph_plans"],
         "cuda_graphs": client.stats()["scheduler"][0]["cuda_graphs"],
@@ -457,6 +463,11 @@ def report(doc: dict[str, Any]) -> None:
         print(f"| graph path: the same forward replayed | {gf['replayed_ms']} | {gf['ms'][1]} "
               f"| {gf['replayed_ratio']} | {gf['replayed_max_abs_diff_logits']:.1e} (the "
               f"captured forward's bits: {gf['replayed_equals_captured']}) |")  # fmt: skip
+    if ok("graph_forward") and "replayed_new_ids_ms" in doc["graph_forward"]:
+        gf = doc["graph_forward"]
+        ms = gf["replayed_new_ids_ms"]
+        print(f"| graph path: replayed, new ids each call (uploaded by both) | {ms[0]} | {ms[1]} "
+              f"| {gf['replayed_new_ids_ratio']} | |")  # fmt: skip
     if ok("graph_forward_no_cuda_graphs"):
         nf = doc["graph_forward_no_cuda_graphs"]
         print(f"| graph path: replayed, `cuda_graphs = false` (another appliance) | "
