@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ from djinn.errors import ExecutionError, ResourceExhausted
 
 from . import index_bounds, opchecks
 from .graph import OP_ERRORS, has_extra_checks, writes
+from .metacheck import tensors_of
 from .plan import CompiledRun, Plan, PlanRun
 from .plan_source import tagged_with_scalars
 
@@ -320,17 +321,15 @@ class GraphedRun(CompiledRun):
         if self.partial or not state:
             return (yield from CompiledRun.steps(self))
         graph = state["graph"]
-        if graph is None or not self._fits(graph):
-            moved = graph is not None
-            if state["captures"] >= MAX_CAPTURES:
-                self.graphs.moved += 1
-                return (yield from CompiledRun.steps(self))
-            self._guard_checks(state)  # before anything ran, as an interpreted run refuses
-            graph = self._capture(state, moved)
+        fits = graph is not None and self._fits(graph)
+        if not fits and state["captures"] >= MAX_CAPTURES:
+            self.graphs.moved += 1
+            return (yield from CompiledRun.steps(self))
+        self._guard_checks(state)  # before anything ran, as an interpreted run refuses
+        if not fits:
+            graph = self._capture(state, moved=graph is not None)
             if graph is None:
                 return (yield from CompiledRun.steps(self))
-        else:
-            self._guard_checks(state)
         return self._replay(graph)
 
     def _fits(self, graph: PlanGraph) -> bool:
@@ -454,40 +453,32 @@ def _bits(scalars: list[float]) -> bytes:
     return struct.pack(f"<{len(scalars)}d", *scalars)
 
 
-def _ownable(t: torch.Tensor, ins: list[torch.Tensor]) -> bool:
-    """Whether input ``t`` can be copied into a buffer of the graph's own before each
-    replay: contiguous, its storage its own and the whole of it."""
-    st = t.untyped_storage()
+def _whole(t: torch.Tensor) -> bool:
+    """Contiguous and the whole of its storage."""
     return (
         t.is_contiguous()
         and t.storage_offset() == 0
-        and st.nbytes() == t.numel() * t.element_size()
-        and sum(1 for u in ins if u.untyped_storage().data_ptr() == st.data_ptr()) == 1
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     )
 
 
-def _tensors(v: Any) -> Iterator[torch.Tensor]:
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, (list, tuple)):
-        for u in v:
-            yield from _tensors(u)
+def _ownable(t: torch.Tensor, ins: list[torch.Tensor]) -> bool:
+    """Whether input ``t`` can be copied into a buffer of the graph's own before each
+    replay: whole, and no other input shares its storage."""
+    ptr = t.untyped_storage().data_ptr()
+    return _whole(t) and sum(1 for u in ins if u.untyped_storage().data_ptr() == ptr) == 1
 
 
 def _check_outputs(values: list[Any], ins: list[torch.Tensor]) -> None:
     """Kept and fetched values must be whole tensors of their own (see the Note)."""
     seen = {t.untyped_storage().data_ptr() for t in ins}
-    for t in (u for v in values for u in _tensors(v)):
-        st = t.untyped_storage()
-        if st.data_ptr() in seen:
+    for t in tensors_of(values):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
             raise ValueError("a kept value shares storage with an input or another value")
-        if (
-            not t.is_contiguous()
-            or t.storage_offset()
-            or st.nbytes() != t.numel() * t.element_size()
-        ):
+        if not _whole(t):
             raise ValueError("a kept value is a view")
-        seen.add(st.data_ptr())
+        seen.add(ptr)
 
 
 def _copied(v: Any) -> Any:

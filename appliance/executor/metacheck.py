@@ -97,7 +97,7 @@ def meta_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any
     grown = sum(max(0, st.nbytes() - before[st._cdata]) for st in storages.values())
     seen = set(before)
     total = grown
-    for t in _tensors(out):
+    for t in tensors_of(out):
         st = t.untyped_storage()
         if st._cdata not in seen:
             seen.add(st._cdata)
@@ -105,11 +105,12 @@ def meta_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any
     return total, out
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of an op's output (a tensor, or lists and tuples of them)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_of(v)]
     return []
 
 

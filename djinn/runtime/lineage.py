@@ -272,11 +272,8 @@ class Lineage:
         session. Returns the result and the body that produced it. ``repeat=False``: the
         session is rebuilt but the request is not sent again (its result would differ:
         sampling on the appliance)."""
-        gen = self.before_request()
-        with self.lock:  # a cut's settled graph may have rebuilt the session meanwhile
-            for g in range(gen, self.generation):
-                body = remap(body, self.maps.get(g, {}))
-            gen = self.generation
+        # a cut's settled graph may have rebuilt the session meanwhile
+        body, gen = self.renamed(body, self.before_request())
         tries = 0
         while True:
             try:
@@ -291,15 +288,20 @@ class Lineage:
                 if tries > max(1, self.policy.retries):
                     raise self._give_up(exc, f"the request failed {tries} times") from exc
                 self.recover(exc, gen)
-                with self.lock:
-                    for g in range(gen, self.generation):
-                        body = remap(body, self.maps.get(g, {}))
-                    gen = self.generation
+                body, gen = self.renamed(body, gen)
                 if not repeat:
                     raise WorkerLost(
                         f"{exc.message}; the session was rebuilt, but this request samples "
                         "on the appliance and is not sent again (its result would differ)"
                     ) from exc
+
+    def renamed(self, body: Any, gen: int) -> tuple[Any, int]:
+        """``body``, built in generation ``gen``, with the handles of every rebuild since
+        renamed; and the generation it is now in."""
+        with self.lock:
+            for g in range(gen, self.generation):
+                body = remap(body, self.maps.get(g, {}))
+            return body, self.generation
 
     def before_request(self) -> int:
         """Cut the journal if a cut is due; the generation the request is sent in."""
@@ -321,10 +323,7 @@ class Lineage:
         if fault.code not in self.policy.errors or isinstance(fault, RecoveryFailed):
             raise fault
         self.recover(fault, gen)
-        with self.lock:
-            for g in range(gen, self.generation):
-                body = remap(body, self.maps.get(g, {}))
-        return self.run_body(attempt, body)
+        return self.run_body(attempt, self.renamed(body, gen)[0])
 
     def _give_up(self, fault: DjinnError, why: str) -> RecoveryFailed:
         err = RecoveryFailed(

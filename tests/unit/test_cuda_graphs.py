@@ -13,6 +13,7 @@ import torch
 
 from djinn.appliance.executor import cuda_graphs as cg
 from djinn.appliance.executor import plan as plan_mod
+from djinn.appliance.executor.metacheck import tensors_of
 from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
 from djinn.errors import DjinnError, ExecutionError
 from djinn.protocol import templates
@@ -41,7 +42,7 @@ class StandIn(cg.Capture):
         run, values = graph
         self.replays += 1
         for old, new in zip(values, run(), strict=True):
-            for o, n in zip(cg._tensors(old), cg._tensors(new), strict=True):
+            for o, n in zip(tensors_of(old), tensors_of(new), strict=True):
                 o.copy_(n)
 
 
