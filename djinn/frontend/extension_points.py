@@ -318,17 +318,27 @@ def _module_ran(module: torch.nn.Module, _args: Any) -> None:
         watcher.module_ran(module)
 
 
-def _stepped(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+def _stepped(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    with_args = len(args) > 1 or bool(kwargs)  # args[0] is the optimizer itself
     for watcher in list(_watchers):
-        watcher.stepped(opt)
+        watcher.stepped(opt, with_args)
+
+
+def _step_done(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    for watcher in list(_watchers):
+        watcher.step_done(opt)
 
 
 def _attach_recording_hooks() -> list[Any]:
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     return [
         torch.nn.modules.module.register_module_forward_pre_hook(_module_ran),
         register_optimizer_step_pre_hook(_stepped),
+        register_optimizer_step_post_hook(_step_done),
     ]
 
 
@@ -398,7 +408,8 @@ def parameters_on_meta() -> Iterator[None]:
 @contextlib.contextmanager
 def watching(watcher: Any) -> Iterator[None]:
     """While a replayable function records: every module forward and optimizer step, on
-    any thread, is told to ``watcher`` (``module_ran(m)``, ``stepped(opt)``)."""
+    any thread, is told to ``watcher`` (``module_ran(m)``; ``stepped(opt, with_args)``
+    as a step begins, ``step_done(opt)`` as it ends)."""
     with RECORDING_HOOKS.held():
         with _lock:
             _watchers.append(watcher)

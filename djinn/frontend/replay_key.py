@@ -5,7 +5,10 @@ arguments, and the state of the modules, optimizers and tensors it used (Note
 from __future__ import annotations
 
 import struct
+import threading
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,15 +94,38 @@ class Used:
     recorded (PyTorch's global hooks, held for the recording only: RECORDING_HOOKS in
     extension_points.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: Callable[[], int] = lambda: 0) -> None:
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.count = count  # ops the recording captured so far
+        self.thread = threading.get_ident()  # the recording's
+        # each step, in order (Note [optimizer steps run, not replayed] in replayable.py)
+        self.steps: list[Step] = []
 
     def module_ran(self, module: torch.nn.Module) -> None:
         self.modules.setdefault(id(module), module)
 
-    def stepped(self, opt: torch.optim.Optimizer) -> None:
+    def stepped(self, opt: torch.optim.Optimizer, with_args: bool = False) -> None:
         self.optimizers.setdefault(id(opt), opt)
+        mine = threading.get_ident() == self.thread
+        self.steps.append(Step(opt, self.count(), with_args or not mine))
+
+    def step_done(self, opt: torch.optim.Optimizer) -> None:
+        for step in reversed(self.steps):
+            if step.opt is opt and step.end is None:
+                step.end = self.count()
+                return
+
+
+@dataclass
+class Step:
+    """One optimizer step while a call recorded: the ops captured before it began and
+    when it ended; ``odd`` if it took arguments (a closure) or ran on another thread."""
+
+    opt: torch.optim.Optimizer
+    start: int
+    odd: bool
+    end: int | None = None
 
 
 def named_tensors(fn: Any) -> list[Any]:
@@ -207,9 +233,11 @@ def global_hooks() -> tuple:
 class State:
     """The state a recording used, checked again before each replay."""
 
-    def __init__(self, used: Used, named: list[Any]) -> None:
+    def __init__(self, used: Used, named: list[Any], optimizers: bool = True) -> None:
+        """``optimizers=False``: the optimizers that stepped are left out (they run at
+        every call: Note [optimizer steps run, not replayed] in replayable.py)."""
         self._modules = [weakref.ref(m) for m in used.modules.values()]
-        self._optimizers = [weakref.ref(o) for o in used.optimizers.values()]
+        self._optimizers = [weakref.ref(o) for o in used.optimizers.values()] if optimizers else []
         self._named = named  # the closure's tensors: alive as long as fn is
         self.value = self.now()
 

@@ -55,19 +55,32 @@ while ``fn`` waits, joins the recording's graph, and each replay puts new gradie
 tensors in ``.grad`` of the tensors that got them, as a run of ``fn`` would (a gradient
 kept from an earlier step keeps its value). A replay's in-place writes count in the
 version counters of the tensors it writes, as eager's do, so autograd still refuses a
-saved tensor written since. An optimizer's first step makes its state, so it records
-from the second call; an optimizer whose step computes Python floats that change each
-step (the default ``Adam``'s bias corrections) never replays, while
-``Adam(capturable=True)`` and ``SGD`` do.
+saved tensor written since.
 
-A replay whose graph fails raises at the call, as eager does, and the ops after the
-failing one do not run; a capture would have run the independent ones and raised at the
-read (Note [failed values]).
+Note [optimizer steps run, not replayed]: an optimizer's step computes Python floats from
+Python state (the default ``Adam``'s bias corrections, from a step count kept in a CPU
+tensor it increments), and a replay runs no Python: it would freeze the floats and the
+count, so such a call never records alike. When ``fn`` *ends* with optimizer steps
+(every op from the first step's start on was captured by one of them, in turn, none
+took a closure and all ran on the calling thread: PyTorch's global step hooks say where
+each began and ended), a recording also keeps the record of the ops before them. Once
+two recordings in a row are unlike as wholes but alike before their steps, the key
+replays that part and runs the steps after it, as ``fn`` would: a replay puts the
+graph's gradients in ``.grad``, then calls each optimizer's ``step()``, captured like any
+op with this step's floats, its hooks and its state (so the optimizers are left out of
+the state check; a new learning rate needs no new recording), and sends it without
+waiting. A call whose floats stay the same (SGD, ``Adam(capturable=True)``) replays
+whole, which costs the client less. The steps may read only gradients still in ``.grad``
+as the call ends, which is what a replay gives them: a step followed by ``zero_grad()``
+read gradients that are gone then, so such a call only replays whole. A call with an op
+after its steps (a weight read back) replays whole too.
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
-replay uses the recorded value, as a CUDA graph does. ``reset()`` forgets every
-recording.
+replay uses the recorded value, as a CUDA graph does. Nor does a replay run ``fn``'s own
+Python (but, where their floats change, the optimizer steps that end it): a scheduler
+stepped or a counter incremented inside ``fn`` is not, so keep those outside.
+``reset()`` forgets every recording.
 
 A replay runs every op the recorded call ran, in order, with every check of the
 appliance (the template is instantiated there exactly as if sent whole), so its results
@@ -95,7 +108,7 @@ from . import trace as trace_mod
 from .failures import written_values
 from .meta import TensorSpec
 from .nodes import Pending
-from .replay_key import PLAIN, Miss, State, Used, key, named_tensors
+from .replay_key import PLAIN, Miss, State, Step, Used, key, named_tensors
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
 # recordings in a row unlike the one before after which a key stops recording: its graph
@@ -125,6 +138,10 @@ class _Record:
     # per gradient: whether its .grad was None when the call began (known from the second
     # recording of a key on: the first one's owners are known only once it has run)
     empty: list[bool | None] = field(default_factory=list)
+    # the optimizers whose steps end the call, run after the replayed graph (Note
+    # [optimizer steps run, not replayed]); empty: the graph is the whole call
+    steps: list[Any] = field(default_factory=list)
+    split: _Record | None = None  # the record of its ops before its optimizer steps
     fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
@@ -243,7 +260,7 @@ class Replayable:
         reads: dict[Any, list[tuple[Any, Any]]] = {}
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
-        used = Used()
+        used = Used(lambda: len(tr.nodes))
         for x in pytree.tree_leaves((args, kwargs)):  # a module given (a method's self)
             if isinstance(x, torch.nn.Module):
                 for m in x.modules():
@@ -256,8 +273,8 @@ class Replayable:
             tr.chunk_ops = chunk
             tr.reads = None
         try:
-            state = State(used, named_tensors(self.fn))
-            rec = _recorded(tr, nodes, result, tensors, reads, state)
+            closure = named_tensors(self.fn)
+            rec = _recorded(tr, nodes, result, tensors, reads, used, closure)
         except Miss as why:
             self._stats.plain[str(why)] += 1
             if why.final:
@@ -265,6 +282,21 @@ class Replayable:
             return result
         self._stats.recordings += 1
         old = self._records.get(k)
+        split = rec.split
+        if isinstance(old, _Record) and old.steps:  # its steps run at every call
+            if split is not None and old.matches(split):
+                split.same = old.same + 1
+                self._store(k, split, empty)
+                return result
+            old = None  # it no longer ends with the same steps: start again
+        if isinstance(old, _Record) and split is not None and old.split is not None:
+            if old.split.matches(split):
+                split.same = old.split.same + 1
+            if not old.matches(rec) and split.same > 1:
+                # the whole call's floats change from call to call, the ops before its
+                # steps do not (Note [optimizer steps run, not replayed])
+                self._store(k, split, empty)
+                return result
         if isinstance(old, _Record) and old.matches(rec):
             rec.same = old.same + 1
         elif isinstance(old, _Record):
@@ -273,9 +305,13 @@ class Replayable:
                 why = "its graph, floats or inputs change from call to call"
                 self._keep(k, (why, self._stats.calls + PAUSE_CALLS))
                 return result
+        self._store(k, rec, empty)
+        return result
+
+    def _store(self, k: Any, rec: _Record, empty: dict[int, bool]) -> None:
+        """Keep a recording, with whether each gradient it sets was None as it began."""
         rec.empty = [empty.get(id(t)) for _k, t, _spec in rec.grads]
         self._keep(k, rec)
-        return result
 
     def _keep(self, k: Any, rec: _Record | str | tuple) -> None:
         self._records[k] = rec
@@ -300,10 +336,13 @@ def _recorded(
     result: Any,
     tensors: list[Any],
     reads: dict[Any, list[tuple[Any, Any]]],
-    state: State,
+    used: Used,
+    closure: list[Any],
 ) -> _Record:
     """Check the call just captured (Note [replayable functions]), then run it as one
-    graph, watching what goes on the wire; its record."""
+    graph, watching what goes on the wire; its record. When it ends with optimizer steps
+    that could run at every call, ``split`` is the record of the ops before them (Note
+    [optimizer steps run, not replayed])."""
     from .lazy import LazyTensor, spec_of
 
     cpu = [entries[0][1] for k, entries in list(reads.items()) if isinstance(k, tuple)]
@@ -324,6 +363,7 @@ def _recorded(
     readers = [t for entries in reads.values() for _cell, t in entries]
     if torch.is_grad_enabled() and any(t.grad_fn is not None for t in readers + tensors):
         raise Miss("it writes an autograd history into a tensor it reads", final=True)
+    state = State(used, closure)
     named = state.tensors()
     if any(id(t) in named for t in tensors):
         raise Miss("an argument is also a tensor it reads by name")
@@ -345,8 +385,14 @@ def _recorded(
             raise Miss(f"it returns a {type(x).__name__}, not a tensor or a plain value", True)
     owners = _grad_owners(readers + tensors)
     left = _left_in_grad(nodes, {o for o, _ in outs if o is not None}, owners)
-    written = {v.handle for n in nodes for v in written_values(n.op, n.args, n.kwargs)
-               if isinstance(v, RemoteTensor)}  # fmt: skip
+    cut = _optimizer_cut(len(nodes), used.steps)
+    before = set() if cut is None else {id(n) for n in nodes[:cut]}
+    if cut is not None and not (
+        _steps_read_gradients(nodes, cut, owners)
+        and all(where[0] in before for where, _spec in outs if where is not None)
+    ):
+        cut = None  # a replay could not give the steps what they read, or it returns theirs
+    written = [_written(nodes), _written(nodes[:cut]) if cut is not None else set()]
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
     try:
@@ -360,6 +406,44 @@ def _recorded(
     del graph
     if fetch or len(keep) != len(targets):
         raise Miss("its graph fetched or kept more than it returns")
+    parts = (outs, out_spec, tensors, reads, owners)
+    external = [(w, bytes_) for w, bytes_ in local if w() is not None]
+    rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external)
+    if cut is not None and len(encoded) == len(nodes):
+        mine = [id(n) in before for n, _k, _alive in targets]
+        keep = [ref for ref, m in zip(keep, mine, strict=True) if m]
+        targets = [t for t, m in zip(targets, mine, strict=True) if m]
+        encoded, inline = _own_inline(encoded[:cut], inline)
+        left = {where: v for where, v in left.items() if where[0] in before}
+        state = State(used, closure, optimizers=False)  # they run at every call
+        try:
+            rec.split = _record_of(encoded, keep, targets, inline, left, written[1], parts,
+                                   state, external)  # fmt: skip
+        except Miss:  # the whole call may still replay
+            return rec
+        rec.split.steps = [weakref.ref(step.opt) for step in used.steps]
+    return rec
+
+
+def _written(nodes: list[Any]) -> set[str]:
+    """The handles ``nodes`` write into."""
+    return {v.handle for n in nodes for v in written_values(n.op, n.args, n.kwargs)
+            if isinstance(v, RemoteTensor)}  # fmt: skip
+
+
+def _record_of(
+    encoded: list[Any],
+    keep: list[Any],
+    targets: list[Any],
+    inline: list[Any],
+    left: dict,
+    written: set[str],
+    parts: tuple,
+    state: State,
+    external: list[tuple[Any, torch.Tensor]],
+) -> _Record:
+    """The record of a graph the call sent (or of its ops before its optimizer steps)."""
+    outs, out_spec, tensors, reads, owners = parts
     slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
     if any(where not in slot for where in left):
         raise Miss("a gradient was not kept")
@@ -379,7 +463,7 @@ def _recorded(
         tpl=tpl,
         scalars=scalars,
         inline=[t.detach().clone() for t in inline],
-        external=[(w, bytes_) for w, bytes_ in local if w() is not None],
+        external=external,
         sources=sources,
         handles=list(inputs),
         written=changed,
@@ -388,6 +472,78 @@ def _recorded(
         grads=grads,
         state=state,
     )
+
+
+def _optimizer_cut(count: int, steps: list[Step]) -> int | None:
+    """Where the call's optimizer steps begin, when they end it: every op from there on
+    was captured by one of them, in turn (Note [optimizer steps run, not replayed]).
+    None when it has none, a step took arguments (a closure) or ran on another thread,
+    or an op was captured between, after or around them."""
+    if not steps or any(step.odd or step.end is None for step in steps):
+        return None
+    cut = end = steps[0].start
+    for step in steps:
+        if step.start != end:
+            return None
+        end = step.end
+    return cut if 0 < cut < end == count else None
+
+
+def _steps_read_gradients(nodes: list[Any], cut: int, owners: dict[int, Any]) -> bool:
+    """Whether every value the ops from ``cut`` on (the optimizer steps) read of what the
+    ops before made is a gradient still in ``.grad`` as the call ends: a replay puts
+    those back in ``.grad`` before the steps run, and gives no other. (A step followed by
+    ``zero_grad()`` read gradients that are gone at the end.)"""
+    before = {id(n) for n in nodes[:cut]}
+
+    def in_grad(ref: Pending) -> bool:
+        for w in ref.node.holders[ref.index]:
+            cell = w()
+            held = None if cell is None else cell.ref
+            mine = isinstance(held, Pending) and held.node is ref.node and held.index == ref.index
+            if mine and id(cell) in owners:
+                return True
+        return False
+
+    def pending(x: Any) -> Any:
+        if isinstance(x, Pending):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from pending(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from pending(v)
+
+    return all(
+        in_grad(ref)
+        for n in nodes[cut:]
+        for ref in pending((n.args, n.kwargs))
+        if id(ref.node) in before
+    )
+
+
+def _own_inline(nodes: list[Any], inline: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``nodes`` with their inline tensors numbered among themselves (they are a part of
+    a graph), and those tensors."""
+    mine: dict[int, int] = {}
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict):
+            if "$t" in x:
+                return {**x, "$t": mine.setdefault(x["$t"], len(mine))}
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    renumbered = []
+    for node in nodes:
+        node = walk(node)
+        if "rng" in node:  # an index, not a reference (none is sent: no random op replays)
+            node["rng"] = mine.setdefault(node["rng"], len(mine))
+        renumbered.append(node)
+    return renumbered, [inline[k] for k in mine]
 
 
 def _grad_owners(tensors: list[Any]) -> dict[int, Any]:
@@ -496,6 +652,9 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         now = w()
         if now is None or not _same_bytes(now, recorded):
             raise Miss("a local tensor it reads changed since")
+    optimizers = [w() for w in rec.steps]
+    if any(opt is None for opt in optimizers):
+        raise Miss("an optimizer it steps is gone")
     session = default_session()
     handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
                zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
@@ -519,6 +678,10 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         if what not in made:
             made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
         leaves.append(made[what])
+    if optimizers:
+        for opt in optimizers:  # captured as a run of fn would: its floats are this step's
+            opt.step()
+        trace_mod.flush(tr, wait=False)  # sent, and run while the caller goes on
     return pytree.tree_unflatten(leaves, rec.out_spec)
 
 

@@ -81,20 +81,106 @@ def test_a_capturable_adam_step_replays_with_the_captured_loops_bits(remote):
     assert run.stats()["replays"] == 3, run.stats()
 
 
-def test_a_default_adam_step_never_replays_and_keeps_local_eagers_numbers(remote):
-    """Its bias corrections are Python floats that change every step."""
+def test_a_default_adam_step_replays_and_steps_with_local_eagers_bits(remote):
+    """Its bias corrections are Python floats that change every step, so the whole call
+    never records alike: its forward and backward replay, and the optimizer's step runs
+    at every call after them (Note [optimizer steps run, not replayed])."""
     local = _encoder()
     model = _moved(local, remote)
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
-    _train(local, adam, _batches("cpu", 9), replay=False)
-    _, run = _train(model, adam, _batches(remote, 9), replay=True)
+    want, _ = _train(local, adam, _batches("cpu", 9), replay=False)
+    got, run = _train(model, adam, _batches(remote, 9), replay=True)
+    assert all(torch.equal(g.cpu(), w.detach()) for g, w in zip(got, want, strict=True))
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)
     stats = run.stats()
-    # its first step makes its state; four recordings unlike the one before, then it
-    # stops recording (a recording waits for its graph: plain calls overlap)
-    assert stats["replays"] == 0 and stats["recordings"] == 5, stats
-    assert stats["plain"]["its graph, floats or inputs change from call to call"] == 3, stats
+    # its first step makes its state (run as it is); the next two record, and the second
+    # one's forward and backward are as the first one's, its floats not
+    assert stats["replays"] == 6 and stats["recordings"] == 2, stats
+
+
+def _adam_loop(m, device, replay, n=9, zero_after=False, scheduled=False):
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+    steps = []
+    opt.register_step_post_hook(lambda o, args, kwargs: steps.append(1))
+
+    def step(x, y):
+        if not zero_after:
+            opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        if zero_after:
+            opt.zero_grad()
+        return loss.detach()
+
+    run = djinn.replayable(step) if replay else step
+    losses = []
+    for x, y in _batches(device, n):
+        losses.append(run(x, y))
+        if scheduled:
+            sched.step()
+    return losses, run, steps
+
+
+def test_a_stepped_optimizer_uses_a_schedulers_new_learning_rate_and_runs_its_hooks(remote):
+    local = _encoder()
+    model = _moved(local, remote)
+    want, _, want_steps = _adam_loop(local, "cpu", False, scheduled=True)
+    got, run, got_steps = _adam_loop(model, remote, True, scheduled=True)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    # a new learning rate needs no new recording: the step runs, with the rate as it is
+    assert run.stats()["replays"] == 6 and run.stats()["recordings"] == 2, run.stats()
+    assert len(got_steps) == len(want_steps) == 9  # the optimizer's own hooks ran each time
+
+
+def test_a_step_followed_by_zero_grad_is_not_run_after_a_replay(remote):
+    """The gradients the step read are gone when the call ends, so a replay could not put
+    them back in ``.grad`` for a step run after it: the call is replayed whole or not at
+    all (the default Adam's floats change: not at all), never with its step given no
+    gradients."""
+    local = _encoder()
+    model = _moved(local, remote)
+    _adam_loop(local, "cpu", False, zero_after=True)
+    _, run, _ = _adam_loop(model, remote, True, zero_after=True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert p.grad is None and q.grad is None
+    assert run.stats()["replays"] == 0, run.stats()
+
+
+def test_two_optimizers_stepping_in_turn_both_run_at_every_call(remote):
+    """A GAN-like step: two optimizers, each over a part of the model, step one after the
+    other at the end of the call, and both run at every replay."""
+    local = _encoder()
+    model = _moved(local, remote)
+
+    def train(m, device, replay):
+        first = torch.optim.Adam(m[0].parameters(), lr=1e-2)
+        second = torch.optim.SGD(m[1].parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y):
+            first.zero_grad()
+            second.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            first.step()
+            second.step()
+            return loss.detach()
+
+        run = djinn.replayable(step) if replay else step
+        return [run(x, y) for x, y in _batches(device, 7)], run
+
+    want, _ = train(local, "cpu", False)
+    got, run = train(model, remote, True)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["replays"] == 4, run.stats()
 
 
 def test_a_learning_rate_changed_by_a_scheduler_records_again(remote):
