@@ -330,15 +330,18 @@ def _step_done(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
 
 
 def _attach_recording_hooks() -> list[Any]:
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
+    from torch.optim import optimizer
 
+    pre = optimizer.register_optimizer_step_pre_hook(_stepped)
+    # first of the pre-hooks, and (registered last) last of the post-hooks: what any other
+    # hook captures is part of the step, which a replay runs whole (Note [optimizer steps
+    # run, not replayed]); a user's global pre-hook registered earlier ran before it, so
+    # its ops were replayed and then ran again in the step
+    optimizer._global_optimizer_pre_hooks.move_to_end(pre.id, last=False)
     return [
         torch.nn.modules.module.register_module_forward_pre_hook(_module_ran),
-        register_optimizer_step_pre_hook(_stepped),
-        register_optimizer_step_post_hook(_step_done),
+        pre,
+        optimizer.register_optimizer_step_post_hook(_step_done),
     ]
 
 

@@ -8,7 +8,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,14 +101,34 @@ class Used:
         self.thread = threading.get_ident()  # the recording's
         # each step, in order (Note [optimizer steps run, not replayed] in replayable.py)
         self.steps: list[Step] = []
+        self.kept: dict[int, dict] = {}  # per optimizer, what it kept as it first stepped
 
     def module_ran(self, module: torch.nn.Module) -> None:
         self.modules.setdefault(id(module), module)
 
     def stepped(self, opt: torch.optim.Optimizer, with_args: bool = False) -> None:
         self.optimizers.setdefault(id(opt), opt)
+        self.kept.setdefault(id(opt), kept_by(opt))
         mine = threading.get_ident() == self.thread
-        self.steps.append(Step(opt, self.count(), with_args or not mine))
+        step = Step(opt, self.count(), with_args or not mine)
+        # each parameter's gradient as the step began: what a replay must give it (a ref,
+        # not the tensor: holding that would keep alive what the call let go)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                grad = p._grad
+                cell = None if grad is None else grad.__dict__.get("_b")
+                step.grads.append((weakref.ref(p), grad if cell is None else cell.ref))
+        self.steps.append(step)
+
+    def frozen(self) -> bool:
+        """Whether a step changed what an optimizer keeps in Python (a step count in a CPU
+        tensor): a replay of the whole call would freeze it. What a first step makes is
+        not a change."""
+        for opt in self.optimizers.values():
+            before, after = self.kept.get(id(opt), {}), kept_by(opt)
+            if any(k in after and after[k] != v for k, v in before.items()):
+                return True
+        return False
 
     def step_done(self, opt: torch.optim.Optimizer) -> None:
         for step in reversed(self.steps):
@@ -126,6 +146,13 @@ class Step:
     start: int
     odd: bool
     end: int | None = None
+    # per parameter, its gradient as the step began: None, or what its binding held
+    grads: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+def kept_by(opt: torch.optim.Optimizer) -> dict[tuple[int, Any], Any]:
+    """What an optimizer keeps per parameter, as the state check compares it."""
+    return {(id(p), k): _hyper(v) for p, entries in opt.state.items() for k, v in entries.items()}
 
 
 def named_tensors(fn: Any) -> list[Any]:
@@ -177,10 +204,11 @@ def module_state(m: torch.nn.Module) -> tuple:
     )
 
 
-def optimizer_state(opt: torch.optim.Optimizer) -> tuple:
+def optimizer_state(opt: torch.optim.Optimizer, kept: bool = True) -> tuple:
     """An optimizer's parameters and their state tensors (a ``load_state_dict`` or a
     cleared state replaces them), its hooks, and its hyperparameters: Python values (a
-    scheduler's learning rate) by value, a CPU tensor by its values."""
+    scheduler's learning rate) by value, a CPU tensor by its values. ``kept=False``: not
+    its state (an optimizer whose step runs at every call: its step count changes)."""
     return (
         len(getattr(opt, "_optimizer_step_pre_hooks", ())),
         len(getattr(opt, "_optimizer_step_post_hooks", ())),
@@ -191,7 +219,9 @@ def optimizer_state(opt: torch.optim.Optimizer) -> tuple:
                 tuple(
                     tuple((k, _hyper(v)) for k, v in sorted(opt.state.get(p, {}).items()))
                     for p in group["params"]
-                ),
+                )
+                if kept
+                else (),
             )
             for group in opt.param_groups
         ),
@@ -233,11 +263,13 @@ def global_hooks() -> tuple:
 class State:
     """The state a recording used, checked again before each replay."""
 
-    def __init__(self, used: Used, named: list[Any], optimizers: bool = True) -> None:
-        """``optimizers=False``: the optimizers that stepped are left out (they run at
-        every call: Note [optimizer steps run, not replayed] in replayable.py)."""
+    def __init__(self, used: Used, named: list[Any], kept: bool = True) -> None:
+        """``kept=False``: what the optimizers that stepped keep is left out (their steps
+        run at every call: Note [optimizer steps run, not replayed] in replayable.py);
+        their hyperparameters are not (``fn`` may read them before them)."""
         self._modules = [weakref.ref(m) for m in used.modules.values()]
-        self._optimizers = [weakref.ref(o) for o in used.optimizers.values()] if optimizers else []
+        self._optimizers = [weakref.ref(o) for o in used.optimizers.values()]
+        self._kept = kept
         self._named = named  # the closure's tensors: alive as long as fn is
         self.value = self.now()
 
@@ -249,7 +281,7 @@ class State:
             return None
         return (
             tuple(module_state(m) for m in modules),
-            tuple(optimizer_state(o) for o in optimizers),
+            tuple(optimizer_state(o, self._kept) for o in optimizers),
             tuple(tensor_state(t) for t in self._named),
             global_hooks(),
         )

@@ -63,17 +63,24 @@ tensor it increments), and a replay runs no Python: it would freeze the floats a
 count, so such a call never records alike. When ``fn`` *ends* with optimizer steps
 (every op from the first step's start on was captured by one of them, in turn, none
 took a closure and all ran on the calling thread: PyTorch's global step hooks say where
-each began and ended), a recording also keeps the record of the ops before them. Once
-two recordings in a row are unlike as wholes but alike before their steps, the key
-replays that part and runs the steps after it, as ``fn`` would: a replay puts the
-graph's gradients in ``.grad``, then calls each optimizer's ``step()``, captured like any
-op with this step's floats, its hooks and its state (so the optimizers are left out of
-the state check; a new learning rate needs no new recording), and sends it without
-waiting. A call whose floats stay the same (SGD, ``Adam(capturable=True)``) replays
-whole, which costs the client less. The steps may read only gradients still in ``.grad``
-as the call ends, which is what a replay gives them: a step followed by ``zero_grad()``
-read gradients that are gone then, so such a call only replays whole. A call with an op
-after its steps (a weight read back) replays whole too.
+each began and ended; Djinn's pre-hook goes first, so what any other hook captures is
+part of the step), a recording also keeps the record of the ops before them. Once two
+recordings in a row are unlike as wholes but alike before their steps, or as soon as a
+step changed a count the optimizer keeps in Python (RMSprop's and Adagrad's step counts:
+a replay of the whole call would freeze them), the key replays that part and runs the
+steps after it, as ``fn`` would: a replay puts the graph's gradients in ``.grad``, sets
+``.grad`` to None for each parameter whose gradient was None as its step began (a head
+the call did not use keeps no stale one), then calls each optimizer's ``step()``,
+captured like any op with this step's floats, its hooks and its state, and sends it
+without waiting. What the optimizers keep is then left out of the state check, their
+hyperparameters are not (``fn`` may read a learning rate before the step: a new one
+records again). A call whose floats and counts stay the same (SGD,
+``Adam(capturable=True)``) replays whole, which costs the client less. A split is made
+only if a replay can give each step what it found: the steps may read only gradients
+still in ``.grad`` as the call ends, and each parameter's gradient as its step began
+was None, one the call made and left in its ``.grad``, or one it did not make. A step
+followed by ``zero_grad()`` read gradients that are gone at the end, so such a call
+replays only whole; with a count kept in Python, it does not replay.
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
@@ -138,10 +145,12 @@ class _Record:
     # per gradient: whether its .grad was None when the call began (known from the second
     # recording of a key on: the first one's owners are known only once it has run)
     empty: list[bool | None] = field(default_factory=list)
-    # the optimizers whose steps end the call, run after the replayed graph (Note
-    # [optimizer steps run, not replayed]); empty: the graph is the whole call
-    steps: list[Any] = field(default_factory=list)
+    # the optimizers whose steps end the call, run after the replayed graph, each with the
+    # parameters whose .grad was None as it began (Note [optimizer steps run, not
+    # replayed]); empty: the graph is the whole call
+    steps: list[tuple[Any, list[Any]]] = field(default_factory=list)
     split: _Record | None = None  # the record of its ops before its optimizer steps
+    frozen: bool = False  # a replay of the whole call would freeze an optimizer's count
     fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
@@ -289,6 +298,11 @@ class Replayable:
                 self._store(k, split, empty)
                 return result
             old = None  # it no longer ends with the same steps: start again
+        if split is not None and rec.frozen:  # a replay of the whole would freeze a count
+            if isinstance(old, _Record) and old.split is not None and old.split.matches(split):
+                split.same = old.split.same + 1
+            self._store(k, split, empty)
+            return result
         if isinstance(old, _Record) and split is not None and old.split is not None:
             if old.split.matches(split):
                 split.same = old.split.same + 1
@@ -389,9 +403,12 @@ def _recorded(
     before = set() if cut is None else {id(n) for n in nodes[:cut]}
     if cut is not None and not (
         _steps_read_gradients(nodes, cut, owners)
+        and _steps_find_their_gradients(used.steps, before, left)
         and all(where[0] in before for where, _spec in outs if where is not None)
     ):
         cut = None  # a replay could not give the steps what they read, or it returns theirs
+    if cut is None and used.frozen():
+        raise Miss("its optimizer counts its steps in Python, which a replay would freeze", True)
     written = [_written(nodes), _written(nodes[:cut]) if cut is not None else set()]
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
@@ -415,13 +432,17 @@ def _recorded(
         targets = [t for t, m in zip(targets, mine, strict=True) if m]
         encoded, inline = _own_inline(encoded[:cut], inline)
         left = {where: v for where, v in left.items() if where[0] in before}
-        state = State(used, closure, optimizers=False)  # they run at every call
+        state = State(used, closure, kept=False)  # they run at every call
         try:
             rec.split = _record_of(encoded, keep, targets, inline, left, written[1], parts,
                                    state, external)  # fmt: skip
         except Miss:  # the whole call may still replay
             return rec
-        rec.split.steps = [weakref.ref(step.opt) for step in used.steps]
+        rec.split.steps = [
+            (weakref.ref(step.opt), [p for p, grad in step.grads if grad is None])
+            for step in used.steps
+        ]
+        rec.frozen = used.frozen()
     return rec
 
 
@@ -523,6 +544,19 @@ def _steps_read_gradients(nodes: list[Any], cut: int, owners: dict[int, Any]) ->
     )
 
 
+def _steps_find_their_gradients(steps: list[Step], before: set[int], left: dict) -> bool:
+    """Whether each parameter of the steps had, as its step began, no gradient (a replay
+    sets None), one the ops before made and leave in its ``.grad`` (a replay sets it),
+    or one the call did not make (a replay leaves it)."""
+    for step in steps:
+        for w, grad in step.grads:
+            if isinstance(grad, Pending) and id(grad.node) in before:
+                got = left.get((id(grad.node), grad.index))
+                if got is None or got[0] is not w():
+                    return False
+    return True
+
+
 def _own_inline(nodes: list[Any], inline: list[Any]) -> tuple[list[Any], list[Any]]:
     """``nodes`` with their inline tensors numbered among themselves (they are a part of
     a graph), and those tensors."""
@@ -559,20 +593,22 @@ def _grad_owners(tensors: list[Any]) -> dict[int, Any]:
 
 
 def _left_in_grad(nodes: list[Any], returned: set, owners: dict[int, Any]) -> dict:
-    """The outputs it made that stay alive, other than those it returns: gradients a
-    backward pass left in ``.grad`` (each replay puts new ones there), by output."""
+    """The outputs it made that stay alive in ``.grad`` (each replay puts new ones there),
+    by output; any other it did not return is a Miss."""
     from .lazy import spec_of
 
     left: dict[tuple[int, int], tuple[Any, tuple]] = {}
     for n in nodes:
         for k in range(n.nout):
-            if (id(n), k) in returned:
-                continue
             for w in n.holders[k]:
                 cell = w()
                 if cell is None or not isinstance(cell.ref, Pending) or cell.ref.node is not n:
                     continue
                 owner = owners.get(id(cell))
+                if (id(n), k) in returned:  # a returned gradient is in .grad too
+                    if owner is not None and (id(n), k) not in left:
+                        left[(id(n), k)] = (owner, _spec_key(spec_of(owner._grad)))
+                    continue
                 if owner is None or (id(n), k) in left:  # self.cache = x: a replay could not
                     # set it (not final: an optimizer's first step makes its state, later
                     # ones update it in place)
@@ -652,8 +688,8 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         now = w()
         if now is None or not _same_bytes(now, recorded):
             raise Miss("a local tensor it reads changed since")
-    optimizers = [w() for w in rec.steps]
-    if any(opt is None for opt in optimizers):
+    optimizers = [(w(), nones) for w, nones in rec.steps]
+    if any(opt is None for opt, _nones in optimizers):
         raise Miss("an optimizer it steps is gone")
     session = default_session()
     handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
@@ -679,7 +715,11 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
             made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
         leaves.append(made[what])
     if optimizers:
-        for opt in optimizers:  # captured as a run of fn would: its floats are this step's
+        for opt, nones in optimizers:  # captured as a run of fn would: this step's floats
+            for w in nones:  # no gradient as it began, as in the recorded call
+                p = w()
+                if p is not None:
+                    p.grad = None
             opt.step()
         trace_mod.flush(tr, wait=False)  # sent, and run while the caller goes on
     return pytree.tree_unflatten(leaves, rec.out_spec)

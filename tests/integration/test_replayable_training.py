@@ -8,6 +8,8 @@ import copy
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves, tree_map
 
 import djinn
 
@@ -125,7 +127,9 @@ def _adam_loop(m, device, replay, n=9, zero_after=False, scheduled=False):
     return losses, run, steps
 
 
-def test_a_stepped_optimizer_uses_a_schedulers_new_learning_rate_and_runs_its_hooks(remote):
+def test_a_stepped_optimizer_runs_its_hooks_and_a_new_learning_rate_records_again(remote):
+    """The step runs with the learning rate as it is, but ``fn`` could read it before
+    the step (a weight decay of its own): a new one records again."""
     local = _encoder()
     model = _moved(local, remote)
     want, _, want_steps = _adam_loop(local, "cpu", False, scheduled=True)
@@ -133,8 +137,9 @@ def test_a_stepped_optimizer_uses_a_schedulers_new_learning_rate_and_runs_its_ho
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
-    # a new learning rate needs no new recording: the step runs, with the rate as it is
-    assert run.stats()["replays"] == 6 and run.stats()["recordings"] == 2, run.stats()
+    stats = run.stats()
+    assert stats["plain"]["a module, optimizer or tensor it uses changed since"] == 2, stats
+    assert stats["replays"] == 2 and stats["recordings"] == 6, stats
     assert len(got_steps) == len(want_steps) == 9  # the optimizer's own hooks ran each time
 
 
@@ -321,3 +326,112 @@ def test_what_changes_a_training_step_between_calls_is_seen(remote, change):
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-6), change
     assert fwd.stats()["replays"] >= 1, fwd.stats()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _heads() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {"trunk": torch.nn.Linear(8, 8), "a": torch.nn.Linear(8, 1), "b": torch.nn.Linear(8, 1)}
+    )
+
+
+def _mse_step(m, opt, x, y, head=None):
+    opt.zero_grad()
+    out = m(x) if head is None else m[head](m["trunk"](x))
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _returns_a_gradient(m, opt, x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach(), m[2].bias.grad
+
+
+def _returns_the_learning_rate(m, opt, x, y):
+    return _mse_step(m, opt, x, y), opt.param_groups[0]["lr"]
+
+
+def _halve_the_learning_rate(m, opt, i):
+    if i % 4 == 3:
+        opt.param_groups[0]["lr"] /= 2
+
+
+def _halve_the_gradients(opt, _args, _kwargs):
+    for p in opt.param_groups[0]["params"]:
+        p.grad.mul_(0.5)
+
+
+def _as_local(value):
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "a head chosen by argument",
+        "a gradient returned",
+        "the learning rate read",
+        "an earlier global pre-hook",
+        "rmsprop counts its steps",
+        "adagrad counts its steps",
+    ],
+)
+def test_a_stepped_optimizer_leaves_what_eager_leaves(remote, case):
+    """What a review of Note [optimizer steps run, not replayed] found wrong, each against
+    local eager: outputs, parameters, ``.grad`` (None where eager's is) and optimizer
+    state (a step count included)."""
+    make = {
+        "rmsprop counts its steps": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+        "adagrad counts its steps": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    }.get(case, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    body = {
+        "a gradient returned": _returns_a_gradient,
+        "the learning rate read": _returns_the_learning_rate,
+    }.get(case, _mse_step)
+    between = _halve_the_learning_rate if case == "the learning rate read" else None
+    local = _heads() if case == "a head chosen by argument" else _mlp()
+    results = []
+    hook = None
+    if case == "an earlier global pre-hook":  # registered before any recording
+        hook = register_optimizer_step_pre_hook(_halve_the_gradients)
+    try:
+        for m, device in ((local, "cpu"), (_moved(local, remote), remote)):
+            opt = make(m.parameters())
+
+            def step(x, y, head, m=m, opt=opt):
+                return body(m, opt, x, y, head) if head is not None else body(m, opt, x, y)
+
+            run = djinn.replayable(step) if device == remote else step
+            gen = torch.Generator().manual_seed(5)
+            outs = []
+            for i in range(10):
+                x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
+                if between is not None:
+                    between(m, opt, i)
+                head = ("a", "b")[i % 2] if case == "a head chosen by argument" else None
+                outs.append(tree_map(_as_local, run(x.to(device), y.to(device), head)))
+            results.append((m, opt, outs, run))
+    finally:
+        if hook is not None:
+            hook.remove()
+    (lm, lopt, want, _), (rm, ropt, got, run) = results
+    for g, w in zip(tree_leaves(got), tree_leaves(want), strict=True):
+        assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w, case
+    for p, q in zip(rm.parameters(), lm.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach()), case
+        assert (p.grad is None) == (q.grad is None), case
+        assert q.grad is None or torch.equal(p.grad.cpu(), q.grad), case
+    for p, q in zip(rm.parameters(), lm.parameters(), strict=True):
+        for k, v in lopt.state[q].items():
+            assert torch.equal(_as_local(ropt.state[p][k]), v), (case, k)
+    assert run.stats()["replays"] >= 2, run.stats()
