@@ -102,11 +102,14 @@ class Used:
         # each step, in order (Note [optimizer steps run, not replayed] in replayable.py)
         self.steps: list[Step] = []
         self.kept: dict[int, dict] = {}  # per optimizer, what it kept as it first stepped
+        self.watch: Watch | None = None  # the last recording's state, as this call began
 
     def module_ran(self, module: torch.nn.Module) -> None:
         self.modules.setdefault(id(module), module)
 
     def stepped(self, opt: torch.optim.Optimizer, with_args: bool = False) -> None:
+        if self.watch is not None:
+            self.watch.step_began()
         self.optimizers.setdefault(id(opt), opt)
         self.kept.setdefault(id(opt), kept_by(opt))
         mine = threading.get_ident() == self.thread
@@ -115,9 +118,8 @@ class Used:
         # not the tensor: holding that would keep alive what the call let go)
         for group in opt.param_groups:
             for p in group["params"]:
-                grad = p._grad
-                cell = None if grad is None else grad.__dict__.get("_b")
-                step.grads.append((weakref.ref(p), grad if cell is None else cell.ref))
+                cell = grad_cell(p)  # p held, not weakly: a weakly held tensor cannot be
+                step.grads.append((p, getattr(cell, "ref", cell)))  # swapped (swap_tensors)
         self.steps.append(step)
 
     def frozen(self) -> bool:
@@ -131,6 +133,8 @@ class Used:
         return False
 
     def step_done(self, opt: torch.optim.Optimizer) -> None:
+        if self.watch is not None:
+            self.watch.step_ended()
         for step in reversed(self.steps):
             if step.opt is opt and step.end is None:
                 step.end = self.count()
@@ -148,6 +152,49 @@ class Step:
     end: int | None = None
     # per parameter, its gradient as the step began: None, or what its binding held
     grads: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+def grad_cell(p: torch.Tensor) -> Any:
+    """What ``p.grad`` is: None, the Binding of a remote gradient (Note [bindings]: a new
+    one when ``.grad`` is assigned), or a local tensor."""
+    grad = p._grad
+    return None if grad is None else grad.__dict__.get("_b", grad)
+
+
+class Watch:
+    """What the last recording of a key used, as it is when a new call of the key begins:
+    what the call itself changes shows against it. A replay runs none of ``fn``'s Python,
+    so it could not make those changes (a scheduler stepped inside ``fn``, a count an
+    optimizer keeps in Python, a ``.grad`` cleared or assigned)."""
+
+    def __init__(self, whole: State | None, before_steps: State | None) -> None:
+        self.whole, self.before_steps = whole, before_steps
+        self.start = None if whole is None else whole.now(hooks=False)
+        self.start_split = None if before_steps is None else before_steps.now(hooks=False)
+        self.around: list[tuple | None] = []  # as each step began and ended, in turn
+        state = whole if whole is not None else before_steps
+        params = [] if state is None else state.parameters()
+        self.grads = {id(p): (p, grad_cell(p)) for p in params}
+
+    def step_began(self) -> None:
+        if self.before_steps is not None:
+            self.around.append(self.before_steps.now(hooks=False))
+
+    def step_ended(self) -> None:
+        self.step_began()
+
+    def changed(self) -> bool:
+        """Whether the call changed the state its whole replay would be checked by."""
+        return self.whole is not None and self.whole.now(hooks=False) != self.start
+
+    def changed_outside_steps(self) -> bool:
+        """Whether the call changed, other than in its optimizer steps (which a replay
+        runs), the state a replay of its ops before them would be checked by: before
+        them (a learning rate), between them or after them (a scheduler stepped)."""
+        if self.before_steps is None:
+            return False
+        seen = [self.start_split, *self.around, self.before_steps.now(hooks=False)]
+        return any(seen[i] != seen[i + 1] for i in range(0, len(seen) - 1, 2))
 
 
 def kept_by(opt: torch.optim.Optimizer) -> dict[tuple[int, Any], Any]:
@@ -273,8 +320,10 @@ class State:
         self._named = named  # the closure's tensors: alive as long as fn is
         self.value = self.now()
 
-    def now(self) -> tuple | None:
-        """The state as it is now; None if a module or optimizer it used is gone."""
+    def now(self, hooks: bool = True) -> tuple | None:
+        """The state as it is now; None if a module or optimizer it used is gone.
+        ``hooks=False``: without PyTorch's global hooks (Djinn's own are held while a call
+        records)."""
         modules = [r() for r in self._modules]
         optimizers = [r() for r in self._optimizers]
         if any(m is None for m in modules) or any(o is None for o in optimizers):
@@ -283,11 +332,28 @@ class State:
             tuple(module_state(m) for m in modules),
             tuple(optimizer_state(o, self._kept) for o in optimizers),
             tuple(tensor_state(t) for t in self._named),
-            global_hooks(),
+            global_hooks() if hooks else (),
         )
 
     def same(self) -> bool:
         return self.now() == self.value
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters of its modules and optimizers, each once."""
+        seen: dict[int, torch.Tensor] = {}
+        for r in self._modules:
+            m = r()
+            if m is not None:
+                for p in m._parameters.values():
+                    if p is not None:
+                        seen.setdefault(id(p), p)
+        for r in self._optimizers:
+            o = r()
+            if o is not None:
+                for g in o.param_groups:
+                    for p in g["params"]:
+                        seen.setdefault(id(p), p)
+        return list(seen.values())
 
     def tensors(self) -> set[int]:
         """ids of the tensors it names: the modules' and optimizers' and the closure's."""

@@ -65,22 +65,28 @@ count, so such a call never records alike. When ``fn`` *ends* with optimizer ste
 took a closure and all ran on the calling thread: PyTorch's global step hooks say where
 each began and ended; Djinn's pre-hook goes first, so what any other hook captures is
 part of the step), a recording also keeps the record of the ops before them. Once two
-recordings in a row are unlike as wholes but alike before their steps, or as soon as a
-step changed a count the optimizer keeps in Python (RMSprop's and Adagrad's step counts:
-a replay of the whole call would freeze them), the key replays that part and runs the
-steps after it, as ``fn`` would: a replay puts the graph's gradients in ``.grad``, sets
-``.grad`` to None for each parameter whose gradient was None as its step began (a head
-the call did not use keeps no stale one), then calls each optimizer's ``step()``,
-captured like any op with this step's floats, its hooks and its state, and sends it
-without waiting. What the optimizers keep is then left out of the state check, their
-hyperparameters are not (``fn`` may read a learning rate before the step: a new one
-records again). A call whose floats and counts stay the same (SGD,
-``Adam(capturable=True)``) replays whole, which costs the client less. A split is made
-only if a replay can give each step what it found: the steps may read only gradients
-still in ``.grad`` as the call ends, and each parameter's gradient as its step began
-was None, one the call made and left in its ``.grad``, or one it did not make. A step
-followed by ``zero_grad()`` read gradients that are gone at the end, so such a call
-replays only whole; with a count kept in Python, it does not replay.
+recordings in a row are unlike as wholes but alike before their steps, or as soon as
+the call changed state its whole replay would be checked by (RMSprop's and Adagrad's
+step counts, a count in a param group: a whole replay would freeze them), the key
+replays that part and runs the steps after it, as ``fn`` would: a replay puts the
+graph's gradients in ``.grad``, clears the ``.grad`` the call cleared, then calls each
+optimizer's ``step()``, captured like any op with this step's floats, its hooks and its
+state, and sends it without waiting. What the optimizers keep is then left out of the
+state check; their hyperparameters are not (``fn`` may read a learning rate before the
+step: a new one records again). A call whose floats and counts stay the same (SGD,
+``Adam(capturable=True)``) replays whole, which costs the client less.
+
+What the call itself changes is seen against the key's last recording, as it was when
+the call began (``Watch``, replay_key.py): state changed outside the steps (a
+learning rate set, a scheduler stepped inside ``fn``) means no split, and with the whole
+changed too, no replay; a ``.grad`` the call cleared (``zero_grad``) is cleared by each
+replay, one it found and left None must be None when a replay begins, and one it
+assigned (``p.grad = g``) means no replay. A split is made only if a replay can give
+each step what it found: the steps read only gradients still in ``.grad`` as the call
+ends, each stepped parameter's ``.grad`` is the same at the end as when its step began,
+and that was None, one the call made and left in ``.grad``, or one it did not make. A
+step followed by ``zero_grad()`` reads gradients that are gone at the end, so such a
+call replays only whole.
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
@@ -115,7 +121,7 @@ from . import trace as trace_mod
 from .failures import written_values
 from .meta import TensorSpec
 from .nodes import Pending
-from .replay_key import PLAIN, Miss, State, Step, Used, key, named_tensors
+from .replay_key import PLAIN, Miss, State, Step, Used, Watch, grad_cell, key, named_tensors
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
 # recordings in a row unlike the one before after which a key stops recording: its graph
@@ -145,10 +151,14 @@ class _Record:
     # per gradient: whether its .grad was None when the call began (known from the second
     # recording of a key on: the first one's owners are known only once it has run)
     empty: list[bool | None] = field(default_factory=list)
-    # the optimizers whose steps end the call, run after the replayed graph, each with the
-    # parameters whose .grad was None as it began (Note [optimizer steps run, not
-    # replayed]); empty: the graph is the whole call
-    steps: list[tuple[Any, list[Any]]] = field(default_factory=list)
+    # the optimizers whose steps end the call, run after the replayed graph (Note
+    # [optimizer steps run, not replayed]); empty: the graph is the whole call
+    steps: list[Any] = field(default_factory=list)
+    # parameters whose .grad the call set to None, and those it found and left None: a
+    # replay clears the first, and must find the second None (Watch). Held as rec.grads
+    # holds its owners: a tensor held weakly could not be swapped (swap_tensors)
+    clears: list[Any] = field(default_factory=list)
+    nones: list[Any] = field(default_factory=list)
     split: _Record | None = None  # the record of its ops before its optimizer steps
     frozen: bool = False  # a replay of the whole call would freeze an optimizer's count
     fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
@@ -270,6 +280,9 @@ class Replayable:
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         used = Used(lambda: len(tr.nodes))
+        if isinstance(prev, _Record):  # what the call changes shows against it
+            split = prev.split.state if prev.split is not None else None
+            used.watch = Watch(None, prev.state) if prev.steps else Watch(prev.state, split)
         for x in pytree.tree_leaves((args, kwargs)):  # a module given (a method's self)
             if isinstance(x, torch.nn.Module):
                 for m in x.modules():
@@ -407,8 +420,16 @@ def _recorded(
         and all(where[0] in before for where, _spec in outs if where is not None)
     ):
         cut = None  # a replay could not give the steps what they read, or it returns theirs
-    if cut is None and used.frozen():
-        raise Miss("its optimizer counts its steps in Python, which a replay would freeze", True)
+    if cut is not None and not _grads_as_at_steps(used.steps):
+        cut = None  # a .grad changed during or after the steps: a replay sets them before
+    watch = used.watch
+    if cut is not None and watch is not None and watch.changed_outside_steps():
+        cut = None  # it changed state it is checked by (a learning rate, a scheduler)
+    frozen = used.frozen() or (watch is not None and watch.changed())
+    if cut is None and frozen:
+        why = "it changes state it is checked by (an optimizer's count, a learning rate)"
+        raise Miss(why, final=True)
+    clears, nones = _grads_left(watch, left)
     written = [_written(nodes), _written(nodes[:cut]) if cut is not None else set()]
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
@@ -426,6 +447,7 @@ def _recorded(
     parts = (outs, out_spec, tensors, reads, owners)
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
     rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external)
+    rec.clears, rec.nones = clears, nones
     if cut is not None and len(encoded) == len(nodes):
         mine = [id(n) in before for n, _k, _alive in targets]
         keep = [ref for ref, m in zip(keep, mine, strict=True) if m]
@@ -438,11 +460,9 @@ def _recorded(
                                    state, external)  # fmt: skip
         except Miss:  # the whole call may still replay
             return rec
-        rec.split.steps = [
-            (weakref.ref(step.opt), [p for p, grad in step.grads if grad is None])
-            for step in used.steps
-        ]
-        rec.frozen = used.frozen()
+        rec.split.steps = [weakref.ref(step.opt) for step in used.steps]
+        rec.split.clears, rec.split.nones = clears, nones
+        rec.frozen = frozen
     return rec
 
 
@@ -544,15 +564,52 @@ def _steps_read_gradients(nodes: list[Any], cut: int, owners: dict[int, Any]) ->
     )
 
 
+def _grads_left(watch: Watch | None, left: dict) -> tuple[list[Any], list[Any]]:
+    """The parameters whose ``.grad`` the call cleared, and those it found and left None;
+    a Miss if it put there a tensor it did not make (``p.grad = g``: a replay could not).
+    Known from a key's second recording on (``watch``)."""
+    clears: list[Any] = []
+    nones: list[Any] = []
+    if watch is None:
+        return clears, nones
+    made = {id(owner) for owner, _spec in left.values()}
+    for p, start in watch.grads.values():
+        if id(p) in made:
+            continue
+        end = grad_cell(p)
+        if end is None:
+            (clears if start is not None else nones).append(p)
+        elif end is not start:
+            raise Miss("it puts in .grad a tensor it did not make")
+    return clears, nones
+
+
+def _grads_as_at_steps(steps: list[Step]) -> bool:
+    """Whether each stepped parameter's ``.grad`` is, as the call ends, what it was as its
+    step began: a replay sets them all before the steps."""
+    for step in steps:
+        for p, ref in step.grads:
+            cell = grad_cell(p)
+            now = getattr(cell, "ref", cell)
+            same = now is ref or (
+                isinstance(now, Pending)
+                and isinstance(ref, Pending)
+                and (now.node, now.index) == (ref.node, ref.index)
+            )
+            if not same:
+                return False
+    return True
+
+
 def _steps_find_their_gradients(steps: list[Step], before: set[int], left: dict) -> bool:
     """Whether each parameter of the steps had, as its step began, no gradient (a replay
     sets None), one the ops before made and leave in its ``.grad`` (a replay sets it),
     or one the call did not make (a replay leaves it)."""
     for step in steps:
-        for w, grad in step.grads:
+        for p, grad in step.grads:
             if isinstance(grad, Pending) and id(grad.node) in before:
                 got = left.get((id(grad.node), grad.index))
-                if got is None or got[0] is not w():
+                if got is None or got[0] is not p:
                     return False
     return True
 
@@ -688,9 +745,11 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         now = w()
         if now is None or not _same_bytes(now, recorded):
             raise Miss("a local tensor it reads changed since")
-    optimizers = [(w(), nones) for w, nones in rec.steps]
-    if any(opt is None for opt, _nones in optimizers):
+    optimizers = [w() for w in rec.steps]
+    if any(opt is None for opt in optimizers):
         raise Miss("an optimizer it steps is gone")
+    if any(p._grad is not None for p in rec.nones):  # the call found them None
+        raise Miss("a .grad it found empty is not")
     session = default_session()
     handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
                zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
@@ -714,12 +773,10 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         if what not in made:
             made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
         leaves.append(made[what])
+    for p in rec.clears:  # as the call did (zero_grad)
+        p.grad = None
     if optimizers:
-        for opt, nones in optimizers:  # captured as a run of fn would: this step's floats
-            for w in nones:  # no gradient as it began, as in the recorded call
-                p = w()
-                if p is not None:
-                    p.grad = None
+        for opt in optimizers:  # captured as a run of fn would: this step's floats
             opt.step()
         trace_mod.flush(tr, wait=False)  # sent, and run while the caller goes on
     return pytree.tree_unflatten(leaves, rec.out_spec)

@@ -361,9 +361,56 @@ def _returns_the_learning_rate(m, opt, x, y):
     return _mse_step(m, opt, x, y), opt.param_groups[0]["lr"]
 
 
-def _halve_the_learning_rate(m, opt, i):
+def _halve_the_learning_rate(m, opt, i, device):
     if i % 4 == 3:
         opt.param_groups[0]["lr"] /= 2
+
+
+def _a_head_trained_outside(m, opt, i, device):
+    """Between calls: ``zero_grad``, then (from the sixth call on) a backward through the
+    head the call does not use, whose gradient the call's step then uses."""
+    opt.zero_grad()
+    if i >= 5:
+        m["b"](torch.ones(2, 8).to(device)).sum().backward()
+
+
+def _trunk_and_head_a(m, opt, x, y):
+    loss = torch.nn.functional.mse_loss(m["a"](m["trunk"](x)), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _scheduled_inside(m, opt, x, y):
+    loss = _mse_step(m, opt, x, y)
+    opt.scheduler.step()
+    return loss
+
+
+class _CountingSGD(torch.optim.Optimizer):
+    """SGD that counts its steps in its param group (as timm's Lamb does) and pulls the
+    weights back halfway every third step (as Lookahead does)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.05})
+        for group in self.param_groups:
+            group["step"] = 0
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            group["step"] += 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+                    if group["step"] % 3 == 0:
+                        p.mul_(0.5)
+
+
+def _scheduled_adam(ps):
+    opt = torch.optim.Adam(ps, lr=1e-2)
+    opt.scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+    return opt
 
 
 def _halve_the_gradients(opt, _args, _kwargs):
@@ -384,6 +431,9 @@ def _as_local(value):
         "an earlier global pre-hook",
         "rmsprop counts its steps",
         "adagrad counts its steps",
+        "a gradient made outside the call",
+        "a scheduler stepped inside",
+        "a count in a param group",
     ],
 )
 def test_a_stepped_optimizer_leaves_what_eager_leaves(remote, case):
@@ -393,13 +443,21 @@ def test_a_stepped_optimizer_leaves_what_eager_leaves(remote, case):
     make = {
         "rmsprop counts its steps": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
         "adagrad counts its steps": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+        "a scheduler stepped inside": _scheduled_adam,
+        "a count in a param group": _CountingSGD,
     }.get(case, lambda ps: torch.optim.Adam(ps, lr=1e-2))
     body = {
         "a gradient returned": _returns_a_gradient,
         "the learning rate read": _returns_the_learning_rate,
+        "a gradient made outside the call": _trunk_and_head_a,
+        "a scheduler stepped inside": _scheduled_inside,
     }.get(case, _mse_step)
-    between = _halve_the_learning_rate if case == "the learning rate read" else None
-    local = _heads() if case == "a head chosen by argument" else _mlp()
+    between = {
+        "the learning rate read": _halve_the_learning_rate,
+        "a gradient made outside the call": _a_head_trained_outside,
+    }.get(case)
+    heads = case in ("a head chosen by argument", "a gradient made outside the call")
+    local = _heads() if heads else _mlp()
     results = []
     hook = None
     if case == "an earlier global pre-hook":  # registered before any recording
@@ -417,7 +475,7 @@ def test_a_stepped_optimizer_leaves_what_eager_leaves(remote, case):
             for i in range(10):
                 x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
                 if between is not None:
-                    between(m, opt, i)
+                    between(m, opt, i, device)
                 head = ("a", "b")[i % 2] if case == "a head chosen by argument" else None
                 outs.append(tree_map(_as_local, run(x.to(device), y.to(device), head)))
             results.append((m, opt, outs, run))
@@ -434,4 +492,11 @@ def test_a_stepped_optimizer_leaves_what_eager_leaves(remote, case):
     for p, q in zip(rm.parameters(), lm.parameters(), strict=True):
         for k, v in lopt.state[q].items():
             assert torch.equal(_as_local(ropt.state[p][k]), v), (case, k)
-    assert run.stats()["replays"] >= 2, run.stats()
+    for rg, lg in zip(ropt.param_groups, lopt.param_groups, strict=True):
+        assert {k: v for k, v in rg.items() if k != "params"} == {
+            k: v for k, v in lg.items() if k != "params"
+        }, case
+    # what a replay cannot reproduce is never replayed; the rest replays (a count in a
+    # param group, which the step runs, only between the calls that see it changed)
+    never = ("a scheduler stepped inside",)
+    assert (run.stats()["replays"] == 0) == (case in never), run.stats()
