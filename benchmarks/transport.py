@@ -10,7 +10,10 @@ directory), then measures, each beside the ceiling it should be judged against
   ping-pong between two processes (Unix socketpair and TCP loopback);
 - bulk put+get of 1 MiB, 64 MiB and 1 GiB over unix (host arena) and tcp (payload),
   against ``dst.copy_(src)`` of the same bytes and a raw one-way socket stream
-  (``sendall`` / ``recv_into`` between two processes) of the same byte count.
+  (``sendall`` / ``recv_into`` between two processes) of the same byte count, in rounds
+  that interleave every path (each request after other work); and, up to 8 MiB, put +
+  get back to back in a loop, beside memcpy timed the same way (a request after other
+  work pays the cold cost of its Python on a VM: ``_measure.back_to_back``).
 
 Prints markdown tables to stdout and writes a JSON document (``--json``). The pieces live
 beside this file: ``_appliance.py`` (the private ``djinn serve``), ``_peers.py`` (the
