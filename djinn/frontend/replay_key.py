@@ -174,7 +174,7 @@ class Watch:
         self.around: list[tuple | None] = []  # as each step began and ended, in turn
         state = whole if whole is not None else before_steps
         params = [] if state is None else state.parameters()
-        self.grads = {id(p): (p, grad_cell(p)) for p in params}
+        self.grads = {id(p): (p, where, grad_cell(p)) for p, where in params}
 
     def step_began(self) -> None:
         if self.before_steps is not None:
@@ -338,21 +338,22 @@ class State:
     def same(self) -> bool:
         return self.now() == self.value
 
-    def parameters(self) -> list[torch.Tensor]:
-        """The parameters of its modules and optimizers, each once."""
-        seen: dict[int, torch.Tensor] = {}
+    def parameters(self) -> list[tuple[torch.Tensor, tuple]]:
+        """The parameters of its modules and optimizers, each once, with where it is held
+        (``param_at``)."""
+        seen: dict[int, tuple[torch.Tensor, tuple]] = {}
         for r in self._modules:
             m = r()
             if m is not None:
-                for p in m._parameters.values():
+                for name, p in m._parameters.items():
                     if p is not None:
-                        seen.setdefault(id(p), p)
+                        seen.setdefault(id(p), (p, (r, name)))
         for r in self._optimizers:
             o = r()
             if o is not None:
-                for g in o.param_groups:
-                    for p in g["params"]:
-                        seen.setdefault(id(p), p)
+                for i, g in enumerate(o.param_groups):
+                    for j, p in enumerate(g["params"]):
+                        seen.setdefault(id(p), (p, (r, i, j)))
         return list(seen.values())
 
     def tensors(self) -> set[int]:
@@ -367,3 +368,17 @@ class State:
             if o is not None:
                 out.update(id(p) for g in o.param_groups for p in g["params"])
         return out
+
+
+def param_at(where: tuple) -> torch.Tensor | None:
+    """The parameter a module holds under a name, or an optimizer at a place in its
+    groups (held weakly: a record keeps no dropped model alive, and a tensor held weakly
+    could not be swapped); None once it is gone."""
+    owner = where[0]()
+    if owner is None:
+        return None
+    if isinstance(owner, torch.nn.Module):
+        return owner._parameters.get(where[1])
+    groups = owner.param_groups
+    i, j = where[1], where[2]
+    return groups[i]["params"][j] if i < len(groups) and j < len(groups[i]["params"]) else None

@@ -79,14 +79,20 @@ step: a new one records again). A call whose floats and counts stay the same (SG
 What the call itself changes is seen against the key's last recording, as it was when
 the call began (``Watch``, replay_key.py): state changed outside the steps (a
 learning rate set, a scheduler stepped inside ``fn``) means no split, and with the whole
-changed too, no replay; a ``.grad`` the call cleared (``zero_grad``) is cleared by each
-replay, one it found and left None must be None when a replay begins, and one it
-assigned (``p.grad = g``) means no replay. A split is made only if a replay can give
-each step what it found: the steps read only gradients still in ``.grad`` as the call
-ends, each stepped parameter's ``.grad`` is the same at the end as when its step began,
-and that was None, one the call made and left in ``.grad``, or one it did not make. A
-step followed by ``zero_grad()`` reads gradients that are gone at the end, so such a
-call replays only whole.
+changed too, that recording does not count towards a replay (it is unlike the one
+before; a change made once, as ``model.train()`` after an outside ``eval()``, is not
+seen by the next); a ``.grad`` the call cleared (``zero_grad``) is cleared by each
+replay, one it found and left None must be None when a replay begins (only where the
+call made gradients or stepped), and one it assigned (``p.grad = g``) means no replay.
+Those parameters are held by where they are (a module's name, an optimizer's place),
+weakly. So a call that made gradients or stepped replays only from a recording that had
+one before it: ``after=1`` replays such a call from its third call on.
+
+A split is made only if a replay can give each step what it found: the steps read only
+gradients still in ``.grad`` as the call ends, each stepped parameter's ``.grad`` is the
+same at the end as when its step began, and that was None, one the call made and left
+in ``.grad``, or one it did not make. A step followed by ``zero_grad()`` reads gradients
+that are gone at the end, so such a call replays only whole.
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
@@ -121,7 +127,18 @@ from . import trace as trace_mod
 from .failures import written_values
 from .meta import TensorSpec
 from .nodes import Pending
-from .replay_key import PLAIN, Miss, State, Step, Used, Watch, grad_cell, key, named_tensors
+from .replay_key import (
+    PLAIN,
+    Miss,
+    State,
+    Step,
+    Used,
+    Watch,
+    grad_cell,
+    key,
+    named_tensors,
+    param_at,
+)
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
 # recordings in a row unlike the one before after which a key stops recording: its graph
@@ -154,13 +171,14 @@ class _Record:
     # the optimizers whose steps end the call, run after the replayed graph (Note
     # [optimizer steps run, not replayed]); empty: the graph is the whole call
     steps: list[Any] = field(default_factory=list)
-    # parameters whose .grad the call set to None, and those it found and left None: a
-    # replay clears the first, and must find the second None (Watch). Held as rec.grads
-    # holds its owners: a tensor held weakly could not be swapped (swap_tensors)
+    # where the parameters are (replay_key.param_at) whose .grad the call set to None,
+    # and those it found and left None: a replay clears the first, and must find the
+    # second None (Watch)
     clears: list[Any] = field(default_factory=list)
     nones: list[Any] = field(default_factory=list)
     split: _Record | None = None  # the record of its ops before its optimizer steps
-    frozen: bool = False  # a replay of the whole call would freeze an optimizer's count
+    frozen: bool = False  # the call changed state it is checked by: it cannot replay
+    unwatched: bool = False  # it made gradients or stepped, and had no recording before
     fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
@@ -236,7 +254,7 @@ class Replayable:
             if isinstance(rec, str):  # this key can never replay: say why once more
                 self._stats.plain[rec] += 1
                 return self.fn(*args, **kwargs)
-            if rec is not None and rec.same >= self.after:
+            if rec is not None and rec.same >= self.after and not rec.unwatched:
                 try:
                     out = _replay(rec, tensors)
                 except Miss as why:
@@ -324,7 +342,14 @@ class Replayable:
                 # steps do not (Note [optimizer steps run, not replayed])
                 self._store(k, split, empty)
                 return result
-        if isinstance(old, _Record) and old.matches(rec):
+        if rec.frozen:  # a replay would not make the change the call made
+            rec.same = 0
+            rec.unlike = (old.unlike if isinstance(old, _Record) else 0) + 1
+            if rec.unlike >= MAX_UNLIKE:
+                why = "it changes state it is checked by (a count, a scheduler in it)"
+                self._keep(k, (why, self._stats.calls + PAUSE_CALLS))
+                return result
+        elif isinstance(old, _Record) and old.matches(rec):
             rec.same = old.same + 1
         elif isinstance(old, _Record):
             rec.unlike = old.unlike + 1
@@ -426,10 +451,7 @@ def _recorded(
     if cut is not None and watch is not None and watch.changed_outside_steps():
         cut = None  # it changed state it is checked by (a learning rate, a scheduler)
     frozen = used.frozen() or (watch is not None and watch.changed())
-    if cut is None and frozen:
-        why = "it changes state it is checked by (an optimizer's count, a learning rate)"
-        raise Miss(why, final=True)
-    clears, nones = _grads_left(watch, left)
+    clears, nones = _grads_left(watch, left, used.steps)
     written = [_written(nodes), _written(nodes[:cut]) if cut is not None else set()]
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
@@ -447,7 +469,10 @@ def _recorded(
     parts = (outs, out_spec, tensors, reads, owners)
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
     rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external)
-    rec.clears, rec.nones = clears, nones
+    rec.clears, rec.nones, rec.frozen = clears, nones, frozen
+    # a call that made gradients or stepped replays only from a recording compared with
+    # the one before it (Watch): what it does to .grad and to state shows only then
+    rec.unwatched = watch is None and bool(left or used.steps)
     if cut is not None and len(encoded) == len(nodes):
         mine = [id(n) in before for n, _k, _alive in targets]
         keep = [ref for ref, m in zip(keep, mine, strict=True) if m]
@@ -462,7 +487,7 @@ def _recorded(
             return rec
         rec.split.steps = [weakref.ref(step.opt) for step in used.steps]
         rec.split.clears, rec.split.nones = clears, nones
-        rec.frozen = frozen
+        rec.split.unwatched = rec.unwatched
     return rec
 
 
@@ -564,21 +589,24 @@ def _steps_read_gradients(nodes: list[Any], cut: int, owners: dict[int, Any]) ->
     )
 
 
-def _grads_left(watch: Watch | None, left: dict) -> tuple[list[Any], list[Any]]:
-    """The parameters whose ``.grad`` the call cleared, and those it found and left None;
-    a Miss if it put there a tensor it did not make (``p.grad = g``: a replay could not).
-    Known from a key's second recording on (``watch``)."""
+def _grads_left(watch: Watch | None, left: dict, steps: list[Step]) -> tuple[list, list]:
+    """Where the parameters are (``param_at``) whose ``.grad`` the call cleared, and those
+    it found and left None, if it made gradients or stepped (a forward leaves ``.grad``
+    alone); a Miss if it put there a tensor it did not make (``p.grad = g``: a replay
+    could not). Known from a key's second recording on (``watch``)."""
     clears: list[Any] = []
     nones: list[Any] = []
     if watch is None:
         return clears, nones
     made = {id(owner) for owner, _spec in left.values()}
-    for p, start in watch.grads.values():
+    for p, where, start in watch.grads.values():
         if id(p) in made:
             continue
         end = grad_cell(p)
-        if end is None:
-            (clears if start is not None else nones).append(p)
+        if end is None and start is not None:
+            clears.append(where)
+        elif end is None and (left or steps):
+            nones.append(where)
         elif end is not start:
             raise Miss("it puts in .grad a tensor it did not make")
     return clears, nones
@@ -748,8 +776,8 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
     optimizers = [w() for w in rec.steps]
     if any(opt is None for opt in optimizers):
         raise Miss("an optimizer it steps is gone")
-    if any(p._grad is not None for p in rec.nones):  # the call found them None
-        raise Miss("a .grad it found empty is not")
+    if any(getattr(param_at(w), "_grad", None) is not None for w in rec.nones):
+        raise Miss("a .grad it found empty is not")  # the call found it None
     session = default_session()
     handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
                zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
@@ -773,8 +801,10 @@ def _replay(rec: _Record, tensors: list[Any]) -> Any:
         if what not in made:
             made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
         leaves.append(made[what])
-    for p in rec.clears:  # as the call did (zero_grad)
-        p.grad = None
+    for w in rec.clears:  # as the call did (zero_grad)
+        p = param_at(w)
+        if p is not None:
+            p.grad = None
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
             opt.step()

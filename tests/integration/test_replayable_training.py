@@ -500,3 +500,62 @@ def test_a_stepped_optimizer_leaves_what_eager_leaves(remote, case):
     # param group, which the step runs, only between the calls that see it changed)
     never = ("a scheduler stepped inside",)
     assert (run.stats()["replays"] == 0) == (case in never), run.stats()
+
+
+def test_a_forward_keeps_no_dropped_model_alive(remote):
+    """Its record holds no parameter: a model it ran, dropped, is freed."""
+    import gc
+    import weakref
+
+    model = _moved(_mlp(), remote)
+    weight = weakref.ref(model[0].weight)
+
+    @djinn.replayable
+    def predict(m, x):
+        with torch.no_grad():
+            return m(x)
+
+    for x, _y in _batches(remote, 4):
+        predict(model, x[:, 0, :8])
+    assert predict.stats()["replays"] == 2, predict.stats()
+    del model
+    gc.collect()
+    assert weight() is None
+
+
+def test_a_mode_set_inside_the_step_after_one_set_outside_still_replays(remote):
+    """``model.train()`` inside the step changed the mode once, after a ``model.eval()``
+    outside it: the next recordings see no change, and replays go on."""
+    local = _encoder()
+    model = _moved(local, remote)
+
+    def train(m, device, replay):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+
+        def step(x, y):
+            m.train()
+            return _mse_step(m, opt, x, y)
+
+        run = djinn.replayable(step) if replay else step
+        for i, (x, y) in enumerate(_batches(device, 9)):
+            if i == 1:  # between the first two recordings
+                m.eval()
+            run(x, y)
+        return run
+
+    train(local, "cpu", False)
+    run = train(model, remote, True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["replays"] >= 3, run.stats()
+
+
+def test_a_training_step_replays_only_from_a_compared_recording_even_after_one(remote):
+    """What a step does to ``.grad`` and to state shows only against the recording before
+    it, so ``after=1`` replays a training step from its third call on."""
+    model = _moved(_encoder(), remote)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = djinn.replayable(after=1)(lambda x, y: _mse_step(model, opt, x, y))
+    for x, y in _batches(remote, 5):
+        run(x, y)
+    assert run.stats()["recordings"] == 2 and run.stats()["replays"] == 3, run.stats()
