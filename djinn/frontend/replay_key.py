@@ -239,10 +239,12 @@ def _hooks(t: torch.Tensor) -> tuple:
 
 def module_state(m: torch.nn.Module) -> tuple:
     """What of a module changes what its forward computes without a tensor changing in
-    place: its train/eval flag, its hooks, its own parameters and buffers (and theirs)."""
+    place: its train/eval flag, its hooks, its own parameters and buffers (and theirs),
+    and which modules are its children (one swapped in: ``model[2] = head``)."""
     own = [*m._parameters.values(), *m._buffers.values()]
     return (
         m.training,
+        tuple(id(c) for c in m._modules.values()),
         len(m._forward_hooks),
         len(m._forward_pre_hooks),
         len(m._backward_hooks),

@@ -83,10 +83,13 @@ changed too, that recording does not count towards a replay (it is unlike the on
 before; a change made once, as ``model.train()`` after an outside ``eval()``, is not
 seen by the next); a ``.grad`` the call cleared (``zero_grad``) is cleared by each
 replay, one it found and left None must be None when a replay begins (only where the
-call made gradients or stepped), and one it assigned (``p.grad = g``) means no replay.
-Those parameters are held by where they are (a module's name, an optimizer's place),
-weakly. So a call that made gradients or stepped replays only from a recording that had
-one before it: ``after=1`` replays such a call from its third call on.
+call writes into something, made gradients or stepped: a forward's results do not
+depend on ``.grad``), and one it assigned (``p.grad = g``) means no replay. Those
+parameters are held by where they are (a module's name, an optimizer's place), weakly.
+So a call that writes, made gradients or stepped replays only from a recording that had
+one before it: ``after=1`` replays such a call from its third call on. A call with none
+of those replays from its second with ``after=1``, before any comparison: Python state
+it changes itself (a train flag it flips) is then not seen.
 
 A split is made only if a replay can give each step what it found: the steps read only
 gradients still in ``.grad`` as the call ends, each stepped parameter's ``.grad`` is the
@@ -451,8 +454,11 @@ def _recorded(
     if cut is not None and watch is not None and watch.changed_outside_steps():
         cut = None  # it changed state it is checked by (a learning rate, a scheduler)
     frozen = used.frozen() or (watch is not None and watch.changed())
-    clears, nones = _grads_left(watch, left, used.steps)
+    # a call that writes (an update by hand), made gradients or stepped: its .grad and
+    # state bookkeeping counts, and it replays only from a compared recording
     written = [_written(nodes), _written(nodes[:cut]) if cut is not None else set()]
+    effects = bool(left or used.steps or written[0])
+    clears, nones = _grads_left(watch, left, effects)
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
     try:
@@ -470,9 +476,8 @@ def _recorded(
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
     rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external)
     rec.clears, rec.nones, rec.frozen = clears, nones, frozen
-    # a call that made gradients or stepped replays only from a recording compared with
-    # the one before it (Watch): what it does to .grad and to state shows only then
-    rec.unwatched = watch is None and bool(left or used.steps)
+    # what it does to .grad and to state shows only against the recording before it
+    rec.unwatched = watch is None and effects
     if cut is not None and len(encoded) == len(nodes):
         mine = [id(n) in before for n, _k, _alive in targets]
         keep = [ref for ref, m in zip(keep, mine, strict=True) if m]
@@ -589,10 +594,10 @@ def _steps_read_gradients(nodes: list[Any], cut: int, owners: dict[int, Any]) ->
     )
 
 
-def _grads_left(watch: Watch | None, left: dict, steps: list[Step]) -> tuple[list, list]:
+def _grads_left(watch: Watch | None, left: dict, effects: bool) -> tuple[list, list]:
     """Where the parameters are (``param_at``) whose ``.grad`` the call cleared, and those
-    it found and left None, if it made gradients or stepped (a forward leaves ``.grad``
-    alone); a Miss if it put there a tensor it did not make (``p.grad = g``: a replay
+    it found and left None if it has ``effects`` (a forward's results do not depend on
+    ``.grad``); a Miss if it put there a tensor it did not make (``p.grad = g``: a replay
     could not). Known from a key's second recording on (``watch``)."""
     clears: list[Any] = []
     nones: list[Any] = []
@@ -605,7 +610,7 @@ def _grads_left(watch: Watch | None, left: dict, steps: list[Step]) -> tuple[lis
         end = grad_cell(p)
         if end is None and start is not None:
             clears.append(where)
-        elif end is None and (left or steps):
+        elif end is None and effects:
             nones.append(where)
         elif end is not start:
             raise Miss("it puts in .grad a tensor it did not make")

@@ -559,3 +559,56 @@ def test_a_training_step_replays_only_from_a_compared_recording_even_after_one(r
     for x, y in _batches(remote, 5):
         run(x, y)
     assert run.stats()["recordings"] == 2 and run.stats()["replays"] == 3, run.stats()
+
+
+def test_an_update_by_hand_sees_a_gradient_left_before_it(remote):
+    """No optimizer: the step updates the weights in place and clears ``.grad`` itself. A
+    gradient an outside backward left before a call is added in by eager's backward: the
+    call records again rather than replay without it."""
+
+    def train(m, device, replay):
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+            m.zero_grad()
+            return loss.detach()
+
+        run = djinn.replayable(step) if replay else step
+        losses = []
+        for i, (x, y) in enumerate(_batches(device, 8)):
+            if i == 5:
+                m(torch.ones(2, 5, 16).to(device)).sum().backward()
+            losses.append(run(x, y))
+        return losses, run
+
+    local = _encoder()
+    model = _moved(local, remote)
+    want, _ = train(local, "cpu", False)
+    got, run = train(model, remote, True)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert p.grad is None and q.grad is None
+    assert run.stats()["plain"].get("a .grad it found empty is not") == 1, run.stats()
+
+
+def test_a_forward_sees_a_submodule_swapped_in(remote):
+    """``model[1] = other`` while the old submodule lives on: the parent's children are
+    part of the state check."""
+    local = _mlp()
+    model = _moved(local, remote)
+    other = [torch.nn.Linear(16, 1), None]
+    other[1] = _moved(torch.nn.Sequential(other[0]), remote)[0]
+    kept = []  # the old heads stay alive
+    run = djinn.replayable(lambda x: model(x))
+    for i, (x, _y) in enumerate(_batches("cpu", 6)):
+        x = x[:, 0, :8]
+        if i == 4:
+            kept.append((local[2], model[2]))
+            local[2], model[2] = other
+        with torch.no_grad():
+            assert torch.equal(run(x.to(remote)).cpu(), local(x)), i
+    assert run.stats()["replays"] >= 2, run.stats()
