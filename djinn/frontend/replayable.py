@@ -101,7 +101,9 @@ What cannot be checked is other Python state ``fn`` reads that changes later whi
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
 replay uses the recorded value, as a CUDA graph does. Nor does a replay run ``fn``'s own
 Python (but, where their floats change, the optimizer steps that end it): a scheduler
-stepped or a counter incremented inside ``fn`` is not, so keep those outside.
+stepped or a counter incremented inside ``fn`` is not, so keep those outside. A call
+replayed whole runs no optimizer ``step()`` either: one overridden to branch on a flag of
+its own (set between calls, not a hyperparameter) is frozen with the rest.
 ``reset()`` forgets every recording.
 
 A replay runs every op the recorded call ran, in order, with every check of the
