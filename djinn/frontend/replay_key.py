@@ -172,16 +172,20 @@ class Watch:
         self.start = None if whole is None else whole.now(hooks=False)
         self.start_split = None if before_steps is None else before_steps.now(hooks=False)
         self.around: list[tuple | None] = []  # as each step began and ended, in turn
+        self._depth = 0  # steps under way (a subclass's step() calling super().step())
         state = whole if whole is not None else before_steps
         params = [] if state is None else state.parameters()
         self.grads = {id(p): (p, where, grad_cell(p)) for p, where in params}
 
     def step_began(self) -> None:
-        if self.before_steps is not None:
+        self._depth += 1
+        if self._depth == 1 and self.before_steps is not None:
             self.around.append(self.before_steps.now(hooks=False))
 
     def step_ended(self) -> None:
-        self.step_began()
+        self._depth -= 1
+        if self._depth == 0 and self.before_steps is not None:
+            self.around.append(self.before_steps.now(hooks=False))
 
     def changed(self) -> bool:
         """Whether the call changed the state its whole replay would be checked by."""

@@ -64,7 +64,9 @@ count, so such a call never records alike. When ``fn`` *ends* with optimizer ste
 (every op from the first step's start on was captured by one of them, in turn, none
 took a closure and all ran on the calling thread: PyTorch's global step hooks say where
 each began and ended; Djinn's pre-hook goes first, so what any other hook captures is
-part of the step), a recording also keeps the record of the ops before them. Once two
+part of the step; a step an optimizer runs inside its own, a subclass's ``step()``
+calling ``super().step()``, is part of the outer one), a recording also keeps the record
+of the ops before them. Once two
 recordings in a row are unlike as wholes but alike before their steps, or as soon as
 the call changed state its whole replay would be checked by (RMSprop's and Adagrad's
 step counts, a count in a param group: a whole replay would freeze them), the key
@@ -442,15 +444,16 @@ def _recorded(
             raise Miss(f"it returns a {type(x).__name__}, not a tensor or a plain value", True)
     owners = _grad_owners(readers + tensors)
     left = _left_in_grad(nodes, {o for o, _ in outs if o is not None}, owners)
-    cut = _optimizer_cut(len(nodes), used.steps)
+    steps = _outer_steps(used.steps)
+    cut = _optimizer_cut(len(nodes), steps)
     before = set() if cut is None else {id(n) for n in nodes[:cut]}
     if cut is not None and not (
         _steps_read_gradients(nodes, cut, owners)
-        and _steps_find_their_gradients(used.steps, before, left)
+        and _steps_find_their_gradients(steps, before, left)
         and all(where[0] in before for where, _spec in outs if where is not None)
     ):
         cut = None  # a replay could not give the steps what they read, or it returns theirs
-    if cut is not None and not _grads_as_at_steps(used.steps):
+    if cut is not None and not _grads_as_at_steps(steps):
         cut = None  # a .grad changed during or after the steps: a replay sets them before
     watch = used.watch
     if cut is not None and watch is not None and watch.changed_outside_steps():
@@ -492,7 +495,7 @@ def _recorded(
                                    state, external)  # fmt: skip
         except Miss:  # the whole call may still replay
             return rec
-        rec.split.steps = [weakref.ref(step.opt) for step in used.steps]
+        rec.split.steps = [weakref.ref(step.opt) for step in steps]
         rec.split.clears, rec.split.nones = clears, nones
         rec.split.unwatched = rec.unwatched
     return rec
@@ -545,6 +548,26 @@ def _record_of(
         grads=grads,
         state=state,
     )
+
+
+def _outer_steps(steps: list[Step]) -> list[Step]:
+    """The steps, less those an optimizer ran inside its own step (a subclass's ``step()``
+    calling ``super().step()``: PyTorch's step hooks wrap both), which a replay runs by
+    calling the outer one."""
+    outer: list[Step] = []
+    for step in steps:
+        last = outer[-1] if outer else None
+        if (
+            last is not None
+            and step.opt is last.opt
+            and last.end is not None
+            and step.end is not None
+            and last.start <= step.start
+            and step.end <= last.end
+        ):
+            continue
+        outer.append(step)
+    return outer
 
 
 def _optimizer_cut(count: int, steps: list[Step]) -> int | None:

@@ -612,3 +612,24 @@ def test_a_forward_sees_a_submodule_swapped_in(remote):
         with torch.no_grad():
             assert torch.equal(run(x.to(remote)).cpu(), local(x)), i
     assert run.stats()["replays"] >= 2, run.stats()
+
+
+def test_a_subclassed_optimizer_calling_its_base_step_replays(remote):
+    """``step()`` overridden to call ``super().step()``: PyTorch's step hooks wrap both
+    once the base class has been instantiated, and the inner one, given the closure, is
+    part of the outer step, not a step of its own."""
+    torch.optim.Adam(_mlp().parameters())  # wraps Adam.step as well
+
+    class Scaled(torch.optim.Adam):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    local = _encoder()
+    model = _moved(local, remote)
+    scaled = lambda ps: Scaled(ps, lr=1e-2)  # noqa: E731
+    want, _ = _train(local, scaled, _batches("cpu", 6), replay=False)
+    got, run = _train(model, scaled, _batches(remote, 6), replay=True)
+    assert all(torch.equal(g.cpu(), w.detach()) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["replays"] == 3, run.stats()

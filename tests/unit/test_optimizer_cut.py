@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from djinn.frontend.replay_key import Step
-from djinn.frontend.replayable import _optimizer_cut, _own_inline
+from djinn.frontend.replayable import _optimizer_cut, _outer_steps, _own_inline
 
 
-def _step(start: int, end: int | None, odd: bool = False) -> Step:
-    step = Step(object(), start, odd)
+def _step(start: int, end: int | None, odd: bool = False, opt: object = None) -> Step:
+    step = Step(object() if opt is None else opt, start, odd)
     step.end = end
     return step
 
@@ -45,3 +45,16 @@ def test_a_part_of_a_graph_numbers_its_inline_tensors_among_themselves():
     assert got[1]["kwargs"]["w"]["$t"] == 1 and got[1]["rng"] == 2
     assert tensors == ["c", "a", "d"]
     assert nodes[0]["args"][0]["$t"] == 2  # the graph's own nodes are left as they were
+
+
+def test_a_step_run_inside_its_own_optimizers_step_is_not_a_step_of_its_own():
+    """A subclass's ``step()`` calling ``super().step(closure)``: both are hooked, the
+    inner one with an argument (odd)."""
+    opt, other = object(), object()
+    outer, inner = _step(6, 10, opt=opt), _step(6, 10, odd=True, opt=opt)
+    assert _outer_steps([outer, inner]) == [outer]
+    assert _optimizer_cut(10, _outer_steps([outer, inner])) == 6
+    two = [_step(4, 7, opt=opt), _step(7, 10, opt=other)]
+    assert _outer_steps(two) == two  # in turn, not inside one another
+    again = [_step(4, 7, opt=opt), _step(7, 10, opt=opt)]
+    assert _outer_steps(again) == again  # the same optimizer stepped twice
