@@ -633,3 +633,35 @@ def test_a_subclassed_optimizer_calling_its_base_step_replays(remote):
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
     assert run.stats()["replays"] == 3, run.stats()
+
+
+def test_a_gradient_assigned_from_an_argument_is_not_replayed(remote):
+    """``p.grad = g`` is Python a replay would not run: its step would read the last
+    recording's ``g``. The call runs as it is, with eager's numbers."""
+
+    def train(m, device, replay):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+
+        def step(x, y, g):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            m[1].weight.grad = g
+            opt.step()
+            return loss.detach()
+
+        run = djinn.replayable(step) if replay else step
+        gen = torch.Generator().manual_seed(7)
+        grads = [torch.randn(1, 16, generator=gen).to(device) for _ in range(6)]
+        losses = [run(x, y, g) for (x, y), g in zip(_batches(device, 6), grads, strict=True)]
+        return losses, run
+
+    local = _encoder()
+    model = _moved(local, remote)
+    want, _ = train(local, "cpu", False)
+    got, run = train(model, remote, True)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)
+    assert run.stats()["replays"] == 0, run.stats()
