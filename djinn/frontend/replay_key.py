@@ -99,7 +99,7 @@ class Used:
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.count = count  # ops the recording captured so far
         self.thread = threading.get_ident()  # the recording's
-        # each step, in order (Note [optimizer steps run, not replayed] in replayable.py)
+        # each step, in order (Note [optimizer steps run, not replayed] in replay_steps.py)
         self.steps: list[Step] = []
         self.kept: dict[int, dict] = {}  # per optimizer, what it kept as it first stepped
         self.watch: Watch | None = None  # the last recording's state, as this call began
@@ -111,7 +111,8 @@ class Used:
         if self.watch is not None:
             self.watch.step_began()
         self.optimizers.setdefault(id(opt), opt)
-        self.kept.setdefault(id(opt), kept_by(opt))
+        if id(opt) not in self.kept:  # as it first stepped
+            self.kept[id(opt)] = kept_by(opt)
         mine = threading.get_ident() == self.thread
         step = Step(opt, self.count(), with_args or not mine)
         # each parameter's gradient as the step began: what a replay must give it (a ref,
@@ -318,7 +319,7 @@ class State:
 
     def __init__(self, used: Used, named: list[Any], kept: bool = True) -> None:
         """``kept=False``: what the optimizers that stepped keep is left out (their steps
-        run at every call: Note [optimizer steps run, not replayed] in replayable.py);
+        run at every call: Note [optimizer steps run, not replayed] in replay_steps.py);
         their hyperparameters are not (``fn`` may read them before them)."""
         self._modules = [weakref.ref(m) for m in used.modules.values()]
         self._optimizers = [weakref.ref(o) for o in used.optimizers.values()]

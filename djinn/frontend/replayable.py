@@ -57,47 +57,9 @@ kept from an earlier step keeps its value). A replay's in-place writes count in 
 version counters of the tensors it writes, as eager's do, so autograd still refuses a
 saved tensor written since.
 
-Note [optimizer steps run, not replayed]: an optimizer's step computes Python floats from
-Python state (the default ``Adam``'s bias corrections, from a step count kept in a CPU
-tensor it increments), and a replay runs no Python: it would freeze the floats and the
-count, so such a call never records alike. When ``fn`` *ends* with optimizer steps
-(every op from the first step's start on was captured by one of them, in turn, none
-took a closure and all ran on the calling thread: PyTorch's global step hooks say where
-each began and ended; Djinn's pre-hook goes first, so what any other hook captures is
-part of the step; a step an optimizer runs inside its own, a subclass's ``step()``
-calling ``super().step()``, is part of the outer one), a recording also keeps the record
-of the ops before them. Once two
-recordings in a row are unlike as wholes but alike before their steps, or as soon as
-the call changed state its whole replay would be checked by (RMSprop's and Adagrad's
-step counts, a count in a param group: a whole replay would freeze them), the key
-replays that part and runs the steps after it, as ``fn`` would: a replay puts the
-graph's gradients in ``.grad``, clears the ``.grad`` the call cleared, then calls each
-optimizer's ``step()``, captured like any op with this step's floats, its hooks and its
-state, and sends it without waiting. What the optimizers keep is then left out of the
-state check; their hyperparameters are not (``fn`` may read a learning rate before the
-step: a new one records again). A call whose floats and counts stay the same (SGD,
-``Adam(capturable=True)``) replays whole, which costs the client less.
-
-What the call itself changes is seen against the key's last recording, as it was when
-the call began (``Watch``, replay_key.py): state changed outside the steps (a
-learning rate set, a scheduler stepped inside ``fn``) means no split, and with the whole
-changed too, that recording does not count towards a replay (it is unlike the one
-before; a change made once, as ``model.train()`` after an outside ``eval()``, is not
-seen by the next); a ``.grad`` the call cleared (``zero_grad``) is cleared by each
-replay, one it found and left None must be None when a replay begins (only where the
-call writes into something, made gradients or stepped: a forward's results do not
-depend on ``.grad``), and one it assigned (``p.grad = g``) means no replay. Those
-parameters are held by where they are (a module's name, an optimizer's place), weakly.
-So a call that writes, made gradients or stepped replays only from a recording that had
-one before it: ``after=1`` replays such a call from its third call on. A call with none
-of those replays from its second with ``after=1``, before any comparison: Python state
-it changes itself (a train flag it flips) is then not seen.
-
-A split is made only if a replay can give each step what it found: the steps read only
-gradients still in ``.grad`` as the call ends, each stepped parameter's ``.grad`` is the
-same at the end as when its step began, and that was None, one the call made and left
-in ``.grad``, or one it did not make. A step followed by ``zero_grad()`` reads gradients
-that are gone at the end, so such a call replays only whole.
+Note [optimizer steps run, not replayed] (replay_steps.py): a call that ends with optimizer
+steps whose floats or counts change from call to call replays the ops before them, and
+runs the steps.
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
@@ -134,17 +96,16 @@ from . import trace as trace_mod
 from .failures import written_values
 from .meta import TensorSpec
 from .nodes import Pending
-from .replay_key import (
-    PLAIN,
-    Miss,
-    State,
-    Step,
-    Used,
-    Watch,
-    grad_cell,
-    key,
-    named_tensors,
-    param_at,
+from .replay_key import PLAIN, Miss, State, Used, Watch, key, named_tensors, param_at
+from .replay_sources import grad_owners, holds, left_in_grad, sources_of, spec_key
+from .replay_steps import (
+    grads_as_at_steps,
+    grads_left,
+    optimizer_cut,
+    outer_steps,
+    own_inline,
+    steps_find_their_gradients,
+    steps_read_gradients,
 )
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
@@ -442,18 +403,18 @@ def _recorded(
             outs.append((None, x))
         else:  # an object may hold tensors of this call (a KV cache): a replay's would not
             raise Miss(f"it returns a {type(x).__name__}, not a tensor or a plain value", True)
-    owners = _grad_owners(readers + tensors)
-    left = _left_in_grad(nodes, {o for o, _ in outs if o is not None}, owners)
-    steps = _outer_steps(used.steps)
-    cut = _optimizer_cut(len(nodes), steps)
+    owners = grad_owners(readers + tensors)
+    left = left_in_grad(nodes, {o for o, _ in outs if o is not None}, owners)
+    steps = outer_steps(used.steps)
+    cut = optimizer_cut(len(nodes), steps)
     before = set() if cut is None else {id(n) for n in nodes[:cut]}
     if cut is not None and not (
-        _steps_read_gradients(nodes, cut, owners)
-        and _steps_find_their_gradients(steps, before, left)
+        steps_read_gradients(nodes, cut, before, owners)
+        and steps_find_their_gradients(steps, before, left)
         and all(where[0] in before for where, _spec in outs if where is not None)
     ):
         cut = None  # a replay could not give the steps what they read, or it returns theirs
-    if cut is not None and not _grads_as_at_steps(steps):
+    if cut is not None and not grads_as_at_steps(steps):
         cut = None  # a .grad changed during or after the steps: a replay sets them before
     watch = used.watch
     if cut is not None and watch is not None and watch.changed_outside_steps():
@@ -463,7 +424,7 @@ def _recorded(
     # state bookkeeping counts, and it replays only from a compared recording
     written = [_written(nodes), _written(nodes[:cut]) if cut is not None else set()]
     effects = bool(left or used.steps or written[0])
-    clears, nones = _grads_left(watch, left, effects)
+    clears, nones = grads_left(watch, left, effects)
     seen: dict[str, Any] = {}
     trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
     try:
@@ -487,7 +448,7 @@ def _recorded(
         mine = [id(n) in before for n, _k, _alive in targets]
         keep = [ref for ref, m in zip(keep, mine, strict=True) if m]
         targets = [t for t, m in zip(targets, mine, strict=True) if m]
-        encoded, inline = _own_inline(encoded[:cut], inline)
+        encoded, inline = own_inline(encoded[:cut], inline)
         left = {where: v for where, v in left.items() if where[0] in before}
         state = State(used, closure, kept=False)  # they run at every call
         try:
@@ -529,11 +490,11 @@ def _record_of(
         if where is None:
             outputs.append(("value", what))
         elif where in slot:
-            outputs.append(("kept", (slot[where], _spec_key(what))))
+            outputs.append(("kept", (slot[where], spec_key(what))))
         else:
             raise Miss("an output was not kept")
     tpl, inputs, scalars = templates.template({"nodes": encoded, "keep": keep, "fetch": []})
-    sources, changed = _sources(inputs, tensors, reads, owners, written)
+    sources, changed = sources_of(inputs, tensors, reads, owners, written)
     return _Record(
         fingerprint=templates.fingerprint(tpl),
         tpl=tpl,
@@ -548,236 +509,6 @@ def _record_of(
         grads=grads,
         state=state,
     )
-
-
-def _outer_steps(steps: list[Step]) -> list[Step]:
-    """The steps, less those an optimizer ran inside its own step (a subclass's ``step()``
-    calling ``super().step()``: PyTorch's step hooks wrap both), which a replay runs by
-    calling the outer one."""
-    outer: list[Step] = []
-    for step in steps:
-        last = outer[-1] if outer else None
-        if (
-            last is not None
-            and step.opt is last.opt
-            and last.end is not None
-            and step.end is not None
-            and last.start <= step.start
-            and step.end <= last.end
-        ):
-            continue
-        outer.append(step)
-    return outer
-
-
-def _optimizer_cut(count: int, steps: list[Step]) -> int | None:
-    """Where the call's optimizer steps begin, when they end it: every op from there on
-    was captured by one of them, in turn (Note [optimizer steps run, not replayed]).
-    None when it has none, a step took arguments (a closure) or ran on another thread,
-    or an op was captured between, after or around them."""
-    if not steps or any(step.odd or step.end is None for step in steps):
-        return None
-    cut = end = steps[0].start
-    for step in steps:
-        if step.start != end:
-            return None
-        end = step.end
-    return cut if 0 < cut < end == count else None
-
-
-def _steps_read_gradients(nodes: list[Any], cut: int, owners: dict[int, Any]) -> bool:
-    """Whether every value the ops from ``cut`` on (the optimizer steps) read of what the
-    ops before made is a gradient still in ``.grad`` as the call ends: a replay puts
-    those back in ``.grad`` before the steps run, and gives no other. (A step followed by
-    ``zero_grad()`` read gradients that are gone at the end.)"""
-    before = {id(n) for n in nodes[:cut]}
-
-    def in_grad(ref: Pending) -> bool:
-        for w in ref.node.holders[ref.index]:
-            cell = w()
-            held = None if cell is None else cell.ref
-            mine = isinstance(held, Pending) and held.node is ref.node and held.index == ref.index
-            if mine and id(cell) in owners:
-                return True
-        return False
-
-    def pending(x: Any) -> Any:
-        if isinstance(x, Pending):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                yield from pending(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                yield from pending(v)
-
-    return all(
-        in_grad(ref)
-        for n in nodes[cut:]
-        for ref in pending((n.args, n.kwargs))
-        if id(ref.node) in before
-    )
-
-
-def _grads_left(watch: Watch | None, left: dict, effects: bool) -> tuple[list, list]:
-    """Where the parameters are (``param_at``) whose ``.grad`` the call cleared, and those
-    it found and left None if it has ``effects`` (a forward's results do not depend on
-    ``.grad``); a Miss if it put there a tensor it did not make (``p.grad = g``: a replay
-    could not). Known from a key's second recording on (``watch``)."""
-    clears: list[Any] = []
-    nones: list[Any] = []
-    if watch is None:
-        return clears, nones
-    made = {id(owner) for owner, _spec in left.values()}
-    for p, where, start in watch.grads.values():
-        if id(p) in made:
-            continue
-        end = grad_cell(p)
-        if end is None and start is not None:
-            clears.append(where)
-        elif end is None and effects:
-            nones.append(where)
-        elif end is not start:
-            raise Miss("it puts in .grad a tensor it did not make")
-    return clears, nones
-
-
-def _grads_as_at_steps(steps: list[Step]) -> bool:
-    """Whether each stepped parameter's ``.grad`` is, as the call ends, what it was as its
-    step began: a replay sets them all before the steps."""
-    for step in steps:
-        for p, ref in step.grads:
-            cell = grad_cell(p)
-            now = getattr(cell, "ref", cell)
-            same = now is ref or (
-                isinstance(now, Pending)
-                and isinstance(ref, Pending)
-                and (now.node, now.index) == (ref.node, ref.index)
-            )
-            if not same:
-                return False
-    return True
-
-
-def _steps_find_their_gradients(steps: list[Step], before: set[int], left: dict) -> bool:
-    """Whether each parameter of the steps had, as its step began, no gradient (a replay
-    sets None), one the ops before made and leave in its ``.grad`` (a replay sets it),
-    or one the call did not make (a replay leaves it)."""
-    for step in steps:
-        for p, grad in step.grads:
-            if isinstance(grad, Pending) and id(grad.node) in before:
-                got = left.get((id(grad.node), grad.index))
-                if got is None or got[0] is not p:
-                    return False
-    return True
-
-
-def _own_inline(nodes: list[Any], inline: list[Any]) -> tuple[list[Any], list[Any]]:
-    """``nodes`` with their inline tensors numbered among themselves (they are a part of
-    a graph), and those tensors."""
-    mine: dict[int, int] = {}
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, dict):
-            if "$t" in x:
-                return {**x, "$t": mine.setdefault(x["$t"], len(mine))}
-            return {k: walk(v) for k, v in x.items()}
-        return x
-
-    renumbered = []
-    for node in nodes:
-        node = walk(node)
-        if "rng" in node:  # an index, not a reference (none is sent: no random op replays)
-            node["rng"] = mine.setdefault(node["rng"], len(mine))
-        renumbered.append(node)
-    return renumbered, [inline[k] for k in mine]
-
-
-def _grad_owners(tensors: list[Any]) -> dict[int, Any]:
-    """id of a ``.grad``'s Binding -> the tensor whose gradient it is."""
-    from .lazy import LazyTensor
-
-    owners: dict[int, Any] = {}
-    for t in tensors:
-        grad = t._grad if t.is_leaf else None
-        if isinstance(grad, LazyTensor):
-            owners[id(grad.__dict__["_b"])] = t
-    return owners
-
-
-def _left_in_grad(nodes: list[Any], returned: set, owners: dict[int, Any]) -> dict:
-    """The outputs it made that stay alive in ``.grad`` (each replay puts new ones there),
-    by output; any other it did not return is a Miss."""
-    from .lazy import spec_of
-
-    left: dict[tuple[int, int], tuple[Any, tuple]] = {}
-    for n in nodes:
-        for k in range(n.nout):
-            for w in n.holders[k]:
-                cell = w()
-                if cell is None or not isinstance(cell.ref, Pending) or cell.ref.node is not n:
-                    continue
-                owner = owners.get(id(cell))
-                if (id(n), k) in returned:  # a returned gradient is in .grad too
-                    if owner is not None and (id(n), k) not in left:
-                        left[(id(n), k)] = (owner, _spec_key(spec_of(owner._grad)))
-                    continue
-                if owner is None or (id(n), k) in left:  # self.cache = x: a replay could not
-                    # set it (not final: an optimizer's first step makes its state, later
-                    # ones update it in place)
-                    raise Miss(f"it keeps a tensor it made that it does not return ({n.name})")
-                left[(id(n), k)] = (owner, _spec_key(spec_of(owner._grad)))
-    return left
-
-
-def _sources(
-    inputs: list[str],
-    tensors: list[Any],
-    reads: dict[Any, list[tuple[Any, Any]]],
-    owners: dict[int, Any],
-    written: set[str],
-) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-    """Where each input of the graph comes from, and what its in-place ops write."""
-    by_arg: dict[str, int] = {}
-    for i, t in enumerate(tensors):
-        ref = trace_mod.resolved(t._ref)
-        if isinstance(ref, RemoteTensor):
-            by_arg.setdefault(ref.handle, i)
-    args = {id(t) for t in tensors}
-    sources: list[tuple[str, Any]] = []
-    changed: list[tuple[str, Any]] = []
-    for h in inputs:
-        entries = reads.get(h, [])
-        if h in by_arg:
-            if any(id(t) not in args for _cell, t in entries):
-                raise Miss("an argument is also a tensor it reads by another name")
-            sources.append(("arg", by_arg[h]))
-            if h in written:
-                changed.extend(("arg", i) for i, t in enumerate(tensors) if id(t) in {
-                    id(x) for _c, x in entries})  # fmt: skip
-            continue
-        cells = [cell for cell, _t in entries]
-        if not cells or not all(_holds(c, h) for c in cells):
-            raise Miss("an input's source is unknown")
-        owner = next((owners[id(c)] for c in cells if id(c) in owners), None)
-        if owner is not None:  # a gradient: read from .grad as it is then
-            sources.append(("grad", owner))
-        else:
-            sources.append(("held", [weakref.ref(c) for c in cells]))
-        if h in written:
-            changed.extend(("tensor", t) for _c, t in entries)
-    return sources, changed
-
-
-def _holds(cell: Any, handle: str) -> bool:
-    """A Binding, alive, still bound to ``handle``."""
-    return cell is not None and isinstance(cell.ref, RemoteTensor) and cell.ref.handle == handle
-
-
-def _spec_key(spec: TensorSpec) -> tuple:
-    return (spec.dtype, tuple(spec.shape), tuple(spec.stride), spec.offset)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -851,7 +582,7 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
         ref = None if grad is None else trace_mod.resolved(grad.__dict__["_b"].ref)
     else:
         cells = [w() for w in src]
-        if not all(_holds(c, recorded) for c in cells):
+        if not all(holds(c, recorded) for c in cells):
             raise Miss("a tensor it reads was replaced or dropped since")
         ref = cells[0].ref
     if not isinstance(ref, RemoteTensor) or ref.session is not session:

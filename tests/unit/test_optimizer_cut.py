@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from djinn.frontend.replay_key import Step
-from djinn.frontend.replayable import _optimizer_cut, _outer_steps, _own_inline
+from djinn.frontend.replay_steps import optimizer_cut, outer_steps, own_inline
 
 
 def _step(start: int, end: int | None, odd: bool = False, opt: object = None) -> Step:
@@ -31,7 +31,7 @@ def _step(start: int, end: int | None, odd: bool = False, opt: object = None) ->
     ],
 )
 def test_the_cut_is_where_the_steps_that_end_the_call_begin(count, steps, cut):
-    assert _optimizer_cut(count, steps) == cut
+    assert optimizer_cut(count, steps) == cut
 
 
 def test_a_part_of_a_graph_numbers_its_inline_tensors_among_themselves():
@@ -40,7 +40,7 @@ def test_a_part_of_a_graph_numbers_its_inline_tensors_among_themselves():
         {"op": "x", "args": [{"$t": 2, "desc": {}}, [{"$v": 0}, {"$t": 2, "desc": {}}]]},
         {"op": "y", "args": [], "kwargs": {"w": {"$t": 0, "desc": {}}}, "rng": 3},
     ]
-    got, tensors = _own_inline(nodes, inline)
+    got, tensors = own_inline(nodes, inline)
     assert got[0]["args"][0]["$t"] == 0 and got[0]["args"][1][1]["$t"] == 0
     assert got[1]["kwargs"]["w"]["$t"] == 1 and got[1]["rng"] == 2
     assert tensors == ["c", "a", "d"]
@@ -52,9 +52,9 @@ def test_a_step_run_inside_its_own_optimizers_step_is_not_a_step_of_its_own():
     inner one with an argument (odd)."""
     opt, other = object(), object()
     outer, inner = _step(6, 10, opt=opt), _step(6, 10, odd=True, opt=opt)
-    assert _outer_steps([outer, inner]) == [outer]
-    assert _optimizer_cut(10, _outer_steps([outer, inner])) == 6
+    assert outer_steps([outer, inner]) == [outer]
+    assert optimizer_cut(10, outer_steps([outer, inner])) == 6
     two = [_step(4, 7, opt=opt), _step(7, 10, opt=other)]
-    assert _outer_steps(two) == two  # in turn, not inside one another
+    assert outer_steps(two) == two  # in turn, not inside one another
     again = [_step(4, 7, opt=opt), _step(7, 10, opt=opt)]
-    assert _outer_steps(again) == again  # the same optimizer stepped twice
+    assert outer_steps(again) == again  # the same optimizer stepped twice
