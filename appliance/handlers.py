@@ -164,12 +164,19 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     ops: Note [threading model] in scheduler.py). A graph may come as a template's
     fingerprint, or ask to be kept as one (Note [graph templates])."""
     body, kept_as, record = frame.body, None, None
+    named: dict[str, None] = {}  # the handles this graph resolved, for recharge
+
+    def lookup(handle: str) -> torch.Tensor:
+        t = s.tensor(handle)
+        named[handle] = None
+        return t
+
     if "graph" in body:
-        run, record = _template_run(w, s, frame)
+        run, record = _template_run(w, s, frame, lookup)
     else:
         if body.get("cache") is True:
             kept_as = w.graphs.keep(body)
-        run = GraphRun(body, s.tensor, frame.segments, w.device.torch_device, w.store.vmu["stack"])
+        run = GraphRun(body, lookup, frame.segments, w.device.torch_device, w.store.vmu["stack"])
     run.input_storages = lambda: list(s.storages)
     # Note [a capturing client beside its worker]
     run.threads = threads.for_graph(
@@ -178,7 +185,7 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     try:
         keep, fetch = yield from run.steps()
     finally:
-        w.store.recharge(s)  # an op may have grown a handle's storage (out=, in place)
+        w.store.recharge(s, named)  # an op may have grown a handle's storage (out=)
     if record is not None:
         record()
     kept: list[Any] = []
@@ -218,7 +225,7 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
 
 
 def _template_run(
-    w: Worker, s: WorkerSession, frame: Frame
+    w: Worker, s: WorkerSession, frame: Frame, lookup: Callable[[str], torch.Tensor]
 ) -> tuple[GraphRun, Callable[[], Any] | None]:
     """The run of a request that names a graph template: by its plan when one fits its
     inputs, else interpreted, recording a plan when the template has come back often
@@ -230,7 +237,7 @@ def _template_run(
     tensors, signature = None, None
     if w.plans.after > 0 and isinstance(inputs, list) and isinstance(scalars, list):
         try:
-            tensors = [s.tensor(h) for h in inputs]
+            tensors = [lookup(h) for h in inputs]
         except NotFound:
             tensors = None  # the interpreted run says which (if a node reads it)
     if tensors is not None and all(type(v) is float for v in scalars):
@@ -238,9 +245,9 @@ def _template_run(
         plan = w.plans.find(fp, signature, scalars)
         if plan is not None:  # Note [compiled plans]: compiled, or node by node
             runner = w.cuda_graphs.runner(plan, w.plans.runner(plan, fp, device), device)
-            return runner(plan, fp, body, inputs, tensors, s.tensor, frame.segments, device,
+            return runner(plan, fp, body, inputs, tensors, lookup, frame.segments, device,
                           stack), None  # fmt: skip
-    run = GraphRun(w.graphs.expand(body, tpl), s.tensor, frame.segments, device, stack)
+    run = GraphRun(w.graphs.expand(body, tpl), lookup, frame.segments, device, stack)
     run.template = fp
     if signature is None or not w.plans.should_record(fp):
         return run, None
