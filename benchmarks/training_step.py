@@ -75,6 +75,15 @@ OPTIMIZERS = {
 }
 REPLAYED = ("adam", "capturable", "sgd")  # the optimizers of the replay table
 REPLAYS: list[dict] = []  # each replayed loop's stats(), for the report
+CALLS: list[float] = []  # when each call of the last loop returned
+STEADY_FROM = 3  # the calls before it: the first, and the two recordings of a replay
+
+
+def steady() -> float:
+    """Seconds per step of the last loop from call STEADY_FROM + 1 to the last call
+    (between their returns): past a replay's first call and recordings, and past local
+    eager's first step, which allocates its state."""
+    return (CALLS[-1] - CALLS[STEADY_FROM - 1]) / (len(CALLS) - STEADY_FROM)
 
 
 def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -100,9 +109,11 @@ def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
         run = djinn.replayable(step)
     else:
         run = step
+    CALLS.clear()
     t0 = time.perf_counter()
     for x, y in data:
         run(x, y)
+        CALLS.append(time.perf_counter())
     params = [p.detach().cpu() for p in model.parameters()]  # waits for every step
     took = time.perf_counter() - t0
     if replay:
@@ -188,6 +199,7 @@ def main() -> int:
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
+            rows.setdefault("adam local steady", []).append(steady())
             with using(planned.unix):
                 took, got = loop(model, batches, R)
             remote_s.append(took)
@@ -221,6 +233,7 @@ def main() -> int:
             with using(planned.unix):
                 took, other = loop(model, batches, R, "adam", replay=True)
                 rows.setdefault("adam", []).append(took)
+                rows.setdefault("adam steady", []).append(steady())
                 replay_diffs["adam"] = max(replay_diffs.get("adam", 0.0), max_diff(other, want))
                 took, captured = loop(model, batches, R, "capturable")
                 rows.setdefault("capturable captured", []).append(took)
@@ -232,11 +245,13 @@ def main() -> int:
                 replay_diffs["capturable vs adam"] = max_diff(other, want)
             took, sgd_want = loop(model, batches, "cpu", "sgd")
             rows.setdefault("sgd local", []).append(took)
+            rows.setdefault("sgd local steady", []).append(steady())
             with using(planned.unix):
                 took, other = loop(model, batches, R, "sgd")
                 rows.setdefault("sgd captured", []).append(took)
                 took, replayed = loop(model, batches, R, "sgd", replay=True)
                 rows.setdefault("sgd", []).append(took)
+                rows.setdefault("sgd steady", []).append(steady())
             with using(uncompiled.unix):
                 took, other = loop(model, batches, R, "sgd", replay=True)
                 rows.setdefault("sgd uncompiled", []).append(took)
@@ -279,20 +294,25 @@ def main() -> int:
     print()
     print(md_table(
         ["replayed step (djinn.replayable)", "reference s", "remote s", "remote / reference",
+         f"per step from call {STEADY_FROM + 1}: remote / reference",
          "max |param diff| vs reference", "replays of the last loop"],
         [["default Adam (its step runs at each call), vs local eager Adam", f"local {local:.3f}",
           f"{med['adam']:.3f}", f"{med['adam'] / local:.2f}x (captured: {remote / local:.2f}x)",
+          f"{med['adam steady'] * 1e3:.2f} / {med['adam local steady'] * 1e3:.2f} ms = "
+          f"{med['adam steady'] / med['adam local steady']:.2f}x",
           f"{replay_diffs['adam']:.1e}", f"{last['adam']['replays']}"],
          ["Adam(capturable=True), vs the same loop captured op by op",
           f"captured {med['capturable captured']:.3f}", f"{med['capturable']:.3f}",
           f"{med['capturable'] / med['capturable captured']:.2f}x (local: "
-          f"{med['capturable'] / local:.2f}x)", f"{replay_diffs['capturable']:.1e} "
+          f"{med['capturable'] / local:.2f}x)", "", f"{replay_diffs['capturable']:.1e} "
           f"(vs local default Adam: {replay_diffs['capturable vs adam']:.1e})",
           f"{last['capturable']['replays']}"],
          ["SGD (momentum 0.9), vs local eager SGD", f"local {med['sgd local']:.3f}",
           f"{med['sgd']:.3f}", f"{med['sgd'] / med['sgd local']:.2f}x (captured: "
           f"{med['sgd captured'] / med['sgd local']:.2f}x; plans not compiled: "
           f"{med['sgd uncompiled'] / med['sgd local']:.2f}x)",
+          f"{med['sgd steady'] * 1e3:.2f} / {med['sgd local steady'] * 1e3:.2f} ms = "
+          f"{med['sgd steady'] / med['sgd local steady']:.2f}x",
           f"{replay_diffs['sgd']:.1e} (captured: {replay_diffs['sgd captured']:.1e})",
           f"{last['sgd']['replays']}"]],
     ))  # fmt: skip

@@ -44,9 +44,19 @@ if TYPE_CHECKING:
 
 
 NOT_RUN = object()  # a fetched value whose node did not run (run_graph)
-# Graphs this long or longer go by template once the appliance keeps them (Note [graph
-# templates]); shorter ones cost less to send whole than to template.
-TEMPLATE_MIN_NODES = 16
+# Graphs this big or bigger go by template once the appliance keeps them (Note [graph
+# templates]); smaller ones cost less to send whole than to template. A node weighs one,
+# plus the length of each list it takes: an optimizer step is a few ``_foreach_`` nodes
+# over every parameter (Adam: 7 nodes of 26-tensor lists for a small encoder), which went
+# whole and interpreted at every step, where by template the worker compiles it.
+TEMPLATE_MIN_WEIGHT = 16
+
+
+def _weight(nodes: list[dict[str, Any]]) -> int:
+    """A graph's size for TEMPLATE_MIN_WEIGHT, counted without walking its values."""
+    if len(nodes) >= TEMPLATE_MIN_WEIGHT:
+        return len(nodes)
+    return len(nodes) + sum(len(a) for n in nodes for a in n["args"] if type(a) is list)
 
 
 def _u8(n: int) -> torch.Tensor:
@@ -499,7 +509,7 @@ class Session(Flights):
         fingerprint, inputs and scalars of ``body``, already known."""
         if form is not None:
             fp, inputs, scalars = form
-        elif len(body["nodes"]) < TEMPLATE_MIN_NODES:
+        elif _weight(body["nodes"]) < TEMPLATE_MIN_WEIGHT:
             return body, None
         else:
             tpl, inputs, scalars = templates.template(body)

@@ -93,3 +93,28 @@ def test_a_template_the_appliance_does_not_have_is_sent_whole(remote, monkeypatc
     monkeypatch.undo()
     assert torch.equal(_chain(xr, 37).cpu(), _chain(x, 37))  # by fingerprint: NOT_FOUND
     assert torch.equal(_chain(xr, 37).cpu(), _chain(x, 37))  # kept for real this time
+
+
+def test_an_optimizer_step_of_a_few_nodes_over_many_tensors_goes_by_fingerprint(remote):
+    """Adam's step is 7 ``_foreach_`` nodes over every parameter: a small graph by its
+    node count, a big one by its values (TEMPLATE_MIN_WEIGHT)."""
+    torch.manual_seed(0)
+    local = [torch.randn(16, requires_grad=True) for _ in range(24)]
+    grads = [torch.randn(16) for _ in local]
+    remote_params = [p.detach().to(R).requires_grad_() for p in local]
+    opts = [torch.optim.Adam(ps, lr=0.1, foreach=True) for ps in (local, remote_params)]
+    sizes = []
+    for _ in range(4):
+        for p, g in zip(local, grads, strict=True):
+            p.grad = g.clone()
+        for p, g in zip(remote_params, grads, strict=True):
+            p.grad = g.to(R)
+        torch.cat([p.grad for p in remote_params]).cpu()  # the uploads go first
+        opts[0].step()
+        sent, _ = _sent(lambda: (opts[1].step(), remote_params[0].detach().cpu()))
+        sizes.append(sent)
+    # step 1 makes the state, step 2 is the steady graph's first time (whole), 3 and 4
+    # go by fingerprint with their new bias corrections
+    assert max(sizes[2:]) * 2 < sizes[1], sizes  # the handles and floats only
+    for p, q in zip(local, remote_params, strict=True):
+        assert torch.equal(p.detach(), q.detach().cpu())
