@@ -426,7 +426,18 @@ def _recorded(
     effects = bool(left or used.steps or written[0])
     clears, nones = grads_left(watch, left, effects)
     seen: dict[str, Any] = {}
-    trace_mod._local.observer = lambda *graph: seen.setdefault("graph", graph)
+
+    def observe(*graph: Any) -> tuple[str, list[str], list[float]]:
+        """The graph the flush sends, and its template, worked out once for the wire and
+        for the record."""
+        seen["graph"] = graph
+        encoded, keep, fetch = graph[:3]
+        tpl, inputs, scalars = templates.template({"nodes": encoded, "keep": keep,
+                                                   "fetch": fetch})  # fmt: skip
+        seen["form"] = (tpl, inputs, scalars)
+        return templates.fingerprint(tpl), inputs, scalars
+
+    trace_mod._local.observer = observe
     try:
         trace_mod.flush(tr)
     finally:
@@ -440,7 +451,8 @@ def _recorded(
         raise Miss("its graph fetched or kept more than it returns")
     parts = (outs, out_spec, tensors, reads, owners)
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
-    rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external)
+    rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external,
+                     seen.pop("form"))  # fmt: skip
     rec.clears, rec.nones, rec.frozen = clears, nones, frozen
     # what it does to .grad and to state shows only against the recording before it
     rec.unwatched = watch is None and effects
@@ -478,8 +490,10 @@ def _record_of(
     parts: tuple,
     state: State,
     external: list[tuple[Any, torch.Tensor]],
+    form: tuple[dict[str, Any], list[str], list[float]] | None = None,
 ) -> _Record:
-    """The record of a graph the call sent (or of its ops before its optimizer steps)."""
+    """The record of a graph the call sent (or of its ops before its optimizer steps);
+    ``form``: its template, inputs and scalars when already worked out."""
     outs, out_spec, tensors, reads, owners = parts
     slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
     if any(where not in slot for where in left):
@@ -493,7 +507,9 @@ def _record_of(
             outputs.append(("kept", (slot[where], spec_key(what))))
         else:
             raise Miss("an output was not kept")
-    tpl, inputs, scalars = templates.template({"nodes": encoded, "keep": keep, "fetch": []})
+    if form is None:
+        form = templates.template({"nodes": encoded, "keep": keep, "fetch": []})
+    tpl, inputs, scalars = form
     sources, changed = sources_of(inputs, tensors, reads, owners, written)
     return _Record(
         fingerprint=templates.fingerprint(tpl),

@@ -109,7 +109,8 @@ def stream(trace: Trace) -> None:
 
 
 _local = threading.local()  # .trace; .observer: the graph a flush sends, while a replayable
-# function records (Note [replayable functions], replayable.py)
+# function records (Note [replayable functions], replayable.py); it may return the graph's
+# template form, which the flush then does not work out again
 AUTOGRAD_RECORDERS: list[Any] = []  # capture blocks open in any thread (see Trace.add)
 
 
@@ -309,13 +310,15 @@ def flush(
         kept: list[Any] = []
         failure = None
         observer = getattr(_local, "observer", None)  # Note [replayable functions]
+        form = None  # the template's (fingerprint, inputs, scalars), if the observer made it
         if observer is not None:
-            observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
+            form = observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
         if encoded or fetch_refs or extra:
             try:
                 kept, fetched, failure = default_session().run_graph(
-                    encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline
-                )
+                    encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
+                    form=form,
+                )  # fmt: skip
             except DjinnError as exc:  # the request itself failed: nothing is known to run
                 for n in sent:
                     fail(n, exc)

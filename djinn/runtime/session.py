@@ -429,12 +429,14 @@ class Session(Flights):
         keep: Sequence[dict[str, Any]] = (),
         fetch: Sequence[dict[str, Any]] = (),
         inline: Sequence[torch.Tensor] = (),
+        form: tuple[str, list[str], list[float]] | None = None,
     ) -> tuple[list[RemoteTensor | None], list[Any], dict[str, Any] | None]:
         """Like ``execute``, but a failing node does not fail the request (the appliance's
         Note [partial graphs]): returns (kept, fetched, failure). With a failure
         ``{"node", "code", "message"}``, the nodes from the failed one on did not run:
-        their kept entries are None and their fetched entries ``NOT_RUN``."""
-        return self._exec(nodes, keep, fetch, inline, partial=True)
+        their kept entries are None and their fetched entries ``NOT_RUN``. ``form``: as
+        ``execute``'s."""
+        return self._exec(nodes, keep, fetch, inline, partial=True, form=form)
 
     def _exec(
         self,

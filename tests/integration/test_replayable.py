@@ -477,3 +477,19 @@ def test_a_replayable_method_sees_its_modules_flag(remote):
             model.run(x.to(remote))
         model.eval()
         assert torch.equal(model.run(x.to(remote)).cpu(), local.lin(x))
+
+
+def test_a_recording_works_out_its_graphs_template_once(remote, monkeypatch):
+    """The template the wire needs is the record's: one walk of the graph, not two."""
+    from djinn.protocol import templates
+
+    model = _moved(_mlp(blocks=4), remote).requires_grad_(False)
+    fwd = djinn.replayable(lambda x: model(x))
+    x = torch.randn(8, 16).to(remote)
+    fwd(x).cpu()  # the upload and the first recording; the template is now kept remotely
+    walks = []
+    real = templates.template
+    monkeypatch.setattr(templates, "template", lambda body: walks.append(1) or real(body))
+    out = fwd(x)
+    assert fwd.stats()["recordings"] == 2 and len(walks) == 1, fwd.stats()
+    assert torch.equal(out.cpu(), fwd(x).cpu()) and fwd.stats()["replays"] == 1
