@@ -153,35 +153,53 @@ class TensorStore:
         view of it and charged nothing. A zero-byte handle owns no ``StorageRef``; when
         ``out=`` gives it bytes it gets one, charged whole (both were missed before
         2026-11-26: ``torch.add(x, 1, out=torch.empty(0))`` held 1 MiB for free)."""
-        moved: dict[int, int] = {}  # old key -> new address
+        changed: set[int] = set()  # the storages (StorageImpl) that grew or moved
         for handle in handles:
             entry = session.handles.get(handle)
-            if entry is None or entry[1] in moved:
+            if entry is None:
                 continue
             t, key = entry
             st = t.untyped_storage()
-            now, at = st.nbytes(), st.data_ptr()
+            now = st.nbytes()
+            if not now:
+                continue
             ref = session.storages.get(key)
-            if ref is None:  # zero bytes when kept
-                if not now:
-                    continue
-                ref = session.storages.get(at)
-                if ref is None:  # another handle of this storage may have come first
-                    ref = session.storages[at] = StorageRef(0)
-                ref.refs += 1
-                session.handles[handle] = (t, at)
-            elif at != key:
-                session.storages[at] = session.storages.pop(key)
-                moved[key] = at
-            if now > ref.nbytes:
-                grow = now - ref.nbytes
-                self.vmu["data"].grow(grow)
-                session.data_bytes += grow
-                ref.nbytes = now
-        if moved:  # every handle of a moved storage, named or not (rare: a walk is fine)
-            for handle, (t, key) in list(session.handles.items()):
-                if key in moved:
-                    session.handles[handle] = (t, moved[key])
+            if ref is None or st.data_ptr() != key or now > ref.nbytes:
+                changed.add(st._cdata)
+        if changed:
+            self._rekey(session, changed)
+
+    def _rekey(self, session: WorkerSession, changed: set[int]) -> None:
+        """Key each storage in ``changed`` by its address now, with every handle of it
+        (named by the graph or not: a walk of them all, rare), charged what it holds. Every
+        old key is let go before any new one is taken: one graph may move a storage onto
+        the address another just left."""
+        groups: dict[int, list[str]] = {}
+        for handle, (t, _key) in session.handles.items():
+            impl = t.untyped_storage()._cdata
+            if impl in changed:
+                groups.setdefault(impl, []).append(handle)
+        olds: dict[int, list[StorageRef]] = {}
+        for impl, members in groups.items():
+            keys = {session.handles[h][1] for h in members}
+            olds[impl] = [r for k in keys if (r := session.storages.pop(k, None)) is not None]
+        for impl, members in groups.items():
+            t = session.handles[members[0]][0]
+            st = t.untyped_storage()
+            old = olds[impl]
+            ref = old[0] if len(old) == 1 else StorageRef(sum(r.nbytes for r in old))
+            held = ref.nbytes
+            ref.nbytes, ref.refs = st.nbytes(), len(members)
+            if not ref.host:
+                delta = ref.nbytes - held
+                if delta > 0:
+                    self.vmu["data"].grow(delta)
+                else:
+                    self.vmu["data"].release(-delta)
+                session.data_bytes += delta
+            session.storages[st.data_ptr()] = ref
+            for h in members:
+                session.handles[h] = (session.handles[h][0], st.data_ptr())
 
     def drop(self, session: WorkerSession, handle: str) -> None:
         entry = session.handles.pop(handle, None)

@@ -90,6 +90,7 @@ import torch.utils._pytree as pytree
 
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
+from djinn.runtime.session import worth_a_template
 
 from . import extension_points
 from . import trace as trace_mod
@@ -427,14 +428,20 @@ def _recorded(
     clears, nones = grads_left(watch, left, effects)
     seen: dict[str, Any] = {}
 
-    def observe(*graph: Any) -> tuple[str, list[str], list[float]]:
+    def observe(*graph: Any) -> tuple[str, list[str], list[float]] | None:
         """The graph the flush sends, and its template, worked out once for the wire and
-        for the record."""
+        for the record. Only the first graph is the record's (a partial failure flushes
+        the nodes that did not depend on it again); a graph too small to go by template
+        goes whole, as any flush's."""
+        if "graph" in seen:
+            return None
         seen["graph"] = graph
         encoded, keep, fetch = graph[:3]
         tpl, inputs, scalars = templates.template({"nodes": encoded, "keep": keep,
                                                    "fetch": fetch})  # fmt: skip
         seen["form"] = (tpl, inputs, scalars)
+        if not worth_a_template(encoded):
+            return None
         return templates.fingerprint(tpl), inputs, scalars
 
     trace_mod._local.observer = observe
@@ -452,7 +459,7 @@ def _recorded(
     parts = (outs, out_spec, tensors, reads, owners)
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
     rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external,
-                     seen.pop("form"))  # fmt: skip
+                     seen["form"])  # fmt: skip
     rec.clears, rec.nones, rec.frozen = clears, nones, frozen
     # what it does to .grad and to state shows only against the recording before it
     rec.unwatched = watch is None and effects

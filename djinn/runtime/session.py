@@ -52,11 +52,20 @@ NOT_RUN = object()  # a fetched value whose node did not run (run_graph)
 TEMPLATE_MIN_WEIGHT = 16
 
 
-def _weight(nodes: list[dict[str, Any]]) -> int:
-    """A graph's size for TEMPLATE_MIN_WEIGHT, counted without walking its values."""
-    if len(nodes) >= TEMPLATE_MIN_WEIGHT:
-        return len(nodes)
-    return len(nodes) + sum(len(a) for n in nodes for a in n["args"] if type(a) is list)
+def worth_a_template(nodes: Any) -> bool:
+    """Whether a graph weighs TEMPLATE_MIN_WEIGHT, counted without walking its values. A
+    node without arguments, or not a node at all, weighs one: the appliance says what is
+    wrong with it (a caller of ``execute`` may send anything)."""
+    if not isinstance(nodes, list):
+        return False
+    weight = len(nodes)
+    for n in nodes:
+        if weight >= TEMPLATE_MIN_WEIGHT:
+            break
+        args = n.get("args") if isinstance(n, dict) else None
+        if type(args) is list:
+            weight += sum(len(a) for a in args if type(a) is list)
+    return weight >= TEMPLATE_MIN_WEIGHT
 
 
 def _u8(n: int) -> torch.Tensor:
@@ -511,7 +520,7 @@ class Session(Flights):
         fingerprint, inputs and scalars of ``body``, already known."""
         if form is not None:
             fp, inputs, scalars = form
-        elif _weight(body["nodes"]) < TEMPLATE_MIN_WEIGHT:
+        elif not worth_a_template(body["nodes"]):
             return body, None
         else:
             tpl, inputs, scalars = templates.template(body)

@@ -79,3 +79,16 @@ def test_a_graph_cannot_hold_a_templates_own_tags(tag):
     body["nodes"][0]["args"][1] = {tag: 0}
     with pytest.raises(InvalidArgument):
         template(body)
+
+
+def test_which_graphs_go_by_template_counts_the_lists_nodes_take():
+    from djinn.runtime.session import TEMPLATE_MIN_WEIGHT, worth_a_template
+
+    handles = [{"$h": f"h{i}"} for i in range(24)]
+    step = [{"op": "aten::_foreach_sqrt.default", "args": [handles]} for _ in range(2)]
+    assert worth_a_template(step)  # 2 nodes over 24 tensors
+    assert not worth_a_template([{"op": "aten::add.Tensor", "args": [{"$h": "a"}, 1]}] * 3)
+    assert worth_a_template([{"op": "aten::neg.default", "args": []}] * TEMPLATE_MIN_WEIGHT)
+    # what a caller of Session.execute may send is the appliance's to refuse, not a crash
+    odd = [{"op": "aten::ones.default", "kwargs": {"size": [2]}}, {"args": None}, "x", 3]
+    assert not worth_a_template(odd) and not worth_a_template(None)
