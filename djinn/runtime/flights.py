@@ -33,10 +33,11 @@ class Flights:
         body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True, "unwaited": True}
         self._settle()
         f = Flight(self, body, segments)
+        f.form = self._form_of(body)
         with self._serial():
             if self._lineage is not None:
                 f.gen = self._lineage.before_request()
-            sent, f.fp = self._exec_form(body)
+            sent, f.fp = self._exec_form(body, f.form)
             f.sent = self._outgoing(sent)
             f.started = time.perf_counter()
             try:
@@ -72,7 +73,8 @@ class Flights:
                 except DjinnError as exc:
                     out, body = self._flight_again(f, exc)
                 seconds = time.perf_counter() - f.started
-                f.result = self._finish_exec(body, f.segments, out, seconds)
+                form = f.form if body is f.body else None  # not the journal's rewrite
+                f.result = self._finish_exec(body, f.segments, out, seconds, form)
             except DjinnError as exc:
                 f.error = exc  # raised where the program waits for this graph
             finally:
@@ -110,14 +112,15 @@ class Flights:
 class Flight:
     """A graph sent without waiting for its reply (Note [asynchronous flushes])."""
 
-    __slots__ = ("body", "error", "fp", "gen", "landed", "result", "rid", "segments", "sent",
-                 "session", "started")  # fmt: skip
+    __slots__ = ("body", "error", "form", "fp", "gen", "landed", "result", "rid", "segments",
+                 "sent", "session", "started")  # fmt: skip
 
     def __init__(self, session: Session, body: dict[str, Any], segments: list) -> None:
         self.session = session
         self.body, self.segments = body, segments
         self.sent: dict[str, Any] = body
         self.fp: str | None = None
+        self.form: tuple[str, list[str], list[float]] | None = None  # Session._form_of
         self.gen = 0
         self.rid = 0
         self.started = 0.0

@@ -461,6 +461,8 @@ class Session(Flights):
         body = {"nodes": nodes, "keep": list(keep), "fetch": list(fetch)}
         if partial:
             body["partial"] = True
+        if form is None:  # worked out once, for the wire and for the journal's facts
+            form = self._form_of(body)
         if self._lineage is None:
             out = self._exec_body(body, segments, form)
         else:
@@ -512,19 +514,28 @@ class Session(Flights):
         self._kept_graph(sent, fp, out)
         return out
 
+    @staticmethod
+    def _form_of(body: dict[str, Any]) -> tuple[str, list[str], list[float]] | None:
+        """(fingerprint, inputs, scalars) of ``body``'s template, when it is big enough to
+        go by one (``worth_a_template``). Known before the graph is sent, it also spares
+        the journal a walk of every node once the appliance has answered (Note [journal
+        facts of a template]), where it walked every graph no caller gave a form for."""
+        if not worth_a_template(body["nodes"]):
+            return None
+        tpl, inputs, scalars = templates.template(body)
+        return templates.fingerprint(tpl), inputs, scalars
+
     def _exec_form(
         self, body: dict[str, Any], form: tuple | None = None
     ) -> tuple[dict[str, Any], str | None]:
         """What goes on the wire for ``body``, and its template's fingerprint: the short
         form when the appliance keeps the template, else the whole graph. ``form``: the
         fingerprint, inputs and scalars of ``body``, already known."""
-        if form is not None:
-            fp, inputs, scalars = form
-        elif not worth_a_template(body["nodes"]):
-            return body, None
-        else:
-            tpl, inputs, scalars = templates.template(body)
-            fp = templates.fingerprint(tpl)
+        if form is None:
+            form = self._form_of(body)
+            if form is None:
+                return body, None
+        fp, inputs, scalars = form
         if fp not in self._graphs:
             return {**body, "cache": True}, fp
         short = {"graph": fp, "inputs": inputs, "scalars": scalars}

@@ -180,3 +180,21 @@ def test_a_session_whose_last_graph_was_not_read_yet_outlives_a_pause(fresh_appl
         kept, _, failure = flight.outcome()
         assert failure is None
         assert torch.equal(kept[0].cpu(), torch.arange(4.0) + 1)
+
+
+def test_graphs_sent_without_waiting_give_the_journal_their_template(frontend, monkeypatch):
+    """Note [journal facts of a template]: a captured graph's template, worked out for the
+    wire, also spares the journal its walk of every node; it was used by replays only."""
+    from djinn.frontend.session import default_session
+    from djinn.runtime import lineage
+
+    walks = []
+    real = lineage.mark_views
+    monkeypatch.setattr(lineage, "mark_views", lambda *a: walks.append(1) or real(*a))
+    want = _train(_model(), "cpu", steps=6)
+    got = _train(_model(), R, steps=6)
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5
+    journal = default_session()._lineage
+    assert journal is not None and journal._facts, len(walks)  # the steps' templates
+    assert len(walks) <= 6, len(walks)  # the graphs too small to go by template walk as before
