@@ -305,6 +305,30 @@ def view_outputs(op: str) -> tuple[bool, ...]:
     return known
 
 
+def written_outputs(op: str) -> frozenset[int]:
+    """The outputs of ``op`` that are an argument it writes (``add_``'s ``self``, an
+    ``out=``): made again by running the op, the write would happen twice (found by
+    review: after a cut and a lost worker, ``w.add_(g)`` kept as its own handle through
+    ``Session.execute`` had added ``g`` twice). Such an output is no view a cut can make
+    again from its bases."""
+    known = _WRITTEN_OUTPUTS.get(op)
+    if known is None:
+        try:
+            returns = _schema(op).returns
+            known = frozenset(
+                k
+                for k, r in enumerate(returns)
+                if r.alias_info is not None and r.alias_info.is_write
+            )
+        except (AttributeError, RuntimeError):
+            known = frozenset(range(8))  # an op we cannot name: assume the worst
+        _WRITTEN_OUTPUTS[op] = known
+    return known
+
+
+_WRITTEN_OUTPUTS: dict[str, frozenset[int]] = {}
+
+
 def mark_views(body: dict[str, Any], kept: list[Any]) -> None:
     """Handles that may share storage with another: made again from their bases after
     a cut when the op that made them took handles only, else a cut waits for them."""
@@ -329,11 +353,12 @@ def view_kinds(body: dict[str, Any], kept: list[str | None]) -> list[Any]:
         out.append(None)
         if handle is None or not isinstance(ref, dict) or "$v" not in ref:
             continue
-        views = view_outputs(str(nodes[ref["$v"]].get("op", "")))
+        op = str(nodes[ref["$v"]].get("op", ""))
+        views = view_outputs(op)
         k = ref.get("i", 0)
         if k >= len(views) or views[k]:
             node = _on_handles(nodes[ref["$v"]], named)
-            if _from_handles_only(node):
+            if k not in written_outputs(op) and _from_handles_only(node):
                 # the node, and how the graph named this output (``i`` only when multi)
                 out[i] = (node, {**ref, "$v": 0})
                 continue
@@ -365,7 +390,9 @@ class GraphFacts:
     each later call renames them to its own handles. Only bodies whose inputs are
     distinct handles use them (a template's inputs are, by construction)."""
 
-    def __init__(self, body: dict[str, Any], inputs: list[str], kept: list[str]) -> None:
+    def __init__(
+        self, body: dict[str, Any], inputs: list[str], kept: list[str], scalars: list[float]
+    ) -> None:
         names = {h: f"@{j}" for j, h in enumerate(inputs)}
         names.update({h: f"@k{j}" for j, h in enumerate(kept)})
         generic = remap(body, names)
@@ -373,10 +400,18 @@ class GraphFacts:
         self.writes = entry_writes(Entry("exec", generic, out=holders))
         self.kinds = view_kinds(generic, list(holders))
         self.inputs, self.kept = len(inputs), len(kept)
+        # a node that makes a view again holds this body's floats, which the template
+        # leaves out: the facts hold only for these floats (found by review: a view kept
+        # from a graph whose floats change at every call was made again with the first's)
+        remade = [k[0] for k in self.kinds if isinstance(k, tuple)]
+        self.scalars = list(scalars) if _has_float(remade) else None
 
-    def fits(self, inputs: list[str], kept: list[str | None]) -> bool:
+    def fits(self, inputs: list[str], kept: list[str | None], scalars: list[float]) -> bool:
         return (
-            len(inputs) == self.inputs and len(kept) == self.kept and distinct_handles(inputs, kept)
+            len(inputs) == self.inputs
+            and len(kept) == self.kept
+            and distinct_handles(inputs, kept)
+            and (self.scalars is None or self.scalars == list(scalars))
         )
 
     def of(self, inputs: list[str], kept: list[str]) -> tuple[Any, list[Any]]:
@@ -390,6 +425,16 @@ class GraphFacts:
         )
         kinds = [(_renamed(k[0], names), k[1]) if isinstance(k, tuple) else k for k in self.kinds]
         return writes, kinds
+
+
+def _has_float(x: Any) -> bool:
+    if type(x) is float:
+        return True
+    if isinstance(x, dict):
+        return any(_has_float(v) for v in x.values())
+    if isinstance(x, list):
+        return any(_has_float(v) for v in x)
+    return False
 
 
 def distinct_handles(inputs: list[str], kept: list[str | None]) -> bool:

@@ -246,13 +246,13 @@ class Lineage:
         [journal facts of a template])."""
         handles = [None if k is None else k.handle for k in kept]
         if form is not None and distinct_handles(form[1], handles):
-            fp, inputs, _ = form
+            fp, inputs, scalars = form
             facts = self._facts.get(fp)
             if facts is None:
-                facts = self._facts[fp] = GraphFacts(entry.body, inputs, handles)
+                facts = self._facts[fp] = GraphFacts(entry.body, inputs, handles, scalars)
                 while len(self._facts) > MAX_FACTS and self._facts:
                     self._facts.popitem(last=False)
-            if facts.fits(inputs, handles):
+            if facts.fits(inputs, handles, scalars):
                 entry.writes, kinds = facts.of(inputs, handles)
                 apply_views(kinds, kept)
                 self.record(entry)

@@ -331,6 +331,31 @@ def test_the_journal_is_cut_to_a_snapshot_and_recovery_starts_from_it(fresh_appl
         s.close()
 
 
+def test_an_in_place_result_kept_as_its_own_handle_is_written_once(fresh_appliance):
+    """``w.add_(g)`` kept as a handle of its own (``Session.execute``): no cut makes it
+    again by running ``add_`` on bases it read back after the write (found by review:
+    the weight came back with ``g`` added twice), so after a lost worker every value is
+    as written once."""
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
+    with app.connect() as client:
+        s = client.session(recover=True)
+        g = s.put(torch.ones(4))
+        ws = [s.put(torch.zeros(4)) for _ in range(2)]
+        kept = []
+        for w, alpha in zip(ws, (-0.1, -0.2), strict=True):
+            nodes = [{"op": "aten::add_.Tensor", "args": [w.ref(), g.ref()],
+                      "kwargs": {"alpha": alpha}}]  # fmt: skip
+            nodes += [{"op": "aten::relu.default", "args": [g.ref()]} for _ in range(15)]
+            kept.append(s.execute(nodes, keep=[{"$v": 0}])[0][0])
+        s._lineage.checkpoint()  # whether it cuts or waits, nothing is written twice
+        _kill_worker(app, s)
+        for w, k, alpha in zip(ws, kept, (-0.1, -0.2), strict=True):
+            want = torch.full((4,), alpha)
+            assert torch.equal(w.cpu(), want) and torch.equal(k.cpu(), want)
+        assert s.recovery_stats()["recoveries"] == 1
+        s.close()
+
+
 def test_a_cut_keeps_unwritten_puts_and_reads_back_what_was_written(recovering, monkeypatch):
     """Note [unchanged puts]: weights only read since their put are not read back at a
     cut (the client holds their bytes); a tensor written in place on the appliance is,

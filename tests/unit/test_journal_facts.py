@@ -54,13 +54,13 @@ def body(names: dict[str, str]) -> dict:
 def test_a_templates_facts_renamed_are_the_facts_of_each_call():
     first = {"W": "w1", "G": "g1", "B": "b1"}
     kept1 = ["k10", "k11", "k12", "k13", "k14"]
-    facts = GraphFacts(body(first), ["w1", "g1", "b1"], kept1)
+    facts = GraphFacts(body(first), ["w1", "g1", "b1"], kept1, [-0.1, 0.9])
     for names, kept in (
         ({"W": "w2", "G": "g2", "B": "b2"}, ["k20", "k21", "k22", "k23", "k24"]),
         ({"W": "g1", "G": "w1", "B": "x"}, ["k30", "k31", "k32", "k33", "k34"]),
     ):
         inputs = [names[k] for k in ("W", "G", "B")]
-        assert facts.fits(inputs, kept)
+        assert facts.fits(inputs, kept, [-0.1, 0.9])
         writes, kinds = facts.of(inputs, kept)
         whole = body(names)
         assert writes == entry_writes(Entry("exec", whole, out=kept))
@@ -74,9 +74,9 @@ def test_a_templates_facts_renamed_are_the_facts_of_each_call():
 
 
 def test_facts_are_used_only_where_every_handle_is_another():
-    facts = GraphFacts(body({"W": "w", "G": "g", "B": "b"}), ["w", "g", "b"], ["k"] * 5)
-    assert not facts.fits(["w", "g"], ["k"] * 5)  # another template's arity
-    assert not facts.fits(["w", "g", "b"], ["k1", None, "k3", "k4", "k5"])  # a node failed
+    facts = GraphFacts(body({"W": "w", "G": "g", "B": "b"}), ["w", "g", "b"], ["k"] * 5, [0.5])
+    assert not facts.fits(["w", "g"], ["k"] * 5, [0.5])  # another template's arity
+    assert not facts.fits(["w", "g", "b"], ["k1", None, "k3", "k4", "k5"], [0.5])  # a node failed
     assert not distinct_handles(["w", "w", "b"], ["k1", "k2", "k3", "k4", "k5"])  # one handle twice
     assert not distinct_handles(["w", "g", "b"], ["w", "k2", "k3", "k4", "k5"])  # kept is an input
     assert distinct_handles(["w", "g", "b"], ["k1", "k2", "k3", "k4", "k5"])
@@ -110,3 +110,38 @@ def test_only_handles_are_renamed_not_strings_that_spell_a_placeholder():
     node = {"op": "aten::t.default", "args": [h("@0"), "@0"], "kwargs": {"x": {"$h": "@k1"}}}
     assert _renamed(node, {"@0": "w", "@k1": "k"}) == {
         "op": "aten::t.default", "args": [h("w"), "@0"], "kwargs": {"x": h("k")}}  # fmt: skip
+
+
+def test_a_view_made_again_with_a_float_is_a_fact_of_that_float_only(monkeypatch):
+    """A view made again by running its op holds the call's floats, which the template
+    leaves out (found by review: the first call's were used for every later call of the
+    template). No aten view takes a float; an op of another library might, so one is
+    made up here: a view that writes nothing."""
+    from djinn.runtime import journal
+
+    monkeypatch.setattr(journal, "written_outputs", lambda op: frozenset())
+
+    def graph(w: str, scale: float) -> dict:
+        nodes = [{"op": "myns::scaled_view.default", "args": [h(w), scale]}]
+        return {"nodes": nodes, "keep": [v(0)], "fetch": []}
+
+    facts = GraphFacts(graph("w1", 0.5), ["w1"], ["k1"], [0.5])
+    assert facts.fits(["w2"], ["k2"], [0.5])
+    assert facts.of(["w2"], ["k2"])[1] == view_kinds(graph("w2", 0.5), ["k2"])
+    assert not facts.fits(["w2"], ["k2"], [0.25])  # walked instead: its own float
+    # no float in what is made again: any floats fit (Adam's step keeps no view)
+    plain = GraphFacts(body({"W": "w", "G": "g", "B": "b"}), ["w", "g", "b"], ["k"] * 5, [1.0])
+    assert plain.fits(["w", "g", "b"], ["k1", "k2", "k3", "k4", "k5"], [-0.3, 0.7])
+
+
+def test_an_output_that_is_an_argument_the_op_writes_is_not_made_again_by_it():
+    """``w.add_(g)`` kept as its own handle: running ``add_`` again on the bases a cut put
+    back would add ``g`` twice (found by review, through ``Session.execute``)."""
+    nodes = [
+        {"op": "aten::add_.Tensor", "args": [h("w"), h("g")], "kwargs": {"alpha": -0.1}},
+        {"op": "aten::add.out", "args": [h("w"), h("g")], "kwargs": {"out": h("o")}},
+        {"op": "aten::t.default", "args": [h("w")]},
+    ]
+    kinds = view_kinds({"nodes": nodes, "keep": [v(0), v(1), v(2)]}, ["k0", "k1", "k2"])
+    assert kinds[0] == "view" and kinds[1] == "view"  # a cut waits for them
+    assert kinds[2] == ({"op": "aten::t.default", "args": [h("w")]}, v(0))
