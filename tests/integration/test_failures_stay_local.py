@@ -312,8 +312,8 @@ def test_unread_gradients_do_not_leak_handles(remote):
     x = torch.randn(32, 64, device=R)
     session = default_session()
     # earlier tests' tensors, collected now, are freed with the next request: not in the
-    # loop's figures (since a storage out= gives bytes is charged, such as arange's, one
-    # such free mid-loop made the session hold 1,676 bytes less from the third step on)
+    # loop's figures (a CI run saw the session hold 1,676 bytes less from the third step
+    # on, a collection of an earlier test's garbage landing mid-loop)
     gc.collect()
     session.memory_allocated()
     held = []
