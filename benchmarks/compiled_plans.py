@@ -23,7 +23,13 @@ Workloads (``--workload``):
   GPT-2 small) on ``--seq`` tokens, under ``torch.no_grad()``, the call ``capture.py``
   replays.
 
+``--inductor`` adds the local call under ``torch.compile`` (inductor, on the CPU: the
+forward with its backward, and the optimizer step), compiled by its first two calls
+(timed apart) and then timed in the same rounds: whether a compiler on the worker could
+run the graph faster than eager does (issue 11 §2, "whichever measures best").
+
     python benchmarks/compiled_plans.py                       # about 40 s
+    python benchmarks/compiled_plans.py --inductor            # and torch.compile, ~70 s
     python benchmarks/compiled_plans.py --workload gpt2 --layers 12 --seq 64 --calls 3
 """
 
@@ -48,8 +54,9 @@ from training_step import build, using
 R = "remote_accelerator:0"
 
 
-def sgd_step(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str]:
-    """(the remote call, its remote arguments, the same call in local eager, a title)."""
+def sgd_step(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str, Callable]:
+    """(the remote call, its remote arguments, the same call in local eager, a title, a
+    maker of the same local call under ``torch.compile``)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.seq, args.width, generator=gen)
     y = torch.randn(args.batch, args.seq, 1, generator=gen)
@@ -71,12 +78,27 @@ def sgd_step(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str]:
         torch.nn.functional.mse_loss(local(x), y).backward()
         local_opt.step()
 
+    def inductor() -> Callable[[], None]:
+        """The same local step with its forward (and so its backward) and its optimizer
+        step under ``torch.compile``: the best a compiler on this CPU could give."""
+        own = copy.deepcopy(local)
+        own_opt = torch.optim.SGD(own.parameters(), lr=1e-2, momentum=0.9)
+        loss = torch.compile(lambda: torch.nn.functional.mse_loss(own(x), y))
+        update = torch.compile(own_opt.step)
+
+        def compiled() -> None:
+            own_opt.zero_grad()
+            loss().backward()
+            update()
+
+        return compiled
+
     title = (f"SGD training step, TransformerEncoder {args.layers}x{args.width}, batch "
              f"{args.batch}x{args.seq}")  # fmt: skip
-    return step, (x.to(R), y.to(R)), eager, title
+    return step, (x.to(R), y.to(R)), eager, title, inductor
 
 
-def gpt2_forward(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str]:
+def gpt2_forward(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str, Callable]:
     import transformers
 
     cfg = transformers.GPT2Config(n_layer=args.layers)
@@ -94,7 +116,17 @@ def gpt2_forward(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, s
         with torch.no_grad():
             local(ids)
 
-    return forward, (ids.to(R),), eager, f"GPT-2 forward, {args.layers} layers, {args.seq} tokens"
+    def inductor() -> Callable[[], None]:
+        own = torch.compile(copy.deepcopy(local))
+
+        def compiled() -> None:
+            with torch.no_grad():
+                own(ids)
+
+        return compiled
+
+    title = f"GPT-2 forward, {args.layers} layers, {args.seq} tokens"
+    return forward, (ids.to(R),), eager, title, inductor
 
 
 WORKLOADS = {"sgd": sgd_step, "gpt2": gpt2_forward}
@@ -110,6 +142,11 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default="benchmarks/results/compiled_plans.json")
+    parser.add_argument(
+        "--inductor",
+        action="store_true",
+        help="also time the local call under torch.compile (inductor, CPU: 10-30 s to compile)",
+    )
     args = parser.parse_args()
     import djinn
     from djinn.frontend.session import default_session
@@ -120,7 +157,7 @@ def main() -> int:
         appliance(Path(work), GiB, "none") as app,
         using(app.unix),
     ):
-        fn, remote_args, eager, title = WORKLOADS[args.workload](args)
+        fn, remote_args, eager, title, inductor = WORKLOADS[args.workload](args)
         call = djinn.replayable(fn)
         for _ in range(3):
             call(*remote_args).cpu()
@@ -129,7 +166,7 @@ def main() -> int:
         got = s._unpack(s._call(Kind.GET, {"handles": list(rec.handles)}))["tensors"]
         inline = [t.clone() for t in rec.inline]
     tensors = {h: t.clone() for h, t in zip(rec.handles, got, strict=True)}
-    return compare(args, rec, tensors, inline, eager, title)
+    return compare(args, rec, tensors, inline, eager, title, inductor if args.inductor else None)
 
 
 def compare(
@@ -139,6 +176,7 @@ def compare(
     inline: list[torch.Tensor],
     eager: Callable[[], None],
     title: str,
+    inductor: Callable[[], Callable[[], None]] | None = None,
 ) -> int:
     from djinn.appliance.executor.graph import GraphRun
     from djinn.appliance.executor.plan import CompiledRun, GraphPlans, PlanRun, input_signature
@@ -192,6 +230,14 @@ def compare(
         "planned (PlanRun)": lambda: by(PlanRun),
         "compiled (CompiledRun)": lambda: by(CompiledRun),
     }
+    compile_s = None
+    if inductor is not None:  # compiled by its first calls: timed apart from the rounds
+        compiled = inductor()
+        t0 = time.perf_counter()
+        compiled()
+        compiled()
+        compile_s = time.perf_counter() - t0
+        ways["local torch.compile (inductor)"] = compiled
     times: dict[str, list[float]] = {name: [] for name in ways}
     for fn in ways.values():
         for _ in range(3):
@@ -213,8 +259,11 @@ def compare(
     ))  # fmt: skip
     print(f"\nthe three worker runs give the same bits: {same}; plans "
           f"{plans.stats()}")  # fmt: skip
+    if compile_s is not None:
+        print(f"torch.compile: {compile_s:.1f} s for its first two calls")
     save_json({"workload": title, "ms": times, "median_ms": med, "same_bits": same,
                "ops": len(plan.nodes), "inputs": len(handles), "args": vars(args),
+               "inductor_compile_s": compile_s,
                "torch": torch.__version__}, args.json)  # fmt: skip
     return 0 if same else 1
 
