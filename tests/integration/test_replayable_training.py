@@ -105,7 +105,42 @@ def test_a_learning_rate_changed_by_a_scheduler_records_again(remote):
     run = train(model, remote, True)
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
-    assert run.stats()["recordings"] == 6 and run.stats()["replays"] == 2, run.stats()
+    # calls 1-2 record, 3 replays; 4 and 7 find a new learning rate and record, and
+    # each such recording is like the one before (its graph holds no learning rate: the
+    # step runs), so 5, 6 and 8 replay (Note [state that changes at every call])
+    assert run.stats()["recordings"] == 4 and run.stats()["replays"] == 4, run.stats()
+
+
+def test_a_learning_rate_set_at_every_call_pauses_recording(remote):
+    """Note [state that changes at every call]: a scheduler stepped after every call; no
+    replay can run, and the key stops recording at every call (it recorded 29 of 30)."""
+    local = _encoder()
+    model = _moved(local, remote)
+
+    def train(m, device, replay):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+        def step(x, y):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+
+        run = djinn.replayable(step) if replay else step
+        for x, y in _batches(device, 12):
+            run(x, y)
+            sched.step()
+        return run
+
+    train(local, "cpu", False)
+    run = train(model, remote, True)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    stats = run.stats()
+    assert stats["replays"] == 0 and stats["recordings"] <= 4, stats
+    assert stats["plain"][
+        "what it is checked by changes between calls (a scheduler's learning rate)"
+    ]
 
 
 def test_zero_grad_outside_the_step_still_gets_fresh_gradients(remote):
