@@ -241,9 +241,16 @@ class Replayable:
                     out = _replay(rec, tensors)
                 except Miss as why:
                     self._stats.plain[str(why)] += 1
-                    if self._missed(k):  # Note [state that changes at every call]
+                    if rec.state.now() is None or any(w() is None for w in rec.steps):
+                        # a module or optimizer it was checked by is gone: the record
+                        # cannot watch what the next call does to the new ones (found by
+                        # review: a scheduler stepped inside fn with a new optimizer was
+                        # frozen), so record afresh, as a first recording
+                        del self._records[k]
+                        self._misses.pop(k, None)
+                    elif self._missed(k):  # Note [state that changes at every call]
                         return self.fn(*args, **kwargs)
-                    # recorded again: a recording like this one replays from the next call
+                    # else recorded again: one like this record replays from the next call
                 else:
                     self._stats.replays += 1
                     self._misses.pop(k, None)

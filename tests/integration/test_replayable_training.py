@@ -254,3 +254,46 @@ def test_what_changes_a_training_step_between_calls_is_seen(remote, change):
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-6), change
     assert fwd.stats()["replays"] >= 1, fwd.stats()
+
+
+def test_a_new_optimizer_whose_scheduler_steps_inside_the_call_is_watched(remote):
+    """A replay that misses because the optimizer it was checked by is gone records
+    afresh: a kept record would watch the dead optimizer and miss the new scheduler
+    stepped inside ``fn`` (found by review of Note [state that changes at every call]:
+    the new optimizer's decaying learning rate was frozen at 0.05, 0.19 off eager)."""
+    import gc
+
+    def train(device, replay):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 1)).to(device)  # fmt: skip
+        held = {}
+
+        def new(decay):
+            held["opt"] = torch.optim.SGD(model.parameters(), lr=0.1)
+            held["sched"] = torch.optim.lr_scheduler.LambdaLR(held["opt"], decay)
+
+        def step(x, y):
+            held["opt"].zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            held["opt"].step()
+            held["sched"].step()
+
+        run = djinn.replayable(step) if replay else step
+        gen = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen))
+                for _ in range(10)]  # fmt: skip
+        new(lambda s: 1.0)
+        for x, y in data[:5]:
+            run(x.to(device), y.to(device))
+        new(lambda s: 0.5**s)
+        gc.collect()
+        for x, y in data[5:]:
+            run(x.to(device), y.to(device))
+        return model, held["opt"]
+
+    want, want_opt = train("cpu", False)
+    got, got_opt = train(remote, True)
+    assert got_opt.param_groups[0]["lr"] == want_opt.param_groups[0]["lr"]
+    for p, q in zip(got.parameters(), want.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
