@@ -81,28 +81,31 @@ def test_a_capturable_adam_step_replays_with_the_captured_loops_bits(remote):
     assert run.stats()["replays"] == 3, run.stats()
 
 
+def _scheduled(m, device: str, replay: bool, scheduler, calls: int):
+    """SGD on ``m`` for ``calls`` calls, ``scheduler(opt)`` stepped after each, outside
+    the step; the replayable function when ``replay``."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    sched = scheduler(opt)
+
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+    run = djinn.replayable(step) if replay else step
+    for x, y in _batches(device, calls):
+        run(x, y)
+        sched.step()
+    return run
+
+
 def test_a_learning_rate_changed_by_a_scheduler_records_again(remote):
     local = _encoder()
     model = _moved(local, remote)
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
-
-    def train(m, device, replay):
-        opt = sgd(m.parameters())
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
-
-        def step(x, y):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            opt.step()
-
-        run = djinn.replayable(step) if replay else step
-        for x, y in _batches(device, 8):
-            run(x, y)
-            sched.step()  # every third step, a new learning rate the graph holds as a float
-        return run
-
-    train(local, "cpu", False)
-    run = train(model, remote, True)
+    # every third step, a new learning rate the graph holds as a float
+    every_third = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)  # noqa: E731
+    _scheduled(local, "cpu", False, every_third, 8)
+    run = _scheduled(model, remote, True, every_third, 8)
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
     # calls 1-2 record, 3 replays; 4 and 7 find a new learning rate and record, and
@@ -116,24 +119,9 @@ def test_a_learning_rate_set_at_every_call_pauses_recording(remote):
     replay can run, and the key stops recording at every call (it recorded 29 of 30)."""
     local = _encoder()
     model = _moved(local, remote)
-
-    def train(m, device, replay):
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-
-        def step(x, y):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            opt.step()
-
-        run = djinn.replayable(step) if replay else step
-        for x, y in _batches(device, 12):
-            run(x, y)
-            sched.step()
-        return run
-
-    train(local, "cpu", False)
-    run = train(model, remote, True)
+    every_call = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))  # noqa: E731
+    _scheduled(local, "cpu", False, every_call, 12)
+    run = _scheduled(model, remote, True, every_call, 12)
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
     stats = run.stats()
