@@ -91,16 +91,16 @@ import torch
 import torch.utils._pytree as pytree
 
 from djinn.protocol import templates
+from djinn.runtime.graph_forms import worth_a_template
 from djinn.runtime.remote import RemoteTensor
-from djinn.runtime.session import worth_a_template
 
 from . import extension_points
 from . import trace as trace_mod
 from .failures import written_values
-from .meta import TensorSpec
 from .nodes import Pending
-from .replay_key import PLAIN, Miss, State, Used, Watch, key, named_tensors, param_at
-from .replay_sources import grad_owners, holds, left_in_grad, sources_of, spec_key
+from .replay_key import PLAIN, Miss, State, Used, Watch, key, named_tensors
+from .replay_run import replay, same_bytes
+from .replay_sources import grad_owners, left_in_grad, sources_of, spec_key
 from .replay_steps import (
     grads_as_at_steps,
     grads_left,
@@ -171,7 +171,7 @@ class _Record:
             and self.outputs == other.outputs
             and self.out_spec == other.out_spec
             and len(self.inline) == len(other.inline)
-            and all(_same_bytes(a, b) for a, b in zip(self.inline, other.inline, strict=True))
+            and all(same_bytes(a, b) for a, b in zip(self.inline, other.inline, strict=True))
         )
 
     def _shape(self) -> list[Any]:
@@ -238,7 +238,7 @@ class Replayable:
                 return self.fn(*args, **kwargs)
             if rec is not None and rec.same >= self.after and not rec.unwatched:
                 try:
-                    out = _replay(rec, tensors)
+                    out = replay(rec, tensors)
                 except Miss as why:
                     self._stats.plain[str(why)] += 1
                     if rec.state.now() is None or any(w() is None for w in rec.steps):
@@ -568,84 +568,3 @@ def _record_of(
         grads=grads,
         state=state,
     )
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-
-
-# -- replaying ---------------------------------------------------------------------------
-def _replay(rec: _Record, tensors: list[Any]) -> Any:
-    from .lazy import LazyTensor
-    from .session import default_session
-
-    tr = trace_mod.current()
-    if tr.nodes:
-        trace_mod.flush(tr)  # the arguments' own ops run first
-    else:
-        trace_mod.land_all()
-    if not rec.state.same():
-        raise Miss("a module, optimizer or tensor it uses changed since")
-    for (_k, owner, _spec), empty in zip(rec.grads, rec.empty, strict=True):
-        if empty is None or (owner._grad is None) != empty:  # a run would accumulate
-            raise Miss("a .grad it sets was not as it was when recorded")
-    for w, recorded in rec.external:
-        now = w()
-        if now is None or not _same_bytes(now, recorded):
-            raise Miss("a local tensor it reads changed since")
-    optimizers = [w() for w in rec.steps]
-    if any(opt is None for opt in optimizers):
-        raise Miss("an optimizer it steps is gone")
-    if any(getattr(param_at(w), "_grad", None) is not None for w in rec.nones):
-        raise Miss("a .grad it found empty is not")  # the call found it None
-    session = default_session()
-    handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
-               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
-    if rec.fill is None:
-        rec.fill = templates.instantiator(rec.tpl)
-    body = rec.fill(handles, rec.scalars)
-    form = (rec.fingerprint, handles, rec.scalars)
-    kept, _ = session.execute(body["nodes"], keep=body["keep"], inline=rec.inline, form=form)
-    for kind, what in rec.written:  # as eager's in-place ops count (autograd checks them)
-        t = tensors[what] if kind == "arg" else what
-        torch.autograd.graph.increment_version(t)
-    for k, owner, (dtype, shape, stride, offset) in rec.grads:
-        owner.grad = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
-    leaves: list[Any] = []
-    made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
-    for kind, what in rec.outputs:
-        if kind == "value":
-            leaves.append(what)
-            continue
-        k, (dtype, shape, stride, offset) = what
-        if what not in made:
-            made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
-        leaves.append(made[what])
-    for w in rec.clears:  # as the call did (zero_grad)
-        p = param_at(w)
-        if p is not None:
-            p.grad = None
-    if optimizers:
-        for opt in optimizers:  # captured as a run of fn would: this step's floats
-            opt.step()
-        trace_mod.flush(tr, wait=False)  # sent, and run while the caller goes on
-    return pytree.tree_unflatten(leaves, rec.out_spec)
-
-
-def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> str:
-    """The handle an input of the graph has now (a Miss if it is not what it was)."""
-    if kind == "arg":
-        ref = trace_mod.resolved(tensors[src]._ref)
-    elif kind == "grad":
-        grad = src._grad
-        ref = None if grad is None else trace_mod.resolved(grad.__dict__["_b"].ref)
-    else:
-        cells = [w() for w in src]
-        if not all(holds(c, recorded) for c in cells):
-            raise Miss("a tensor it reads was replaced or dropped since")
-        ref = cells[0].ref
-    if not isinstance(ref, RemoteTensor) or ref.session is not session:
-        raise Miss("an input is not a remote tensor of this session")
-    if ref.failed is not None:
-        raise ref.failed
-    return ref.handle

@@ -12,6 +12,8 @@ from djinn.errors import DjinnError, NotFound
 from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
 
+from .graph_forms import Form, form_of
+
 if TYPE_CHECKING:
     from .session import Session
 
@@ -33,7 +35,7 @@ class Flights:
         body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True, "unwaited": True}
         self._settle()
         f = Flight(self, body, segments)
-        f.form = self._form_of(body)
+        f.form = form_of(body)
         with self._serial():
             if self._lineage is not None:
                 f.gen = self._lineage.before_request()
@@ -120,7 +122,7 @@ class Flight:
         self.body, self.segments = body, segments
         self.sent: dict[str, Any] = body
         self.fp: str | None = None
-        self.form: tuple[str, list[str], list[float]] | None = None  # Session._form_of
+        self.form: Form | None = None  # graph_forms.form_of
         self.gen = 0
         self.rid = 0
         self.started = 0.0

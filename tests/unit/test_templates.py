@@ -82,7 +82,7 @@ def test_a_graph_cannot_hold_a_templates_own_tags(tag):
 
 
 def test_which_graphs_go_by_template_counts_the_lists_nodes_take():
-    from djinn.runtime.session import TEMPLATE_MIN_WEIGHT, worth_a_template
+    from djinn.runtime.graph_forms import TEMPLATE_MIN_WEIGHT, worth_a_template
 
     handles = [{"$h": f"h{i}"} for i in range(24)]
     step = [{"op": "aten::_foreach_sqrt.default", "args": [handles]} for _ in range(2)]
