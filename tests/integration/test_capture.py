@@ -259,6 +259,40 @@ def test_a_tensor_that_is_not_dense_moves_as_eagers_copy_would(make):
     assert torch.equal((moved * 2).cpu(), x * 2)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        (lambda x: x * 2, False),  # contiguous, 64 KiB and more: through the arena
+        (lambda x: (x * 2).t(), False),  # dense, permuted
+        (lambda x: (x * 2)[3:, 1:], False),  # offset and gaps: comes dense
+        (lambda x: (x * 2)[:1].expand(128, 200), False),  # stride 0: comes dense
+        (lambda x: (x * 2)[:2, :3], True),  # a few bytes: a view of the reply's frame
+    ],
+    ids=["contiguous", "permuted", "offset", "expanded", "small"],
+)
+@pytest.mark.parametrize("move", [lambda t: t.cpu(), lambda t: t.to("cpu")], ids=["cpu", "to"])
+def test_a_move_to_the_cpu_copies_once_into_a_tensor_of_its_own(make, move, monkeypatch):
+    make, copied_again = make
+    """Note [a fetched value is the copy]: the fetched value is the result when it is the
+    tensor `_to_copy` would make (it was copied a second time), else `_to_copy` of it;
+    either way a tensor that owns its memory, with eager's strides."""
+    from djinn.frontend import special_ops
+
+    fetched = []
+    fetch = special_ops.fetch
+    monkeypatch.setattr(special_ops, "fetch", lambda t: fetched.append(fetch(t)) or fetched[-1])
+    torch.manual_seed(0)
+    local = torch.randn(128, 200)
+    remote = make(local.to(R))
+    want = torch.ops.aten._to_copy.default(make(local))
+    got = move(remote)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    assert (got.data_ptr() != fetched[-1].data_ptr()) == copied_again
+    got.add_(1)  # its own memory: the remote tensor is unchanged
+    assert torch.equal(move(remote), want)
+    got.resize_(got.numel() * 2)  # and a resizable one, as eager's
+
+
 def test_autograd_backward_and_gradients_stay_remote_until_read():
     w_local = torch.randn(4, 3, requires_grad=True)
     w = w_local.detach().to(R).requires_grad_()
