@@ -28,10 +28,17 @@ ALIGN = 4096  # the appliance's slab granularity (appliance/vmu/slabs.py)
 BUDGET_MAX = 64 << 20
 IDLE_PUTS = 8  # puts without a size before its spare slabs are given back
 LEASE_MAX = 16  # slabs one PUT may lease ahead (the appliance's limit)
-# Copies up to this size use one memmove: torch splits a copy over its intra-op threads,
-# and on a machine whose cores the appliance's worker is using, waiting for a descheduled
-# sibling costs more than the copy itself.
-MEMMOVE_MAX = 8 << 20
+# Note [one thread for an arena copy]: copies up to this size use one memmove, not torch's
+# copy_. An arena copy means the appliance's worker is on this host, using its cores, and
+# torch splits a copy over its intra-op threads: waiting for a descheduled sibling can cost
+# more than the copy, and after the copy those OpenMP threads spin (300,000 rounds unless
+# the program set GOMP_SPINCOUNT) on a core the worker needs. Reading GPT-2's 12.9 MB of
+# logits that way took 7.5-8.5 ms of a core per forward on 2 cores, while the worker was
+# running the next one: 136-139 ms a replayed forward against 128-134 with one memmove
+# (local eager 121-125 ms in the same runs). Past some tens of MiB two threads win: a get
+# writes into fresh pages, and two threads fault them in twice as fast (64 MiB: 5.2
+# against 2.9 GB/s; 16 MiB, warm pages: 18.9 against 16.5).
+MEMMOVE_MAX = 32 << 20
 
 
 def size_class(nbytes: int) -> int:

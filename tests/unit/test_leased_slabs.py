@@ -68,8 +68,11 @@ def test_drain_gives_every_spare_back():
     assert sorted(s.drain()) == [1, 2] and s.held == 0 and s.take([MIB]) == [None]
 
 
-def test_copy_bytes_copies_small_and_large():
-    for n in (0, 1, 5000, 9 << 20):
+def test_copy_bytes_copies_small_and_large(monkeypatch):
+    from djinn.runtime import slabs
+
+    monkeypatch.setattr(slabs, "MEMMOVE_MAX", 1 << 20)  # past it: torch's copy_
+    for n in (0, 1, 5000, 1 << 20, (1 << 20) + 1, 9 << 20):
         src = torch.randint(0, 255, (n,), dtype=torch.uint8)
         dst = torch.zeros(n, dtype=torch.uint8)
         copy_bytes(dst, src)
