@@ -22,6 +22,7 @@ import torch
 
 from djinn.errors import (
     DjinnError,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
     SessionEnded,
@@ -514,8 +515,11 @@ class Session(Flights, GraphForms):
     def _unpack(self, frame: Frame, out: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
         """Turn a reply's tensor entries into local tensors: one copy out of the arena, or
         the tensor the payload was received into."""
+        items = frame.body.get("tensors", [])
+        if out is not None:
+            self._check_out(items, out)
         tensors = []
-        for i, item in enumerate(frame.body.get("tensors", [])):
+        for i, item in enumerate(items):
             dest = out[i] if out is not None else None
             direct = _bytes_of(dest, item["desc"]) if dest is not None else None
             if "slab" in item:
@@ -531,6 +535,19 @@ class Session(Flights, GraphForms):
                 dest.copy_(value)  # layouts differ: one strided copy
             tensors.append(dest if dest is not None else value)
         return {**frame.body, "tensors": tensors}
+
+    def _check_out(self, items: list[dict[str, Any]], out: Sequence[torch.Tensor]) -> None:
+        """``out=`` was checked against the shapes the client knew; an op on the appliance
+        may have grown the tensor since (``out=`` ops resize). Refused before any copy,
+        with every reply slab given back: copying the bytes would overrun ``out``."""
+        for item, dest in zip(items, out, strict=False):
+            dtype, shape = validate(item["desc"])[:2]
+            if dest.dtype != dtype or list(dest.shape) != list(shape):
+                self._give_back(i["slab"] for i in items if "slab" in i)
+                raise InvalidArgument(
+                    f"out= is {list(dest.shape)} {dest.dtype}, but the remote tensor is now "
+                    f"{list(shape)} {dtype}"
+                )
 
     def _arena_tensor(self, off: int, nbytes: int) -> torch.Tensor:
         assert self.arena is not None

@@ -112,6 +112,8 @@ class LeasedSlabs:
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for two flat uint8 tensors of the same length."""
     n = src.numel()
+    if dst.numel() != n:  # a memmove would write past the end of dst
+        raise ValueError(f"copy of {n} bytes into {dst.numel()}")
     if n <= MEMMOVE_MAX and dst.is_contiguous() and src.is_contiguous():
         if n:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)

@@ -272,10 +272,10 @@ def test_a_tensor_that_is_not_dense_moves_as_eagers_copy_would(make):
 )
 @pytest.mark.parametrize("move", [lambda t: t.cpu(), lambda t: t.to("cpu")], ids=["cpu", "to"])
 def test_a_move_to_the_cpu_copies_once_into_a_tensor_of_its_own(make, move, monkeypatch):
-    make, copied_again = make
     """Note [a fetched value is the copy]: the fetched value is the result when it is the
     tensor `_to_copy` would make (it was copied a second time), else `_to_copy` of it;
     either way a tensor that owns its memory, with eager's strides."""
+    make, copied_again = make
     from djinn.frontend import special_ops
 
     fetched = []

@@ -30,3 +30,37 @@ def test_a_handle_grown_by_an_out_argument_is_charged_to_its_session(own_fronten
     assert torch.equal(out.cpu(), torch.full((MIB // 4,), 2.0))
     wait_for(lambda: held() - before >= MIB)
     assert [b.cpu()[0].item() for b in bystanders] == [float(i) for i in range(64)]
+
+
+def test_reading_a_grown_handle_into_an_out_of_its_old_shape_is_refused(appliance):
+    """The client checks ``out=`` against the shape it knows, which an ``out=`` op on the
+    appliance may have outgrown. Copying the reply's bytes into ``out`` wrote past its end
+    (a SIGSEGV in a reviewer's probe); it is refused, the slab given back, and the session
+    goes on."""
+    import pytest
+
+    import djinn
+    from djinn.errors import InvalidArgument
+
+    with djinn.connect(appliance.unix) as client, client.session() as s:
+        seed = s.put(torch.zeros(4))
+        (small,), _ = s.execute(
+            [{"op": "aten::add.Tensor", "args": [seed.ref(), 1.0]}], keep=[{"$v": 0}]
+        )
+        big = s.put(torch.ones(4 * MIB // 4))
+        s.execute(
+            [
+                {
+                    "op": "aten::add.out",
+                    "args": [big.ref(), big.ref()],
+                    "kwargs": {"out": small.ref()},
+                }
+            ]
+        )
+        guard = torch.full((MIB,), 7.0)
+        dest = torch.zeros(4)
+        with pytest.raises(InvalidArgument, match=r"now \[1048576\]"):
+            small.cpu(out=dest)
+        assert torch.equal(dest, torch.zeros(4)) and bool((guard == 7).all())
+        assert torch.equal(small.cpu(), torch.full((MIB,), 2.0))  # read whole, it is there
+        assert s.memory_allocated() > 0 and not s._spares.held  # and the session goes on

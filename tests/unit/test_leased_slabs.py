@@ -77,3 +77,12 @@ def test_copy_bytes_copies_small_and_large(monkeypatch):
         dst = torch.zeros(n, dtype=torch.uint8)
         copy_bytes(dst, src)
         assert torch.equal(dst, src)
+
+
+def test_copy_bytes_refuses_a_destination_of_another_length():
+    import pytest
+
+    dst = torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="copy of 5 bytes into 4"):
+        copy_bytes(dst, torch.ones(5, dtype=torch.uint8))
+    assert not dst.any()
