@@ -90,7 +90,7 @@ def sampled(body: dict[str, Any]) -> bool:
     return bool(kwargs.get("do_sample"))
 
 
-_VIEWS: dict[str, tuple[bool, ...]] = {}
+_VIEWS: dict[str, tuple[tuple[bool, ...], frozenset[int]]] = {}  # _aliases
 _WRITES: dict[str, tuple[tuple[int, str], ...] | None] = {}
 
 
@@ -294,15 +294,7 @@ def _objects_in(x: Any, found: set[str] | None = None) -> set[str]:
 
 def view_outputs(op: str) -> tuple[bool, ...]:
     """Per output of ``op`` (``aten::t.default``), whether it may alias an input."""
-    known = _VIEWS.get(op)
-    if known is None:
-        known = ()
-        try:
-            known = tuple(r.alias_info is not None for r in _schema(op).returns)
-        except (AttributeError, RuntimeError):
-            known = (True,) * 8  # an op we cannot name: assume the worst
-        _VIEWS[op] = known
-    return known
+    return _aliases(op)[0]
 
 
 def written_outputs(op: str) -> frozenset[int]:
@@ -311,22 +303,26 @@ def written_outputs(op: str) -> frozenset[int]:
     review: after a cut and a lost worker, ``w.add_(g)`` kept as its own handle through
     ``Session.execute`` had added ``g`` twice). Such an output is no view a cut can make
     again from its bases."""
-    known = _WRITTEN_OUTPUTS.get(op)
+    return _aliases(op)[1]
+
+
+def _aliases(op: str) -> tuple[tuple[bool, ...], frozenset[int]]:
+    """``op``'s outputs that may alias an input, and those that are an input it writes,
+    read once from its schema's returns; an op we cannot name: assume the worst."""
+    known = _VIEWS.get(op)
     if known is None:
         try:
             returns = _schema(op).returns
-            known = frozenset(
-                k
-                for k, r in enumerate(returns)
-                if r.alias_info is not None and r.alias_info.is_write
+            known = (
+                tuple(r.alias_info is not None for r in returns),
+                frozenset(
+                    k for k, r in enumerate(returns) if r.alias_info and r.alias_info.is_write
+                ),
             )
         except (AttributeError, RuntimeError):
-            known = frozenset(range(8))  # an op we cannot name: assume the worst
-        _WRITTEN_OUTPUTS[op] = known
+            known = ((True,) * 8, frozenset(range(8)))
+        _VIEWS[op] = known
     return known
-
-
-_WRITTEN_OUTPUTS: dict[str, frozenset[int]] = {}
 
 
 def mark_views(body: dict[str, Any], kept: list[Any]) -> None:

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import djinn
+from djinn.errors import InvalidArgument
 from djinn.frontend import session as frontend_session
 from tests.conftest import wait_for
 
@@ -37,11 +40,6 @@ def test_reading_a_grown_handle_into_an_out_of_its_old_shape_is_refused(applianc
     appliance may have outgrown. Copying the reply's bytes into ``out`` wrote past its end
     (a SIGSEGV in a reviewer's probe); it is refused, the slab given back, and the session
     goes on."""
-    import pytest
-
-    import djinn
-    from djinn.errors import InvalidArgument
-
     with djinn.connect(appliance.unix) as client, client.session() as s:
         seed = s.put(torch.zeros(4))
         (small,), _ = s.execute(

@@ -3,6 +3,7 @@ and which it gives back."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from djinn.runtime.slabs import ALIGN, BUDGET_MAX, IDLE_PUTS, LeasedSlabs, copy_bytes, size_class
@@ -80,8 +81,6 @@ def test_copy_bytes_copies_small_and_large(monkeypatch):
 
 
 def test_copy_bytes_refuses_a_destination_of_another_length():
-    import pytest
-
     dst = torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="copy of 5 bytes into 4"):
         copy_bytes(dst, torch.ones(5, dtype=torch.uint8))
