@@ -345,7 +345,8 @@ class Session(Flights, GraphForms):
 
     def get(self, remote: RemoteTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Fetch a remote tensor's value. With ``out`` (a CPU tensor of the same shape and
-        dtype) the bytes land in it, skipping a fresh allocation (Note [fresh pages])."""
+        dtype) the bytes land in it, skipping a fresh allocation (Note [fresh pages]); if an
+        ``out=`` op on the appliance has resized the tensor since, InvalidArgument."""
         return self.get_many([remote], None if out is None else [out])[0]
 
     def get_many(
