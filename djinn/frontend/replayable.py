@@ -79,6 +79,7 @@ are the bits a capture of the same call would give.
 
 from __future__ import annotations
 
+import gc
 import threading
 import types
 import weakref
@@ -441,7 +442,19 @@ def _recorded(
         else:  # an object may hold tensors of this call (a KV cache): a replay's would not
             raise Miss(f"it returns a {type(x).__name__}, not a tensor or a plain value", True)
     owners = grad_owners(readers + tensors)
-    left = left_in_grad(nodes, {o for o, _ in outs if o is not None}, owners)
+    returned = {o for o, _ in outs if o is not None}
+    try:
+        left = left_in_grad(nodes, returned, owners)
+    except Miss:
+        left = None  # looked at again outside this block: its traceback holds the tensor
+    if left is None:
+        # Note [garbage that holds a tensor]: a reference cycle can hold a tensor the call
+        # made and dropped until the collector runs (on an op's first capture, frames of
+        # PyTorch's addmm decomposition on meta tensors stayed in one, and through the
+        # capture's frames held F.linear's arguments). The call does not keep it: collect
+        # the young generations once (cheap) and look again.
+        gc.collect(1)
+        left = left_in_grad(nodes, returned, owners)
     steps = outer_steps(used.steps)
     cut = optimizer_cut(len(nodes), steps)
     before = set() if cut is None else {id(n) for n in nodes[:cut]}

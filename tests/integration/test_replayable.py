@@ -93,6 +93,33 @@ def test_a_replay_reads_weights_as_they_are_now(remote):
         assert "a module, optimizer or tensor it uses changed since" in fwd.stats()["plain"]
 
 
+def test_a_tensor_only_garbage_holds_is_not_kept_by_the_call(remote):
+    """Note [garbage that holds a tensor]: a reference cycle that holds a tensor the call
+    made (a traceback's frames did, on an op's first capture) is garbage, not something
+    the call keeps: the call records (it was run as it is, "it keeps a tensor it made")."""
+
+    class Box:
+        pass
+
+    def fn(x):
+        y = x * 2
+        box = Box()
+        box.me, box.y = box, y  # a cycle: freed only by the collector
+        return y + 1
+
+    f = djinn.replayable(fn)
+    x = torch.randn(4, 4)
+    rx = x.to(remote)
+    gc.collect()
+    gc.disable()
+    try:
+        out = f(rx)
+    finally:
+        gc.enable()
+    assert torch.equal(out.cpu(), x * 2 + 1)
+    assert f.stats()["recordings"] == 1 and f.stats()["plain"] == {}, f.stats()
+
+
 def test_new_argument_kinds_record_again(remote):
     local = _mlp()
     model = _moved(local, remote)
