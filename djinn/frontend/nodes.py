@@ -65,6 +65,32 @@ class Node:
         return f"{self.op._schema.name}.{self.op._overloadname}"
 
 
+class _Replay:
+    """The op of every ``Replayed`` node: no schema, so it writes into no argument."""
+
+    __slots__ = ()
+
+
+REPLAY = _Replay()
+
+
+class Replayed(Node):
+    """A replayed call's graph sent as one (Note [asynchronous replays], replay_run.py):
+    output ``k`` is the graph's ``k``-th kept value; ``bases`` are the values it writes
+    into, which hold its error if it fails."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str, trace: Trace, nout: int, writes: tuple[Any, ...]) -> None:
+        super().__init__(REPLAY, (), {}, trace, nout, multi=True)
+        self.label = label
+        self.bases = writes
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+
 class Pending:
     """Output ``index`` of a node (index 0 for single-output ops)."""
 

@@ -1,6 +1,20 @@
 """A recorded call run again (Note [replayable functions], replayable.py): the checks a
 replay makes first, the template sent with the inputs' handles as they are now, and the
-outputs and gradients it leaves, as a run of the function would."""
+outputs and gradients it leaves, as a run of the function would.
+
+Note [asynchronous replays]: a replay sends its graph and returns, as a flush nobody
+waits on does (Note [asynchronous flushes], trace.py): its outputs and the gradients it
+puts in ``.grad`` are pending outputs of one ``Replayed`` node, which become the kept
+handles when the reply lands (before the next flush or request of any thread, or when a
+graph that reads them is encoded). It waited for its reply until 2026-11-26, so the worker
+sat idle while the client made the outputs, returned, and ran the program up to its next
+call (the checks of the next replay included, which now run before anything lands); the
+default Adam's step, captured after the replayed forward and backward, waited for them
+before its first op was captured. The request is not partial: a node that fails fails
+the replay as a whole, which is raised where it lands, and the replay's outputs and every
+tensor it writes into hold the error from then on (Note [failed values]: a parameter a
+failed step half wrote must not be read as if it held the program's value).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +28,7 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
 from .meta import TensorSpec
+from .nodes import Pending, Replayed
 from .replay_key import Miss, param_at
 from .replay_sources import holds
 
@@ -25,17 +40,16 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def replay(rec: _Record, tensors: list[Any]) -> Any:
+def replay(rec: _Record, tensors: list[Any], label: str) -> Any:
     """Run ``rec`` again on ``tensors`` (the call's tensor arguments) by its template, after
-    every check (Note [replayable functions]); a Miss if one fails."""
+    every check (Note [replayable functions]); a Miss if one fails. ``label``: the
+    function's name, for errors."""
     from .lazy import LazyTensor
     from .session import default_session
 
     tr = trace_mod.current()
     if tr.nodes:
         trace_mod.flush(tr)  # the arguments' own ops run first
-    else:
-        trace_mod.land_all()
     if not rec.state.same():
         raise Miss("a module, optimizer or tensor it uses changed since")
     for (_k, owner, _spec), empty in zip(rec.grads, rec.empty, strict=True):
@@ -50,19 +64,19 @@ def replay(rec: _Record, tensors: list[Any]) -> Any:
         raise Miss("an optimizer it steps is gone")
     if any(getattr(param_at(w), "_grad", None) is not None for w in rec.nones):
         raise Miss("a .grad it found empty is not")  # the call found it None
+    trace_mod.land_all()  # the inputs' handles: a graph in flight may make them
     session = default_session()
     handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
                zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
     if rec.fill is None:
         rec.fill = templates.instantiator(rec.tpl)
     body = rec.fill(handles, rec.scalars)
-    form = (rec.fingerprint, handles, rec.scalars)
-    kept, _ = session.execute(body["nodes"], keep=body["keep"], inline=rec.inline, form=form)
-    for kind, what in rec.written:  # as eager's in-place ops count (autograd checks them)
-        t = tensors[what] if kind == "arg" else what
+    written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
+    node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
+    for t in written:  # as eager's in-place ops count (autograd checks them)
         torch.autograd.graph.increment_version(t)
     for k, owner, (dtype, shape, stride, offset) in rec.grads:
-        owner.grad = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
+        owner.grad = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), Pending(node, k))
     leaves: list[Any] = []
     made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
     for kind, what in rec.outputs:
@@ -71,8 +85,11 @@ def replay(rec: _Record, tensors: list[Any]) -> Any:
             continue
         k, (dtype, shape, stride, offset) = what
         if what not in made:
-            made[what] = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), kept[k])
+            spec = TensorSpec(dtype, shape, stride, offset, None)
+            made[what] = LazyTensor(spec, Pending(node, k))
         leaves.append(made[what])
+    form = (rec.fingerprint, handles, rec.scalars)
+    trace_mod.send_replay(tr, node, body, rec.inline, form)  # run while the caller goes on
     for w in rec.clears:  # as the call did (zero_grad)
         p = param_at(w)
         if p is not None:

@@ -8,8 +8,9 @@ inputs cost the client as much as the first. ``djinn.replayable(fn)`` skips the 
 altogether, the way a CUDA graph replays its kernels: a call of ``fn`` is captured as one
 graph and kept on the appliance as a template (Note [graph templates]); a later call with
 arguments of the same kinds sends the template's fingerprint, its input handles and its
-floats, and wraps the kept outputs in new LazyTensors. The client's cost no longer grows
-with the op count, nor do the bytes on the wire.
+floats, and wraps the kept outputs in new LazyTensors, without waiting for the graph to
+run (Note [asynchronous replays], replay_run.py). The client's cost no longer grows with
+the op count, nor do the bytes on the wire.
 
 The contract is a CUDA graph's: what ``fn`` computes must follow from its tensor
 arguments and the remote tensors it reads (model weights, updated in place or not), with
@@ -209,6 +210,7 @@ class Replayable:
         # per key: [replays in a row that found its state changed, the next pause's calls]
         self._misses: dict[Any, list[int]] = {}
         self.__wrapped__ = fn
+        self._label = getattr(fn, "__qualname__", None) or type(fn).__name__
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
@@ -239,7 +241,7 @@ class Replayable:
                 return self.fn(*args, **kwargs)
             if rec is not None and rec.same >= self.after and not rec.unwatched:
                 try:
-                    out = replay(rec, tensors)
+                    out = replay(rec, tensors, self._label)
                 except Miss as why:
                     self._stats.plain[str(why)] += 1
                     if rec.state.now() is None or any(w() is None for w in rec.steps):

@@ -389,6 +389,30 @@ class Sent:
         self.lock = threading.RLock()
 
 
+def send_replay(trace: Trace, node: Node, body: dict[str, Any], inline: list, form: Any) -> None:
+    """Send ``body``, a replayed graph whose kept outputs are ``node``'s (Note
+    [asynchronous replays], replay_run.py), without waiting: it lands as a flush sent
+    without waiting does, and fails as a whole (``fail``: its outputs and what it writes
+    hold the error)."""
+    from .session import default_session
+
+    keep_targets = [
+        (node, k, [cell for w in node.holders[k] if (cell := w()) is not None])
+        for k in range(node.nout)
+    ]
+    item = Sent(trace, [node], keep_targets, quiet=False)
+    try:
+        item.flight = default_session().run_graph_async(
+            body["nodes"], body["keep"], inline, partial=False, form=form
+        )
+    except DjinnError as exc:
+        fail(node, exc)
+        raise
+    node.inflight = item
+    with _INFLIGHT_LOCK:
+        _INFLIGHT.append(item)
+
+
 def land_all() -> None:
     """Land every flush in flight, in the order they were sent."""
     with _INFLIGHT_LOCK:

@@ -26,16 +26,29 @@ class Flights:
     """``Session``'s part that sends a graph and goes on; the attributes it uses
     (``_flight``, ``_flight_lock``, ``_lineage``, ``channel``...) are the session's."""
 
-    def run_graph_async(self, nodes: Any, keep: Sequence, inline: Sequence) -> Flight:
+    def run_graph_async(
+        self,
+        nodes: Any,
+        keep: Sequence,
+        inline: Sequence,
+        *,
+        partial: bool = True,
+        form: Form | None = None,
+    ) -> Flight:
         """Send a graph that fetches nothing and go on: ``Flight.outcome()`` gives what
-        ``run_graph`` would have. The next request of the session reads its reply
-        first; a worker lost meanwhile is recovered from then, as for any request."""
+        ``run_graph`` would have (``partial=False``: what ``execute`` would, a failing
+        node failing the request). The next request of the session reads its reply
+        first; a worker lost meanwhile is recovered from then, as for any request.
+        ``form``: the graph's template form, when the caller knows it (a replay)."""
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
+        body: dict[str, Any] = {"nodes": nodes, "keep": list(keep), "fetch": []}
+        if partial:
+            body["partial"] = True
         # "unwaited": Note [a capturing client beside its worker] (appliance/executor)
-        body = {"nodes": nodes, "keep": list(keep), "fetch": [], "partial": True, "unwaited": True}
+        body["unwaited"] = True
         self._settle()
         f = Flight(self, body, segments)
-        f.form = form_of(body)
+        f.form = form if form is not None else form_of(body)
         with self._serial():
             if self._lineage is not None:
                 f.gen = self._lineage.before_request()
