@@ -7,6 +7,7 @@ no handler leaves a half-done change behind (a failing multi-tensor PUT keeps no
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +166,7 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     fingerprint, or ask to be kept as one (Note [graph templates])."""
     body, kept_as, record = frame.body, None, None
     named: dict[str, None] = {}  # the handles this graph resolved, for recharge
+    started = time.perf_counter()
 
     def lookup(handle: str) -> torch.Tensor:
         t = s.tensor(handle)
@@ -215,7 +217,9 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
         else _json_value(v)
         for v in fetch
     ]
-    body.update(kept=kept, values=values)
+    # Note [a flight's cost]: how long the graph took here, for a client that read the
+    # reply later than it came (a graph it sent without waiting)
+    body.update(kept=kept, values=values, took_s=round(time.perf_counter() - started, 6))
     if kept_as is not None:
         body["graph"] = kept_as  # send it by this fingerprint from now on
     if run.failed is not None:

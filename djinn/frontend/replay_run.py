@@ -73,23 +73,24 @@ def replay(rec: _Record, tensors: list[Any], label: str) -> Any:
     body = rec.fill(handles, rec.scalars)
     written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
     node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
-    for t in written:  # as eager's in-place ops count (autograd checks them)
-        torch.autograd.graph.increment_version(t)
-    for k, owner, (dtype, shape, stride, offset) in rec.grads:
-        owner.grad = LazyTensor(TensorSpec(dtype, shape, stride, offset, None), Pending(node, k))
-    leaves: list[Any] = []
-    made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
-    for kind, what in rec.outputs:
-        if kind == "value":
-            leaves.append(what)
-            continue
-        k, (dtype, shape, stride, offset) = what
-        if what not in made:
-            spec = TensorSpec(dtype, shape, stride, offset, None)
-            made[what] = LazyTensor(spec, Pending(node, k))
-        leaves.append(made[what])
     form = (rec.fingerprint, handles, rec.scalars)
-    trace_mod.send_replay(tr, node, body, rec.inline, form)  # run while the caller goes on
+    with trace_mod.replay_in_flight(tr, node, body, rec.inline, form):  # runs as we go on
+        for t in written:  # as eager's in-place ops count (autograd checks them)
+            torch.autograd.graph.increment_version(t)
+        for k, owner, (dtype, shape, stride, offset) in rec.grads:
+            spec = TensorSpec(dtype, shape, stride, offset, None)
+            owner.grad = LazyTensor(spec, Pending(node, k))
+        leaves: list[Any] = []
+        made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
+        for kind, what in rec.outputs:
+            if kind == "value":
+                leaves.append(what)
+                continue
+            k, (dtype, shape, stride, offset) = what
+            if what not in made:
+                spec = TensorSpec(dtype, shape, stride, offset, None)
+                made[what] = LazyTensor(spec, Pending(node, k))
+            leaves.append(made[what])
     for w in rec.clears:  # as the call did (zero_grad)
         p = param_at(w)
         if p is not None:

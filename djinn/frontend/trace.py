@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -380,37 +381,44 @@ _INFLIGHT_LOCK = threading.Lock()
 class Sent:
     """A flush sent without waiting for its reply."""
 
-    __slots__ = ("flight", "keep_targets", "landed", "lock", "quiet", "sent", "trace")
+    __slots__ = ("error", "flight", "keep_targets", "landed", "lock", "outcome", "quiet", "sent",
+                 "trace")  # fmt: skip
 
     def __init__(self, trace: Trace, sent: list[Node], keep_targets: list, quiet: bool) -> None:
         self.trace, self.sent, self.keep_targets, self.quiet = trace, sent, keep_targets, quiet
         self.flight: Any = None
-        self.landed = False
-        self.lock = threading.RLock()
+        self.landed = False  # its nodes are executed or failed (under the trace's lock)
+        self.lock = threading.RLock()  # held while the reply is read
+        self.outcome: tuple[list[Any], list[Any], Any] | None = None  # the reply, once read
+        self.error: DjinnError | None = None  # or why the request failed as a whole
 
 
-def send_replay(trace: Trace, node: Node, body: dict[str, Any], inline: list, form: Any) -> None:
+@contextlib.contextmanager
+def replay_in_flight(
+    trace: Trace, node: Node, body: dict[str, Any], inline: list, form: Any
+) -> Iterator[None]:
     """Send ``body``, a replayed graph whose kept outputs are ``node``'s (Note
     [asynchronous replays], replay_run.py), without waiting: it lands as a flush sent
     without waiting does, and fails as a whole (``fail``: its outputs and what it writes
-    hold the error)."""
+    hold the error). The block binds the outputs: nothing lands the graph before it ends
+    (the landing then points every output bound in it at its handle)."""
     from .session import default_session
 
-    keep_targets = [
-        (node, k, [cell for w in node.holders[k] if (cell := w()) is not None])
-        for k in range(node.nout)
-    ]
-    item = Sent(trace, [node], keep_targets, quiet=False)
-    try:
-        item.flight = default_session().run_graph_async(
-            body["nodes"], body["keep"], inline, partial=False, form=form
-        )
-    except DjinnError as exc:
-        fail(node, exc)
-        raise
-    node.inflight = item
-    with _INFLIGHT_LOCK:
-        _INFLIGHT.append(item)
+    item = Sent(trace, [node], [(node, k, []) for k in range(node.nout)], quiet=False)
+    with item.lock:
+        try:
+            item.flight = default_session().run_graph_async(
+                body["nodes"], body["keep"], inline, partial=False, form=form
+            )
+        except DjinnError as exc:
+            fail(node, exc)
+            raise
+        node.inflight = item
+        with _INFLIGHT_LOCK:
+            _INFLIGHT.append(item)
+        yield
+        for n, k, alive in item.keep_targets:
+            alive.extend(cell for w in n.holders[k] if (cell := w()) is not None)
 
 
 def land_all() -> None:
@@ -422,31 +430,47 @@ def land_all() -> None:
 
 
 def land(item: Sent) -> None:
+    """Read ``item``'s reply and make its nodes executed (or failed), once.
+
+    Note [landing in two steps]: the nodes name ``item`` in ``inflight`` until they are
+    executed, so a thread that reads one of their outputs meanwhile lands it too and
+    finds them executed; they used to stop naming it before the reply was read, and a
+    review found a reader on another thread taking such an output for one of another
+    trace's. The reply is read under ``item.lock`` alone, and the nodes are changed under
+    their trace's lock alone: a thread that encodes a graph holds its trace's lock while
+    it lands what the graph reads, and one landing ``item`` must not then hold
+    ``item.lock`` while it waits for that trace's lock (the two waited on each other)."""
     with item.lock:
+        if item.outcome is None and item.error is None:
+            try:
+                item.outcome = item.flight.outcome()
+            except DjinnError as exc:  # the request itself failed: nothing is known to run
+                item.error = exc
+    with item.trace.lock:
         if item.landed:
             return
         item.landed = True
         with _INFLIGHT_LOCK:
             _INFLIGHT.remove(item)
+        if item.error is not None:
+            for n in item.sent:
+                fail(n, item.error)
+                n.inflight = None
+            if not item.quiet:
+                raise item.error
+            return
+        assert item.outcome is not None
+        kept, _fetched, failure = item.outcome
+        _ran(item.sent, item.keep_targets, kept, failure)
         for n in item.sent:
             n.inflight = None
+        if failure is None:
+            return
         try:
-            kept, _fetched, failure = item.flight.outcome()
-        except DjinnError as exc:  # the request itself failed: nothing is known to run
-            for n in item.sent:
-                fail(n, exc)
+            _after_failure(item.trace, item.sent, failure, [], [], [], [])
+        except DjinnError:
             if not item.quiet:
                 raise
-            return
-        with item.trace.lock:
-            _ran(item.sent, item.keep_targets, kept, failure)
-            if failure is None:
-                return
-            try:
-                _after_failure(item.trace, item.sent, failure, [], [], [], [])
-            except DjinnError:
-                if not item.quiet:
-                    raise
 
 
 def _after_failure(

@@ -22,6 +22,19 @@ def _template_gone(exc: NotFound) -> bool:
     return "graph template" in exc.message
 
 
+def _cost(out: dict[str, Any], elapsed: float) -> float:
+    """Note [a flight's cost]: what a graph sent without waiting costs the journal (the
+    replay it would take after a worker loss, Note [lineage truncation]): how long the
+    worker says it ran. From its sending to the reading of its reply, the client's own
+    work counts too: a replay is read at the program's next call, a whole loop iteration
+    later, and a journal that counted that cut itself, reading back every live value,
+    several times as often (a review saw one inside a test's single call)."""
+    took = out.get("took_s")
+    if isinstance(took, (int, float)) and not isinstance(took, bool) and 0 <= took <= elapsed:
+        return float(took)
+    return elapsed
+
+
 class Flights:
     """``Session``'s part that sends a graph and goes on; the attributes it uses
     (``_flight``, ``_flight_lock``, ``_lineage``, ``channel``...) are the session's."""
@@ -46,10 +59,13 @@ class Flights:
             body["partial"] = True
         # "unwaited": Note [a capturing client beside its worker] (appliance/executor)
         body["unwaited"] = True
-        self._settle()
         f = Flight(self, body, segments)
         f.form = form if form is not None else form_of(body)
         with self._serial():
+            # under the lock that sends: settled outside it, another thread's graph could
+            # be sent in between and lost from ``_flight`` when this one took the slot (a
+            # review's two threads replaying: that graph never landed)
+            self._settle()
             if self._lineage is not None:
                 f.gen = self._lineage.before_request()
             sent, f.fp = self._exec_form(body, f.form)
@@ -87,7 +103,7 @@ class Flights:
                     out = self._flight_reply(f)
                 except DjinnError as exc:
                     out, body = self._flight_again(f, exc)
-                seconds = time.perf_counter() - f.started
+                seconds = _cost(out, time.perf_counter() - f.started)
                 form = f.form if body is f.body else None  # not the journal's rewrite
                 f.result = self._finish_exec(body, f.segments, out, seconds, form)
             except DjinnError as exc:
@@ -146,7 +162,13 @@ class Flight:
     def outcome(self) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
         """(kept, fetched, failure), as ``Session.run_graph``; its error if it failed."""
         if not self.landed:
-            self.session._settle()
+            # under the lock a settle reads under: another thread (a request of its own, a
+            # heartbeat) may have taken this graph from the slot and be reading its reply,
+            # and ``_settle`` finds the slot empty (a review's two replaying threads saw
+            # this graph unsettled)
+            with self.session._serial():
+                if not self.landed:
+                    self.session._settle()
         if self.error is not None:
             raise self.error
         assert self.result is not None

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
 
 from djinn.errors import DjinnError
+from djinn.frontend.session import default_session
+from djinn.runtime.channel import Channel
 from djinn.runtime.session import Session
 from tests.conftest import wait_for
 
@@ -59,8 +63,6 @@ def test_backward_sends_its_graphs_without_waiting_and_matches_eager(frontend, m
 
 
 def test_a_request_made_while_a_graph_is_in_flight_reads_its_reply_first(frontend):
-    from djinn.frontend.session import default_session
-
     s = default_session()
     a = s.put(torch.arange(6.0))
     nodes = [{"op": "aten::mul.Tensor", "args": [{"$h": a.handle}, 3.0]}]
@@ -92,8 +94,6 @@ def test_a_graph_that_fails_in_flight_fails_what_depends_on_it(frontend):
 def test_a_worker_lost_with_a_graph_in_flight_is_recovered(frontend):
     """The worker dies before the graph's reply is read: the recovering session is
     rebuilt and the graph sent again, with the same result."""
-    from djinn.frontend.session import default_session
-
     s = default_session()
     a = s.put(torch.arange(4.0))
     pid = next(w["pid"] for w in frontend.stats()["workers"] if w["id"] == s.worker)
@@ -198,3 +198,59 @@ def test_graphs_sent_without_waiting_give_the_journal_their_template(frontend, m
     journal = default_session()._lineage
     assert journal is not None and journal._facts, len(walks)  # the steps' templates
     assert len(walks) <= 6, len(walks)  # the graphs too small to go by template walk as before
+
+
+def test_a_graph_another_thread_is_settling_is_waited_for(frontend, monkeypatch):
+    """Thread Y took the graph from the session's slot and is reading its reply when the
+    program asks for its outcome: it waits for Y's reading (it found the slot empty and
+    took the graph for settled: an AssertionError seen by a review's replaying threads)."""
+    s = default_session()
+    a = s.put(torch.arange(6.0))
+    reading, release = threading.Event(), threading.Event()
+    real = Channel.receive
+
+    def slow(self, rid):
+        reading.set()
+        release.wait(10)
+        return real(self, rid)
+
+    monkeypatch.setattr(Channel, "receive", slow)
+    nodes = [{"op": "aten::mul.Tensor", "args": [{"$h": a.handle}, 3.0]}]
+    flight = s.run_graph_async(nodes, [{"$v": 0}], [])
+    y = threading.Thread(target=s._settle)
+    y.start()
+    assert reading.wait(10)
+    got, errors = [], []
+
+    def outcome():
+        try:
+            got.append(flight.outcome())
+        except BaseException as exc:
+            errors.append(exc)
+
+    x = threading.Thread(target=outcome)
+    x.start()
+    time.sleep(0.2)  # X asks while Y reads (if X is late, the test is only weaker)
+    release.set()
+    y.join(10)
+    x.join(10)
+    monkeypatch.undo()
+    assert errors == [] and len(got) == 1
+    kept, _fetched, failure = got[0]
+    assert failure is None and torch.equal(kept[0].cpu(), torch.arange(6.0) * 3)
+
+
+def test_a_graph_read_late_costs_the_journal_what_it_ran(frontend):
+    """Note [a flight's cost]: a graph whose reply the program reads late is recorded with
+    the time the worker says it ran, not the time until it was read (a replay is read a
+    whole loop iteration later: a journal that counted that cut itself far too often)."""
+    s = default_session()
+    a = s.put(torch.arange(6.0))
+    nodes = [{"op": "aten::mul.Tensor", "args": [{"$h": a.handle}, 3.0]}]
+    s.execute(nodes, keep=[{"$v": 0}])  # warm: a worker's first op takes most of a second
+    flight = s.run_graph_async(nodes, [{"$v": 0}], [])
+    time.sleep(0.3)  # the program's own work before it reads the reply
+    kept, _fetched, failure = flight.outcome()
+    assert failure is None and torch.equal(kept[0].cpu(), torch.arange(6.0) * 3)
+    entry = next(e for e in reversed(s._lineage.entries) if e.kind == "exec")
+    assert 0 <= entry.seconds < 0.3, entry.seconds

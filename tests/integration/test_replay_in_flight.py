@@ -4,8 +4,11 @@ wrote, and a worker lost while it is in flight is recovered as for any graph."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ import torch
 import djinn
 from djinn.errors import DjinnError
 from djinn.frontend.nodes import Pending, Replayed
+from djinn.frontend.session import default_session
+from djinn.runtime import flights
 from djinn.runtime.session import Session
 from tests.conftest import wait_for
 
@@ -33,8 +38,6 @@ def _replaying(fn, *args):
 
 
 def test_a_replay_returns_before_its_graph_has_run(remote, monkeypatch):
-    import copy
-
     local = _mlp().eval()
     model = copy.deepcopy(local).to(remote)
     x = torch.randn(3, 8)
@@ -102,8 +105,6 @@ def test_a_replay_that_fails_in_flight_fails_its_outputs_and_what_it_writes(remo
 def test_a_worker_lost_with_a_replay_in_flight_is_recovered(own_frontend):
     """The replay goes to a worker that died: its reply, read when it lands, says so, the
     session is rebuilt and the replay sent again, and the outputs are what a run gives."""
-    from djinn.frontend.session import default_session
-
     w = torch.randn(4, 4)
     rw = w.to(R)
     f = djinn.replayable(lambda t: (t @ rw).relu())
@@ -122,3 +123,34 @@ def test_a_worker_lost_with_a_replay_in_flight_is_recovered(own_frontend):
     assert torch.equal(out.cpu(), (x @ w).relu())
     assert s.recovery_stats()["recoveries"] == 1
     assert torch.equal(f(rx).cpu(), (x @ w).relu())
+
+
+def test_a_replay_another_thread_is_landing_is_read_once_it_has_landed(remote, monkeypatch):
+    """Thread B lands the replay (its next request reads the reply first) while the caller
+    reads the output: the caller waits for B's landing and reads the value. (A review
+    found the caller taking the output for one of another trace's: the landing had said
+    it was no longer in flight before it had read the reply.)"""
+    w = torch.randn(16, 16)
+    rw = w.to(R)
+    x = torch.randn(4, 16)
+    rx = x.to(R)
+    f = _replaying(lambda t: (t @ rw).tanh(), rx)
+    landing = threading.Event()
+    real = flights.Flight.outcome
+
+    def slow(self):
+        landing.set()
+        time.sleep(0.3)  # a slow reply: the caller reads while B is still landing
+        return real(self)
+
+    monkeypatch.setattr(flights.Flight, "outcome", slow)
+    out = f(rx)
+    assert f.stats()["replays"] == 1
+    other = torch.ones(2).to(R)
+    got = []
+    b = threading.Thread(target=lambda: got.append((other + 1).cpu()))
+    b.start()
+    assert landing.wait(10)
+    assert torch.equal(out.cpu(), (x @ w).tanh())
+    b.join(10)
+    assert torch.equal(got[0], torch.full((2,), 2.0))
