@@ -65,13 +65,7 @@ class Node:
         return f"{self.op._schema.name}.{self.op._overloadname}"
 
 
-class _Replay:
-    """The op of every ``Replayed`` node: no schema, so it writes into no argument."""
-
-    __slots__ = ()
-
-
-REPLAY = _Replay()
+REPLAY = object()  # the op of every Replayed node: no schema, so it writes into nothing
 
 
 class Replayed(Node):

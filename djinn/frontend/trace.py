@@ -381,7 +381,7 @@ _INFLIGHT_LOCK = threading.Lock()
 class Sent:
     """A flush sent without waiting for its reply."""
 
-    __slots__ = ("error", "flight", "keep_targets", "landed", "lock", "outcome", "quiet", "sent",
+    __slots__ = ("error", "flight", "keep_targets", "landed", "lock", "quiet", "reply", "sent",
                  "trace")  # fmt: skip
 
     def __init__(self, trace: Trace, sent: list[Node], keep_targets: list, quiet: bool) -> None:
@@ -389,7 +389,7 @@ class Sent:
         self.flight: Any = None
         self.landed = False  # its nodes are executed or failed (under the trace's lock)
         self.lock = threading.RLock()  # held while the reply is read
-        self.outcome: tuple[list[Any], list[Any], Any] | None = None  # the reply, once read
+        self.reply: tuple[list[Any], list[Any], Any] | None = None  # (kept, fetched, failure)
         self.error: DjinnError | None = None  # or why the request failed as a whole
 
 
@@ -441,9 +441,9 @@ def land(item: Sent) -> None:
     it lands what the graph reads, and one landing ``item`` must not then hold
     ``item.lock`` while it waits for that trace's lock (the two waited on each other)."""
     with item.lock:
-        if item.outcome is None and item.error is None:
+        if item.reply is None and item.error is None:
             try:
-                item.outcome = item.flight.outcome()
+                item.reply = item.flight.outcome()
             except DjinnError as exc:  # the request itself failed: nothing is known to run
                 item.error = exc
     with item.trace.lock:
@@ -459,8 +459,8 @@ def land(item: Sent) -> None:
             if not item.quiet:
                 raise item.error
             return
-        assert item.outcome is not None
-        kept, _fetched, failure = item.outcome
+        assert item.reply is not None
+        kept, _fetched, failure = item.reply
         _ran(item.sent, item.keep_targets, kept, failure)
         for n in item.sent:
             n.inflight = None
