@@ -261,7 +261,15 @@ LOCAL_LOOPS = {  # name: (optimizer, attention kernels of the local loop or None
     "adam": ("adam", None),
     "adam_math": ("adam", "math"),
     "capturable": ("capturable", None),
+    "sgd": ("sgd", None),
 }
+# the remote loops: name, optimizer, replayed by djinn.replayable, local loop compared with
+REMOTE_LOOPS = (
+    ("adam", "adam", False, "adam"),
+    ("capturable", "capturable", True, "capturable"),
+    ("adam_replayed", "adam", True, "adam"),
+    ("sgd_replayed", "sgd", True, "sgd"),
+)
 
 
 def local_training_child(repeat: int, steps: int, out: str) -> int:
@@ -275,7 +283,7 @@ def local_training_child(repeat: int, steps: int, out: str) -> int:
     picks a fused kernel for float32, so the two are compared to tell a kernel choice from
     a wrong number."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from training_step import loop
+    from training_step import loop, steady
 
     model, batches = training_batches(steps)
     result = {}
@@ -283,11 +291,12 @@ def local_training_child(repeat: int, steps: int, out: str) -> int:
         scope = sdpa_kernel(SDPBackend.MATH) if kernels else contextlib.nullcontext()
         with scope:
             loop(model, batches[:2], "cuda", optimizer)  # warm
-            times, params = [], []
+            times, params, per_step = [], [], []
             for _ in range(repeat):
                 took, params = loop(model, batches, "cuda", optimizer)
                 times.append(took)
-        result[name] = {"times": times, "params": params}
+                per_step.append(steady())
+        result[name] = {"times": times, "params": params, "per_step": per_step}
     torch.save(result, out)
     return 0
 
@@ -296,21 +305,26 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
     """training_step.py's loop (a 2-layer encoder of width 64), remote and on this GPU in a
     child process (``local_training_child``); the parameters after the loop compared (a
     GPU's kernels round differently from a CPU's, so local GPU eager is the reference
-    here). Two remote loops: Adam captured step by step, and ``Adam(capturable=True)``
-    replayed by ``djinn.replayable`` (issue 11's training target)."""
+    here). The remote loops (``REMOTE_LOOPS``): Adam captured step by step, and three
+    replayed by ``djinn.replayable`` (issue 11's training target): ``Adam(capturable=True)``,
+    the default Adam (its step runs after the replayed forward and backward) and SGD
+    (momentum 0.9). Each replayed loop reports its seconds per steady step (past the first
+    call and the recordings, ``training_step.steady``) beside local eager's."""
     import subprocess
 
+    import training_step
     from training_step import loop
 
     model, batches = training_batches(steps)
-    remote: dict[str, tuple[list[float], list[torch.Tensor]]] = {}
-    for name, optimizer, replay in (("adam", "adam", False), ("capturable", "capturable", True)):
+    remote: dict[str, tuple[list[float], list[torch.Tensor], list[float]]] = {}
+    for name, optimizer, replay, _ in REMOTE_LOOPS:
         loop(model, batches[:2], R, optimizer)  # warm
-        times, got = [], []
+        times, got, per_step = [], [], []
         for _ in range(repeat):
             took, got = loop(model, batches, R, optimizer, replay=replay)
             times.append(took)
-        remote[name] = (times, got)
+            per_step.append(training_step.steady())
+        remote[name] = (times, got, per_step)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "local.pt")
         subprocess.run(
@@ -319,20 +333,26 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
         )  # fmt: skip
         local = torch.load(out)  # this benchmark's own child wrote it
     med = statistics.median
-    r, g = med(remote["adam"][0]), med(local["adam"]["times"])
-    rc, gc = med(remote["capturable"][0]), med(local["capturable"]["times"])
+    loops = {}
+    for name, _, replay, against in REMOTE_LOOPS:
+        r, g = med(remote[name][0]), med(local[against]["times"])
+        row = {
+            "replayed": replay,
+            "s": [round(r, 3), round(g, 3)],
+            "ratio": round(r / g, 3),
+            "max_param_diff": max_diff(remote[name][1], local[against]["params"]),
+        }
+        if replay:
+            rs, gs = med(remote[name][2]), med(local[against]["per_step"])
+            row["per_step_ms"] = [round(rs * 1e3, 3), round(gs * 1e3, 3)]
+            row["per_step_ratio"] = round(rs / gs, 3)
+        loops[name] = row
     return {
         "steps": steps,
-        "s": [round(r, 3), round(g, 3)],
-        "ratio": round(r / g, 3),
-        "max_param_diff": max_diff(remote["adam"][1], local["adam"]["params"]),
+        "loops": loops,
         "max_param_diff_math_attention": max_diff(remote["adam"][1], local["adam_math"]["params"]),
         "local_math_attention_s": round(med(local["adam_math"]["times"]), 3),
-        "replayed_capturable_s": [round(rc, 3), round(gc, 3)],
-        "replayed_capturable_ratio": round(rc / gc, 3),
-        "replayed_capturable_max_param_diff": max_diff(
-            remote["capturable"][1], local["capturable"]["params"]
-        ),
+        "replays": training_step.REPLAYS[-sum(r for _, _, r, _ in REMOTE_LOOPS) * repeat :],
         "local_in": "a child process without djinn (pytorch#161129)",
     }
 
@@ -475,14 +495,22 @@ def report(doc: dict[str, Any]) -> None:
               f"{nf['replayed_max_abs_diff_logits']:.1e} |")  # fmt: skip
     if ok("training"):
         tr = doc["training"]
-        print(f"| graph path: {tr['steps']}-step Adam loop (s) | {tr['s'][0]} | {tr['s'][1]} | "
-              f"{tr['ratio']} | {tr['max_param_diff']:.1e} (params; "
-              f"{tr['max_param_diff_math_attention']:.1e} against local with math "
-              f"attention, {tr['local_math_attention_s']} s) |")  # fmt: skip
-        rc = tr["replayed_capturable_s"]
-        print(f"| graph path: the same, `Adam(capturable=True)` replayed (s) | {rc[0]} | "
-              f"{rc[1]} | {tr['replayed_capturable_ratio']} | "
-              f"{tr['replayed_capturable_max_param_diff']:.1e} (params) |")  # fmt: skip
+        titles = {
+            "adam": f"{tr['steps']}-step Adam loop, captured",
+            "capturable": "the same, `Adam(capturable=True)` replayed",
+            "adam_replayed": "the same, default Adam replayed",
+            "sgd_replayed": "the same, SGD replayed (against local SGD)",
+        }
+        for name, row in tr["loops"].items():
+            extra = ""
+            if name == "adam":
+                extra = (f"; {tr['max_param_diff_math_attention']:.1e} against local with math"
+                         f" attention, {tr['local_math_attention_s']} s")  # fmt: skip
+            if "per_step_ms" in row:
+                ps = row["per_step_ms"]
+                extra += f"; steady step {ps[0]} ms / {ps[1]} ms = {row['per_step_ratio']}x"
+            print(f"| graph path: {titles.get(name, name)} (s) | {row['s'][0]} | {row['s'][1]} | "
+                  f"{row['ratio']} | {row['max_param_diff']:.1e} (params{extra}) |")  # fmt: skip
     if ok("graph_forward"):
         print(
             f"\nworker 0's plans: {doc['graph_forward']['plans']}; CUDA graphs: "

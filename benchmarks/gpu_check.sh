@@ -32,10 +32,10 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/n
 python3 -c 'import djinn; print("djinn imports from", djinn.__file__)' 2>&1 | tail -3
 step gpu_tests 150 python3 -m pytest -n 0 -m gpu -p no:cacheprovider -q -rfE --timeout 120 \
     tests/integration/test_gpu.py tests/unit/test_tiers.py
-step gpu_bench 200 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
-step transport 120 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
+step gpu_bench 240 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
+step transport 90 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
 # one failed op breaks nothing else, on GPU workers: a bad index answered without a restart
-DJINN_TEST_GPUS=auto step failures_on_gpu 150 python3 -m pytest -n 0 -p no:cacheprovider -q -rfE \
+DJINN_TEST_GPUS=auto step failures_on_gpu 100 python3 -m pytest -n 0 -p no:cacheprovider -q -rfE \
     --timeout 120 tests/integration/test_failures_stay_local.py
 if [ $# -gt 0 ]; then
     step extra_tests ${EXTRA_LIMIT:-400} python3 -m pytest -n 0 -p no:cacheprovider -q -rfE --timeout 120 "$@"
