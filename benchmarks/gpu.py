@@ -301,7 +301,7 @@ def local_training_child(repeat: int, steps: int, out: str) -> int:
     return 0
 
 
-def training(repeat: int, steps: int = 20) -> dict[str, Any]:
+def training(repeat: int, client: Any, steps: int = 20) -> dict[str, Any]:
     """training_step.py's loop (a 2-layer encoder of width 64), remote and on this GPU in a
     child process (``local_training_child``); the parameters after the loop compared (a
     GPU's kernels round differently from a CPU's, so local GPU eager is the reference
@@ -309,15 +309,23 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
     replayed by ``djinn.replayable`` (issue 11's training target): ``Adam(capturable=True)``,
     the default Adam (its step runs after the replayed forward and backward) and SGD
     (momentum 0.9). Each replayed loop reports its seconds per steady step (past the first
-    call and the recordings, ``training_step.steady``) beside local eager's."""
+    call and the recordings, ``training_step.steady``) beside local eager's, and each loop
+    what the worker's CUDA graphs did meanwhile (Note [a graph that writes its inputs])."""
     import subprocess
 
     import training_step
     from training_step import loop
 
     model, batches = training_batches(steps)
+
+    def graphs() -> dict[str, int]:
+        time.sleep(0.5)  # the worker's stats reach the supervisor every STATS_PUSH_S
+        return client.stats()["scheduler"][0]["cuda_graphs"]
+
     remote: dict[str, tuple[list[float], list[torch.Tensor], list[float]]] = {}
+    cuda_graphs: dict[str, dict[str, int]] = {}
     for name, optimizer, replay, _ in REMOTE_LOOPS:
+        before = graphs()
         loop(model, batches[:2], R, optimizer)  # warm
         times, got, per_step = [], [], []
         for _ in range(repeat):
@@ -325,6 +333,8 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
             times.append(took)
             per_step.append(training_step.steady())
         remote[name] = (times, got, per_step)
+        after = graphs()
+        cuda_graphs[name] = {k: after[k] - before[k] for k in ("captured", "replays", "failed")}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "local.pt")
         subprocess.run(
@@ -341,6 +351,7 @@ def training(repeat: int, steps: int = 20) -> dict[str, Any]:
             "s": [round(r, 3), round(g, 3)],
             "ratio": round(r / g, 3),
             "max_param_diff": max_diff(remote[name][1], local[against]["params"]),
+            "cuda_graphs": cuda_graphs[name],
         }
         if replay:
             rs, gs = med(remote[name][2]), med(local[against]["per_step"])
@@ -415,7 +426,7 @@ def main() -> int:
             ("vmu_loaded", lambda: vmu_figures(client)),
             ("graph_forward", lambda: graph_forward(local, cfg.vocab_size, args.tokens,
                                                     args.repeat, client)),
-            ("training", lambda: training(max(1, args.repeat // 2))),
+            ("training", lambda: training(max(1, args.repeat // 2), client)),
         ]  # fmt: skip
         for name, section in sections:
             # one section's failure is a finding, reported with the others' figures
@@ -437,8 +448,12 @@ def main() -> int:
             doc["graph_forward_no_cuda_graphs"] = graph_forward(
                 local, cfg.vocab_size, args.tokens, args.repeat, client
             )
+            save_json(doc, args.json)
+            note("training without CUDA graphs")
+            doc["training_no_cuda_graphs"] = training(max(1, args.repeat // 2), client)
     except Exception as exc:  # reported with the other sections
-        doc["graph_forward_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        name = "training" if "graph_forward_no_cuda_graphs" in doc else "graph_forward"
+        doc[f"{name}_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     save_json(doc, args.json)
     report(doc)
     save_json(doc, args.json)
@@ -493,24 +508,12 @@ def report(doc: dict[str, Any]) -> None:
         print(f"| graph path: replayed, `cuda_graphs = false` (another appliance) | "
               f"{nf['replayed_ms']} | {nf['ms'][1]} | {nf['replayed_ratio']} | "
               f"{nf['replayed_max_abs_diff_logits']:.1e} |")  # fmt: skip
-    if ok("training"):
-        tr = doc["training"]
-        titles = {
-            "adam": f"{tr['steps']}-step Adam loop, captured",
-            "capturable": "the same, `Adam(capturable=True)` replayed",
-            "adam_replayed": "the same, default Adam replayed",
-            "sgd_replayed": "the same, SGD replayed (against local SGD)",
-        }
-        for name, row in tr["loops"].items():
-            extra = ""
-            if name == "adam":
-                extra = (f"; {tr['max_param_diff_math_attention']:.1e} against local with math"
-                         f" attention, {tr['local_math_attention_s']} s")  # fmt: skip
-            if "per_step_ms" in row:
-                ps = row["per_step_ms"]
-                extra += f"; steady step {ps[0]} ms / {ps[1]} ms = {row['per_step_ratio']}x"
-            print(f"| graph path: {titles.get(name, name)} (s) | {row['s'][0]} | {row['s'][1]} | "
-                  f"{row['ratio']} | {row['max_param_diff']:.1e} (params{extra}) |")  # fmt: skip
+    for section, where in (
+        ("training", ""),
+        ("training_no_cuda_graphs", ", `cuda_graphs = false`"),
+    ):
+        if ok(section):
+            training_rows(doc[section], where)
     if ok("graph_forward"):
         print(
             f"\nworker 0's plans: {doc['graph_forward']['plans']}; CUDA graphs: "
@@ -524,6 +527,29 @@ def report(doc: dict[str, Any]) -> None:
     fmt = lambda v: f"{v / GiB:.3f} GiB" if isinstance(v, int) and v > MiB else str(v)  # noqa: E731
     for key in dict.fromkeys([*before, *after]):
         print(f"| {key} | {fmt(before.get(key))} | {fmt(after.get(key))} |")
+
+
+def training_rows(tr: dict[str, Any], where: str) -> None:
+    """The training section's rows of the report's table."""
+    titles = {
+        "adam": f"{tr['steps']}-step Adam loop, captured",
+        "capturable": "the same, `Adam(capturable=True)` replayed",
+        "adam_replayed": "the same, default Adam replayed",
+        "sgd_replayed": "the same, SGD replayed (against local SGD)",
+    }
+    for name, row in tr["loops"].items():
+        extra = ""
+        if name == "adam":
+            extra = (f"; {tr['max_param_diff_math_attention']:.1e} against local with math"
+                     f" attention, {tr['local_math_attention_s']} s")  # fmt: skip
+        if "per_step_ms" in row:
+            ps = row["per_step_ms"]
+            extra += f"; steady step {ps[0]} ms / {ps[1]} ms = {row['per_step_ratio']}x"
+        graphs = row["cuda_graphs"]
+        extra += f"; CUDA graphs captured {graphs['captured']}, replays {graphs['replays']}"
+        title = f"{titles.get(name, name)}{where}"
+        print(f"| graph path: {title} (s) | {row['s'][0]} | {row['s'][1]} | {row['ratio']} | "
+              f"{row['max_param_diff']:.1e} (params{extra}) |")  # fmt: skip
 
 
 if __name__ == "__main__":

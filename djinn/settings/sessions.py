@@ -111,7 +111,8 @@ SETTINGS: tuple[Setting, ...] = (
         True,
         "On a GPU worker, replay a compiled plan that qualifies as one CUDA graph: its "
         "kernels launched by one call instead of one Python call each, the same bits "
-        "(Note [CUDA graphs for plans]). Plans that write into an input (training steps), "
+        "(Note [CUDA graphs for plans]). A plan that writes into its inputs (a training "
+        "step) is replayed while those inputs stay where they were at capture. Plans that "
         "draw random numbers or read values to check them stay compiled; the stats count "
         "each. No effect on CPU workers.",
         "bool",

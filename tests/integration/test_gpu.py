@@ -184,3 +184,63 @@ def test_a_replayed_forward_runs_as_a_cuda_graph(gpu_appliance, monkeypatch):
         assert (forward(ids.to(r)).cpu() - local(ids.cuda()).cpu()).abs().max().item() <= 1e-5
     assert gpu_appliance.stats()["workers"][0]["restarts"] == 0
     session.reset()
+
+
+def test_a_replayed_training_step_runs_as_a_cuda_graph(gpu_appliance, tmp_path, monkeypatch):
+    """Note [a graph that writes its inputs]: an SGD step (momentum) replayed by
+    djinn.replayable writes its weights and momentum buffers; its plan is captured as a
+    CUDA graph whose warm-up writes copies, so each call applies the step once: every loss
+    and parameter is bit for bit the same loop's on an appliance without CUDA graphs (the
+    same kernels; this process cannot train on its local GPU, pytorch#161129)."""
+    import djinn
+    from djinn.frontend import session
+    from tests.conftest import start_appliance
+
+    r = "remote_accelerator:0"
+
+    def train(address: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+        monkeypatch.setenv("DJINN_ADDRESS", address)
+        session.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)
+        ).to(r)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        run = djinn.replayable(step)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(12):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)
+            losses.append(run(x.to(r), y.to(r)).cpu())
+        params = [p.detach().cpu() for p in model.parameters()]
+        stats = run.stats()
+        session.reset()
+        return losses, params, stats
+
+    def graphs() -> dict:
+        return gpu_appliance.stats()["scheduler"][0]["cuda_graphs"]
+
+    before = graphs()
+    losses, params, stats = train(gpu_appliance.unix)
+    assert stats["replays"] >= 8, stats
+    after = wait_for(lambda: (s := graphs())["replays"] >= before["replays"] + 5 and s)
+    assert after["captured"] > before["captured"] and after["failed"] == before["failed"], after
+    plain = start_appliance(tmp_path, gpus="auto", arena_bytes="1GiB", cuda_graphs=False)
+    try:
+        want_losses, want_params, _ = train(plain.unix)
+        assert plain.stats()["scheduler"][0]["cuda_graphs"]["replays"] == 0
+    finally:
+        plain.stop()
+    for k, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
+        assert torch.equal(got, want), f"loss {k}: {got} != {want}"
+    for got, want in zip(params, want_params, strict=True):
+        assert torch.equal(got, want), (got - want).abs().max()
+    assert gpu_appliance.stats()["workers"][0]["restarts"] == 0
