@@ -334,7 +334,9 @@ def training(repeat: int, client: Any, steps: int = 20) -> dict[str, Any]:
             per_step.append(training_step.steady())
         remote[name] = (times, got, per_step)
         after = graphs()
-        cuda_graphs[name] = {k: after[k] - before[k] for k in ("captured", "replays", "failed")}
+        cuda_graphs[name] = {
+            k: after[k] - before[k] for k in ("captured", "replays", "failed", "refused")
+        }
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "local.pt")
         subprocess.run(
@@ -546,7 +548,7 @@ def training_rows(tr: dict[str, Any], where: str) -> None:
             ps = row["per_step_ms"]
             extra += f"; steady step {ps[0]} ms / {ps[1]} ms = {row['per_step_ratio']}x"
         graphs = row["cuda_graphs"]
-        extra += f"; CUDA graphs captured {graphs['captured']}, replays {graphs['replays']}"
+        extra += "; CUDA graphs " + ", ".join(f"{k} {v}" for k, v in graphs.items())
         title = f"{titles.get(name, name)}{where}"
         print(f"| graph path: {title} (s) | {row['s'][0]} | {row['s'][1]} | {row['ratio']} | "
               f"{row['max_param_diff']:.1e} (params{extra}) |")  # fmt: skip
