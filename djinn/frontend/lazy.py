@@ -271,9 +271,10 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
             trace,
             1,
         )
-        trace.add(node)
         ref = Pending(node, 0)
-        bind(x, ref)
+        with trace.lock:  # Note [a node and its outputs] (trace.py)
+            trace.add(node)
+            bind(x, ref)
     elif isinstance(ref, Pending) and not ref.node.executed and ref.node.trace is not trace:
         if ref.node.inflight is None:  # captured by another thread: send it now, and go on
             flush(ref.node.trace, wait=False)  # Note [asynchronous flushes] (trace.py)
@@ -412,11 +413,12 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node.bases = _written_bases(func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
-    trace.add(node)
     outs: list[Any] = []
-    with inference_views.view_mode(func, args):
-        for i, s in enumerate(specs):
-            outs.append(_output(s, flat, node, i) if isinstance(s, TensorSpec) else s)
+    with trace.lock:  # Note [a node and its outputs] (trace.py)
+        trace.add(node)
+        with inference_views.view_mode(func, args):
+            for i, s in enumerate(specs):
+                outs.append(_output(s, flat, node, i) if isinstance(s, TensorSpec) else s)
     if isinstance(spec, TensorSpec):
         return outs[0]
     return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)

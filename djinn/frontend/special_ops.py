@@ -121,8 +121,9 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
         if isinstance(ref, torch.Tensor) and ref.stride() == dst.stride():
             trace = streamed(current())
             node = Node(torch.ops.aten.clone.default, [ref], {}, trace, 1)
-            trace.add(node)
-            bind(dst, Pending(node, 0))
+            with trace.lock:  # Note [a node and its outputs] (trace.py)
+                trace.add(node)
+                bind(dst, Pending(node, 0))
             return dst
     return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)
 

@@ -62,6 +62,14 @@ class Trace:
         with contextlib.suppress(DjinnError):  # failed nodes hold it: a gradient read raises
             flush(self, wait=False, quiet=True)
 
+    # Note [a node and its outputs]: another thread that reads a tensor this trace holds
+    # sends the trace (Note [asynchronous flushes]), and a flush keeps the outputs that
+    # live tensors hold (``Node.holders``). An op joins the trace before its outputs are
+    # bound to their tensors, so a flush between the two ran the node with nothing holding
+    # its output, and that output then read as "released before it was read" (seen with a
+    # trainer thread and a thread reading ``.grad``). So whoever adds a node holds the
+    # trace's lock, which a flush takes, until the node's outputs are bound; nothing in
+    # between may wait for another trace (``flush`` of another trace, a fetch).
     def add(self, node: Node) -> None:
         with self.lock:  # another thread may be flushing this trace (cross-thread reads)
             self.nodes.append(node)

@@ -254,3 +254,45 @@ def test_a_graph_read_late_costs_the_journal_what_it_ran(frontend):
     assert failure is None and torch.equal(kept[0].cpu(), torch.arange(6.0) * 3)
     entry = next(e for e in reversed(s._lineage.entries) if e.kind == "exec")
     assert 0 <= entry.seconds < 0.3, entry.seconds
+
+
+def test_an_op_whose_trace_another_thread_flushes_as_it_is_captured_keeps_its_output(
+    frontend, monkeypatch
+):
+    """A thread that reads a tensor another thread's trace holds sends that trace (Note
+    [asynchronous flushes]). It must not send it between an op's node joining the trace and
+    the op's output being bound to its tensor: the graph would run the node with nothing
+    holding its output, which then reads as released. The capturing thread stops in that
+    window here (for up to 1 s) while the other thread reads."""
+    from djinn.frontend import trace as trace_mod
+
+    base = torch.arange(6.0).to(R)
+    added, read = threading.Event(), threading.Event()
+    add = trace_mod.Trace.add
+
+    def pausing(self, node):
+        add(self, node)
+        if node.op is torch.ops.aten.add.Tensor and threading.current_thread() is capturer:
+            added.set()
+            read.wait(1.0)  # the read below runs now, or once this op is bound
+
+    monkeypatch.setattr(trace_mod.Trace, "add", pausing)
+    got: dict[str, torch.Tensor] = {}
+
+    def capture() -> None:
+        got["a"] = a = base * 2  # pending in the capturing thread's trace
+        got["b"] = a + 1
+
+    def reader() -> None:
+        added.wait(5.0)
+        got["read"] = (got["a"] * 3).cpu()  # sends the capturing thread's trace
+        read.set()
+
+    capturer = threading.Thread(target=capture)
+    other = threading.Thread(target=reader)
+    other.start()
+    capturer.start()
+    capturer.join(10.0)
+    other.join(10.0)
+    assert torch.equal(got["read"], torch.arange(6.0) * 6)
+    assert torch.equal(got["b"].cpu(), torch.arange(6.0) * 2 + 1)
