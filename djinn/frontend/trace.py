@@ -354,17 +354,27 @@ def _held(ref: Any, remote: Any) -> None:
 
 
 def _ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> None:
-    """The nodes the appliance ran are executed; the kept ones now name their handles."""
+    """The nodes the appliance ran are executed; the kept ones now name their handles.
+
+    Note [results before executed]: other threads read a node's ``executed`` and
+    ``results`` without a lock (``resolved``, ``ref_for_node``). A node marked executed
+    before its kept results were in place read as "released before it was read" on a
+    thread that looked in between (a trainer reading its momentum buffers while another
+    thread landed the graph that made them, about once in 400 steps). So each node's
+    results are complete before it is marked executed."""
     ran = sent if failure is None else sent[: failure["node"]]
+    results = {id(n): [None] * n.nout for n in ran}
+    for (n, k, _alive), remote in zip(keep_targets, kept, strict=False):
+        if remote is not None:
+            results[id(n)][k] = remote
     for n in ran:
+        n.results = results[id(n)]
         n.executed = True
-        n.results = [None] * n.nout
         n.args = n.kwargs = None  # let inputs go
         n.rng = None
         n.bases = ()
-    for (n, k, alive), remote in zip(keep_targets, kept, strict=False):
+    for (_n, _k, alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:
-            n.results[k] = remote
             for cell in alive:
                 cell.ref = remote
 
