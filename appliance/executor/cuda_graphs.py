@@ -13,8 +13,8 @@ Python per node and reads the same addresses:
 
 - what it writes into an input (a training step's parameters and optimizer state), it
   writes where the input was at capture: a written input is never copied into a buffer
-  of the graph's own (below), so a run whose written input sits elsewhere is the
-  compiled run. Writes are
+  of the graph's own (below), so a run whose written input sits elsewhere (a new model,
+  another session's) captures again where it is, within ``MAX_CAPTURES``. Writes are
   found by alias analysis over the template (schema alias info, written arguments, views
   followed to their root, a view its schema does not declare included:
   ``UNANNOTATED_VIEWS``). See Note [a graph that writes its inputs];
@@ -62,15 +62,21 @@ allocator's pools) happens where it may; the capture itself computes nothing, an
 capturing run's results come from the replay that follows. A plan that writes into an
 input would then be applied twice: once by that warm-up and once by the replay, so an
 SGD step would move the weights twice as far. So the warm-up of such a plan runs on
-copies of the inputs it writes (counted against ``cuda_graph_bytes`` while they live),
-and only the replay writes the inputs themselves. Before the graphs took these plans (stop
-36), a training step ran compiled, each of its few hundred kernels launched from Python:
-on an H100 a replayed SGD step of ``benchmarks/gpu.py``'s encoder took 5.2 ms against
-local eager's 3.4 ms.
+copies of the storages it writes, each written input the same view of its storage's copy
+(offsets and aliasing kept: an ``as_strided`` of a view failed on a plain clone), and
+only the replay writes the inputs themselves. A plan whose copies and pool together are
+over ``cuda_graph_bytes`` is not captured; the copies live only during the warm-up, beside
+the graphs' bytes, so for that moment a worker can hold up to about twice the bound. A
+replay that writes reports it (``wrote``, Note [rerunnable graphs]): a request whose
+results then find no memory is not queued to run again, which would apply it twice.
 
-An index guard's prefix (below) runs before the replay on the inputs as they are, so it
-must not write into an input, nor read one that the plan writes before the guard reads:
-such a plan is not captured.
+A graph measured no faster than the compiled plan for a small training step on an H100
+(stop 36, ``benchmarks/gpu.py``): there the step's time is not the worker's launches. It
+is kept because it is correct and removes the launches where they do count.
+
+An index guard and its prefix (below) run before the replay, on the inputs as they are
+then. So a plan is not captured when a guard or its prefix reads an input, or another
+input over the same storage (``input_signature``), that a node before the guard writes.
 """
 
 from __future__ import annotations
@@ -159,6 +165,9 @@ def qualifies(plan: Plan, device: torch.device) -> Qualified:
     refs = [_refs(t.get("args", [])) | _refs(t.get("kwargs", {})) for t in src]
     root: dict[int, tuple[str, int]] = {}  # a view's value -> what it is a view of
     writers: dict[tuple[str, int], list[int]] = {}  # a value's root -> nodes writing it
+    # inputs over one storage (input_signature's index) are one value to the guards' rule
+    group = [sig[5] for sig in plan.signature] if plan.signature else []
+    stored: dict[int, list[int]] = {}  # a storage of inputs -> nodes writing into it
     guards: list[int] = []
     for i, (node, tpl) in enumerate(zip(nodes, src, strict=True)):
         if node.rng is not None or torch.Tag.nondeterministic_seeded in node.op.tags:
@@ -169,13 +178,27 @@ def qualifies(plan: Plan, device: torch.device) -> Qualified:
         if of:  # a view (or the self it wrote): its root is what it is a view of
             root[i] = of[0]
         for r in _written_refs(node.op, tpl) if writes(node.op) else ():
-            writers.setdefault(_root(r, root), []).append(i)
+            base = _root(r, root)
+            writers.setdefault(base, []).append(i)
+            if base[0] == "in":
+                stored.setdefault(group[base[1]] if group else base[1], []).append(i)
         if has_extra_checks(node.op, device) and index_bounds.has_guard(node.op):
             if opchecks.has_check(node.op):
                 return Qualified(f"an op with two kinds of checks ({node.name})", [], [])
             guards.append(i)
+
+    def written_before(r: tuple[str, int], g: int) -> bool:
+        """Whether ``r`` is an input whose storage a node before ``g`` writes."""
+        r = _root(r, root)
+        if r[0] != "in":
+            return False
+        return any(m < g for m in stored.get(group[r[1]] if group else r[1], ()))
+
     prefix: set[int] = set()
     for g in guards:  # each guard's own closure: what reaches it before it reads
+        # the guard and its prefix run on the inputs as they are before the replay
+        if any(written_before(r, g) for r in refs[g]):
+            return Qualified("an index guard reads an input the plan writes", [], [])
         seen: set[int] = set()
         todo = [n for k, n in refs[g] if k == "v"]
         while todo:
@@ -187,10 +210,8 @@ def qualifies(plan: Plan, device: torch.device) -> Qualified:
             big = isinstance(meta, torch.Tensor) and meta.numel() > PREFIX_NUMEL
             if len(prefix | seen) > PREFIX_NODES or n in plan.casts or big:
                 return Qualified("an index guard reads a value computed by too many nodes", [], [])
-            # the prefix runs on the inputs as they are before the replay
             root_n = _root(("v", n), root)
-            read = {_root(r, root) for r in refs[n]} | {root_n}
-            if any(r[0] == "in" and any(m < g for m in writers.get(r, ())) for r in read):
+            if any(written_before(r, g) for r in (*refs[n], root_n)):
                 return Qualified("an index guard reads an input the plan writes", [], [])
             todo += [m for k, m in refs[n] if k == "v"]
             # what wrote into it before this guard read it (arange's out= into an empty)
@@ -427,9 +448,9 @@ class GraphedRun(CompiledRun):
                 k for k, t in enumerate(ins)
                 if k not in old.owned and t.data_ptr() != old.addresses[k]
             }  # fmt: skip
-        for k in varying:
+        for k in varying - written:  # a written input is captured where it now is
             t = ins[k]
-            if k in written or not _ownable(t, ins):
+            if not _ownable(t, ins):
                 log.info("graph plan: input %d moved and cannot be copied in", k)
                 state["captures"] = MAX_CAPTURES
                 return None
@@ -439,7 +460,8 @@ class GraphedRun(CompiledRun):
         pg.addresses = [t.data_ptr() for t in ins]
         code = plan.code
         # Note [a graph that writes its inputs]: the warm-up writes copies
-        copies = sum(ins[k].numel() * ins[k].element_size() for k in written)
+        stores = {ins[k].untyped_storage().data_ptr(): ins[k].untyped_storage() for k in written}
+        copies = sum(st.nbytes() for st in stores.values())
         if copies + pool_bytes(plan.peak) > graphs.max_bytes:
             graphs.refuse(plan, f"the {copies} bytes of inputs it writes are over cuda_graph_bytes")
             return None
@@ -451,7 +473,14 @@ class GraphedRun(CompiledRun):
             return values
 
         def warm() -> list[Any]:
-            return run([t.clone() if k in written else t for k, t in enumerate(ins)])
+            """The plan on copies of the storages it writes, each input it writes a view
+            of its storage's copy as it is of the storage (offsets and aliasing kept)."""
+            cloned = {ptr: st.clone() for ptr, st in stores.items()}
+            on = list(ins)
+            for k in written:
+                t = ins[k]
+                on[k] = _view_of(cloned[t.untyped_storage().data_ptr()], t)
+            return run(on)
 
         try:
             self.stack.reserve(plan.peak)
@@ -486,6 +515,8 @@ class GraphedRun(CompiledRun):
         try:
             for k, buf in pg.owned.items():
                 buf.copy_(self.ins[k])
+            # Note [rerunnable graphs]: a replay that wrote in place cannot run again
+            self.wrote = plan.first_write < len(plan.nodes)
             self.graphs.capture.replay(pg.graph)
             # a session keeps its results: the next replay writes the graph's buffers again
             self.values = {n: _copied(v) for n, v in zip(plan.pinned, pg.values, strict=True)}
@@ -536,12 +567,17 @@ def _check_outputs(values: list[Any], ins: list[torch.Tensor]) -> None:
         seen.add(ptr)
 
 
+def _view_of(storage: Any, t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``storage`` with ``t``'s dtype, sizes, strides and offset."""
+    out = torch.empty((), dtype=t.dtype, device=t.device)
+    return out.set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
 def _copied(v: Any) -> Any:
     """``v`` out of the graph's buffers: its storage copied whole, so that a view keeps its
     strides and offset as the compiled run gives them."""
     if isinstance(v, torch.Tensor):
-        out = torch.empty((), dtype=v.dtype, device=v.device)
-        return out.set_(v.untyped_storage().clone(), v.storage_offset(), v.size(), v.stride())
+        return _view_of(v.untyped_storage().clone(), v)
     if isinstance(v, tuple):
         return tuple(_copied(u) for u in v)
     if isinstance(v, list):

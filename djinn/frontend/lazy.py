@@ -514,13 +514,13 @@ def _run_now(
         return None
     node = Node(func, ref_args, ref_kwargs, trace, len(returns), multi=len(returns) > 1)
     node.rng = rng
-    trace.add(node)
     tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
     refs = [Pending(node, i) for i in range(node.nout)]
     values = flush(
         trace,
         fetch=[r for i, r in enumerate(refs) if i not in tensor_idx],
         keep=[refs[i] for i in tensor_idx],
+        add=node,  # Note [a node and its outputs] (trace.py)
     )
     fetched, kept = values
     out: list[Any] = []

@@ -69,7 +69,10 @@ class Trace:
     # its output, and that output then read as "released before it was read" (seen with a
     # trainer thread and a thread reading ``.grad``). So whoever adds a node holds the
     # trace's lock, which a flush takes, until the node's outputs are bound; nothing in
-    # between may wait for another trace (``flush`` of another trace, a fetch).
+    # between may wait for another trace (``flush`` of another trace, a fetch). An op run
+    # at once (``lazy._run_now``: a value-dependent shape, a Python result) joins the trace
+    # inside the flush that runs it (``flush(add=...)``), after that flush has landed what
+    # is in flight, which takes other traces' locks.
     def add(self, node: Node) -> None:
         with self.lock:  # another thread may be flushing this trace (cross-thread reads)
             self.nodes.append(node)
@@ -164,6 +167,8 @@ def resolved(ref: Any) -> Any:
         results = ref.node.results or []
         value = results[ref.index] if ref.index < len(results) else None
         if value is None:
+            if ref.node.failed is not None:  # failed on another thread since the check above
+                raise ref.node.failed
             raise DjinnError(f"{ref.node.name}: its value was released before it was read")
         if value.failed is not None:
             raise value.failed
@@ -249,11 +254,15 @@ def flush(
     *,
     wait: bool = True,
     quiet: bool = False,
+    add: Node | None = None,
 ) -> tuple[list[Any], list[RemoteTensor]]:
     """Run every pending node of ``trace``. Returns the values of the ``fetch`` refs and
     handles for the ``keep`` refs (outputs live LazyTensors hold are kept regardless).
     ``wait=False`` with nothing requested: send the graph and return at once (Note
-    [asynchronous flushes]); ``quiet``: its failure is not raised when it lands.
+    [asynchronous flushes]); ``quiet``: its failure is not raised when it lands. ``add``:
+    a node that joins the trace as the flush takes it, whose outputs ``fetch`` and
+    ``keep`` name (Note [a node and its outputs]: another thread's flush could otherwise
+    send it in between, with nothing holding them).
 
     Note [failed values] in practice: a node that cannot be sent, or that the appliance
     refuses, fails alone, with everything computed from it (and what it would have
@@ -263,6 +272,8 @@ def flush(
 
     land_all()  # what this graph reads may be what a graph in flight makes
     with trace.lock:
+        if add is not None:
+            trace.add(add)
         nodes, trace.nodes = trace.nodes, []
         if not nodes and not fetch and not keep:
             return [], []

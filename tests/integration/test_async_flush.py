@@ -256,8 +256,17 @@ def test_a_graph_read_late_costs_the_journal_what_it_ran(frontend):
     assert 0 <= entry.seconds < 0.3, entry.seconds
 
 
+@pytest.mark.parametrize(
+    ("op", "then"),
+    [
+        (torch.ops.aten.add.Tensor, lambda a: a + 1),
+        # a data-dependent op joins the trace and flushes it at once (lazy._run_now)
+        (torch.ops.aten.nonzero.default, torch.nonzero),
+    ],
+    ids=["captured", "run now"],
+)
 def test_an_op_whose_trace_another_thread_flushes_as_it_is_captured_keeps_its_output(
-    frontend, monkeypatch
+    frontend, monkeypatch, op, then
 ):
     """A thread that reads a tensor another thread's trace holds sends that trace (Note
     [asynchronous flushes]). It must not send it between an op's node joining the trace and
@@ -272,7 +281,7 @@ def test_an_op_whose_trace_another_thread_flushes_as_it_is_captured_keeps_its_ou
 
     def pausing(self, node):
         add(self, node)
-        if node.op is torch.ops.aten.add.Tensor and threading.current_thread() is capturer:
+        if node.op is op and threading.current_thread() is capturer:
             added.set()
             read.wait(1.0)  # the read below runs now, or once this op is bound
 
@@ -281,7 +290,7 @@ def test_an_op_whose_trace_another_thread_flushes_as_it_is_captured_keeps_its_ou
 
     def capture() -> None:
         got["a"] = a = base * 2  # pending in the capturing thread's trace
-        got["b"] = a + 1
+        got["b"] = then(a)
 
     def reader() -> None:
         added.wait(5.0)
@@ -295,4 +304,4 @@ def test_an_op_whose_trace_another_thread_flushes_as_it_is_captured_keeps_its_ou
     capturer.join(10.0)
     other.join(10.0)
     assert torch.equal(got["read"], torch.arange(6.0) * 6)
-    assert torch.equal(got["b"].cpu(), torch.arange(6.0) * 2 + 1)
+    assert torch.equal(got["b"].cpu(), then(torch.arange(6.0) * 2))
