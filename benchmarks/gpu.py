@@ -337,6 +337,10 @@ def training(repeat: int, client: Any, steps: int = 20) -> dict[str, Any]:
         cuda_graphs[name] = {
             k: after[k] - before[k] for k in ("captured", "replays", "failed", "refused")
         }
+        why, was = after.get("why", {}), before.get("why", {})
+        cuda_graphs[name]["why"] = {
+            k: n - was.get(k, 0) for k, n in why.items() if n > was.get(k, 0)
+        }
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "local.pt")
         subprocess.run(
@@ -548,7 +552,9 @@ def training_rows(tr: dict[str, Any], where: str) -> None:
             ps = row["per_step_ms"]
             extra += f"; steady step {ps[0]} ms / {ps[1]} ms = {row['per_step_ratio']}x"
         graphs = row["cuda_graphs"]
-        extra += "; CUDA graphs " + ", ".join(f"{k} {v}" for k, v in graphs.items())
+        extra += "; CUDA graphs " + ", ".join(f"{k} {v}" for k, v in graphs.items() if k != "why")
+        if graphs.get("why"):
+            extra += f" ({graphs['why']})"
         title = f"{titles.get(name, name)}{where}"
         print(f"| graph path: {title} (s) | {row['s'][0]} | {row['s'][1]} | {row['ratio']} | "
               f"{row['max_param_diff']:.1e} (params{extra}) |")  # fmt: skip

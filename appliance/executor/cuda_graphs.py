@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator
 from typing import Any, NamedTuple
 
@@ -102,6 +102,7 @@ log = logging.getLogger("djinn.appliance.cuda_graphs")
 PREFIX_NODES = 16  # nodes run before a replay to compute what the index guards read
 PREFIX_NUMEL = 1 << 16  # and the most elements each of their outputs may have
 MAX_CAPTURES = 3  # captures of one plan (its inputs moved) before it stays compiled
+WHYS = 16  # kinds of reason the stats count one by one (refusals, failed captures)
 # ops whose output is a view of their first argument though their schema does not say so
 # (no ``Tensor(a)``): a write through one writes that argument
 UNANNOTATED_VIEWS = frozenset(
@@ -305,6 +306,9 @@ class CudaGraphs:
         self.replays = 0
         self.failed = 0  # captures that failed: those plans run compiled
         self.refused = 0  # plans that do not qualify
+        # why, for each refusal and failed capture: what an operator (or gpu.py) reads to
+        # see which plans run compiled and what would make them graphs (at most WHYS kinds)
+        self.why: Counter[str] = Counter()
         self.moved = 0  # runs that found an input moved once the captures were spent
         self.run_class = type("GraphedRun", (GraphedRun,), {"graphs": self})
 
@@ -329,9 +333,16 @@ class CudaGraphs:
         """``plan`` runs compiled from now on (counted, logged)."""
         log.info("graph plan of %d nodes: no CUDA graph (%s)", len(plan.nodes), why)
         self.refused += 1
+        self.count_why(why)
         if plan.cuda_graph and plan.cuda_graph["graph"] is not None:
             self.drop(plan)
         plan.cuda_graph = False
+
+    def count_why(self, why: str) -> None:
+        if why in self.why or len(self.why) < WHYS:
+            self.why[why] += 1
+        else:
+            self.why["other reasons"] += 1
 
     def keep(self, plan: Plan, graph: PlanGraph) -> None:
         """Hold ``graph`` for ``plan``, letting go of the least recently used over the bound."""
@@ -365,7 +376,7 @@ class CudaGraphs:
             if plan.cuda_graph and plan.cuda_graph["graph"] is not None:
                 self.drop(plan)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {
             "graphs": len(self._live),
             "bytes": self.bytes,
@@ -373,6 +384,7 @@ class CudaGraphs:
             "replays": self.replays,
             "failed": self.failed,
             "refused": self.refused,
+            "why": dict(self.why),
             "moved": self.moved,
         }
 
@@ -494,6 +506,7 @@ class GraphedRun(CompiledRun):
             _check_outputs(pg.values, ins)
         except Exception as exc:  # any refusal: this plan runs compiled (counted, logged)
             graphs.failed += 1
+            graphs.count_why(f"capture failed: {type(exc).__name__}: {exc}"[:200])
             if old is not None:
                 graphs.drop(plan)
             plan.cuda_graph = False

@@ -112,9 +112,9 @@ SETTINGS: tuple[Setting, ...] = (
         "On a GPU worker, replay a compiled plan that qualifies as one CUDA graph: its "
         "kernels launched by one call instead of one Python call each, the same bits "
         "(Note [CUDA graphs for plans]). A plan that writes into its inputs (a training "
-        "step) is replayed while those inputs stay where they were at capture. Plans that "
+        "step) writes them where they are (captured again when they move). Plans that "
         "draw random numbers or read values to check them stay compiled; the stats count "
-        "each. No effect on CPU workers.",
+        "each, and why. No effect on CPU workers.",
         "bool",
     ),
     Setting(

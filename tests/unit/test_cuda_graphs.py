@@ -110,7 +110,7 @@ def test_a_forward_is_captured_once_then_replayed_with_the_compiled_runs_bits():
         assert torch.equal(kept, want[0]) and torch.equal(fetched, want[1])
     assert graphs.stats() | {"bytes": 0} == {
         "graphs": 1, "bytes": 0, "captured": 1, "replays": 3, "failed": 0, "refused": 0,
-        "moved": 0,
+        "why": {}, "moved": 0,
     }  # fmt: skip
     assert stand_in.replays == 3  # the capturing run replays too: a capture computes nothing
 
@@ -164,6 +164,9 @@ def test_a_failed_capture_is_counted_and_the_plan_runs_compiled():
         assert torch.equal(kept, _eager(s.handles["x"], s.handles["w"])[0])
     assert graphs.failed == 1 and graphs.captured == 0 and plan.cuda_graph is False
     assert graphs.runner(plan, CompiledRun, CPU) is CompiledRun
+    assert graphs.stats()["why"] == {
+        "capture failed: RuntimeError: operation not permitted when stream is capturing": 1
+    }
 
 
 def test_a_kept_view_of_an_input_is_not_captured():
@@ -503,6 +506,17 @@ def test_a_step_whose_written_inputs_are_too_big_to_copy_is_not_captured():
     graphs = cg.CudaGraphs(True, cg.pool_bytes(plan.peak) + 4 * 8 * 4 - 1, StandIn())
     _stepped(s, graphs, plan, fp, 2)
     assert graphs.refused == 1 and graphs.captured == 0 and plan.cuda_graph is False
+    assert graphs.stats()["why"] == {
+        "the 128 bytes of inputs it writes are over cuda_graph_bytes": 1
+    }
+
+
+def test_the_reasons_counted_are_bounded(monkeypatch):
+    monkeypatch.setattr(cg, "WHYS", 2)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    for why in ("a", "b", "a", "c", "d"):
+        graphs.count_why(why)
+    assert graphs.stats()["why"] == {"a": 2, "b": 1, "other reasons": 2}
 
 
 def test_a_kept_view_of_the_graphs_own_buffer_keeps_its_strides_and_its_values():
