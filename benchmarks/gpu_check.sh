@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A lent GPU's checks in one command (issue 14), for the device machine's image, whose
 # python3 already holds a CUDA build of torch: install Djinn and the wheels it lacks
-# there (carried in .whl/, README "GPU checks"), then the gpu-marked tests, the GPU
-# benchmark, the transport benchmark and test_failures_stay_local.py on GPU workers. Each
+# there (carried in .whl/, README "GPU checks"; py-spy's too, for the profile), then the
+# gpu-marked tests, the GPU benchmark, the transport benchmark, replay_profile.py and
+# test_failures_stay_local.py on GPU workers. Each
 # step has its own time limit so that a hang costs one step, and every log lands in $OUT
 # (or /tmp/gpu_check).
 #
@@ -34,6 +35,10 @@ step gpu_tests 150 python3 -m pytest -n 0 -m gpu -p no:cacheprovider -q -rfE --t
     tests/integration/test_gpu.py tests/unit/test_tiers.py
 step gpu_bench 240 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
 step transport 90 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
+# where a replayed training step's time goes (worker and client sampled if py-spy is there)
+SPY=$(command -v py-spy || true)
+step replay_profile 90 python3 benchmarks/replay_profile.py --seconds 6 ${SPY:+--py-spy "$SPY"} \
+    --json "$OUT/replay_profile.json"
 # one failed op breaks nothing else, on GPU workers: a bad index answered without a restart
 DJINN_TEST_GPUS=auto step failures_on_gpu 100 python3 -m pytest -n 0 -p no:cacheprovider -q -rfE \
     --timeout 120 tests/integration/test_failures_stay_local.py

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Where a replayed training step's time goes: the client's Python, the worker's, or the wait.
+
+A GPU run of ``benchmarks/gpu.py`` (stop 36) put a replayed SGD step of
+``training_step.py``'s encoder at 1.5-2.0x local eager, with or without CUDA graphs, so the
+worker's kernel launches were not what it spent. This script answers what is: it replays
+that step (``djinn.replayable``, SGD with momentum) for ``--seconds`` on a private
+appliance, and reports, side by side for the same steps:
+
+- the step's wall time (between two calls' returns, past the recordings);
+- the client's CPU time per step (``time.process_time`` of this process, all threads);
+- the worker's CPU time per step (``psutil`` on the worker process);
+- with ``--py-spy PATH`` (a py-spy binary; install it with ``pip install py-spy``): the
+  worker's most sampled lines, and the client's, from a py-spy record of each at
+  ``--rate`` Hz. Sampling slows both, so its per-step times are not the ones above: the
+  profile runs after them, on more steps.
+
+    python benchmarks/replay_profile.py                       # GPU workers if there are GPUs
+    python benchmarks/replay_profile.py --gpus none --seconds 5
+    python benchmarks/replay_profile.py --py-spy /tmp/pyspy/bin/py-spy
+
+Prints markdown tables; ``--json`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from _appliance import appliance, device_of, unwind_on_sigterm
+from _common import GiB, note, save_json
+from training_step import OPTIMIZERS, build, using
+
+R = "remote_accelerator:0"
+
+
+def replayed_sgd(width: int, layers: int) -> tuple[Any, list]:
+    """The replayed step of training_step.py's encoder, and its batches on the device."""
+    import djinn
+
+    model = build(width, layers).train().to(R)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 32, width, generator=gen).to(R),
+         torch.randn(16, 32, 1, generator=gen).to(R))
+        for _ in range(8)
+    ]  # fmt: skip
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return djinn.replayable(step), data
+
+
+def run_for(run: Any, data: list, seconds: float) -> int:
+    """Replayed steps for ``seconds``, every one landed at the end; how many."""
+    from djinn.frontend import trace
+
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        run(*data[n % len(data)])
+        n += 1
+    trace.land_all()
+    return n
+
+
+def top_lines(raw: Path, count: int) -> list[tuple[str, float]]:
+    """The most sampled innermost frames of a py-spy ``--format raw`` record, as shares."""
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        leaves[stack.split(";")[-1]] += int(n)
+        total += int(n)
+    return [(frame, round(n / total, 3)) for frame, n in leaves.most_common(count)] if total else []
+
+
+def profile(spy: str, pids: dict[str, int], run: Any, data: list, seconds: float,
+            rate: int, tmp: Path) -> dict[str, Any]:  # fmt: skip
+    """py-spy records of each of ``pids`` while the step replays for ``seconds``."""
+    procs = {}
+    for name, pid in pids.items():
+        out = tmp / f"{name}.txt"
+        cmd = [spy, "record", "-p", str(pid), "-r", str(rate), "-d", str(int(seconds) + 1),
+               "-f", "raw", "-o", str(out), "--nonblocking"]  # fmt: skip
+        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True), out)  # fmt: skip
+    time.sleep(0.5)  # py-spy attaches
+    steps = run_for(run, data, seconds)
+    found: dict[str, Any] = {"steps": steps}
+    for name, (proc, out) in procs.items():
+        _, err = proc.communicate(timeout=60)
+        found[name] = top_lines(out, 15) if out.exists() else {"error": err.strip()[-500:]}
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="auto", help="the appliance's gpus setting")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--py-spy", default=None, help="a py-spy binary: profile both sides")
+    parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    parser.add_argument("--json", default="benchmarks/results/replay_profile.json")
+    args = parser.parse_args()
+    unwind_on_sigterm()
+    doc: dict[str, Any] = {"benchmark": "replay_profile", "seconds": args.seconds}
+    with tempfile.TemporaryDirectory() as tmp, appliance(
+        Path(tmp), GiB, args.gpus
+    ) as app, using(app.unix):  # fmt: skip
+        doc["device"] = device_of(app.readiness)
+        worker = next(
+            p for p in psutil.Process(app.proc.pid).children(recursive=True)
+            if "djinn.appliance.worker" in " ".join(p.cmdline())
+        )  # fmt: skip
+        run, data = replayed_sgd(args.width, args.layers)
+        run_for(run, data, 1.0)  # recordings, plans compiled, graphs captured
+        note(f"replaying for {args.seconds} s on {doc['device']}")
+        wall0, cpu0, w0 = time.perf_counter(), time.process_time(), worker.cpu_times()
+        steps = run_for(run, data, args.seconds)
+        wall, cpu, w1 = time.perf_counter() - wall0, time.process_time() - cpu0, worker.cpu_times()
+        worker_cpu = (w1.user + w1.system) - (w0.user + w0.system)
+        doc["steps"] = steps
+        doc["ms_per_step"] = {
+            "wall": round(wall / steps * 1e3, 3),
+            "client_cpu": round(cpu / steps * 1e3, 3),
+            "worker_cpu": round(worker_cpu / steps * 1e3, 3),
+        }
+        doc["replay"] = run.stats()
+        stats = app_stats(app.unix)
+        doc["cuda_graphs"], doc["graph_plans"] = stats.get("cuda_graphs"), stats.get("graph_plans")
+        if args.py_spy:
+            note(f"py-spy on the worker and this process, {args.rate} Hz")
+            pids = {"worker": worker.pid, "client": os.getpid()}
+            doc["profile"] = profile(args.py_spy, pids, run, data, args.seconds, args.rate,
+                                     Path(tmp))  # fmt: skip
+    report(doc)
+    save_json(doc, args.json)
+    return 0
+
+
+def app_stats(address: str) -> dict[str, Any]:
+    import djinn
+
+    time.sleep(0.5)  # the worker's stats reach the supervisor every STATS_PUSH_S
+    with djinn.connect(address) as client:
+        return client.stats()["scheduler"][0]
+
+
+def report(doc: dict[str, Any]) -> None:
+    ms = doc["ms_per_step"]
+    print(f"\nReplayed SGD step of training_step.py's encoder on {doc['device']}, "
+          f"{doc['steps']} steps in {doc['seconds']} s\n")  # fmt: skip
+    print("| per step | ms |\n|---|---|")
+    print(f"| wall (between two calls' returns) | {ms['wall']} |")
+    print(f"| client CPU (this process, all threads) | {ms['client_cpu']} |")
+    print(f"| worker CPU | {ms['worker_cpu']} |")
+    print(f"\nreplays: {doc['replay']}\nCUDA graphs: {doc['cuda_graphs']}")
+    prof = doc.get("profile")
+    if prof:
+        print(f"\npy-spy, {prof['steps']} steps while sampled:")
+        for side in ("worker", "client"):
+            lines = prof.get(side)
+            print(f"\n| {side}: innermost frame | share of samples |\n|---|---|")
+            if isinstance(lines, dict):
+                print(f"| (failed: {lines['error']}) | |")
+                continue
+            for frame, share in lines:
+                print(f"| {frame[:110]} | {share:.1%} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
