@@ -49,7 +49,7 @@ import torch
 from _appliance import appliance
 from _common import GiB, save_json
 from _report import md_table
-from training_step import build, using
+from training_step import build, train_step, using
 
 R = "remote_accelerator:0"
 
@@ -65,13 +65,7 @@ def sgd_step(args: argparse.Namespace) -> tuple[Callable, tuple, Callable, str, 
     remote = model.to(R)
     opt = torch.optim.SGD(remote.parameters(), lr=1e-2, momentum=0.9)
     local_opt = torch.optim.SGD(local.parameters(), lr=1e-2, momentum=0.9)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(remote(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+    step = train_step(remote, opt)
 
     def eager() -> None:
         local_opt.zero_grad()

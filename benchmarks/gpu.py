@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from _appliance import appliance, device_of, unwind_on_sigterm
 from _common import GiB, MiB, note, save_json
+from training_step import batches_of, max_diff, using
 from training_step import build as build_encoder
-from training_step import max_diff, using
 
 R = "remote_accelerator:0"
 
@@ -248,13 +248,7 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
 
 
 def training_batches(steps: int) -> tuple[torch.nn.Module, list]:
-    model = build_encoder(64, 2).train()
-    gen = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randn(16, 32, 64, generator=gen), torch.randn(16, 32, 1, generator=gen))
-        for _ in range(steps)
-    ]
-    return model, batches
+    return build_encoder(64, 2).train(), batches_of(64, steps)
 
 
 LOCAL_LOOPS = {  # name: (optimizer, attention kernels of the local loop or None for any)

@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 from _appliance import appliance, device_of, unwind_on_sigterm
 from _common import GiB, note, save_json
-from training_step import OPTIMIZERS, build, using
+from training_step import OPTIMIZERS, batches_of, build, scheduler_stats, train_step, using
 
 R = "remote_accelerator:0"
 
@@ -48,22 +47,8 @@ def replayed_sgd(width: int, layers: int) -> tuple[Any, list]:
     import djinn
 
     model = build(width, layers).train().to(R)
-    opt = OPTIMIZERS["sgd"](model.parameters())
-    gen = torch.Generator().manual_seed(1)
-    data = [
-        (torch.randn(16, 32, width, generator=gen).to(R),
-         torch.randn(16, 32, 1, generator=gen).to(R))
-        for _ in range(8)
-    ]  # fmt: skip
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return djinn.replayable(step), data
+    data = [(x.to(R), y.to(R)) for x, y in batches_of(width, 8)]
+    return djinn.replayable(train_step(model, OPTIMIZERS["sgd"](model.parameters()))), data
 
 
 def run_for(run: Any, data: list, seconds: float) -> int:
@@ -144,8 +129,9 @@ def main() -> int:
             "worker_cpu": round(worker_cpu / steps * 1e3, 3),
         }
         doc["replay"] = run.stats()
-        stats = app_stats(app.unix)
-        doc["cuda_graphs"], doc["graph_plans"] = stats.get("cuda_graphs"), stats.get("graph_plans")
+        time.sleep(0.5)  # the worker's stats reach the supervisor every STATS_PUSH_S
+        doc["cuda_graphs"] = scheduler_stats(app.unix, "cuda_graphs")
+        doc["graph_plans"] = scheduler_stats(app.unix, "graph_plans")
         if args.py_spy:
             note(f"py-spy on the worker and this process, {args.rate} Hz")
             pids = {"worker": worker.pid, "client": os.getpid()}
@@ -154,14 +140,6 @@ def main() -> int:
     report(doc)
     save_json(doc, args.json)
     return 0
-
-
-def app_stats(address: str) -> dict[str, Any]:
-    import djinn
-
-    time.sleep(0.5)  # the worker's stats reach the supervisor every STATS_PUSH_S
-    with djinn.connect(address) as client:
-        return client.stats()["scheduler"][0]
 
 
 def report(doc: dict[str, Any]) -> None:

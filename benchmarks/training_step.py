@@ -45,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,6 +79,28 @@ CALLS: list[float] = []  # when each call of the last loop returned
 STEADY_FROM = 3  # the calls before it: the first, and the two recordings of a replay
 
 
+def batches_of(width: int, count: int, batch: int = 16, seq: int = 32) -> list[tuple]:
+    """``count`` fixed random (input, target) batches for ``build(width, ...)``."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(batch, seq, width, generator=gen), torch.randn(batch, seq, 1, generator=gen))
+        for _ in range(count)
+    ]
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    """One step of this benchmark's loop: MSE loss, backward, the optimizer's step."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
 def steady() -> float:
     """Seconds per step of the last loop from call STEADY_FROM + 1 to the last call
     (between their returns): past a replay's first call and recordings, and past local
@@ -95,14 +117,7 @@ def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
     model = copy.deepcopy(model).to(device)
     opt = OPTIMIZERS[optimizer](model.parameters())
     data = [(x.to(device), y.to(device)) for x, y in batches]
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step = train_step(model, opt)
     if replay:
         import djinn
 
@@ -139,11 +154,12 @@ def using(address: str) -> Iterator[None]:
         os.environ.pop("DJINN_ADDRESS", None)
 
 
-def stats_plans(address: str) -> dict:
+def scheduler_stats(address: str, part: str) -> dict:
+    """Worker 0's ``part`` of the appliance's stats (``graph_plans``, ``cuda_graphs``)."""
     import djinn
 
     with djinn.connect(address) as client:
-        return client.stats()["scheduler"][0]["graph_plans"]
+        return client.stats()["scheduler"][0][part]
 
 
 def main() -> int:
@@ -159,12 +175,7 @@ def main() -> int:
     import djinn  # noqa: F401 - the remote_accelerator device
 
     model = build(args.width, args.layers).train()
-    gen = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randn(args.batch, args.seq, args.width, generator=gen),
-         torch.randn(args.batch, args.seq, 1, generator=gen))
-        for _ in range(args.steps)
-    ]  # fmt: skip
+    batches = batches_of(args.width, args.steps, args.batch, args.seq)
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for name in ("plans", "uncompiled", "interpreted", "spinning", "beside"):
@@ -259,7 +270,7 @@ def main() -> int:
                 raise AssertionError("a compiled plan's results differ from the plan's")
             replay_diffs["sgd captured"] = max_diff(other, sgd_want)
             replay_diffs["sgd"] = max(replay_diffs.get("sgd", 0.0), max_diff(replayed, sgd_want))
-        plans = stats_plans(planned.unix)
+        plans = scheduler_stats(planned.unix, "graph_plans")
     local, remote = statistics.median(local_s), statistics.median(remote_s)
     interp, every = statistics.median(interp_s), statistics.median(all_s)
     spin, plan = statistics.median(spin_s), statistics.median(plan_s)
