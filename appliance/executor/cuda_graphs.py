@@ -166,9 +166,6 @@ def qualifies(plan: Plan, device: torch.device) -> Qualified:
     refs = [_refs(t.get("args", [])) | _refs(t.get("kwargs", {})) for t in src]
     root: dict[int, tuple[str, int]] = {}  # a view's value -> what it is a view of
     writers: dict[tuple[str, int], list[int]] = {}  # a value's root -> nodes writing it
-    # inputs over one storage (input_signature's index) are one value to the guards' rule
-    group = [sig[5] for sig in plan.signature] if plan.signature else []
-    stored: dict[int, list[int]] = {}  # a storage of inputs -> nodes writing into it
     guards: list[int] = []
     for i, (node, tpl) in enumerate(zip(nodes, src, strict=True)):
         if node.rng is not None or torch.Tag.nondeterministic_seeded in node.op.tags:
@@ -179,14 +176,18 @@ def qualifies(plan: Plan, device: torch.device) -> Qualified:
         if of:  # a view (or the self it wrote): its root is what it is a view of
             root[i] = of[0]
         for r in _written_refs(node.op, tpl) if writes(node.op) else ():
-            base = _root(r, root)
-            writers.setdefault(base, []).append(i)
-            if base[0] == "in":
-                stored.setdefault(group[base[1]] if group else base[1], []).append(i)
+            writers.setdefault(_root(r, root), []).append(i)
         if has_extra_checks(node.op, device) and index_bounds.has_guard(node.op):
             if opchecks.has_check(node.op):
                 return Qualified(f"an op with two kinds of checks ({node.name})", [], [])
             guards.append(i)
+
+    # inputs over one storage (input_signature's index) are one value to the guards' rule
+    group = [sig[5] for sig in plan.signature] if plan.signature else []
+    stored: dict[int, list[int]] = {}  # a storage of inputs -> nodes writing into it
+    for (kind, j), ms in writers.items():
+        if kind == "in":
+            stored.setdefault(group[j] if group else j, []).extend(ms)
 
     def written_before(r: tuple[str, int], g: int) -> bool:
         """Whether ``r`` is an input whose storage a node before ``g`` writes."""
