@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import (
+    DjinnError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -26,7 +27,7 @@ from .executor.graph import GraphRun
 from .executor.plan import input_signature
 from .generate_steps import call_steps
 from .model_handlers import handle_call, handle_load, handle_register
-from .sessions import WorkerSession
+from .sessions import WorkerSession, client_names
 from .vmu.device import DeviceShort
 
 if TYPE_CHECKING:
@@ -93,6 +94,27 @@ def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     lease = frame.body.get("lease", [])
     if not isinstance(lease, list) or not all(type(n) is int and n > 0 for n in lease):
         raise InvalidArgument("lease must be a list of positive sizes")
+    # Note [puts sent without waiting]: a client may name the handles ("name" in every
+    # entry); a PUT that named them and failed leaves its error under those names
+    names = [item.get("name") if isinstance(item, dict) else None for item in items]
+    if all(n is None for n in names):
+        return _put(w, s, frame, items, [None] * len(items), lease)
+    try:
+        client_names(s, names)
+        return _put(w, s, frame, items, names, lease)
+    except DjinnError as exc:
+        s.put_failed([n for n in names if isinstance(n, str) and n not in s.handles], exc)
+        raise
+
+
+def _put(
+    w: Worker,
+    s: WorkerSession,
+    frame: Frame,
+    items: list[Any],
+    names: list[str | None],
+    lease: list[int],
+) -> Reply:
     # Note [staged uploads]: weights a session uploads for REGISTER stay in their arena
     # slabs (the host tier) until the model is built from them, so they never compete
     # with session data for device memory. A session is uploading between a REGISTER
@@ -115,7 +137,8 @@ def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
                     w.store.slabs.free(slab)
                 staged[0] = (t, None)
                 slab = None
-            handles.append(w.store.keep(s, t, slab=slab, host=weights))
+            name = names[len(handles)]
+            handles.append(w.store.keep(s, t, slab=slab, host=weights, name=name))
             staged.pop(0)
     except BaseException:
         for h in handles:

@@ -10,20 +10,25 @@ calls get SESSION_EXPIRED or SESSION_ENDED instead of a fresh, empty session.
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from djinn.errors import InvalidArgument, NotFound
+from djinn.errors import DjinnError, InvalidArgument, NotFound, error_from_wire
 from djinn.transport.framing import FrameReader
 
 from .outbox import Outbox
 
 OPEN, EXPIRED, CLOSED, ENDED = "open", "expired", "closed", "ended"
+FAILED_PUTS = 256  # failed PUT names a session remembers (Note [puts sent without waiting])
+# a handle a client names: what new_handle() makes (22 url-safe characters), up to 64
+CLIENT_HANDLE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
 
 @dataclass
@@ -66,6 +71,8 @@ class WorkerSession:
     phase: str = "unknown"
     end_reason: str = ""  # ENDED: who ended the session and when, told to its client
     outbox: Outbox = field(default_factory=Outbox)  # Note [slow readers] (outbox.py)
+    # Note [puts sent without waiting]: names of this session's PUTs that failed, and why
+    failed_puts: OrderedDict[str, DjinnError] = field(default_factory=OrderedDict)
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -77,7 +84,19 @@ class WorkerSession:
         try:
             return self.handles[handle][0]
         except (KeyError, TypeError):
+            failed = self.failed_puts.get(handle) if isinstance(handle, str) else None
+            if failed is not None:  # Note [puts sent without waiting]: say why it is not here
+                raise error_from_wire(
+                    failed.code, f"handle {handle!r}: its PUT failed: {failed.message}"
+                ) from None
             raise NotFound(f"no handle {handle!r} in this session") from None
+
+    def put_failed(self, names: list[str], exc: DjinnError) -> None:
+        """Remember why the PUT that named ``names`` kept nothing (the last FAILED_PUTS)."""
+        for name in names:
+            self.failed_puts[name] = exc
+        while len(self.failed_puts) > FAILED_PUTS:
+            self.failed_puts.popitem(last=False)
 
     def check_lease(self, off: int, nbytes: int) -> None:
         """A PUT may only name a slab this session ALLOCated and that is big enough."""
@@ -107,3 +126,18 @@ class WorkerSession:
 
 def new_handle() -> str:
     return secrets.token_urlsafe(16)  # 128 random bits: unguessable
+
+
+def client_names(s: WorkerSession, names: list[Any]) -> None:
+    """Check the handles a PUT names (Note [puts sent without waiting]): well formed, new
+    to the session and distinct. Names live in the session's own table, so a name can
+    never reach another session's tensor, whatever the client picks."""
+    seen: set[str] = set()
+    for name in names:
+        if not isinstance(name, str) or not CLIENT_HANDLE.fullmatch(name):
+            raise InvalidArgument(
+                f"a PUT name must be 16-64 characters of [A-Za-z0-9_-], got {name!r:.80}"
+            )
+        if name in s.handles or name in seen:
+            raise InvalidArgument(f"handle {name!r} is already in use in this session")
+        seen.add(name)

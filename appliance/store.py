@@ -76,10 +76,16 @@ class TensorStore:
 
     # -- handles ------------------------------------------------------------------------
     def keep(
-        self, session: WorkerSession, t: torch.Tensor, slab: int | None = None, host: bool = False
+        self,
+        session: WorkerSession,
+        t: torch.Tensor,
+        slab: int | None = None,
+        host: bool = False,
+        name: str | None = None,
     ) -> str:
-        """Give ``t`` a handle in ``session``; reserve its storage in the data segment, or
-        with ``host`` (weights staged in their arena slab for REGISTER) in the arena only."""
+        """Give ``t`` a handle in ``session`` (``name``: the one its client chose, already
+        checked by ``client_names``); reserve its storage in the data segment, or with
+        ``host`` (weights staged in their arena slab for REGISTER) in the arena only."""
         key = storage_key(t)
         if not key[1] and slab is not None:
             self.slabs.free(slab)  # nothing to keep in it: a zero-byte tensor owns no slab
@@ -96,7 +102,7 @@ class TensorStore:
                 session.storages[key[0]] = ref
                 session.staged_bytes += key[1] if host else 0
         ref.refs += 1
-        handle = new_handle()
+        handle = name or new_handle()
         session.handles[handle] = (t, key[0])
         return handle
 

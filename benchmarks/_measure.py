@@ -98,6 +98,15 @@ def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[s
             put_ns.append(t1 - t0)
             get_ns.append(t2 - t1)
             del r  # its free rides along with the next request, as in real use
+        # the put the frontend's `x.to(remote)` makes: not waited for, its reply read by
+        # the get (Note [puts sent without waiting])
+        unwaited_ns: list[int] = []
+        for _ in range(warmup):
+            s.put(t, wait=False).cpu()
+        for _ in range(iterations):
+            t0 = clock()
+            s.put(t, wait=False).cpu()
+            unwaited_ns.append(clock() - t0)
         beat_ns: list[int] = []
         for _ in range(warmup):
             s._call(Kind.HEARTBEAT)
@@ -109,6 +118,7 @@ def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[s
         "roundtrip": latency([p + g for p, g in zip(put_ns, get_ns, strict=True)]),
         "put": latency(put_ns),
         "get": latency(get_ns),
+        "unwaited": latency(unwaited_ns),
         "heartbeat": latency(beat_ns),
     }
 
@@ -224,17 +234,18 @@ def back_to_back(nbytes: int, quick: bool, sessions: dict[str, Session]) -> dict
     out = torch.empty_like(src)
     got: dict[str, Any] = {}
     for transport, s in sessions.items():
-        times = []
-        for i in range(count + 10):
-            t0 = clock()
-            r = s.put(src)
-            r.cpu(out=out)
-            took = seconds_since(t0)
-            r.free()
-            del r
-            if i >= 10:  # warm-up
-                times.append(took)
-        got[transport] = rate(2 * nbytes, times)
+        for wait in (True, False):  # False: the put `x.to(remote)` makes
+            times = []
+            for i in range(count + 10):
+                t0 = clock()
+                r = s.put(src, wait=wait)
+                r.cpu(out=out)
+                took = seconds_since(t0)
+                r.free()
+                del r
+                if i >= 10:  # warm-up
+                    times.append(took)
+            got[transport if wait else f"{transport} unwaited"] = rate(2 * nbytes, times)
     copies = []
     for _ in range(count):
         t0 = clock()

@@ -109,14 +109,15 @@ def steady() -> float:
 
 
 def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-         device: str, optimizer: str = "adam",
-         replay: bool = False) -> tuple[float, list[torch.Tensor]]:  # fmt: skip
-    """Train on ``batches`` (moved to ``device``); seconds, and the parameters after.
+         device: str, optimizer: str = "adam", replay: bool = False,
+         inside: bool = False) -> tuple[float, list[torch.Tensor]]:  # fmt: skip
+    """Train on ``batches`` (moved to ``device`` before the loop, or ``inside`` it, step
+    by step, as a program reading a data loader does); seconds, and the parameters after.
     Djinn is imported only to replay: gpu.py's local CUDA loop runs here in a process that
     must not import it (pytorch#161129, see gpu.py's ``local_training_child``)."""
     model = copy.deepcopy(model).to(device)
     opt = OPTIMIZERS[optimizer](model.parameters())
-    data = [(x.to(device), y.to(device)) for x, y in batches]
+    data = batches if inside else [(x.to(device), y.to(device)) for x, y in batches]
     step = train_step(model, opt)
     if replay:
         import djinn
@@ -127,6 +128,8 @@ def loop(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
     CALLS.clear()
     t0 = time.perf_counter()
     for x, y in data:
+        if inside:
+            x, y = x.to(device), y.to(device)
         run(x, y)
         CALLS.append(time.perf_counter())
     params = [p.detach().cpu() for p in model.parameters()]  # waits for every step
@@ -210,6 +213,7 @@ def main() -> int:
         for _ in range(args.repeat):
             took, want = loop(model, batches, "cpu")
             local_s.append(took)
+            rows.setdefault("adam local", []).append(took)
             rows.setdefault("adam local steady", []).append(steady())
             with using(planned.unix):
                 took, got = loop(model, batches, R)
@@ -270,6 +274,14 @@ def main() -> int:
                 raise AssertionError("a compiled plan's results differ from the plan's")
             replay_diffs["sgd captured"] = max_diff(other, sgd_want)
             replay_diffs["sgd"] = max(replay_diffs.get("sgd", 0.0), max_diff(replayed, sgd_want))
+            # each batch moved in by the loop itself (Note [puts sent without waiting])
+            for optimizer, want_of in (("sgd", sgd_want), ("adam", want)):
+                with using(planned.unix):
+                    took, other = loop(model, batches, R, optimizer, replay=True, inside=True)
+                rows.setdefault(f"{optimizer} inside", []).append(took)
+                rows.setdefault(f"{optimizer} inside steady", []).append(steady())
+                diff = max(replay_diffs.get(f"{optimizer} inside", 0.0), max_diff(other, want_of))
+                replay_diffs[f"{optimizer} inside"] = diff
         plans = scheduler_stats(planned.unix, "graph_plans")
     local, remote = statistics.median(local_s), statistics.median(remote_s)
     interp, every = statistics.median(interp_s), statistics.median(all_s)
@@ -325,7 +337,15 @@ def main() -> int:
           f"{med['sgd steady'] * 1e3:.2f} / {med['sgd local steady'] * 1e3:.2f} ms = "
           f"{med['sgd steady'] / med['sgd local steady']:.2f}x",
           f"{replay_diffs['sgd']:.1e} (captured: {replay_diffs['sgd captured']:.1e})",
-          f"{last['sgd']['replays']}"]],
+          f"{last['sgd']['replays']}"]] + [
+         [f"{name}, each batch moved in by the loop (`x.to(remote)` each step)",
+          f"local {med[local_key]:.3f}", f"{med[key + ' inside']:.3f}",
+          f"{med[key + ' inside'] / med[local_key]:.2f}x",
+          f"{med[key + ' inside steady'] * 1e3:.2f} / {med[local_key + ' steady'] * 1e3:.2f} ms"
+          f" = {med[key + ' inside steady'] / med[local_key + ' steady']:.2f}x",
+          f"{replay_diffs[key + ' inside']:.1e}", f"{last[key]['replays']}"]
+         for name, key, local_key in (("SGD", "sgd", "sgd local"),
+                                      ("default Adam", "adam", "adam local"))],
     ))  # fmt: skip
     print(f"\nplans: {plans['runs']} requests run by {plans['plans']} plans "
           f"({plans['nodes']} nodes), {plans['compiled_runs']} of them compiled "

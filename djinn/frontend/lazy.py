@@ -288,9 +288,20 @@ def snapshot(t: torch.Tensor) -> Any:
     t = t.detach()
     if t.numel() * t.element_size() <= SMALL_UPLOAD:
         return t.clone()
+    return upload(t)
+
+
+def upload(t: torch.Tensor) -> Any:
+    """A CPU tensor moved to the appliance whole (``x.to(remote)``): put, and not waited
+    for (Note [puts sent without waiting]). A small one is put too, rather than sent
+    inside the next graph: a replay that takes it as an argument then needs no graph run
+    before it, and waited for, to learn its handle. It is put as a private copy, which
+    the journal may keep (Note [lineage journal]) whatever the program does to ``t``."""
     from .session import default_session
 
-    return default_session().put(t)
+    t = t.detach()
+    small = t.numel() * t.element_size() <= SMALL_UPLOAD
+    return default_session().put(t.clone() if small else t, wait=False)
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:

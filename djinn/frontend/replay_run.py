@@ -66,15 +66,16 @@ def replay(rec: _Record, tensors: list[Any], label: str) -> Any:
         raise Miss("a .grad it found empty is not")  # the call found it None
     trace_mod.land_all()  # the inputs' handles: a graph in flight may make them
     session = default_session()
-    handles = [_input(kind, src, h, tensors, session) for (kind, src), h in
-               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
+    inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
+              zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
+    handles = [r.handle for r in inputs]
     if rec.fill is None:
         rec.fill = templates.instantiator(rec.tpl)
     body = rec.fill(handles, rec.scalars)
     written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
     node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
     form = (rec.fingerprint, handles, rec.scalars)
-    with trace_mod.replay_in_flight(tr, node, body, rec.inline, form):  # runs as we go on
+    with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
         for k, owner, (dtype, shape, stride, offset) in rec.grads:
@@ -102,8 +103,8 @@ def replay(rec: _Record, tensors: list[Any], label: str) -> Any:
     return pytree.tree_unflatten(leaves, rec.out_spec)
 
 
-def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> str:
-    """The handle an input of the graph has now (a Miss if it is not what it was)."""
+def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> RemoteTensor:
+    """The value an input of the graph has now (a Miss if it is not what it was)."""
     if kind == "arg":
         ref = trace_mod.resolved(tensors[src]._ref)
     elif kind == "grad":
@@ -118,4 +119,4 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
         raise Miss("an input is not a remote tensor of this session")
     if ref.failed is not None:
         raise ref.failed
-    return ref.handle
+    return ref

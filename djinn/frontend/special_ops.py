@@ -29,6 +29,7 @@ from .lazy import (
     snapshot,
     spec_of,
     streamed,
+    upload,
 )
 from .trace import Node, Pending, bind, current
 
@@ -111,10 +112,12 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
         and src.dtype == dst.dtype
         and src.shape == dst.shape
     ):
-        ref = snapshot(src)
         trace = current()
         if trace.reads is not None:  # Note [replayable functions]: state it reads
             trace.read(("cpu", id(src)), src)
+            ref = snapshot(src)  # a small one goes inside the recorded graph
+        else:
+            ref = upload(src)
         if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
             bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
             return dst

@@ -410,8 +410,8 @@ _INFLIGHT_LOCK = threading.Lock()
 class Sent:
     """A flush sent without waiting for its reply."""
 
-    __slots__ = ("error", "flight", "keep_targets", "landed", "lock", "quiet", "reply", "sent",
-                 "trace")  # fmt: skip
+    __slots__ = ("error", "flight", "inputs", "keep_targets", "landed", "lock", "quiet", "reply",
+                 "sent", "trace")  # fmt: skip
 
     def __init__(self, trace: Trace, sent: list[Node], keep_targets: list, quiet: bool) -> None:
         self.trace, self.sent, self.keep_targets, self.quiet = trace, sent, keep_targets, quiet
@@ -420,20 +420,26 @@ class Sent:
         self.lock = threading.RLock()  # held while the reply is read
         self.reply: tuple[list[Any], list[Any], Any] | None = None  # (kept, fetched, failure)
         self.error: DjinnError | None = None  # or why the request failed as a whole
+        self.inputs: list[Any] = []  # a replay's input values, held until it lands
 
 
 @contextlib.contextmanager
 def replay_in_flight(
-    trace: Trace, node: Node, body: dict[str, Any], inline: list, form: Any
+    trace: Trace, node: Node, body: dict[str, Any], inline: list, form: Any, inputs: list
 ) -> Iterator[None]:
     """Send ``body``, a replayed graph whose kept outputs are ``node``'s (Note
     [asynchronous replays], replay_run.py), without waiting: it lands as a flush sent
     without waiting does, and fails as a whole (``fail``: its outputs and what it writes
     hold the error). The block binds the outputs: nothing lands the graph before it ends
-    (the landing then points every output bound in it at its handle)."""
+    (the landing then points every output bound in it at its handle). ``inputs``, the
+    RemoteTensors it reads, are held until it lands, as a captured graph's nodes hold
+    theirs: a program that drops a batch it moved in (``x.to(remote)``) as the call returns
+    must not free it from the journal a recovery replays before this graph is sent again
+    (test_recovery's replayed loop, its batches put: the resent replay got NOT_FOUND)."""
     from .session import default_session
 
     item = Sent(trace, [node], [(node, k, []) for k in range(node.nout)], quiet=False)
+    item.inputs = inputs
     with item.lock:
         try:
             item.flight = default_session().run_graph_async(
@@ -479,6 +485,7 @@ def land(item: Sent) -> None:
         if item.landed:
             return
         item.landed = True
+        item.inputs = []
         with _INFLIGHT_LOCK:
             _INFLIGHT.remove(item)
         if item.error is not None:

@@ -64,10 +64,18 @@ class Channel:
         segments: Sequence[Any] = (),
         *,
         sink: Sink | None = None,
+        first: bool = False,
     ) -> Frame:
+        """Send a request and wait for its reply. The replies of requests sent without
+        waiting are read (and kept for ``receive``) before it is sent, or with ``first``
+        after: only for a small request behind small replies (Note [puts sent without
+        waiting]), since a worker reads nothing more of a session whose reply it cannot
+        write."""
         with self.lock:
-            self._drain()
+            if not first:
+                self._drain()
             rid = self._send(kind, body, segments)
+            self._drain()
             return self._receive(kind, rid, sink)
 
     def send(

@@ -12,6 +12,7 @@ PUT frame and the worker receives them straight into a slab.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import weakref
@@ -35,7 +36,7 @@ from djinn.protocol.tensors import from_wire, to_wire, validate
 
 from . import kv_replay, lineage
 from .channel import Channel
-from .flights import Flight, Flights, _template_gone
+from .flights import Flight, Flights, PutFlight, _template_gone
 from .graph_forms import GraphForms, form_of
 from .remote import RemoteTensor
 from .slabs import LeasedSlabs, copy_bytes
@@ -67,6 +68,7 @@ class Session(Flights, GraphForms):
         # Note [asynchronous flushes]: an EXEC sent without waiting; every other request
         # reads its reply first (replies come in the order of the requests)
         self._flight: Flight | None = None
+        self._puts: list[PutFlight] = []  # Note [puts sent without waiting], in order sent
         self._flight_lock = threading.RLock()
         # Note [lineage journal]: a recovering session records what it asks for, to
         # rebuild it on another worker when its own dies
@@ -276,18 +278,22 @@ class Session(Flights, GraphForms):
         return int(reply.get("bytes", 0))
 
     # -- tensors ---------------------------------------------------------------------------
-    def put(self, tensor: torch.Tensor) -> RemoteTensor:
-        """Copy ``tensor`` to the appliance; returns its remote handle."""
-        return self.put_many([tensor])[0]
+    def put(self, tensor: torch.Tensor, *, wait: bool = True) -> RemoteTensor:
+        """Copy ``tensor`` to the appliance; returns its remote handle. ``wait=False``
+        returns as soon as the bytes are copied out of ``tensor``, before the appliance
+        has answered (Note [puts sent without waiting])."""
+        return self.put_many([tensor], wait=wait)[0]
 
-    def put_many(self, tensors: Iterable[torch.Tensor]) -> list[RemoteTensor]:
+    def put_many(self, tensors: Iterable[torch.Tensor], *, wait: bool = True) -> list[RemoteTensor]:
         tensors = list(tensors)
+        if not wait:  # recorded in the journal as it is sent
+            return self._recovering(lambda _: self._put_many(tensors, wait=False))
         remotes = self._recovering(lambda _: self._put_many(tensors))
         if self._lineage is not None:
             self._lineage.record_put(tensors, remotes)
         return remotes
 
-    def _put_many(self, tensors: list[torch.Tensor]) -> list[RemoteTensor]:
+    def _put_many(self, tensors: list[torch.Tensor], wait: bool = True) -> list[RemoteTensor]:
         entries: list[dict[str, Any]] = []
         segments: list[Any] = []
         bulk: list[tuple[int, torch.Tensor]] = []
@@ -295,12 +301,14 @@ class Session(Flights, GraphForms):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"put() takes tensors, got {type(t).__name__}")
             desc, flat = to_wire(t.detach().cpu())
+            # the client names every handle (Note [puts sent without waiting])
+            entry: dict[str, Any] = {"desc": desc, "name": secrets.token_urlsafe(16)}
             if self.arena is not None and flat.numel() > self.inline_max:
                 bulk.append((len(entries), flat))
-                entries.append({"desc": desc})
             else:
-                entries.append({"desc": desc, "seg": len(segments)})
+                entry["seg"] = len(segments)
                 segments.append(memoryview(flat.numpy()) if flat.numel() else b"")
+            entries.append(entry)
         body: dict[str, Any] = {"tensors": entries}
         if bulk:
             sizes = [f.numel() for _, f in bulk]
@@ -320,6 +328,8 @@ class Session(Flights, GraphForms):
             if lease:
                 body["lease"] = lease
             self._give_back(unused)
+        if not wait:
+            return self._send_put(tensors, body, segments)
         reply = self._call(Kind.PUT, body, segments).body
         self._spares.add(reply.get("leased", ()), body.get("lease", ()))
         handles = reply["handles"]
@@ -358,14 +368,37 @@ class Session(Flights, GraphForms):
             for r, o in zip(remotes, out, strict=True):
                 if o.device.type != "cpu" or o.shape != r.shape or o.dtype != r.dtype:
                     raise ValueError(f"out= must be a CPU tensor of {list(r.shape)} {r.dtype}")
+        for r in remotes:
+            if r.failed is not None:  # a put that failed, or a value an op failed to write
+                raise r.failed
         return self._recovering(lambda _: self._get_many(remotes, out))
 
     def _get_many(
         self, remotes: Sequence[RemoteTensor], out: Sequence[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
         sink = self._sink if out is None else self._sink_into(out)
-        frame = self._call(Kind.GET, {"handles": [r.handle for r in remotes]}, sink=sink)
+        body = {"handles": [r.handle for r in remotes]}
+        if self._flight is None and self._puts:
+            frame = self._get_behind_puts(body, sink)
+        else:
+            frame = self._call(Kind.GET, body, sink=sink)
         return self._unpack(frame, out)["tensors"]
+
+    def _get_behind_puts(self, body: dict[str, Any], sink: Any) -> Frame:
+        """A GET sent behind puts whose replies are unread, and read with them (Note [puts
+        sent without waiting]): the worker runs it as soon as it has run them, and the
+        client does not wait for their replies first. Theirs land after it, so one that
+        failed holds its error whether or not this GET named it."""
+        body = self._outgoing(body)
+        try:
+            frame = self.channel.call(Kind.GET, body, sink=sink, first=True)
+        except DjinnError as exc:
+            self._not_done(exc, body)
+            raise
+        finally:
+            self._settle()
+        self._done(body)
+        return frame
 
     def inspect_weights(self, path: str) -> dict[str, Any]:
         """``{content_hash, names}`` of the safetensors files in ``path`` on the appliance

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from djinn.errors import DjinnError
+from djinn.errors import DjinnError, InvalidArgument
 
 R = "remote_accelerator:0"
 
@@ -93,7 +93,11 @@ def test_a_failure_leaves_independent_work_intact(remote, kind):
 
 
 def test_failures_in_the_trace_are_typed_and_name_their_op(remote):
-    bad = torch.randn(4).to(torch.complex32).to(R)  # refused when sent, not when captured
+    # an upload the appliance cannot take is refused at once, where the program made it
+    # (Note [puts sent without waiting]: `.to(remote)` is a put, checked before it goes)
+    with pytest.raises(InvalidArgument, match="complex32"):
+        torch.randn(4).to(torch.complex32).to(R)
+    bad = torch.arange(4.0).to(R)[torch.tensor([10])]  # refused when run, not when captured
     dependent = bad * 2
     with pytest.raises(DjinnError) as first:
         dependent.cpu()

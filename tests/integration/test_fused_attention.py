@@ -35,6 +35,15 @@ def _qkv(*shape: int) -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=g) for _ in range(3)]
 
 
+def _made(*shape: int, device: str = "cpu") -> list[torch.Tensor]:
+    """Three tensors made by ops on ``device``: on the remote device, captured with
+    nothing sent (a tensor moved in with ``.to(remote)`` is put at once)."""
+    n = shape[0] * shape[1] * shape[2] * shape[3]
+    return [
+        torch.linspace(-1.0 * i, 1.0, n, device=device).reshape(shape).sin() for i in (1, 2, 3)
+    ]
+
+
 def test_inference_attention_is_the_fused_kernel_with_local_eagers_numbers(remote, sent_ops):
     q, k, v = _qkv(2, 4, 16, 8)
     with torch.no_grad():
@@ -252,9 +261,9 @@ def test_a_programs_first_attention_call_is_fused_too(appliance, monkeypatch):
         return real(self, body, known)
 
     monkeypatch.setattr(Session, "_exec_form", spy)
-    q, k, v = _qkv(2, 4, 16, 8)
+    q, k, v = _made(2, 4, 16, 8)
     with frontend_at(appliance.unix), torch.no_grad():
-        rq, rk, rv = (t.to("remote_accelerator:0") for t in (q, k, v))
+        rq, rk, rv = _made(2, 4, 16, 8, device="remote_accelerator:0")
         assert session._session is None  # nothing has been sent yet
         got = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True).cpu()
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
@@ -277,9 +286,8 @@ def test_an_appliance_that_cannot_be_reached_is_tried_once_per_capture(tmp_path,
         raise DjinnError("no appliance here")
 
     monkeypatch.setattr(client, "connect", unreachable)
-    q, k, v = _qkv(2, 4, 16, 8)
     with frontend_at(f"unix://{tmp_path}/none.sock"), torch.no_grad():
-        rq, rk, rv = (t.to("remote_accelerator:0") for t in (q, k, v))
+        rq, rk, rv = _made(2, 4, 16, 8, device="remote_accelerator:0")
         out = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True)
         out = F.scaled_dot_product_attention(out, rk, rv, is_causal=True)
         out = F.scaled_dot_product_attention(out, rk, rv, is_causal=True)

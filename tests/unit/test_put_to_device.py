@@ -32,7 +32,7 @@ def test_an_inline_put_reaches_the_device_like_a_slab_put():
     device = DeviceDouble()
     kept: list[torch.Tensor] = []
     store = types.SimpleNamespace(
-        keep=lambda s, t, slab=None, host=False: kept.append(t) or f"h{len(kept)}",
+        keep=lambda s, t, slab=None, host=False, name=None: kept.append(t) or f"h{len(kept)}",
         drop=lambda s, h: None,
     )
     w = types.SimpleNamespace(
