@@ -312,6 +312,11 @@ class Session(Flights, GraphForms):
         body: dict[str, Any] = {"tensors": entries}
         if bulk:
             sizes = [f.numel() for _, f in bulk]
+            if self._puts and self._flight is None and not self._spares.covers(sizes):
+                # the slabs leased ahead for these may come back in replies not read yet
+                # (Note [puts sent without waiting]): reading them beats an ALLOC, and
+                # nothing else is in the way (a graph still running would be)
+                self._settle()
             slabs = self._spares.take(sizes)
             missing = [n for n, off in zip(sizes, slabs, strict=True) if off is None]
             if missing:

@@ -70,6 +70,12 @@ class LeasedSlabs:
                     out.append(None)
         return out
 
+    def covers(self, sizes: Iterable[int]) -> bool:
+        """Whether ``take(sizes)`` would find a spare slab for each size."""
+        with self._lock:
+            need = Counter(size_class(n) for n in sizes)
+            return all(len(self._spare.get(c, ())) >= k for c, k in need.items())
+
     def plan(self, sizes: Iterable[int]) -> tuple[list[int], list[int]]:
         """After a put of ``sizes``: the slab sizes to lease ahead with its PUT, and the
         spare slabs to give back (their size has not been put for a while)."""

@@ -66,7 +66,7 @@ def test_a_put_not_waited_for_that_fails_fails_its_tensor_with_the_puts_error(fr
         kept = s.put(torch.ones(MIB // 4))  # 1 MiB: within the quota
         over = s.put(torch.ones(MIB // 2), wait=False)  # 2 MiB more: over it
         # a graph sent before the failure was read: the appliance says why, by its type
-        with pytest.raises(QuotaExceeded, match="its PUT failed.*session_device_max"):
+        with pytest.raises(QuotaExceeded, match=r"its PUT failed.*session_device_max"):
             s.execute([{"op": "aten::sum.default", "args": [over.ref()]}], fetch=[{"$v": 0}])
         assert isinstance(over.failed, QuotaExceeded)
         with pytest.raises(QuotaExceeded, match="session_device_max"):
@@ -75,7 +75,7 @@ def test_a_put_not_waited_for_that_fails_fails_its_tensor_with_the_puts_error(fr
         # a GET sent behind it, before its reply was read (Session._get_behind_puts)
         again = s.put(torch.ones(MIB // 2), wait=False)
         assert s._puts
-        with pytest.raises(QuotaExceeded, match="its PUT failed.*session_device_max"):
+        with pytest.raises(QuotaExceeded, match=r"its PUT failed.*session_device_max"):
             again.cpu()
         assert isinstance(again.failed, QuotaExceeded) and not s._puts
         small = s.put(torch.ones(4), wait=False)
