@@ -39,9 +39,7 @@ def _made(*shape: int, device: str = "cpu") -> list[torch.Tensor]:
     """Three tensors made by ops on ``device``: on the remote device, captured with
     nothing sent (a tensor moved in with ``.to(remote)`` is put at once)."""
     n = shape[0] * shape[1] * shape[2] * shape[3]
-    return [
-        torch.linspace(-1.0 * i, 1.0, n, device=device).reshape(shape).sin() for i in (1, 2, 3)
-    ]
+    return [torch.linspace(-1.0 * i, 1.0, n, device=device).reshape(shape).sin() for i in (1, 2, 3)]
 
 
 def test_inference_attention_is_the_fused_kernel_with_local_eagers_numbers(remote, sent_ops):
