@@ -35,6 +35,25 @@ def test_a_size_put_again_goes_in_one_round_trip(appliance):
         wait_for(lambda: _row(appliance, s)["arena_leases"] >= 1)
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["waited", "not-waited"])
+def test_two_sizes_put_in_turn_go_without_alloc(appliance, wait):
+    """An input and its mask moved in at every step: each size was put two puts before,
+    not just before, and still goes in one round trip (and, not waited for, without
+    waiting for anything else)."""
+    with appliance.connect() as client, client.session() as s:
+        channel = s.channel
+        kept = []
+        for i in range(8):
+            if i == 2:
+                allocs = channel.sent_by_kind[Kind.ALLOC]
+            for n in (MIB // 4, MIB // 8):  # 1 MiB and 512 KiB: through the arena
+                t = torch.randn(n) + i
+                kept.append((s.put(t, wait=wait), t))
+        assert allocs > 0 and channel.sent_by_kind[Kind.ALLOC] == allocs
+        for r, t in kept:
+            assert torch.equal(r.cpu(), t)
+
+
 def test_spares_of_a_size_no_longer_put_are_given_back(appliance):
     with appliance.connect() as client, client.session() as s:
         for _ in range(3):
