@@ -90,21 +90,36 @@ def _stage(w: Worker, s: WorkerSession, frame: Frame, item: Any) -> tuple[torch.
 
 
 def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
-    items = _list(frame.body, "tensors", 4096)
-    lease = frame.body.get("lease", [])
-    if not isinstance(lease, list) or not all(type(n) is int and n > 0 for n in lease):
-        raise InvalidArgument("lease must be a list of positive sizes")
     # Note [puts sent without waiting]: a client may name the handles ("name" in every
-    # entry); a PUT that named them and failed leaves its error under those names
-    names = [item.get("name") if isinstance(item, dict) else None for item in items]
-    if all(n is None for n in names):
-        return _put(w, s, frame, items, [None] * len(items), lease)
+    # entry); a PUT that named them and failed, whatever the reason, leaves its error
+    # under those names for the requests its client sent behind it
+    names = _names(frame)
     try:
+        items = _list(frame.body, "tensors", 4096)
+        lease = frame.body.get("lease", [])
+        if not isinstance(lease, list) or not all(type(n) is int and n > 0 for n in lease):
+            raise InvalidArgument("lease must be a list of positive sizes")
+        if all(n is None for n in names):
+            return _put(w, s, frame, items, [None] * len(items), lease)
         client_names(s, names)
         return _put(w, s, frame, items, names, lease)
     except DjinnError as exc:
-        s.put_failed([n for n in names if isinstance(n, str) and n not in s.handles], exc)
+        put_refused(s, frame, exc)
         raise
+
+
+def _names(frame: Frame) -> list[Any]:
+    """The names of a PUT's entries, by entry (None where an entry names none)."""
+    items = frame.body.get("tensors") if isinstance(frame.body, dict) else None
+    if not isinstance(items, list):
+        return []
+    return [i.get("name") if isinstance(i, dict) else None for i in items[:4096]]
+
+
+def put_refused(s: WorkerSession, frame: Frame, exc: DjinnError) -> None:
+    """A PUT that kept nothing, refused by its handler or before it (its payload did not
+    fit the arena): its names say why (Note [puts sent without waiting])."""
+    s.put_failed(_names(frame), exc)
 
 
 def _put(

@@ -27,6 +27,7 @@ from .outbox import Outbox
 
 OPEN, EXPIRED, CLOSED, ENDED = "open", "expired", "closed", "ended"
 FAILED_PUTS = 256  # failed PUT names a session remembers (Note [puts sent without waiting])
+FAILED_MESSAGE_MAX = 1024  # of each one's error message
 # a handle a client names: what new_handle() makes (22 url-safe characters), up to 64
 CLIENT_HANDLE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
@@ -72,7 +73,7 @@ class WorkerSession:
     end_reason: str = ""  # ENDED: who ended the session and when, told to its client
     outbox: Outbox = field(default_factory=Outbox)  # Note [slow readers] (outbox.py)
     # Note [puts sent without waiting]: names of this session's PUTs that failed, and why
-    failed_puts: OrderedDict[str, DjinnError] = field(default_factory=OrderedDict)
+    failed_puts: OrderedDict[str, tuple[str, str]] = field(default_factory=OrderedDict)
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -86,15 +87,18 @@ class WorkerSession:
         except (KeyError, TypeError):
             failed = self.failed_puts.get(handle) if isinstance(handle, str) else None
             if failed is not None:  # Note [puts sent without waiting]: say why it is not here
-                raise error_from_wire(
-                    failed.code, f"handle {handle!r}: its PUT failed: {failed.message}"
-                ) from None
+                message = f"handle {handle!r}: its PUT failed: {failed[1]}"
+                raise error_from_wire(failed[0], message) from None
             raise NotFound(f"no handle {handle!r} in this session") from None
 
-    def put_failed(self, names: list[str], exc: DjinnError) -> None:
-        """Remember why the PUT that named ``names`` kept nothing (the last FAILED_PUTS)."""
+    def put_failed(self, names: list[Any], exc: DjinnError) -> None:
+        """Remember why the PUT that named ``names`` kept nothing (the last FAILED_PUTS).
+        Only well-formed names, and the error's code and message, not the error: its
+        traceback holds the request's payload (a review's over-quota puts kept 386 MB)."""
+        why = (exc.code, exc.message[:FAILED_MESSAGE_MAX])
         for name in names:
-            self.failed_puts[name] = exc
+            if isinstance(name, str) and CLIENT_HANDLE.fullmatch(name) and name not in self.handles:
+                self.failed_puts[name] = why
         while len(self.failed_puts) > FAILED_PUTS:
             self.failed_puts.popitem(last=False)
 

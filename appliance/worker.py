@@ -50,7 +50,7 @@ from .executor.cuda_graphs import CudaGraphs
 from .executor.device import open_device
 from .executor.plan import GraphPlans
 from .graphs import GraphTemplates
-from .handlers import HANDLERS, STEPPED
+from .handlers import HANDLERS, STEPPED, put_refused
 from .memtrim import keep_heap_warm, trim_heap
 from .models import ModelCache
 from .reqstats import RequestStats
@@ -192,6 +192,7 @@ class Worker:
             s, frame = self.ready.popleft()
             if s.state == OPEN and s.sock.fileno() >= 0:
                 self.dispatch(s, frame)
+                self._serve_buffered(s)
         leases.sweep(self)
         worker_stats.push(self)
         return True
@@ -259,13 +260,19 @@ class Worker:
         cancelled = self.scheduler.cancel(s)  # a half-run graph gives back what it held
         if cancelled is not None:
             self.batcher.discard([cancelled.frame])  # a batched step it will never take
-        if cancelled is not None and state != CLOSED:  # its client waits for the answer
+        # its client waits for the answers: the request under way, and one parked in the
+        # admission queue (requests behind it, read next, get the tombstone's error)
+        unanswered = [w.frame for w in self.admission.queue if w.session is s]
+        if cancelled is not None:
+            unanswered.insert(0, cancelled.frame)
+        if unanswered and state != CLOSED:
             gone: DjinnError = (
                 SessionEnded(s.end_reason)
                 if state == ENDED
                 else SessionExpired(f"session {s.id} expired; its handles were freed")
             )
-            self.send_error(s, cancelled.frame.request_id, gone)
+            for frame in unanswered:
+                self.send_error(s, frame.request_id, gone)
         self.requeue(self.uploads.abandon(s.id))
         self.admission.forget(s.id)
         self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
@@ -312,9 +319,11 @@ class Worker:
                     f"by {w.short} bytes: {w.message}"
                 ),
             )
+            self._serve_buffered(w.session)
         for w in self.admission.ready(self.store.vmu.used):
             if w.session.state == OPEN and w.session.sock.fileno() >= 0:
                 self.dispatch(w.session, w.frame)
+                self._serve_buffered(w.session)
 
     def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
         self.ready.extend(parked)
@@ -361,9 +370,17 @@ class Worker:
 
     def serve(self, s: WorkerSession) -> None:
         s.touch()  # bytes arriving prove the client alive, even mid-way through a long upload
-        # replies go out in order first, and a session has one request scheduled at most
+        # replies go out in order first, and a session has one request scheduled at most;
+        # one parked in the admission queue holds its place too: a PUT its client sent
+        # behind it without waiting (Note [puts sent without waiting]) was answered first,
+        # and the client read that reply as the parked request's
         ran_immediate = False
-        while s.sock.fileno() >= 0 and not s.outbox and not self.scheduler.has(s):
+        while (
+            s.sock.fileno() >= 0
+            and not s.outbox
+            and not self.scheduler.has(s)
+            and not self.admission.waiting(s.id)
+        ):
             try:
                 frame = s.reader.poll()
             except PeerClosed:
@@ -407,7 +424,9 @@ class Worker:
         self.batcher.precompute(self, works)
 
     def _work_done(self, work: Work) -> None:
-        s = work.session
+        self._serve_buffered(work.session)
+
+    def _serve_buffered(self, s: WorkerSession) -> None:
         if s.state != CLOSED and s.sock.fileno() >= 0 and not s.outbox and s.reader.buffered():
             self.serve(s)  # requests pipelined behind this one are already here
 
@@ -422,6 +441,8 @@ class Worker:
         self.busy.current = (s.id, frame.kind.name, time.monotonic())  # Note [busy stats]
         try:
             if frame.error is not None:
+                if frame.kind == Kind.PUT:  # its payload was refused as it came
+                    put_refused(s, frame, frame.error)
                 raise frame.error
             if s.state != OPEN:  # a tombstone: EXPIRED or ENDED
                 if frame.kind == Kind.SESSION_CLOSE:

@@ -168,11 +168,13 @@ class Channel:
         received = HEADER_SIZE + h.body_len + h.payload_len
         self.bytes_received += received
         self.received_by_kind[kind] += received
-        if frame.kind == Kind.ERROR:
-            raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
-        if frame.request_id != rid:
+        # an error about no request in particular (0: the connection is refused) ends it;
+        # any other answer to another request means the two ends lost count
+        if frame.request_id != rid and not (frame.kind == Kind.ERROR and frame.request_id == 0):
             self.close()
             raise ProtocolError(f"reply to request {frame.request_id}, expected {rid}")
+        if frame.kind == Kind.ERROR:
+            raise error_from_wire(str(frame.body.get("code")), str(frame.body.get("message")))
         return frame
 
     def _await_reply(self, kind: Kind) -> None:

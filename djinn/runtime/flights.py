@@ -138,7 +138,7 @@ class Flights:
             )
             if unread_frames + frame > UNREAD_MAX and replies > UNREAD_MAX:
                 self._settle()  # both could fill the socket's buffers: read first
-            p = PutFlight(self.channel, body.get("lease", ()), frame)
+            p = PutFlight(self.channel, body.get("lease", ()), frame, len(body["tensors"]))
             try:
                 p.rid = self.channel.send(Kind.PUT, body, segments)
             except DjinnError:
@@ -231,7 +231,8 @@ class Flights:
 #   and the puts of a recovery's replay and of a warm standby.
 UNREAD_MAX = 64 << 10
 FRAME_BYTES = 256  # a PUT entry's share of its frame, beside its inline bytes
-REPLY_BYTES = 160  # a handle's share of a reply (a PUT's name and leased slab; a kept entry)
+REPLY_BYTES = 160  # a handle's share of a reply (a PUT's name or leased slab; a kept entry)
+AHEAD_MAX = 64  # handles a GET may name and still be sent before unread puts' replies
 
 
 class PutFlight:
@@ -239,13 +240,15 @@ class PutFlight:
 
     __slots__ = ("channel", "frame", "lease", "remotes", "reply_bytes", "rid")
 
-    def __init__(self, channel: Any, lease: Sequence[int], frame: int) -> None:
+    def __init__(self, channel: Any, lease: Sequence[int], frame: int, tensors: int) -> None:
         self.channel = channel  # the connection it went on: a rebuilt session has another
         self.lease = list(lease)
         self.frame = frame
         self.rid = 0
         self.remotes: list[RemoteTensor] = []
-        self.reply_bytes = 1024
+        # its reply, at most: a name per tensor and a slab per lease (a review's
+        # put_many of 4096 tensors, estimated at 1 KiB, filled the buffers: 30 s stalls)
+        self.reply_bytes = 1024 + REPLY_BYTES * (tensors + len(self.lease))
 
     def __repr__(self) -> str:
         return f"PutFlight(rid={self.rid}, tensors={len(self.remotes)})"

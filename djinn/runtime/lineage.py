@@ -418,10 +418,11 @@ class Lineage:
                 continue
             new = mapping.get(r.handle)
             if new is None:
-                r.failed = SessionLost(
-                    f"this tensor's value was not rebuilt after its worker was lost "
-                    f"(session {self.s.id})"
-                )
+                if r.failed is None:  # a put that failed again says why (replay.put_apart)
+                    r.failed = SessionLost(
+                        f"this tensor's value was not rebuilt after its worker was lost "
+                        f"(session {self.s.id})"
+                    )
                 continue
             r.rebind(new)
             if isinstance(r.view, tuple):  # the op that made it, on the renamed bases

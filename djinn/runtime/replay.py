@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from djinn.errors import RecoveryFailed
+from djinn.errors import DjinnError, RecoveryFailed
 
 from . import kv_replay
 from .journal import Entry, kept, needed, pair_ids, remap, strings_in
@@ -25,6 +25,7 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
     s = lin.s
     mapping: dict[str, str] = {}
     pending: dict[str, tuple[torch.Tensor, int]] = {}  # puts not replayed yet
+    order: dict[str, int] = {}  # where each put came in the journal
     out: list[Entry] = []
     cached: dict[str, bool] = {}
     entries = lin.entries
@@ -38,7 +39,9 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
     keep = needed(entries, held)
 
     def materialize(names: set[str]) -> None:
-        need = [h for h in names if h in pending]
+        # in the order they were put: one that failed on the lost worker (put_apart)
+        # fails again, not one put before it that the quota then has no room for
+        need = sorted((h for h in names if h in pending), key=order.__getitem__)
         if not need:
             return
         for h in need:
@@ -49,13 +52,40 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
                     "value the appliance held cannot be rebuilt"
                 )
         tensors = [pending.pop(h)[0] for h in need]
-        remotes = s._put_many(tensors)
+        try:
+            remotes = s._put_many(tensors)
+        except DjinnError as exc:
+            if exc.code in lin.policy.errors:
+                raise
+            need, tensors, remotes = put_apart(need, tensors)
         for h, r in zip(need, remotes, strict=True):
             mapping[h] = r.handle
             r._finalizer.detach()  # the old handle's holder owns it (rebound below)
         data = [kept(t) for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         out.append(Entry("put", None, data, [r.handle for r in remotes], nbytes))
+
+    def put_apart(
+        names: list[str], tensors: list[torch.Tensor]
+    ) -> tuple[list[str], list[torch.Tensor], list]:
+        """Note [puts sent without waiting]: a put the journal recorded as it was sent
+        may have failed on the lost worker before its client read why (over a quota).
+        It fails again here, and is that put's own failure, not the recovery's: its
+        tensor holds the error, and the rest is put one by one."""
+        done: tuple[list[str], list[torch.Tensor], list] = ([], [], [])
+        for h, t in zip(names, tensors, strict=True):
+            try:
+                (r,) = s._put_many([t])
+            except DjinnError as exc:
+                if exc.code in lin.policy.errors:
+                    raise
+                if h in live:
+                    live[h].failed = exc
+                    live[h]._finalizer.detach()  # nothing on the appliance to free
+                continue
+            for part, x in zip(done, (h, t, r), strict=True):
+                part.append(x)
+        return done
 
     spent: dict[str, float] = {}  # seconds per kind of request (puts: by who needed them)
     last, t_last = "", time.perf_counter()
@@ -65,6 +95,7 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
         last, t_last = "prefill" if e.merged > 1 else e.kind, now
         if e.kind == "put":
             pending.update(zip(e.out, e.data, strict=True))
+            order.update((h, len(order)) for h in e.out)
             continue
         if e.kind in ("free", "free_objects"):
             gone = [mapping.pop(h) for h in e.body if h in mapping]

@@ -36,7 +36,7 @@ from djinn.protocol.tensors import from_wire, to_wire, validate
 
 from . import kv_replay, lineage
 from .channel import Channel
-from .flights import Flight, Flights, PutFlight, _template_gone
+from .flights import AHEAD_MAX, Flight, Flights, PutFlight, _template_gone
 from .graph_forms import GraphForms, form_of
 from .remote import RemoteTensor
 from .slabs import LeasedSlabs, copy_bytes
@@ -373,17 +373,21 @@ class Session(Flights, GraphForms):
             for r, o in zip(remotes, out, strict=True):
                 if o.device.type != "cpu" or o.shape != r.shape or o.dtype != r.dtype:
                     raise ValueError(f"out= must be a CPU tensor of {list(r.shape)} {r.dtype}")
-        for r in remotes:
-            if r.failed is not None:  # a put that failed, or a value an op failed to write
-                raise r.failed
-        return self._recovering(lambda _: self._get_many(remotes, out))
+
+        def attempt(_: Any) -> list[torch.Tensor]:
+            for r in remotes:  # again after a recovery: a put it could not make again
+                if r.failed is not None:  # a put that failed, or a value an op failed to write
+                    raise r.failed
+            return self._get_many(remotes, out)
+
+        return self._recovering(attempt)
 
     def _get_many(
         self, remotes: Sequence[RemoteTensor], out: Sequence[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
         sink = self._sink if out is None else self._sink_into(out)
         body = {"handles": [r.handle for r in remotes]}
-        if self._flight is None and self._puts:
+        if self._flight is None and self._puts and len(remotes) <= AHEAD_MAX:
             frame = self._get_behind_puts(body, sink)
         else:
             frame = self._call(Kind.GET, body, sink=sink)

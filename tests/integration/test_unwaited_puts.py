@@ -159,3 +159,50 @@ def test_a_put_not_waited_for_whose_worker_dies_is_put_again_by_the_recovery(fre
         assert torch.equal(rb.cpu(), big)
         assert torch.equal(rs.cpu(), small)
         assert s.recovery_stats()["recoveries"] == 1
+
+
+def test_a_put_behind_a_graph_parked_for_memory_is_answered_after_it(fresh_appliance):
+    """The graph waits in the admission queue for memory another session holds; the put
+    sent behind it is not read (and answered first) meanwhile: replies stay in order."""
+    import threading
+
+    app = fresh_appliance(cpu_worker_memory="48MiB", admission_timeout=30.0)
+    with app.connect() as client, client.session() as s, client.session() as hog:
+        blob = hog.put(torch.ones(6 * MIB))  # 24 MiB of the 48
+        big = {"op": "aten::zeros.default", "args": [[8 * MIB]]}  # 32 MiB more: parked
+        nodes = [big, {"op": "aten::sum.default", "args": [{"$v": 0}]}]
+        f = s.run_graph_async(nodes, keep=[{"$v": 1}], inline=[], partial=False)
+        wait_for(lambda: app.stats()["memory"][0]["admission"]["waiting"] == 1)
+        r = s.put(torch.arange(4.0), wait=False)
+        threading.Timer(0.5, blob.free).start()  # lets the graph in
+        (total,), _, failure = f.outcome()
+        assert failure is None and total.cpu().item() == 0.0
+        assert torch.equal(r.cpu(), torch.arange(4.0))
+
+
+def test_many_tensors_put_in_one_request_without_waiting_do_not_stall(appliance):
+    """A put of 4096 tensors answers 4096 names: its reply's size counts towards what may
+    be left unread (a review saw the sixth such put wait 30 s, then the session end)."""
+    with appliance.connect() as client, client.session() as s:
+        tensors = [torch.tensor([float(i)]) for i in range(4096)]
+        for _ in range(8):
+            remotes = s.put_many(tensors, wait=False)
+        assert len(s._puts) <= 2
+        assert remotes[4095].cpu().item() == 4095.0
+
+
+def test_a_put_that_failed_unread_when_its_worker_died_fails_again_alone(fresh_appliance):
+    """A recovering session's journal recorded the put as it was sent; the rebuild puts it
+    again in the journal's order, it fails again (over the quota), and that is the put's
+    own error, not the recovery's: the tensors put before it are rebuilt."""
+    app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0, session_device_max="2MiB")
+    with app.connect() as client, client.session(recover=True) as s:
+        kept = s.put(torch.ones(MIB // 4))  # 1 MiB
+        over = s.put(torch.ones(MIB // 2), wait=False)  # 2 MiB more: over, not read yet
+        pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == s.worker)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
+        assert torch.equal(kept.cpu(), torch.ones(MIB // 4))
+        assert s.recovery_stats()["recoveries"] == 1
+        with pytest.raises(QuotaExceeded, match="session_device_max"):
+            over.cpu()
