@@ -5,17 +5,17 @@ to write the tensor's bytes into, and a slab is leased by an ALLOC request, so a
 used to be two round trips. Programs put the same shapes again and again (a training
 loop's batches, a decode loop's inputs), so a PUT may also ask for slabs for the *next*
 puts (``lease: [size, ...]``, answered ``leased: [offset, ...]``): when a put's sizes
-were also put within the last ``IDLE_PUTS`` puts, a slab for each is leased ahead, and
-the next put of that size is one round trip. (Only the put just before used to count:
-a loop moving in two tensors of different sizes, an input and its mask, ALLOCed at
-every put, and an ALLOC waits for the graph in flight, which a put need not: Note
-[puts sent without waiting].) Spare slabs are bounded (``budget``: at most
-64 MiB and a 64th of the arena per session); a size not put again within ``IDLE_PUTS``
-puts gives its slabs back (``release``, like a reply slab that has been read), and an
-ALLOC the arena refuses gives them all back and is tried once more, so spares never
-cost a put that would have fitted without them. They are the session's slabs: the
-appliance frees them with the session, and a session rebuilt on another worker starts
-with none.
+were also put within the last ``IDLE_PUTS`` puts, slabs for them (as many as the last
+put of that size had) are leased ahead, and the next put of that size is one round trip.
+(Only the put just before used to count: a loop moving in two tensors of different
+sizes, an input and its mask, ALLOCed at every put, and an ALLOC waits for the graph in
+flight, which a put need not: Note [puts sent without waiting].) Spare slabs are bounded
+(``budget``: at most 64 MiB and a 64th of the arena per session); a size not put again
+within ``IDLE_PUTS`` puts gives its slabs back (``release``, like a reply slab that has
+been read), and an ALLOC the arena refuses gives them all back and is tried once more,
+so spares never cost a put that would have fitted without them. They are the session's
+slabs: the appliance frees them with the session, and a session rebuilt on another
+worker starts with none.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class LeasedSlabs:
         self.budget = min(BUDGET_MAX, arena_size // 64)
         self._spare: dict[int, list[int]] = {}
         self._last_put: dict[int, int] = {}  # size class -> the put that last used it
+        self._last_count: dict[int, int] = {}  # size class -> how many that put had
         self._puts = 0
         self.held = 0  # bytes of spare slabs
         self._lock = threading.Lock()
@@ -87,16 +88,17 @@ class LeasedSlabs:
             lease: list[int] = []
             planned = self.held
             for c, count in now.items():
-                recent = c in self._last_put  # put within the last IDLE_PUTS puts
-                self._last_put[c] = self._puts
-                want = (count if recent else 0) - len(self._spare.get(c, ()))
+                # as many as the last put of this size had, if within the last IDLE_PUTS
+                before = self._last_count.get(c, 0) if c in self._last_put else 0
+                self._last_put[c], self._last_count[c] = self._puts, count
+                want = min(count, before) - len(self._spare.get(c, ()))
                 while want > 0 and len(lease) < LEASE_MAX and planned + c <= self.budget:
                     lease.append(c)
                     planned += c
                     want -= 1
             unused: list[int] = []
             for c in [c for c, at in self._last_put.items() if at < self._puts - IDLE_PUTS]:
-                del self._last_put[c]
+                del self._last_put[c], self._last_count[c]
                 given = self._spare.pop(c, [])
                 self.held -= c * len(given)
                 unused.extend(given)

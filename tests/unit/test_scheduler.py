@@ -444,6 +444,7 @@ def test_one_immediate_request_per_visit_the_rest_wait_for_the_scheduler():
     sched = Scheduler(SemanticScheduler(), clock=Clock())
     worker = SimpleNamespace(
         scheduler=sched,
+        admission=SimpleNamespace(waiting=lambda sid: False),
         graphs=SimpleNamespace(size_of=lambda fp: 0),
         dispatch_steps=lambda s, f: iter(ran.append(f) or ()),
     )
