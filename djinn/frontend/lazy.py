@@ -292,11 +292,12 @@ def snapshot(t: torch.Tensor) -> Any:
 
 
 def upload(t: torch.Tensor) -> Any:
-    """A CPU tensor moved to the appliance whole (``x.to(remote)``): put, and not waited
-    for (Note [puts sent without waiting]). A small one is put too, rather than sent
-    inside the next graph: a replay that takes it as an argument then needs no graph run
-    before it, and waited for, to learn its handle. It is put as a private copy, which
-    the journal may keep (Note [lineage journal]) whatever the program does to ``t``."""
+    """A CPU tensor moved to the appliance whole (``x.to(remote)``) while its thread
+    captures nothing: put, and not waited for (Note [puts sent without waiting]). A
+    small one is put too, rather than sent inside the next graph: a replay that takes it
+    as an argument then needs no graph run before it, and waited for, to learn its
+    handle. It is put as a private copy, which the journal may keep (Note [lineage
+    journal]) whatever the program does to ``t``."""
     from .session import default_session
 
     t = t.detach()

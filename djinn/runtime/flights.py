@@ -207,7 +207,8 @@ class Flights:
 
 
 # Note [puts sent without waiting]: a put the program does not wait for
-# (``Session.put(t, wait=False)``, the frontend's ``x.to(remote)``) returns once its bytes
+# (``Session.put(t, wait=False)``; the frontend's ``x.to(remote)``, but for a small tensor
+# moved in while its thread captures a graph, which goes inside it) returns once its bytes
 # have left ``t``: copied into an arena slab, or written to the socket inside the frame.
 # Its handles must be known then, so the client names them (128 random bits each,
 # ``secrets.token_urlsafe(16)``); the worker checks each name (well formed, new to the

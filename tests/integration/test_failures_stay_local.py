@@ -93,10 +93,15 @@ def test_a_failure_leaves_independent_work_intact(remote, kind):
 
 
 def test_failures_in_the_trace_are_typed_and_name_their_op(remote):
-    # an upload the appliance cannot take is refused at once, where the program made it
-    # (Note [puts sent without waiting]: `.to(remote)` is a put, checked before it goes)
+    # an upload the appliance cannot take is refused at once, where the program made it,
+    # whether it is put (Note [puts sent without waiting]) or goes inside a graph being
+    # captured
     with pytest.raises(InvalidArgument, match="complex32"):
         torch.randn(4).to(torch.complex32).to(R)
+    capturing = torch.ones(2, device=R) + 1  # the thread's trace holds a node now
+    with pytest.raises(InvalidArgument, match="complex32"):
+        torch.randn(4).to(torch.complex32).to(R)
+    assert capturing.cpu().tolist() == [2.0, 2.0]
     bad = torch.arange(4.0).to(R)[torch.tensor([10])]  # refused when run, not when captured
     dependent = bad * 2
     with pytest.raises(DjinnError) as first:
