@@ -72,6 +72,7 @@ class WorkerSession:
     phase: str = "unknown"
     end_reason: str = ""  # ENDED: who ended the session and when, told to its client
     outbox: Outbox = field(default_factory=Outbox)  # Note [slow readers] (outbox.py)
+    muted: bool = False  # out of the worker's selector while a request of it is parked
     # Note [puts sent without waiting]: names of this session's PUTs that failed, and why
     failed_puts: OrderedDict[str, tuple[str, str]] = field(default_factory=OrderedDict)
 

@@ -262,6 +262,7 @@ class Worker:
             self.batcher.discard([cancelled.frame])  # a batched step it will never take
         # its client waits for the answers: the request under way, and one parked in the
         # admission queue (requests behind it, read next, get the tombstone's error)
+        self._unmute(s)
         unanswered = [w.frame for w in self.admission.queue if w.session is s]
         if cancelled is not None:
             unanswered.insert(0, cancelled.frame)
@@ -293,6 +294,10 @@ class Worker:
             s.sock.close()
         self.stats_dirty = True
         worker_stats.push(self, force=True)
+        # requests already read in behind the one answered above (an operator's kill or
+        # an expiry, never inside serve): the tombstone answers them, or the client
+        # waits for ever for a reply no new bytes will prompt (a review's hang)
+        self._serve_buffered(s)
 
     def end_by_operator(self, s: WorkerSession, by: str, at: str) -> None:
         """KILL_SESSION from `djinn top` or an operator's client: free everything, and
@@ -311,6 +316,7 @@ class Worker:
         again those that memory freed since their last attempt may let in."""
         now = time.monotonic()
         for w in self.admission.expired(now):
+            self._unmute(w.session)
             self.send_error(
                 w.session,
                 w.frame.request_id,
@@ -321,9 +327,25 @@ class Worker:
             )
             self._serve_buffered(w.session)
         for w in self.admission.ready(self.store.vmu.used):
+            self._unmute(w.session)
             if w.session.state == OPEN and w.session.sock.fileno() >= 0:
-                self.dispatch(w.session, w.frame)
+                self.dispatch(w.session, w.frame)  # parks (and mutes) it again if short
                 self._serve_buffered(w.session)
+
+    def _mute(self, s: WorkerSession) -> None:
+        """A session with a request parked in the admission queue is not read (``serve``):
+        its socket, readable while a request its client sent behind waits there, leaves
+        the selector, or the loop would wake on it at once, again and again (a review saw
+        a worker spin a whole core until the request ran)."""
+        if not s.muted and s.sock.fileno() >= 0:
+            self.sel.unregister(s.sock)
+            s.muted = True
+
+    def _unmute(self, s: WorkerSession) -> None:
+        if s.muted:
+            s.muted = False
+            if s.sock.fileno() >= 0:
+                self.sel.register(s.sock, selectors.EVENT_READ, s)
 
     def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
         self.ready.extend(parked)
@@ -489,6 +511,7 @@ class Worker:
                 if fresh:
                     s.frame_private = 0  # the queue holds its stack charge now
                 outcome = "parked"  # answered when it fits or its deadline passes
+                self._mute(s)
                 return
             outcome = exc.code
             self.admission.ran(s, frame)

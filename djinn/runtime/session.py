@@ -374,13 +374,22 @@ class Session(Flights, GraphForms):
                 if o.device.type != "cpu" or o.shape != r.shape or o.dtype != r.dtype:
                     raise ValueError(f"out= must be a CPU tensor of {list(r.shape)} {r.dtype}")
 
-        def attempt(_: Any) -> list[torch.Tensor]:
-            for r in remotes:  # again after a recovery: a put it could not make again
-                if r.failed is not None:  # a put that failed, or a value an op failed to write
-                    raise r.failed
+        failed: list[BaseException] = []
+
+        def attempt(_: Any) -> list[torch.Tensor] | None:
+            # again after a recovery: a put it could not make again. Given back, not
+            # raised: a SESSION_LOST a rebuild left on a tensor is no fault to recover from
+            # (a review saw three more rebuilds, then RECOVERY_FAILED)
+            bad = next((r.failed for r in remotes if r.failed is not None), None)
+            if bad is not None:  # a put that failed, or a value an op failed to write
+                failed.append(bad)
+                return None
             return self._get_many(remotes, out)
 
-        return self._recovering(attempt)
+        got = self._recovering(attempt)
+        if failed:
+            raise failed[0]
+        return got
 
     def _get_many(
         self, remotes: Sequence[RemoteTensor], out: Sequence[torch.Tensor] | None = None

@@ -206,3 +206,54 @@ def test_a_put_that_failed_unread_when_its_worker_died_fails_again_alone(fresh_a
         assert s.recovery_stats()["recoveries"] == 1
         with pytest.raises(QuotaExceeded, match="session_device_max"):
             over.cpu()
+
+
+def test_an_operator_ending_a_session_answers_the_requests_read_behind_a_parked_one(
+    fresh_appliance,
+):
+    """The worker is stopped while the client sends a graph and a put behind it, so both
+    arrive in one read; the graph parks for memory, and an operator ends the session.
+    Both get SESSION_ENDED (the put used to wait for ever: no new bytes woke the worker
+    to answer what it had read already)."""
+    import djinn
+    from djinn.errors import SessionEnded
+
+    app = fresh_appliance(cpu_worker_memory="48MiB", admission_timeout=60.0, memory_policy="off")
+    with app.connect() as client, client.session() as s, client.session() as hog:
+        blob = hog.put(torch.ones(6 * MIB))  # 24 MiB of the 48
+        s.put(torch.zeros(4)).cpu()
+        pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == s.worker)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            big = {"op": "aten::zeros.default", "args": [[8 * MIB]]}
+            nodes = [big, {"op": "aten::sum.default", "args": [{"$v": 0}]}]
+            f = s.run_graph_async(nodes, keep=[{"$v": 1}], inline=[], partial=False)
+            r = s.put(torch.arange(4.0), wait=False)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: app.stats()["memory"][0]["admission"]["waiting"] == 1)
+        with djinn.connect(app.unix) as operator:
+            assert operator.kill_session(s.id)
+        with pytest.raises(SessionEnded):
+            f.outcome()
+        with pytest.raises(SessionEnded):
+            r.cpu()
+        assert blob.cpu().shape == (6 * MIB,)
+
+
+def test_a_tensor_a_recovery_could_not_rebuild_raises_without_more_recoveries(
+    fresh_appliance,
+):
+    """`get` checks a tensor's failure again after a recovery, but the SESSION_LOST a
+    rebuild leaves on a tensor it could not rebuild is no new fault: it is raised, and
+    the session is not rebuilt again (a review saw three rebuilds, then RECOVERY_FAILED)."""
+    from djinn.errors import SessionLost
+
+    app = fresh_appliance()
+    with app.connect() as client, client.session(recover=True) as s:
+        x, y = s.put(torch.arange(4.0)), s.put(torch.ones(3))
+        x.failed = SessionLost("this tensor's value was not rebuilt (as Lineage._rebind says)")
+        with pytest.raises(SessionLost, match="not rebuilt"):
+            x.cpu()
+        assert s.recovery_stats()["recoveries"] == 0 and s.usable
+        assert torch.equal(y.cpu(), torch.ones(3))
