@@ -72,10 +72,10 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
         may have failed on the lost worker before its client read why (over a quota).
         It fails again here, and is that put's own failure, not the recovery's: its
         tensor holds the error, and the rest is put one by one."""
-        done: tuple[list[str], list[torch.Tensor], list] = ([], [], [])
+        put_names, put_tensors, remotes = [], [], []
         for h, t in zip(names, tensors, strict=True):
             try:
-                (r,) = s._put_many([t])
+                remotes += s._put_many([t])
             except DjinnError as exc:
                 if exc.code in lin.policy.errors:
                     raise
@@ -83,9 +83,9 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
                     live[h].failed = exc
                     live[h]._finalizer.detach()  # nothing on the appliance to free
                 continue
-            for part, x in zip(done, (h, t, r), strict=True):
-                part.append(x)
-        return done
+            put_names.append(h)
+            put_tensors.append(t)
+        return put_names, put_tensors, remotes
 
     spent: dict[str, float] = {}  # seconds per kind of request (puts: by who needed them)
     last, t_last = "", time.perf_counter()

@@ -54,8 +54,8 @@ class LeasedSlabs:
     def __init__(self, arena_size: int = 0) -> None:
         self.budget = min(BUDGET_MAX, arena_size // 64)
         self._spare: dict[int, list[int]] = {}
-        self._last_put: dict[int, int] = {}  # size class -> the put that last used it
-        self._last_count: dict[int, int] = {}  # size class -> how many that put had
+        # size class -> (the put that last had it, how many it had)
+        self._last_put: dict[int, tuple[int, int]] = {}
         self._puts = 0
         self.held = 0  # bytes of spare slabs
         self._lock = threading.Lock()
@@ -89,16 +89,16 @@ class LeasedSlabs:
             planned = self.held
             for c, count in now.items():
                 # as many as the last put of this size had, if within the last IDLE_PUTS
-                before = self._last_count.get(c, 0) if c in self._last_put else 0
-                self._last_put[c], self._last_count[c] = self._puts, count
+                before = self._last_put.get(c, (0, 0))[1]
+                self._last_put[c] = (self._puts, count)
                 want = min(count, before) - len(self._spare.get(c, ()))
                 while want > 0 and len(lease) < LEASE_MAX and planned + c <= self.budget:
                     lease.append(c)
                     planned += c
                     want -= 1
             unused: list[int] = []
-            for c in [c for c, at in self._last_put.items() if at < self._puts - IDLE_PUTS]:
-                del self._last_put[c], self._last_count[c]
+            for c in [c for c, (at, _) in self._last_put.items() if at < self._puts - IDLE_PUTS]:
+                del self._last_put[c]
                 given = self._spare.pop(c, [])
                 self.held -= c * len(given)
                 unused.extend(given)
