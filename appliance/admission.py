@@ -19,7 +19,7 @@ once (tests/unit/test_admission_queue.py). A session's end forgets all of its de
 
 A parked frame keeps its inline payload (the call's input tensors) in worker memory for
 as long as it waits, so the stack charge its reception made (Note [receive slabs],
-worker.py) waits with it (``held``) and is released only when the request is answered,
+receive.py) waits with it (``held``) and is released only when the request is answered,
 expires or its session ends; it was released when the first attempt returned, and up to
 ``MAX_WAITING`` frames of inline bytes sat in memory that no budget counted.
 """

@@ -58,7 +58,7 @@ class WorkerSession:
     storages: dict[int, StorageRef] = field(default_factory=dict)
     leases: dict[int, int] = field(default_factory=dict)  # slab offset -> bytes leased
     pending_release: list[int] = field(default_factory=list)
-    # receive slabs of the frame being read, by segment: Note [receive slabs] (worker.py)
+    # receive slabs of the frame being read, by segment: Note [receive slabs] (receive.py)
     frame_slabs: dict[int, int] = field(default_factory=dict)
     frame_private: int = 0  # inline payload bytes of that frame, charged to the stack
     objects: dict[str, Any] = field(default_factory=dict)  # remote objects (KV caches...)

@@ -29,19 +29,27 @@ from typing import Any
 from djinn.errors import (
     DjinnError,
     ExecutionError,
-    FrameTooLarge,
     InternalError,
     ProtocolError,
-    ResourceExhausted,
     SessionEnded,
     SessionExpired,
 )
-from djinn.protocol.frames import Frame, Header, Kind, encode_error, encode_frame
+from djinn.protocol.frames import Frame, Kind, encode_error, encode_frame
 from djinn.transport.arena import ArenaMapping
-from djinn.transport.framing import FrameReader, PeerClosed, default_sink
+from djinn.transport.framing import FrameReader, PeerClosed
 from djinn.transport.spin import Spin
 
-from . import control, device_lost, gc_freeze, leases, prewarm, worker_memory, worker_stats
+from . import (
+    control,
+    device_lost,
+    gc_freeze,
+    leases,
+    parking,
+    prewarm,
+    receive,
+    worker_memory,
+    worker_stats,
+)
 from .admission import AdmissionQueue
 from .batching import Batcher
 from .busy import BusyTracker
@@ -65,7 +73,6 @@ from .vmu.device import DeviceShort, DeviceVMU
 log = logging.getLogger("djinn.appliance.worker")
 
 LOOP_TICK_S = 0.1  # lease sweep and stats push granularity
-MAX_INLINE_FRAME = 256 << 20  # payload bytes one frame may make the worker buffer privately
 
 
 class Worker:
@@ -187,7 +194,7 @@ class Worker:
             pristine = not self.adopted and not self.models.entries
             self.freezer.after_prewarm(self.prewarm.state, pristine)
         if self.admission.queue:
-            self.admit()
+            parking.admit(self)
         while self.ready:  # parked requests whose wait is over
             s, frame = self.ready.popleft()
             if s.state == OPEN and s.sock.fileno() >= 0:
@@ -236,7 +243,7 @@ class Worker:
         # session referenced: worker RSS crept up with session churn
         # (benchmarks/soak.py). Freed by reference counting, it is gone at once.
         ref = weakref.ref(session)
-        reader.sink = lambda h, b, lengths: self.sink(ref(), h, b, lengths)
+        reader.sink = lambda h, b, lengths: receive.sink(self, ref(), h, b, lengths)
         self.sessions[sock.fileno()] = session
         self.adopted += 1
         self.sel.register(sock, selectors.EVENT_READ, session)
@@ -262,7 +269,7 @@ class Worker:
             self.batcher.discard([cancelled.frame])  # a batched step it will never take
         # its client waits for the answers: the request under way, and one parked in the
         # admission queue (requests behind it, read next, get the tombstone's error)
-        self._unmute(s)
+        parking.unmute(self, s)
         unanswered = [w.frame for w in self.admission.queue if w.session is s]
         if cancelled is not None:
             unanswered.insert(0, cancelled.frame)
@@ -276,7 +283,7 @@ class Worker:
                 self.send_error(s, frame.request_id, gone)
         self.requeue(self.uploads.abandon(s.id))
         self.admission.forget(s.id)
-        self.free_frame_slabs(s)  # a payload cut off mid-way (Note [receive slabs])
+        receive.free_frame_slabs(self, s)  # a payload cut off mid-way (Note [receive slabs])
         if s.state == OPEN:
             for fp in s.models:
                 self.models.detach(fp, s.id)
@@ -311,85 +318,10 @@ class Worker:
         # a reply already half on the wire cannot be followed by a clean error frame
         self.end_session(s, CLOSED if s.outbox else ENDED)
 
-    def admit(self) -> None:
-        """Note [admission queue]: answer the requests whose deadline passed, and try
-        again those that memory freed since their last attempt may let in."""
-        now = time.monotonic()
-        for w in self.admission.expired(now):
-            self._unmute(w.session)
-            self.send_error(
-                w.session,
-                w.frame.request_id,
-                ResourceExhausted(
-                    f"waited {now - w.since:.1f} s in the admission queue and is still short "
-                    f"by {w.short} bytes: {w.message}"
-                ),
-            )
-            self._serve_buffered(w.session)
-        for w in self.admission.ready(self.store.vmu.used):
-            self._unmute(w.session)
-            if w.session.state == OPEN and w.session.sock.fileno() >= 0:
-                self.dispatch(w.session, w.frame)  # parks (and mutes) it again if short
-                self._serve_buffered(w.session)
-
-    def _mute(self, s: WorkerSession) -> None:
-        """A session with a request parked in the admission queue is not read (``serve``):
-        its socket, readable while a request its client sent behind waits there, leaves
-        the selector, or the loop would wake on it at once, again and again (a review saw
-        a worker spin a whole core until the request ran)."""
-        if not s.muted and s.sock.fileno() >= 0:
-            self.sel.unregister(s.sock)
-            s.muted = True
-
-    def _unmute(self, s: WorkerSession) -> None:
-        if s.muted:
-            s.muted = False
-            if s.sock.fileno() >= 0:
-                self.sel.register(s.sock, selectors.EVENT_READ, s)
-
     def requeue(self, parked: list[tuple[WorkerSession, Frame]]) -> None:
         self.ready.extend(parked)
 
     # -- requests ------------------------------------------------------------------------
-    def sink(self, s: WorkerSession, header: Header, body: dict, lengths: list[int]) -> list:
-        """Where a frame's payload goes: bulk PUT segments straight into arena slabs.
-
-        Note [receive slabs]: a payload arrives over many reads, and between them the
-        loop serves every other session. The slabs it is received into therefore belong
-        to *this* session (``s.frame_slabs``) and only this session's own dispatch, or its
-        end, frees them: no other session's frame may touch them.
-        """
-        self.free_frame_slabs(s)  # left over from a frame that never reached dispatch
-        if header.kind == Kind.PUT and s.state == OPEN:
-            targets = []
-            for k, n in enumerate(lengths):
-                if n > self.inline_max:
-                    off = self.store.slabs.alloc(n, s.id)
-                    s.frame_slabs[k] = off
-                    targets.append(self.store.arena.slab(off, n))
-                else:
-                    targets.append(memoryview(bytearray(n)))
-            return targets
-        private = sum(lengths)
-        if private > MAX_INLINE_FRAME:
-            raise FrameTooLarge(f"{private} inline payload bytes; send bulk tensors with PUT")
-        if private:
-            # Inline payload is worker memory for as long as the frame is being received
-            # (a client may send half of it and stop): the stack segment pays for it.
-            self.store.vmu["stack"].reserve(private)
-            s.frame_private = private
-        return default_sink(header, body, lengths)
-
-    def free_frame_slabs(self, s: WorkerSession) -> None:
-        """Give back the receive slabs of ``s``'s current frame that no handle adopted, and
-        the stack bytes its inline payload was charged."""
-        for off in s.frame_slabs.values():
-            self.store.slabs.free(off)
-        s.frame_slabs.clear()
-        if s.frame_private:
-            self.store.vmu["stack"].release(s.frame_private)
-            s.frame_private = 0
-
     def serve(self, s: WorkerSession) -> None:
         s.touch()  # bytes arriving prove the client alive, even mid-way through a long upload
         # replies go out in order first, and a session has one request scheduled at most;
@@ -511,7 +443,7 @@ class Worker:
                 if fresh:
                     s.frame_private = 0  # the queue holds its stack charge now
                 outcome = "parked"  # answered when it fits or its deadline passes
-                self._mute(s)
+                parking.mute(self, s)
                 return
             outcome = exc.code
             self.admission.ran(s, frame)
@@ -536,7 +468,7 @@ class Worker:
             self.busy.current = None
             self.batcher.discard([frame])  # a batched result its handler never took
             if fresh:
-                self.free_frame_slabs(s)
+                receive.free_frame_slabs(self, s)
             elapsed = time.perf_counter() - started
             self.requests.record(frame.kind.name, outcome, elapsed)
             s.touch()  # the client could not heartbeat while we worked: count from now

@@ -1,6 +1,6 @@
-"""Requests sent without waiting for their reply: graphs (Note [asynchronous flushes]) and
-puts (Note [puts sent without waiting]). A mixin of ``Session`` (session.py), whose
-requests read those replies first."""
+"""Graphs sent without waiting for their reply (Note [asynchronous flushes]): a mixin of
+``Session`` (session.py), whose requests read such a graph's reply first, and then the
+replies of the puts sent after it (puts.py, Note [puts sent without waiting])."""
 
 from __future__ import annotations
 
@@ -14,11 +14,8 @@ from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
 
 from .graph_forms import Form, form_of
-from .remote import RemoteTensor
 
 if TYPE_CHECKING:
-    import torch
-
     from .session import Session
 
 
@@ -124,59 +121,6 @@ class Flights:
         finally:
             f.landed = True
 
-    # -- puts --------------------------------------------------------------------------
-    def _send_put(
-        self, tensors: list[torch.Tensor], body: dict[str, Any], segments: list
-    ) -> list[RemoteTensor]:
-        """Send a PUT whose handles the client named, and go on (Note [puts sent without
-        waiting]); its reply is read by the session's next request."""
-        frame = FRAME_BYTES * len(body["tensors"]) + sum(memoryview(g).nbytes for g in segments)
-        with self._serial():
-            unread_frames = sum(p.frame for p in self._puts)
-            replies = (self._flight.reply_bytes if self._flight is not None else 0) + sum(
-                p.reply_bytes for p in self._puts
-            )
-            if unread_frames + frame > UNREAD_MAX and replies > UNREAD_MAX:
-                self._settle()  # both could fill the socket's buffers: read first
-            p = PutFlight(self.channel, body.get("lease", ()), frame, len(body["tensors"]))
-            try:
-                p.rid = self.channel.send(Kind.PUT, body, segments)
-            except DjinnError:
-                # the worker is gone: what is in flight lands first (a graph is sent
-                # again on the rebuilt session), before the journal's recovery that this
-                # error starts (Lineage.run) replays into a new one
-                self._settle()
-                raise
-            self._last_call = time.monotonic()  # a request renews the lease
-            p.remotes = [RemoteTensor(self, e["name"], e["desc"]) for e in body["tensors"]]
-            self._puts.append(p)
-            if self._lineage is not None:  # before any other thread can recover the session
-                self._lineage.record_put(tensors, p.remotes)
-            return p.remotes
-
-    def _land_put(self, p: PutFlight) -> None:
-        if p.channel is not self.channel:
-            return  # rebuilt since it was sent: the journal's replay put it again
-        try:
-            reply = self.channel.receive(p.rid).body
-        except DjinnError as exc:
-            self._put_failed(p, exc)
-            return
-        self._spares.add(reply.get("leased", ()), p.lease)
-
-    def _put_failed(self, p: PutFlight, exc: DjinnError) -> None:
-        """A put's tensors hold its error from now on; reading one raises it. A lost
-        worker in a recovering session is not a failed put: the next request rebuilds
-        the session, and the journal's replay puts them again."""
-        self._not_done(exc, {})
-        if self._lineage is not None and exc.code in self._lineage.policy.errors:
-            return
-        for r in p.remotes:
-            r.failed = exc
-            r._finalizer.detach()  # nothing on the appliance to free
-        if self._lineage is not None:  # nor to put again after a recovery
-            self._lineage.record_frees([r.handle for r in p.remotes], None)
-
     def _flight_reply(self, f: Flight) -> dict[str, Any]:
         if f.error is not None:  # it could not even be sent
             error, f.error = f.error, None
@@ -206,53 +150,7 @@ class Flights:
         return self._lineage.resend(exc, f.gen, attempt, f.body)
 
 
-# Note [puts sent without waiting]: a put the program does not wait for
-# (``Session.put(t, wait=False)``; the frontend's ``x.to(remote)``, but for a small tensor
-# moved in while its thread captures a graph, which goes inside it) returns once its bytes
-# have left ``t``: copied into an arena slab, or written to the socket inside the frame.
-# Its handles must be known then, so the client names them (128 random bits each,
-# ``secrets.token_urlsafe(16)``); the worker checks each name (well formed, new to the
-# session) and keeps it in the session's own table, so no name reaches another
-# session's tensor. The reply is read by the session's next request (``_settle``, after
-# the graph in flight), so a put goes out behind a replay still running: a training loop
-# that moves its batch in with ``.to(remote)`` no longer waits for the last step to end
-# before it makes the next step's replay.
-# - A PUT that fails keeps nothing, and the worker remembers why under its names (the
-#   last 256): a graph or GET sent before the client read the failure fails with that
-#   error's type ("handle ...: its PUT failed: ..."). Once it is read, the put's tensors
-#   hold the error (``RemoteTensor.failed``), raised where they are read, as a failed
-#   op's are (Note [failed values]). A lost worker is not a failed put in a recovering
-#   session: the journal recorded the put as it was sent, and the rebuild puts it again.
-# - The worker stops reading a session whose reply it cannot write (Note [slow readers]
-#   in appliance/outbox.py); a client blocked sending to it meanwhile would wait for
-#   ever. So the replies are read first when both what was sent and what is to be read
-#   could fill the connection's buffers: unread put frames and unread replies (at most
-#   their estimate) both over UNREAD_MAX.
-# - Waited for still: ``Session.put`` by default (its error where the program put), ALLOC,
-#   and the puts of a recovery's replay and of a warm standby.
-UNREAD_MAX = 64 << 10
-FRAME_BYTES = 256  # a PUT entry's share of its frame, beside its inline bytes
 REPLY_BYTES = 160  # a handle's share of a reply (a PUT's name or leased slab; a kept entry)
-AHEAD_MAX = 64  # handles a GET may name and still be sent before unread puts' replies
-
-
-class PutFlight:
-    """A PUT sent without waiting for its reply (Note [puts sent without waiting])."""
-
-    __slots__ = ("channel", "frame", "lease", "remotes", "reply_bytes", "rid")
-
-    def __init__(self, channel: Any, lease: Sequence[int], frame: int, tensors: int) -> None:
-        self.channel = channel  # the connection it went on: a rebuilt session has another
-        self.lease = list(lease)
-        self.frame = frame
-        self.rid = 0
-        self.remotes: list[RemoteTensor] = []
-        # its reply, at most: a name per tensor and a slab per lease (a review's
-        # put_many of 4096 tensors, estimated at 1 KiB, filled the buffers: 30 s stalls)
-        self.reply_bytes = 1024 + REPLY_BYTES * (tensors + len(self.lease))
-
-    def __repr__(self) -> str:
-        return f"PutFlight(rid={self.rid}, tensors={len(self.remotes)})"
 
 
 class Flight:

@@ -12,7 +12,6 @@ PUT frame and the worker receives them straight into a slab.
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 import weakref
@@ -25,7 +24,6 @@ from djinn.errors import (
     DjinnError,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     SessionEnded,
     SessionExpired,
     SessionLost,
@@ -36,8 +34,9 @@ from djinn.protocol.tensors import from_wire, to_wire, validate
 
 from . import kv_replay, lineage
 from .channel import Channel
-from .flights import AHEAD_MAX, Flight, Flights, PutFlight, _template_gone
+from .flights import Flight, Flights, _template_gone
 from .graph_forms import GraphForms, form_of
+from .puts import AHEAD_MAX, PutFlight, Puts
 from .remote import RemoteTensor
 from .slabs import LeasedSlabs, copy_bytes
 
@@ -52,7 +51,7 @@ def _u8(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
 
 
-class Session(Flights, GraphForms):
+class Session(Puts, Flights, GraphForms):
     def __init__(self, client: Client, *, recover: bool = False, avoid: int | None = None) -> None:
         self.client = client
         self._lost: str | None = None
@@ -278,85 +277,11 @@ class Session(Flights, GraphForms):
         return int(reply.get("bytes", 0))
 
     # -- tensors ---------------------------------------------------------------------------
-    def put(self, tensor: torch.Tensor, *, wait: bool = True) -> RemoteTensor:
-        """Copy ``tensor`` to the appliance; returns its remote handle. ``wait=False``
-        returns as soon as the bytes are copied out of ``tensor``, before the appliance
-        has answered (Note [puts sent without waiting])."""
-        return self.put_many([tensor], wait=wait)[0]
-
-    def put_many(self, tensors: Iterable[torch.Tensor], *, wait: bool = True) -> list[RemoteTensor]:
-        tensors = list(tensors)
-        if not wait:  # recorded in the journal as it is sent
-            return self._recovering(lambda _: self._put_many(tensors, wait=False))
-        remotes = self._recovering(lambda _: self._put_many(tensors))
-        if self._lineage is not None:
-            self._lineage.record_put(tensors, remotes)
-        return remotes
-
-    def _put_many(self, tensors: list[torch.Tensor], wait: bool = True) -> list[RemoteTensor]:
-        entries: list[dict[str, Any]] = []
-        segments: list[Any] = []
-        bulk: list[tuple[int, torch.Tensor]] = []
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"put() takes tensors, got {type(t).__name__}")
-            desc, flat = to_wire(t.detach().cpu())
-            # the client names every handle (Note [puts sent without waiting])
-            entry: dict[str, Any] = {"desc": desc, "name": secrets.token_urlsafe(16)}
-            if self.arena is not None and flat.numel() > self.inline_max:
-                bulk.append((len(entries), flat))
-            else:
-                entry["seg"] = len(segments)
-                segments.append(memoryview(flat.numpy()) if flat.numel() else b"")
-            entries.append(entry)
-        body: dict[str, Any] = {"tensors": entries}
-        if bulk:
-            sizes = [f.numel() for _, f in bulk]
-            if self._puts and self._flight is None and not self._spares.covers(sizes):
-                # the slabs leased ahead for these may come back in replies not read yet
-                # (Note [puts sent without waiting]): reading them beats an ALLOC, and
-                # nothing else is in the way (a graph still running would be)
-                self._settle()
-            slabs = self._spares.take(sizes)
-            missing = [n for n, off in zip(sizes, slabs, strict=True) if off is None]
-            if missing:
-                try:
-                    fresh = iter(self._alloc(missing))
-                except DjinnError:
-                    self._give_back(off for off in slabs if off is not None)  # spares taken
-                    raise
-                slabs = [next(fresh) if off is None else off for off in slabs]
-            for (i, flat), off in zip(bulk, slabs, strict=True):
-                copy_bytes(self._arena_tensor(off, flat.numel()), flat)
-                entries[i]["slab"] = off
-            lease, unused = self._spares.plan(sizes)
-            if lease:
-                body["lease"] = lease
-            self._give_back(unused)
-        if not wait:
-            return self._send_put(tensors, body, segments)
-        reply = self._call(Kind.PUT, body, segments).body
-        self._spares.add(reply.get("leased", ()), body.get("lease", ()))
-        handles = reply["handles"]
-        return [RemoteTensor(self, h, e["desc"]) for h, e in zip(handles, entries, strict=True)]
-
     def _give_back(self, offsets: Iterable[int]) -> None:
         """Slabs to release with the next request: reply slabs copied out, spare slabs
         unused (Note [lease ahead])."""
         with self._lists_lock:
             self._release.extend(offsets)
-
-    def _alloc(self, sizes: list[int]) -> list[int]:
-        """New slabs; if the arena refuses while this session holds spare slabs, they are
-        given back with a second try (Note [lease ahead])."""
-        try:
-            return self._call(Kind.ALLOC, {"sizes": sizes}).body["slabs"]
-        except ResourceExhausted:
-            spare = self._spares.drain()
-            if not spare:
-                raise
-        self._give_back(spare)
-        return self._call(Kind.ALLOC, {"sizes": sizes}).body["slabs"]
 
     def get(self, remote: RemoteTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Fetch a remote tensor's value. With ``out`` (a CPU tensor of the same shape and

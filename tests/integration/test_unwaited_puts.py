@@ -1,4 +1,4 @@
-"""Note [puts sent without waiting] (djinn/runtime/flights.py): a put the client does not
+"""Note [puts sent without waiting] (djinn/runtime/puts.py): a put the client does not
 wait for names its handles itself, returns at once, and its reply is read by the
 session's next request. Its values, its failures and its recovery are those of a waited
 put."""
