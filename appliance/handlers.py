@@ -99,9 +99,8 @@ def handle_put(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         lease = frame.body.get("lease", [])
         if not isinstance(lease, list) or not all(type(n) is int and n > 0 for n in lease):
             raise InvalidArgument("lease must be a list of positive sizes")
-        if all(n is None for n in names):
-            return _put(w, s, frame, items, [None] * len(items), lease)
-        client_names(s, names)
+        if any(n is not None for n in names):
+            client_names(s, names)
         return _put(w, s, frame, items, names, lease)
     except DjinnError as exc:
         put_refused(s, frame, exc)

@@ -75,7 +75,8 @@ class Channel:
             if not first:
                 self._drain()
             rid = self._send(kind, body, segments)
-            self._drain()
+            if first:
+                self._drain()
             return self._receive(kind, rid, sink)
 
     def send(
