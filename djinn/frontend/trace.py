@@ -176,6 +176,9 @@ def resolved(ref: Any) -> Any:
     return ref
 
 
+_REFS = (RemoteTensor, Pending)
+
+
 class _Encoder:
     def __init__(self, nodes: list[Node], session: Any = None) -> None:
         self.session = session  # where the graph goes: handles must live there
@@ -184,6 +187,10 @@ class _Encoder:
         self._inline_ids: dict[int, int] = {}
 
     def ref(self, ref: Any) -> Any:
+        if type(ref) is RemoteTensor and ref.failed is None:  # most of a step's inputs
+            if self.session is not None and ref.session is not self.session:
+                raise _elsewhere(ref)
+            return {"$h": ref.handle}
         if isinstance(ref, Pending) and ref.node.inflight is not None:
             land(ref.node.inflight)
         ref = resolved(ref)
@@ -213,7 +220,14 @@ class _Encoder:
         del self.inline[mark:]
 
     def value(self, x: Any) -> Any:
+        if type(x) is list:  # a node's arguments: its tensor lists (foreach ops) go flat
+            return [self._refs(v) if type(v) is list else encode(v, self._leaf) for v in x]
         return encode(x, self._leaf)
+
+    def _refs(self, xs: list[Any]) -> list[Any]:
+        """A list argument: the refs of an optimizer step's tensor lists are most of what
+        a ``_foreach_*`` node encodes, one ``ref`` each without ``encode``'s walk."""
+        return [self.ref(x) if type(x) in _REFS else encode(x, self._leaf) for x in xs]
 
     def _leaf(self, x: Any) -> Any:
         if isinstance(x, (Pending, RemoteTensor)):
