@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from djinn.protocol import templates
 from djinn.runtime.journal import (
     Entry,
@@ -102,6 +104,49 @@ def test_an_instantiator_makes_what_instantiate_makes():
     assert one["nodes"][5] is two["nodes"][5] is tpl["nodes"][5]  # no slot: shared
     assert one["nodes"][0] is not two["nodes"][0]  # a node with a slot: its own copy
     assert one["nodes"][0]["args"][0] == h("a") and two["nodes"][0]["args"][0] == h("d")
+
+
+def test_an_instantiator_copies_only_the_way_to_each_slot():
+    """Random nested graphs: each body equals ``instantiate``'s, the template is left as
+    it was, an argument list without a slot is shared, and a slot past the inputs or
+    scalars sent is refused as ``instantiate`` refuses it."""
+    import copy
+    import random
+
+    from djinn.errors import InvalidArgument
+
+    rng = random.Random(7)
+
+    def value(depth: int) -> object:
+        roll = rng.random()
+        if depth > 3 or roll < 0.3:
+            return rng.choice([h(f"w{rng.randrange(6)}"), 0.5 * rng.randrange(9), 3, "s", None])
+        if roll < 0.65:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {f"k{i}": value(depth + 1) for i in range(rng.randrange(3))}
+
+    for _ in range(200):
+        nodes = [{"op": "aten::x.default", "args": [value(0) for _ in range(3)],
+                  "kwargs": {"alpha": value(1)}} for _ in range(rng.randrange(1, 5))]  # fmt: skip
+        tpl, inputs, scalars = templates.template({"nodes": nodes, "keep": KEEP, "fetch": []})
+        before = copy.deepcopy(tpl)
+        make = templates.instantiator(tpl)
+        ins, sc = [f"n{i}" for i in range(len(inputs))], [float(i) for i in range(len(scalars))]
+        assert make(ins, sc) == templates.instantiate(tpl, ins, sc)
+        assert make(inputs, scalars) == templates.instantiate(tpl, inputs, scalars)
+        assert tpl == before
+        if inputs:
+            with pytest.raises(InvalidArgument, match="input"):
+                make(ins[:-1], sc)
+        if scalars:
+            with pytest.raises(InvalidArgument, match="scalar"):
+                make(ins, sc[:-1])
+    tpl, _, _ = templates.template(
+        {"nodes": [{"op": "aten::y.default", "args": [[1, 2], h("a"), [3, 4.0]]}]}
+    )
+    body = templates.instantiator(tpl)(["b"], [5.0])
+    assert body["nodes"][0]["args"] == [[1, 2], h("b"), [3, 5.0]]
+    assert body["nodes"][0]["args"][0] is tpl["nodes"][0]["args"][0]  # no slot: shared
 
 
 def test_only_handles_are_renamed_not_strings_that_spell_a_placeholder():
