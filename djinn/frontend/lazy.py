@@ -19,7 +19,16 @@ from djinn.errors import UnsupportedOp
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
-from . import backward_errors, failures, hooks, inference_views, seeded, ties, uncaptured
+from . import (
+    backward_errors,
+    failures,
+    hooks,
+    inference_views,
+    replay_follow,
+    seeded,
+    ties,
+    uncaptured,
+)
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -353,15 +362,27 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return uncaptured.size_query(func, args, kwargs)
     special = SPECIAL.get(func)
     if special is not None:
+        if replay_follow.FOLLOWING:
+            _stop_following(func)
         return special(func, args, kwargs)
     if uncaptured.composite(func):
         return func.decompose(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
+        if replay_follow.FOLLOWING:
+            _stop_following(func)
         return SPECIAL_TO_CPU.get(func, run_locally)(func, args, kwargs)
     if written_args(func):
         _refuse_local_targets(func, args, kwargs)
     return capture(func, args, kwargs)
+
+
+def _stop_following(func: Any) -> None:
+    """A special op (a read, a detach) while a replay follows its steps: what was followed
+    is captured first (Note [followed steps])."""
+    follower = current().follower
+    if follower is not None:
+        follower.abort(f"its steps called {func}, which is not followed")
 
 
 def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
@@ -402,6 +423,10 @@ def streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
 
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     trace = streamed(current())
+    if trace.follower is not None:  # Note [followed steps]
+        out = trace.follower.op(func, args, kwargs)
+        if out is not replay_follow.MISSED:
+            return out
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}

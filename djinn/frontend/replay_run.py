@@ -40,11 +40,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def replay(rec: _Record, tensors: list[Any], label: str) -> Any:
+def replay(rec: _Record, tensors: list[Any], label: str, stats: Any = None) -> Any:
     """Run ``rec`` again on ``tensors`` (the call's tensor arguments) by its template, after
     every check (Note [replayable functions]); a Miss if one fails. ``label``: the
     function's name, for errors."""
-    from .lazy import LazyTensor
     from .session import default_session
 
     tr = trace_mod.current()
@@ -71,35 +70,134 @@ def replay(rec: _Record, tensors: list[Any], label: str) -> Any:
     handles = [r.handle for r in inputs]
     if rec.fill is None:
         rec.fill = templates.instantiator(rec.tpl)
-    body = rec.fill(handles, rec.scalars)
     written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
-    node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
     form = (rec.fingerprint, handles, rec.scalars)
+    whole = _whole_inputs(rec, tensors, session) if optimizers else None
+    if whole is not None:
+        return _followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
+                         optimizers)  # fmt: skip
+    body = rec.fill(handles, rec.scalars)
+    node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
     with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
-        for k, owner, (dtype, shape, stride, offset) in rec.grads:
-            spec = TensorSpec(dtype, shape, stride, offset, None)
-            owner.grad = LazyTensor(spec, Pending(node, k))
-        leaves: list[Any] = []
-        made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
-        for kind, what in rec.outputs:
-            if kind == "value":
-                leaves.append(what)
-                continue
-            k, (dtype, shape, stride, offset) = what
-            if what not in made:
-                spec = TensorSpec(dtype, shape, stride, offset, None)
-                made[what] = LazyTensor(spec, Pending(node, k))
-            leaves.append(made[what])
-    for w in rec.clears:  # as the call did (zero_grad)
-        p = param_at(w)
-        if p is not None:
-            p.grad = None
+        leaves = _bind_outputs(rec, node)
+    _clear(rec)
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
             opt.step()
         trace_mod.flush(tr, wait=False)  # sent, and run while the caller goes on
+    return pytree.tree_unflatten(leaves, rec.out_spec)
+
+
+def _bind_outputs(rec: _Record, node: Any, bound: list | None = None) -> list[Any]:
+    """Point the gradients ``rec`` leaves in ``.grad`` and its outputs at ``node``'s kept
+    values; the result's leaves. ``bound`` gets each (tensor, kept slot)."""
+    from .lazy import LazyTensor
+
+    for k, owner, (dtype, shape, stride, offset) in rec.grads:
+        spec = TensorSpec(dtype, shape, stride, offset, None)
+        owner.grad = LazyTensor(spec, Pending(node, k))
+        if bound is not None:
+            bound.append((owner._grad, k))
+    leaves: list[Any] = []
+    made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
+    for kind, what in rec.outputs:
+        if kind == "value":
+            leaves.append(what)
+            continue
+        k, (dtype, shape, stride, offset) = what
+        if what not in made:
+            spec = TensorSpec(dtype, shape, stride, offset, None)
+            made[what] = LazyTensor(spec, Pending(node, k))
+            if bound is not None:
+                bound.append((made[what], k))
+        leaves.append(made[what])
+    return leaves
+
+
+def _clear(rec: _Record) -> None:
+    for w in rec.clears:  # as the call did (zero_grad)
+        p = param_at(w)
+        if p is not None:
+            p.grad = None
+
+
+def _whole_inputs(rec: _Record, tensors: list[Any], session: Any) -> list[RemoteTensor] | None:
+    """The inputs of the whole recording a replay of ``rec`` may follow its steps into
+    (Note [followed steps], replay_follow.py); None if it has none, or they are not as
+    recorded (the ops before the steps replay as they are)."""
+    whole = rec.whole
+    if whole is None or rec.plan is None:
+        return None
+    try:
+        return [_input(kind, src, h, tensors, session) for (kind, src), h in
+                zip(whole.sources, whole.handles, strict=True)]  # fmt: skip
+    except Miss:
+        return None
+
+
+def _followed(
+    rec: _Record,
+    tr: Any,
+    called: tuple[str, Any],
+    tensors: list[Any],
+    written: list[Any],
+    split: tuple[list[RemoteTensor], Any],
+    inputs: list[RemoteTensor],
+    optimizers: list[Any],
+) -> Any:
+    """Replay ``rec`` with its steps followed (Note [followed steps]): the whole
+    recording's template goes with this call's floats, or, if the steps part from their
+    plan, ``rec`` goes as it would have and the steps are captured."""
+    from .replay_follow import Follower
+    from .trace import bind
+
+    whole, plan = rec.whole, rec.plan
+    label, stats = called
+    handles = [r.handle for r in inputs]
+    writes = [tensors[what] if kind == "arg" else what for kind, what in whole.written]
+    node = Replayed(f"a replay of {label}", tr, len(whole.tpl["keep"]),
+                    tuple(t._ref for t in writes))  # fmt: skip
+    for t in written:  # the ops before the steps; the steps' own count as they are called
+        torch.autograd.graph.increment_version(t)
+    bound: list[tuple[Any, int]] = []
+    leaves = _bind_outputs(whole, node, bound)
+    _clear(rec)
+
+    def stop() -> None:  # the split replay, as it would have gone, and its outputs bound
+        split_inputs, form = split
+        body = rec.fill(form[1], rec.scalars)
+        alone = Replayed(f"a replay of {label}", tr, len(body["keep"]),
+                         tuple(t._ref for t in written))  # fmt: skip
+        with trace_mod.replay_in_flight(tr, alone, body, rec.inline, form, split_inputs):
+            for t, k in bound:
+                bind(t, Pending(alone, plan.slots[k]))
+
+    follower = Follower(plan, tr, node, handles, stop)
+    follower.start()
+    try:
+        for opt in optimizers:
+            opt.step()
+    except BaseException:
+        follower.abort("a step raised")
+        if stats is not None:
+            stats.captured[follower.why] += 1
+        raise
+    if follower.finish():
+        if stats is not None:
+            stats.followed += 1
+        scalars = whole.scalars[: plan.s_cut] + follower.floats
+        if whole.fill is None:
+            whole.fill = templates.instantiator(whole.tpl)
+        body = whole.fill(handles, scalars)
+        with trace_mod.replay_in_flight(tr, node, body, whole.inline,
+                                        (whole.fingerprint, handles, scalars), inputs):  # fmt: skip
+            pass
+    else:
+        if stats is not None:
+            stats.captured[follower.why] += 1
+        trace_mod.flush(tr, wait=False)
     return pytree.tree_unflatten(leaves, rec.out_spec)
 
 

@@ -96,7 +96,7 @@ from djinn.protocol import templates
 from djinn.runtime.graph_forms import worth_a_template
 from djinn.runtime.remote import RemoteTensor
 
-from . import extension_points
+from . import extension_points, replay_follow
 from . import trace as trace_mod
 from .failures import written_values
 from .nodes import Pending
@@ -159,6 +159,12 @@ class _Record:
     clears: list[Any] = field(default_factory=list)
     nones: list[Any] = field(default_factory=list)
     split: _Record | None = None  # the record of its ops before its optimizer steps
+    # Note [followed steps] (replay_follow.py): a split record's whole recording, the plan
+    # of its steps' ops to follow into it (set once two wholes were alike but for their
+    # floats), and that plan before it was
+    whole: _Record | None = field(default=None, repr=False, compare=False)
+    plan: Any = field(default=None, repr=False, compare=False)
+    steps_plan: Any = field(default=None, repr=False, compare=False)
     frozen: bool = False  # the call changed state it is checked by: it cannot replay
     unwatched: bool = False  # it made gradients or stepped, and had no recording before
     fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
@@ -166,9 +172,13 @@ class _Record:
     unlike: int = 0  # recordings in a row unlike the one before
 
     def matches(self, other: _Record) -> bool:
+        return self.scalars == other.scalars and self.alike(other)
+
+    def alike(self, other: _Record) -> bool:
+        """The same but for the floats: the same template, inputs and outputs."""
         return (
             self.fingerprint == other.fingerprint
-            and self.scalars == other.scalars
+            and len(self.scalars) == len(other.scalars)
             and self._shape() == other._shape()
             and self.outputs == other.outputs
             and self.out_spec == other.out_spec
@@ -191,6 +201,10 @@ class _Stats:
     replays: int = 0
     recordings: int = 0
     plain: Counter = field(default_factory=Counter)  # calls run as they are, by reason
+    # Note [followed steps]: replays whose steps were followed into one request, and
+    # those whose steps were captured after all, by reason
+    followed: int = 0
+    captured: Counter = field(default_factory=Counter)
 
 
 class Replayable:
@@ -241,7 +255,7 @@ class Replayable:
                 return self.fn(*args, **kwargs)
             if rec is not None and rec.same >= self.after and not rec.unwatched:
                 try:
-                    out = replay(rec, tensors, self._label)
+                    out = replay(rec, tensors, self._label, self._stats)
                 except Miss as why:
                     self._stats.plain[str(why)] += 1
                     if rec.state.now() is None or any(w() is None for w in rec.steps):
@@ -280,7 +294,9 @@ class Replayable:
             self._misses.clear()
 
     def stats(self) -> dict[str, Any]:
-        """Calls, replays, recordings, and the calls run as they are by reason."""
+        """Calls, replays, recordings, and the calls run as they are by reason; replays
+        whose optimizer steps were followed into one request, and those whose steps were
+        captured after all by reason (Note [followed steps])."""
         s = self._stats
         return {
             "calls": s.calls,
@@ -288,6 +304,8 @@ class Replayable:
             "recordings": s.recordings,
             "plain": dict(s.plain),
             "keys": len(self._records),
+            "steps_followed": s.followed,
+            "steps_captured": dict(s.captured),
         }
 
     def _record(self, k: Any, args: tuple, kwargs: dict, tensors: list[Any]) -> Any:
@@ -334,6 +352,7 @@ class Replayable:
         if isinstance(old, _Record) and old.steps:  # its steps run at every call
             if split is not None and old.matches(split):
                 split.same = old.same + 1
+                _follow(split, old.whole)
                 self._store(k, split, empty)
                 return result
             old = None  # it no longer ends with the same steps: start again
@@ -348,6 +367,7 @@ class Replayable:
             if not old.matches(rec) and split.same > 1:
                 # the whole call's floats change from call to call, the ops before its
                 # steps do not (Note [optimizer steps run, not replayed])
+                _follow(split, old)
                 self._store(k, split, empty)
                 return result
         if rec.frozen:  # a replay would not make the change the call made
@@ -378,6 +398,17 @@ class Replayable:
         self._records.move_to_end(k)
         while len(self._records) > MAX_KEYS:
             self._misses.pop(self._records.popitem(last=False)[0], None)
+
+
+def _follow(split: _Record, before: _Record | None) -> None:
+    """Let replays of ``split`` follow its steps into its whole recording (Note [followed
+    steps]) when ``before``, the whole recording before it, was alike but for its
+    floats."""
+    whole = split.whole
+    if whole is None or before is None or not whole.alike(before):
+        split.plan = None
+        return
+    split.plan = replay_follow.with_slots(split.steps_plan, whole, split)
 
 
 def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2) -> Any:
@@ -515,6 +546,7 @@ def _recorded(
     # what it does to .grad and to state shows only against the recording before it
     rec.unwatched = watch is None and effects
     if cut is not None and len(encoded) == len(nodes):
+        steps_plan = replay_follow.plan_of(nodes, cut, rec.tpl)
         mine = [id(n) in before for n, _k, _alive in targets]
         keep = [ref for ref, m in zip(keep, mine, strict=True) if m]
         targets = [t for t, m in zip(targets, mine, strict=True) if m]
@@ -527,6 +559,7 @@ def _recorded(
         except Miss:  # the whole call may still replay
             return rec
         rec.split.steps = [weakref.ref(step.opt) for step in steps]
+        rec.split.whole, rec.split.steps_plan = rec, steps_plan
         rec.split.clears, rec.split.nones = clears, nones
         rec.split.unwatched = rec.unwatched
     return rec

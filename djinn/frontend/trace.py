@@ -47,6 +47,7 @@ class Trace:
         # while a replayable function records: handle -> (the Binding, the tensor) of each
         # remote tensor its ops read (Note [replayable functions])
         self.reads: dict[str, Any] | None = None
+        self.follower: Any = None  # a replay following its steps (replay_follow.py)
 
     def read(self, name: Any, x: torch.Tensor) -> None:
         """Note [replayable functions]: a tensor a recording read, under its handle (a CPU
@@ -74,6 +75,8 @@ class Trace:
     # inside the flush that runs it (``flush(add=...)``), after that flush has landed what
     # is in flight, which takes other traces' locks.
     def add(self, node: Node) -> None:
+        if self.follower is not None:  # Note [followed steps]: what it followed goes first
+            self.follower.abort("an op was captured another way (a tensor made in place)")
         with self.lock:  # another thread may be flushing this trace (cross-thread reads)
             self.nodes.append(node)
         task = torch._C._current_graph_task_id()
@@ -284,6 +287,8 @@ def flush(
     among the failed, its error is raised once the others ran."""
     from .session import default_session
 
+    if trace.follower is not None:  # Note [followed steps]: a read stops the following
+        trace.follower.abort("its steps read a value")
     land_all()  # what this graph reads may be what a graph in flight makes
     with trace.lock:
         if add is not None:

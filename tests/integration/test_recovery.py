@@ -83,16 +83,21 @@ def test_adam_training_interrupted_by_a_worker_kill_ends_with_the_same_parameter
         assert (a - b).abs().max().item() <= 1e-6
 
 
-def _replayed_sgd(steps: int, device: str, kill_at: int | None = None, app=None) -> tuple:
-    """An SGD loop whose step is ``djinn.replayable`` (on ``device``): its parameters after
-    ``steps`` steps, and the replay stats."""
+def _replayed_sgd(
+    steps: int, device: str, kill_at: int | None = None, app=None, adam: bool = False
+) -> tuple:
+    """An SGD (or ``adam``: the default Adam) loop whose step is ``djinn.replayable`` (on
+    ``device``): its parameters after ``steps`` steps, and the replay stats."""
     import djinn
     from djinn.frontend.session import default_session
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     model = model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if adam:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad()
@@ -127,6 +132,25 @@ def test_a_replayed_training_loop_interrupted_by_a_worker_kill_ends_with_eagers_
     got, stats = _replayed_sgd(10, R, kill_at=6, app=recovering)
     assert session.default_session().recovery_stats()["recoveries"] == 1
     assert stats["replays"] >= 3  # replays before the kill, and after it
+    for a, b in zip(want, got, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("cut_after_s", ["3600", "0.01"], ids=["whole-journal", "cut-often"])
+def test_a_replayed_adam_loop_whose_steps_are_followed_survives_a_worker_kill(
+    recovering, monkeypatch, cut_after_s
+):
+    """Note [followed steps]: a default-Adam replay sends the whole call as one graph
+    with this step's floats; the journal keeps it, and a session rebuilt after a kill
+    ends with eager's parameters, its steps followed before the kill and after it."""
+    from djinn.frontend import session
+
+    monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", cut_after_s)
+    session.reset()
+    want, _ = _replayed_sgd(12, "cpu", adam=True)
+    got, stats = _replayed_sgd(12, R, kill_at=8, app=recovering, adam=True)
+    assert session.default_session().recovery_stats()["recoveries"] == 1
+    assert stats["steps_followed"] >= 6 and stats["steps_captured"] == {}, stats
     for a, b in zip(want, got, strict=True):
         assert (a - b).abs().max().item() <= 1e-6
 

@@ -1,0 +1,383 @@
+"""Optimizer steps followed, not captured: a replay of a whole training call whose step
+floats change from call to call.
+
+Note [followed steps]: the default ``Adam``'s step computes its bias corrections as Python
+floats from a step count it keeps on the CPU, so a call ending with it never records alike
+as a whole, and its replay sent the ops before the steps, then ran the steps, capturing
+each op (Note [optimizer steps run, not replayed], replay_steps.py). That capture, its
+encoding and its second request cost the client more than the replay itself: a replayed
+default-Adam loop took 1.4-1.8x the time of the same loop with SGD, whose step replays whole.
+
+When the recordings of such a call are alike as wholes but for their floats (the same
+template, inputs and outputs), the key keeps the whole recording too, with a plan of its
+steps' ops: per op, the aten function, and per argument where its value comes from (an
+input of the template, a gradient the graph keeps, an earlier step op's output), a float
+(one of the template's scalars), or a plain value. A replay then runs the steps as ``fn``
+would, with a ``Follower`` on the thread's trace: each op they dispatch is checked against
+the plan, leaf by leaf (the same function, the same tensors by where they come from, the
+same plain values, a finite float where a float was); its floats are taken as this call's
+scalars, and it returns what the capture would have (the tensors it writes into; new
+tensors with the recorded metadata, which nothing can read). When every op was followed
+and no tensor the steps made outlives them, the whole template goes as one replay with
+the new floats: no op is captured, no graph is encoded, one request.
+
+Anything else stops the following, and loses nothing: the ops before the cut are sent as
+the split replay they would have been (its outputs and gradients rebound to it), the ops
+followed so far are captured as they were called, the tensors they made are bound to
+what the capture made, and the steps go on captured. That happens on the first op that
+differs from the plan, a special op (a read, a detach), a node captured by any other way,
+a flush of the trace, an error raised in a step, or a tensor the steps made still alive
+after them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from djinn.protocol.values import encode_constant
+from djinn.runtime.remote import RemoteTensor
+
+from .meta import TensorSpec
+from .nodes import Node, Pending
+
+# how many threads follow steps now: a cheap check on paths that must stop one first
+FOLLOWING = 0
+_COUNT = threading.Lock()
+
+
+class _NoPlan(Exception):
+    """The steps cannot be followed (an inline tensor, a non-finite float...)."""
+
+
+@dataclass
+class _Op:
+    func: Any
+    leaves: list[tuple]  # what each leaf of its arguments is, in walk order
+    kwargs: tuple[str, ...]
+    specs: Any  # the captured node's output specs (None: it returns nothing)
+    multi: bool
+    new: dict[int, int]  # output index -> its place among the new tensors it makes
+    reads_outputs: bool  # an argument is an earlier step op's output
+
+
+@dataclass
+class Plan:
+    """The whole recording's step ops (Note [followed steps])."""
+
+    ops: list[_Op]
+    s_cut: int  # the template's scalars before the steps' own
+    # the whole recording's kept slots of the gradients and outputs -> the split's
+    slots: dict[int, int] = field(default_factory=dict)
+
+
+def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
+    """The plan of ``nodes[cut:]``, the steps of a whole recording whose template is
+    ``tpl``, read from the template (the nodes let their arguments go once they ran).
+    None when they cannot be followed."""
+    keep = {(r["$v"], r.get("i")): j for j, r in enumerate(tpl["keep"]) if "$v" in r}
+    ops: list[_Op] = []
+    try:
+        for n, t in zip(nodes[cut:], tpl["nodes"][cut:], strict=True):
+            func = n.op
+            if t.get("op") != n.name or "rng" in t or getattr(func, "is_view", False):
+                raise _NoPlan
+            if n.nout == 0 and func._schema.returns:
+                raise _NoPlan  # it returns something the capture returned as it was
+            leaves: list[tuple] = []
+            reads: list[bool] = [False]
+
+            def walk(x: Any, leaves: list[tuple] = leaves, reads: list[bool] = reads) -> None:
+                if type(x) is list:
+                    leaves.append(("(", len(x)))
+                    for v in x:
+                        walk(v)
+                elif type(x) is not dict or not x:
+                    leaves.append(("v", type(x), x))
+                elif len(x) == 1 and "$in" in x:
+                    leaves.append(("in", x["$in"]))
+                elif len(x) == 1 and "$s" in x:
+                    leaves.append(("s",))
+                elif type(x.get("$v")) is int and set(x) <= {"$v", "i"}:
+                    i, k = x["$v"], x.get("i")
+                    if i >= cut:
+                        leaves.append(("out", i - cut, k or 0))
+                        reads[0] = True
+                    elif (i, k) in keep:
+                        leaves.append(("keep", keep[(i, k)]))
+                    else:
+                        raise _NoPlan  # a value of the ops before that is not kept
+                elif len(x) == 1 and next(iter(x)) in CONSTANT_TAGS:
+                    leaves.append(("c", x))
+                else:
+                    raise _NoPlan  # an inline tensor, an object: not followed
+
+            for v in t.get("args", []):
+                walk(v)
+            kwargs = t.get("kwargs", {})
+            for v in kwargs.values():
+                walk(v)
+            specs = n.specs if n.nout else None
+            fresh = [i for i, s in enumerate(specs or ()) if s.alias is None]
+            new = {i: p for p, i in enumerate(fresh)}
+            ops.append(_Op(func, leaves, tuple(kwargs), specs, n.multi, new, reads[0]))
+    except _NoPlan:
+        return None
+    return Plan(ops, _scalars_before(tpl["nodes"][:cut]))
+
+
+# the tags of the constants ``values.encode_constant`` writes
+CONSTANT_TAGS = frozenset({"$dtype", "$device", "$mf", "$layout", "$float", "$complex"})
+
+
+def with_slots(plan: Plan | None, whole: Any, split: Any) -> Plan | None:
+    """``plan`` for replays of ``split`` following into ``whole`` (two records of one
+    call), with where each gradient and output ``whole`` keeps is kept by ``split``; None
+    if one is not."""
+    if plan is None or len(whole.outputs) != len(split.outputs):
+        return None
+    theirs = {id(owner): k for k, owner, _spec in split.grads}
+    slots: dict[int, int] = {}
+    for k, owner, _spec in whole.grads:
+        if id(owner) not in theirs:
+            return None
+        slots[k] = theirs[id(owner)]
+    for (kind, what), (their_kind, theirs_what) in zip(whole.outputs, split.outputs, strict=True):
+        if kind != their_kind:
+            return None
+        if kind == "kept":
+            slots[what[0]] = theirs_what[0]
+    return Plan(plan.ops, plan.s_cut, slots)
+
+
+def _scalars_before(nodes: list[Any]) -> int:
+    """How many scalars the template ``nodes`` hold."""
+
+    def count(x: Any) -> int:
+        if type(x) is list:
+            return sum(count(v) for v in x)
+        if type(x) is dict:
+            if len(x) == 1 and "$s" in x:
+                return 1
+            return sum(count(v) for v in x.values())
+        return 0
+
+    return count(nodes)
+
+
+class _Made:
+    """An earlier followed op's output in a logged op's arguments."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+
+MISSED = object()  # an op not followed: capture it
+
+
+class Follower:
+    """One replay's following of its steps (Note [followed steps])."""
+
+    def __init__(self, plan: Plan, trace: Any, whole: Node, handles: list[str], stop: Any) -> None:
+        self.plan, self.trace, self.whole, self.handles = plan, trace, whole, handles
+        self.stop = stop  # sends the split replay and rebinds its outputs to it
+        # what the outputs it makes point at: nothing that can be read or sent
+        made = sum(len(op.new) for op in plan.ops)
+        self.made = Node(torch.ops.aten.empty.memory_format, (), {}, trace, made, multi=True)
+        self.floats: list[float] = []
+        self.log: list[tuple[Any, Any, Any, list[int]]] = []
+        self.weak: list[Any] = []  # the outputs made, weakly
+        self.done = False
+        self.why = ""  # why it stopped following, if it did
+
+    def start(self) -> None:
+        global FOLLOWING
+        self.trace.follower = self
+        with _COUNT:
+            FOLLOWING += 1
+
+    def _end(self) -> None:
+        global FOLLOWING
+        if self.trace.follower is self:
+            self.trace.follower = None
+        with _COUNT:
+            FOLLOWING -= 1
+        self.done = True
+
+    def op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """What capturing ``func`` would return, if it is the next op of the plan; else
+        the following stops (``abort``) and ``MISSED`` says to capture it."""
+        ops = self.plan.ops
+        j = len(self.log)
+        if j >= len(ops) or ops[j].func is not func or torch.is_inference_mode_enabled():
+            self.abort(f"its steps called {func}, not the recording's op")
+            return MISSED
+        op = ops[j]
+        if tuple(kwargs) != op.kwargs:
+            self.abort(f"{func} had other arguments than in the recording")
+            return MISSED
+        flat: list[Any] = []
+        floats: list[float] = []
+        it = iter(op.leaves)
+        try:
+            for v in args:
+                self._match(v, it, flat, floats)
+            for v in kwargs.values():
+                self._match(v, it, flat, floats)
+            if next(it, None) is not None:
+                raise _Differs
+            result, made = self._outputs(op, flat)
+        except _Differs:
+            self.abort(f"{func} had other arguments than in the recording")
+            return MISSED
+        self.floats.extend(floats)
+        if op.reads_outputs:
+            args, kwargs = self._strip(args), self._strip(kwargs)
+        self.log.append((func, args, kwargs, made))
+        return result
+
+    def _match(self, x: Any, it: Any, flat: list, floats: list) -> None:
+        want = next(it, None)
+        if want is None:
+            raise _Differs
+        tag = want[0]
+        kind = type(x)
+        if tag == "(":
+            if (kind is not list and kind is not tuple) or len(x) != want[1]:
+                raise _Differs
+            for v in x:
+                self._match(v, it, flat, floats)
+            return
+        if tag == "s":
+            if kind is not float or not math.isfinite(x):
+                raise _Differs
+            floats.append(x)
+            return
+        if tag == "v":
+            if kind is not want[1] or x != want[2]:
+                raise _Differs
+            return
+        if tag == "c":
+            if encode_constant(x) != want[1]:
+                raise _Differs
+            return
+        ref = x.__dict__.get("_b") if isinstance(x, torch.Tensor) else None
+        ref = getattr(ref, "ref", None)
+        if tag == "in":
+            ok = type(ref) is RemoteTensor and ref.handle == self.handles[want[1]]
+        elif tag == "keep":
+            ok = type(ref) is Pending and ref.node is self.whole and ref.index == want[1]
+        else:  # "out": an earlier followed op's output
+            ok = type(ref) is Pending and ref.node is self.made and ref.index == self._out_of(want)
+        if not ok:
+            raise _Differs
+        flat.append(x)
+
+    def _out_of(self, want: tuple) -> int:
+        """The number of op ``want[1]``'s output ``want[2]`` among the outputs made."""
+        place = self.plan.ops[want[1]].new.get(want[2])
+        return -1 if place is None else self.log[want[1]][3][place]
+
+    def _outputs(self, op: _Op, flat: list) -> tuple[Any, list[int]]:
+        """What the capture returns (``lazy._output``): the tensor written into for an
+        output that aliases one; a new tensor, bound to nothing it can read, for the
+        others."""
+        from .lazy import LazyTensor
+
+        if op.specs is None:
+            return None, []
+        outs: list[Any] = []
+        made: list[int] = []
+        for s in op.specs:
+            if s.alias is not None:
+                target = flat[s.alias] if s.alias < len(flat) else None
+                if not isinstance(target, LazyTensor) or (
+                    tuple(target.shape),
+                    tuple(target.stride()),
+                ) != (s.shape, s.stride):
+                    raise _Differs
+                outs.append(target)
+                continue
+            k = len(self.weak)
+            spec = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None)
+            t = LazyTensor(spec, Pending(self.made, k))
+            self.weak.append(weakref.ref(t))
+            made.append(k)
+            outs.append(t)
+        if not op.multi:
+            return outs[0], made
+        kind = type(op.specs)
+        return (kind(outs) if kind in (tuple, list) else tuple(outs)), made
+
+    def _strip(self, x: Any) -> Any:
+        """``x`` with the followed ops' outputs as markers: the log must not keep them
+        alive (one still alive after the steps means they escaped)."""
+        kind = type(x)
+        if kind is list or kind is tuple:
+            return kind(self._strip(v) for v in x)
+        if kind is dict:
+            return {k: self._strip(v) for k, v in x.items()}
+        if isinstance(x, torch.Tensor):
+            ref = getattr(x.__dict__.get("_b"), "ref", None)
+            if type(ref) is Pending and ref.node is self.made:
+                return _Made(ref.index)
+        return x
+
+    def finish(self) -> bool:
+        """After the steps: whether every op of the plan was followed and nothing they
+        made outlives them; else the following stops as for a difference."""
+        if self.done:
+            return False
+        if len(self.log) != len(self.plan.ops):
+            self.abort("its steps called fewer ops than the recording's")
+            return False
+        if any(w() is not None for w in self.weak):
+            self.abort("a tensor its steps made outlives them")
+            return False
+        self._end()
+        return True
+
+    def abort(self, why: str) -> None:
+        """Stop following (``why``): send the split replay, capture the ops followed so
+        far as they were called, and bind what they made that is still alive to the
+        captured outputs (Note [followed steps])."""
+        if self.done:
+            return
+        self._end()
+        self.why = why
+        from .lazy import capture
+        from .trace import bind
+
+        self.stop()
+        real: dict[int, Any] = {}
+
+        def back(x: Any) -> Any:
+            kind = type(x)
+            if kind is list or kind is tuple:
+                return kind(back(v) for v in x)
+            if kind is dict:
+                return {k: back(v) for k, v in x.items()}
+            return real[x.k] if kind is _Made else x
+
+        for j, (func, args, kwargs, made) in enumerate(self.log):
+            out = capture(func, back(args), back(kwargs))
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+            specs = self.plan.ops[j].specs or ()
+            new = [o for o, s in zip(outs, specs, strict=False) if s.alias is None]
+            for k, t in zip(made, new, strict=True):
+                real[k] = t
+                ph = self.weak[k]()
+                if ph is not None:
+                    bind(ph, t._ref)
+        self.log = []
+
+
+class _Differs(Exception):
+    pass

@@ -1,0 +1,142 @@
+"""Note [followed steps] (djinn/frontend/replay_follow.py): a replayed training call whose
+optimizer steps' floats change at every call (the default Adam's) follows its steps into
+one request; steps that part from the recording's are captured as they were called, and
+every parameter, gradient and state ends as local eager's."""
+
+from __future__ import annotations
+
+import torch
+
+import djinn
+from djinn.runtime import flights
+from tests.integration.test_replayable_training import _batches, _encoder, _moved
+
+
+class Decaying(torch.optim.Optimizer):
+    """SGD whose step size is ``lr / k`` at its k-th step: a Python float that changes
+    at every step, as Adam's bias corrections do. ``extra``: every third step also
+    scales each parameter (an op the recording did not make); ``detach``: reads each
+    gradient through ``detach()``; ``keep``: every third step keeps its last update in
+    ``self.kept``; ``fail_at``: that step raises once its updates are made."""
+
+    def __init__(self, params, *, extra=False, detach=False, keep=False, fail_at=0):
+        super().__init__(params, {"lr": 0.05})
+        self.k = 0
+        self.extra, self.detach, self.keep, self.fail_at = extra, detach, keep, fail_at
+        self.kept = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.k += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.detach() if self.detach else p.grad
+                update = grad * (group["lr"] / self.k)  # a new tensor: its own op
+                p.sub_(update)
+                if self.extra and self.k % 3 == 0:
+                    p.mul_(0.999)
+                if self.keep and self.k % 3 == 0:
+                    self.kept = update
+        if self.k == self.fail_at:
+            raise RuntimeError(f"step {self.k} failed")
+
+
+def _loop(model, make_opt, device, replay, n=8):
+    """``n`` training steps; their losses (None for a step that raised), the Replayable
+    (or the step) and the optimizer."""
+    opt = make_opt(model.parameters())
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step) if replay else step
+    losses = []
+    for x, y in _batches(device, n):
+        try:
+            losses.append(run(x, y))
+        except RuntimeError as exc:
+            assert "failed" in str(exc)
+            losses.append(None)
+    return losses, run, opt
+
+
+def _both(remote, make_opt, n=8):
+    """The loop on local eager and replayed on ``remote`` from the same weights: the same
+    bits in every loss, parameter and gradient. (remote Replayable, local and remote
+    optimizers.)"""
+    local = _encoder()
+    model = _moved(local, remote)
+    want, _, local_opt = _loop(local, make_opt, "cpu", False, n)
+    got, run, opt = _loop(model, make_opt, remote, True, n)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        assert g is None or torch.equal(g.cpu(), w)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)
+    return run, local_opt, opt
+
+
+def test_a_default_adam_step_is_followed_into_one_request(remote, monkeypatch):
+    """Each replay after the recordings sends one graph (the whole call, with this step's
+    bias corrections) and captures no op of the step."""
+    sent = []
+    real = flights.Flights.run_graph_async
+    monkeypatch.setattr(
+        flights.Flights,
+        "run_graph_async",
+        lambda self, *a, **k: sent.append(1) or real(self, *a, **k),
+    )
+    run, local_opt, opt = _both(remote, lambda ps: torch.optim.Adam(ps, lr=1e-2), n=9)
+    stats = run.stats()
+    assert stats["replays"] == 6 and stats["steps_followed"] == 6, stats
+    assert stats["steps_captured"] == {}, stats
+    for p, q in zip(opt.param_groups[0]["params"], local_opt.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].cpu(), local_opt.state[q][key])
+        assert torch.equal(opt.state[p]["step"], local_opt.state[q]["step"])
+    sent.clear()
+    for x, y in _batches(remote, 3):
+        run(x, y)
+    assert len(sent) == 3, sent  # one graph a step
+
+
+def test_a_step_that_makes_another_op_is_captured_from_there(remote):
+    """Every third step scales the parameters too: its following stops at that op, the
+    ops followed before it are captured as they were called, then the rest."""
+    run, _, _ = _both(remote, lambda ps: Decaying(ps, extra=True), n=9)
+    stats = run.stats()
+    assert stats["steps_followed"] >= 3, stats
+    assert sum(stats["steps_captured"].values()) >= 2, stats
+    assert any("mul_" in why for why in stats["steps_captured"]), stats
+
+
+def test_a_step_that_detaches_is_captured(remote):
+    """``detach`` is not followed: each step is captured, with eager's bits."""
+    run, _, _ = _both(remote, lambda ps: Decaying(ps, detach=True))
+    stats = run.stats()
+    assert stats["replays"] >= 4 and stats["steps_followed"] == 0, stats
+    assert any("detach" in why for why in stats["steps_captured"]), stats
+
+
+def test_a_tensor_a_step_keeps_holds_what_it_made(remote):
+    """A step that keeps a tensor it made (``self.kept``) is captured once it ran, and
+    that tensor is bound to the value the capture made."""
+    run, local_opt, opt = _both(remote, lambda ps: Decaying(ps, keep=True))
+    assert torch.equal(opt.kept.cpu(), local_opt.kept)
+    stats = run.stats()
+    assert stats["steps_captured"].get("a tensor its steps made outlives them", 0) >= 1, stats
+    assert stats["steps_followed"] >= 2, stats
+
+
+def test_a_step_that_raises_leaves_what_eager_leaves(remote):
+    """A step raising after its updates: the error reaches the program, the updates
+    made before it are not lost, and the loop goes on."""
+    run, _, _ = _both(remote, lambda ps: Decaying(ps, fail_at=5))
+    assert run.stats()["steps_captured"].get("a step raised") == 1, run.stats()
