@@ -97,7 +97,8 @@ def test_a_default_adam_step_is_followed_into_one_request(remote, monkeypatch):
     stats = run.stats()
     assert stats["replays"] == 6 and stats["steps_followed"] == 6, stats
     assert stats["steps_captured"] == {}, stats
-    for p, q in zip(opt.param_groups[0]["params"], local_opt.param_groups[0]["params"]):
+    pairs = zip(opt.param_groups[0]["params"], local_opt.param_groups[0]["params"], strict=True)
+    for p, q in pairs:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key].cpu(), local_opt.state[q][key])
         assert torch.equal(opt.state[p]["step"], local_opt.state[q]["step"])
