@@ -28,8 +28,9 @@ remote loops, so all see the same machine. Goal (issue 11): remote at most 1.20x
 
 The replay rows run the step as a ``djinn.replayable`` function (Note [replayable
 functions]) on the first appliance: with the default Adam, whose bias corrections are
-Python floats that change every step, so its step runs at every call after the replayed
-forward and backward (Note [optimizer steps run, not replayed]); with
+Python floats that change every step, so its step runs at every call, followed against
+the recording's and sent with the forward and backward as one graph (Note [followed
+steps]; the replay stats printed with the table say how many); with
 ``Adam(capturable=True)``, whose step counts and corrections stay on the
 device, against the same loop captured op by op (bit for bit: PyTorch has no capturable
 Adam on the CPU to compare with); and with SGD (momentum 0.9) against local eager SGD.
@@ -319,7 +320,8 @@ def main() -> int:
         ["replayed step (djinn.replayable)", "reference s", "remote s", "remote / reference",
          f"per step from call {STEADY_FROM + 1}: remote / reference",
          "max |param diff| vs reference", "replays of the last loop"],
-        [["default Adam (its step runs at each call), vs local eager Adam", f"local {local:.3f}",
+        [["default Adam (its step runs at each call, followed: "
+          f"{last['adam']['steps_followed']}), vs local eager Adam", f"local {local:.3f}",
           f"{med['adam']:.3f}", f"{med['adam'] / local:.2f}x (captured: {remote / local:.2f}x)",
           f"{med['adam steady'] * 1e3:.2f} / {med['adam local steady'] * 1e3:.2f} ms = "
           f"{med['adam steady'] / med['adam local steady']:.2f}x",

@@ -63,7 +63,8 @@ class _Op:
     specs: Any  # the captured node's output specs (None: it returns nothing)
     multi: bool
     new: dict[int, int]  # output index -> its place among the new tensors it makes
-    reads_outputs: bool  # an argument is an earlier step op's output
+    # the positions of the arguments holding an earlier step op's output ("kw": a keyword)
+    reads_outputs: frozenset
 
 
 @dataclass
@@ -90,9 +91,9 @@ def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
             if n.nout == 0 and func._schema.returns:
                 raise _NoPlan  # it returns something the capture returned as it was
             leaves: list[tuple] = []
-            reads: list[bool] = [False]
+            found: list[bool] = [False]
 
-            def walk(x: Any, leaves: list[tuple] = leaves, reads: list[bool] = reads) -> None:
+            def walk(x: Any, leaves: list[tuple] = leaves, found: list[bool] = found) -> None:
                 if type(x) is list:
                     leaves.append(("(", len(x)))
                     for v in x:
@@ -107,7 +108,7 @@ def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
                     i, k = x["$v"], x.get("i")
                     if i >= cut:
                         leaves.append(("out", i - cut, k or 0))
-                        reads[0] = True
+                        found[0] = True
                     elif (i, k) in keep:
                         leaves.append(("keep", keep[(i, k)]))
                     else:
@@ -117,15 +118,22 @@ def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
                 else:
                     raise _NoPlan  # an inline tensor, an object: not followed
 
-            for v in t.get("args", []):
+            reads: set[Any] = set()
+            for i, v in enumerate(t.get("args", [])):
+                found[0] = False
                 walk(v)
+                if found[0]:
+                    reads.add(i)
             kwargs = t.get("kwargs", {})
+            found[0] = False
             for v in kwargs.values():
                 walk(v)
+            if found[0]:
+                reads.add("kw")
             specs = n.specs if n.nout else None
             fresh = [i for i, s in enumerate(specs or ()) if s.alias is None]
             new = {i: p for p, i in enumerate(fresh)}
-            ops.append(_Op(func, leaves, tuple(kwargs), specs, n.multi, new, reads[0]))
+            ops.append(_Op(func, leaves, tuple(kwargs), specs, n.multi, new, frozenset(reads)))
     except _NoPlan:
         return None
     return Plan(ops, _scalars_before(tpl["nodes"][:cut]))
@@ -185,8 +193,8 @@ MISSED = object()  # an op not followed: capture it
 class Follower:
     """One replay's following of its steps (Note [followed steps])."""
 
-    def __init__(self, plan: Plan, trace: Any, whole: Node, handles: list[str], stop: Any) -> None:
-        self.plan, self.trace, self.whole, self.handles = plan, trace, whole, handles
+    def __init__(self, plan: Plan, trace: Any, whole: Node, inputs: list[Any], stop: Any) -> None:
+        self.plan, self.trace, self.whole, self.inputs = plan, trace, whole, inputs
         self.stop = stop  # sends the split replay and rebinds its outputs to it
         # what the outputs it makes point at: nothing that can be read or sent
         made = sum(len(op.new) for op in plan.ops)
@@ -238,8 +246,11 @@ class Follower:
             self.abort(f"{func} had other arguments than in the recording")
             return MISSED
         self.floats.extend(floats)
-        if op.reads_outputs:
-            args, kwargs = self._strip(args), self._strip(kwargs)
+        reads = op.reads_outputs
+        if reads:  # the arguments that hold outputs made
+            args = tuple(self._strip(v) if i in reads else v for i, v in enumerate(args))
+            if "kw" in reads:
+                kwargs = {k: self._strip(v) for k, v in kwargs.items()}
         self.log.append((func, args, kwargs, made))
         return result
 
@@ -252,8 +263,21 @@ class Follower:
         if tag == "(":
             if (kind is not list and kind is not tuple) or len(x) != want[1]:
                 raise _Differs
-            for v in x:
-                self._match(v, it, flat, floats)
+            inputs, whole = self.inputs, self.whole
+            for v in x:  # a foreach op's list: its inputs and gradients checked in line
+                if not isinstance(v, torch.Tensor):
+                    self._match(v, it, flat, floats)
+                    continue
+                want = next(it, _END)
+                ref = getattr(v.__dict__.get("_b"), "ref", None)
+                if want[0] == "in" and ref is inputs[want[1]]:
+                    pass
+                elif want[0] == "keep" and type(ref) is Pending and ref.node is whole:
+                    if ref.index != want[1]:
+                        raise _Differs
+                else:
+                    self._tensor(v, want)
+                flat.append(v)
             return
         if tag == "s":
             if kind is not float or not math.isfinite(x):
@@ -268,17 +292,27 @@ class Follower:
             if encode_constant(x) != want[1]:
                 raise _Differs
             return
-        ref = x.__dict__.get("_b") if isinstance(x, torch.Tensor) else None
-        ref = getattr(ref, "ref", None)
+        if not isinstance(x, torch.Tensor):
+            raise _Differs
+        self._tensor(x, want)
+        flat.append(x)
+
+    def _tensor(self, x: torch.Tensor, want: tuple) -> None:
+        """``x`` is the value the plan says: an input, a kept gradient, an output made."""
+        ref = getattr(x.__dict__.get("_b"), "ref", None)
+        tag = want[0]
         if tag == "in":
-            ok = type(ref) is RemoteTensor and ref.handle == self.handles[want[1]]
+            ok = ref is self.inputs[want[1]] or (
+                type(ref) is RemoteTensor and ref.handle == self.inputs[want[1]].handle
+            )
         elif tag == "keep":
             ok = type(ref) is Pending and ref.node is self.whole and ref.index == want[1]
-        else:  # "out": an earlier followed op's output
+        elif tag == "out":  # an earlier followed op's output
             ok = type(ref) is Pending and ref.node is self.made and ref.index == self._out_of(want)
+        else:
+            ok = False
         if not ok:
             raise _Differs
-        flat.append(x)
 
     def _out_of(self, want: tuple) -> int:
         """The number of op ``want[1]``'s output ``want[2]`` among the outputs made."""
@@ -381,3 +415,6 @@ class Follower:
 
 class _Differs(Exception):
     pass
+
+
+_END = ("end",)  # past a plan's last leaf

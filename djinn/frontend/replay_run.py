@@ -174,7 +174,7 @@ def _followed(
             for t, k in bound:
                 bind(t, Pending(alone, plan.slots[k]))
 
-    follower = Follower(plan, tr, node, handles, stop)
+    follower = Follower(plan, tr, node, inputs, stop)
     follower.start()
     try:
         for opt in optimizers:

@@ -16,7 +16,9 @@ step counts, a count in a param group: a whole replay would freeze them), the ke
 replays that part and runs the steps after it, as ``fn`` would: a replay puts the
 graph's gradients in ``.grad``, clears the ``.grad`` the call cleared, then calls each
 optimizer's ``step()``, captured like any op with this step's floats, its hooks and its
-state, and sends it without waiting. What the optimizers keep is then left out of the
+state, and sends it without waiting; or, when the whole recordings were alike but for
+their floats, follows the steps and sends the whole call as one graph (Note [followed
+steps], replay_follow.py). What the optimizers keep is then left out of the
 state check; their hyperparameters are not (``fn`` may read a learning rate before the
 step: a new one records again). A call whose floats and counts stay the same (SGD,
 ``Adam(capturable=True)``) replays whole, which costs the client less.

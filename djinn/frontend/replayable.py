@@ -62,7 +62,8 @@ saved tensor written since.
 
 Note [optimizer steps run, not replayed] (replay_steps.py): a call that ends with optimizer
 steps whose floats or counts change from call to call replays the ops before them, and
-runs the steps.
+runs the steps; Note [followed steps] (replay_follow.py): when only their floats change,
+the steps are run against the whole recording's, and the whole call goes as one graph.
 
 What cannot be checked is other Python state ``fn`` reads that changes later while every
 tensor stays the same (a flag on an object it does not name, a float a hook reads): a
