@@ -312,6 +312,8 @@ def _plain_ref(x: LazyTensor, trace: trace_mod.Trace) -> Any:
 
 
 def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
+    if trace.follower is not None:  # a value read (fetch, repr) while steps are followed
+        trace.follower.abort("its steps read a value")  # Note [followed steps]
     ref = x._ref
     if isinstance(ref, failures.Failed):
         raise ref.error

@@ -17,12 +17,14 @@ class Decaying(torch.optim.Optimizer):
     at every step, as Adam's bias corrections do. ``extra``: every third step also
     scales each parameter (an op the recording did not make); ``detach``: reads each
     gradient through ``detach()``; ``keep``: every third step keeps its last update in
-    ``self.kept``; ``fail_at``: that step raises once its updates are made."""
+    ``self.kept``; ``fail_at``: that step raises once its updates are made; ``read``:
+    every third step reads its updates' values (``tolist``)."""
 
-    def __init__(self, params, *, extra=False, detach=False, keep=False, fail_at=0):
+    def __init__(self, params, *, extra=False, detach=False, keep=False, fail_at=0, read=False):
         super().__init__(params, {"lr": 0.05})
         self.k = 0
         self.extra, self.detach, self.keep, self.fail_at = extra, detach, keep, fail_at
+        self.read, self.seen = read, []
         self.kept = None
 
     @torch.no_grad()
@@ -39,6 +41,8 @@ class Decaying(torch.optim.Optimizer):
                     p.mul_(0.999)
                 if self.keep and self.k % 3 == 0:
                     self.kept = update
+                if self.read and self.k % 3 == 0:
+                    self.seen.append(update.tolist())  # a value it made, read at once
         if self.k == self.fail_at:
             raise RuntimeError(f"step {self.k} failed")
 
@@ -141,3 +145,15 @@ def test_a_step_that_raises_leaves_what_eager_leaves(remote):
     made before it are not lost, and the loop goes on."""
     run, _, _ = _both(remote, lambda ps: Decaying(ps, fail_at=5))
     assert run.stats()["steps_captured"].get("a step raised") == 1, run.stats()
+
+
+def test_a_step_that_reads_a_value_it_made_reads_eagers(remote):
+    """Every third step reads the update it just made (``tolist``, which reads without an
+    op): the following stops there, the update is captured, and the value read is
+    eager's."""
+    run, local_opt, opt = _both(remote, lambda ps: Decaying(ps, read=True), n=9)
+    assert opt.seen == local_opt.seen and len(opt.seen) == 3 * len(
+        list(opt.param_groups[0]["params"])
+    )
+    stats = run.stats()
+    assert stats["steps_followed"] >= 3 and stats["steps_captured"], stats
