@@ -19,21 +19,12 @@ from djinn.errors import UnsupportedOp
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
-from . import (
-    backward_errors,
-    failures,
-    hooks,
-    inference_views,
-    replay_follow,
-    seeded,
-    ties,
-    uncaptured,
-)
+from . import backward_errors, failures, hooks, inference_views, seeded, ties, uncaptured
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
 from .failures import written_args, written_values
-from .meta import META, TensorSpec
+from .meta import META, TensorSpec, spec_of
 from .trace import Node, Pending, bind, current, flush
 
 _REMOTE: list[torch.device] = []  # torch.device(DEVICE_TYPE, 0), once the backend has a name
@@ -204,10 +195,6 @@ def _local_index(index: Any) -> Any:
     return index
 
 
-def spec_of(t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), None)
-
-
 # -- capture -------------------------------------------------------------------------------
 class _Args:
     """One pass over an op's arguments: refs for the node, a cache key, meta inputs."""
@@ -364,27 +351,19 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return uncaptured.size_query(func, args, kwargs)
     special = SPECIAL.get(func)
     if special is not None:
-        if replay_follow.FOLLOWING:
-            _stop_following(func)
+        if trace_mod.FOLLOWING:
+            trace_mod.stop_following(f"its steps called {func}, which is not followed")
         return special(func, args, kwargs)
     if uncaptured.composite(func):
         return func.decompose(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
-        if replay_follow.FOLLOWING:
-            _stop_following(func)
+        if trace_mod.FOLLOWING:
+            trace_mod.stop_following(f"its steps called {func}, which is not followed")
         return SPECIAL_TO_CPU.get(func, run_locally)(func, args, kwargs)
     if written_args(func):
         _refuse_local_targets(func, args, kwargs)
     return capture(func, args, kwargs)
-
-
-def _stop_following(func: Any) -> None:
-    """A special op (a read, a detach) while a replay follows its steps: what was followed
-    is captured first (Note [followed steps])."""
-    follower = current().follower
-    if follower is not None:
-        follower.abort(f"its steps called {func}, which is not followed")
 
 
 def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
@@ -427,7 +406,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     trace = streamed(current())
     if trace.follower is not None:  # Note [followed steps]
         out = trace.follower.op(func, args, kwargs)
-        if out is not replay_follow.MISSED:
+        if out is not trace_mod.MISSED:
             return out
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
@@ -436,7 +415,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         if a.key is not None:
             a.key.append(k)  # keyword names are part of the signature
         ref_kwargs[k] = a.ref(v)
-    host = _host_args(func)
+    host = meta_mod.host_args(func)
     if host:
         for i in host:
             if i < len(args) and _is_host_tensor(args[i]) and _is_host_tensor(ref_args[i]):
@@ -446,7 +425,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
 
     def build():
         metas = [
-            t if host and _is_host_tensor(t) else meta_mod.meta_tensor(*_spec_tuple(t))
+            t if host and _is_host_tensor(t) else meta_mod.meta_tensor(*meta_mod.spec_tuple(t))
             for t in flat
         ]
         it = iter(metas)
@@ -471,7 +450,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         return _run_now(func, trace, ref_args, ref_kwargs, rng)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     if func in norm_stats.OPS:
-        spec = _cpu_statistics(func, spec, args, kwargs)
+        spec = meta_mod.cpu_statistics(func, spec, args, kwargs)
     specs = spec if isinstance(spec, (tuple, list)) else (spec,)
     tensor_pos = [i for i, s in enumerate(specs) if isinstance(s, TensorSpec)]
     if not tensor_pos:
@@ -506,39 +485,6 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)
 
 
-def _cpu_statistics(func: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
-    """Note [statistics dtypes] (djinn/protocol/norm_stats.py): on a CPU worker, the saved
-    statistics of a half-precision normalization take the CPU kernel's dtype."""
-    from .session import current_device_type
-
-    dtype = norm_stats.cpu_dtype(func, args, kwargs)
-    if dtype is None or current_device_type(start=True) != "cpu":
-        return spec
-    out = list(spec)
-    for i in norm_stats.STATISTICS:
-        s = out[i]
-        out[i] = TensorSpec(dtype, s.shape, s.stride, s.offset, s.alias)
-    return type(spec)(out)
-
-
-_HOST_ARGS: dict[Any, tuple[int, ...]] = {}
-
-
-def _host_args(func: Any) -> tuple[int, ...]:
-    """Positions of arguments the kernel wants as CPU tensors whatever the device (the
-    per-list ``scalars`` of the ``_foreach_*.Tensor`` overloads, as on CUDA)."""
-    known = _HOST_ARGS.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = tuple(
-            i
-            for i, a in enumerate(schema.arguments if schema is not None else ())
-            if a.name == "scalars" and str(a.type) == "Tensor"
-        )
-        _HOST_ARGS[func] = known
-    return known
-
-
 def _is_host_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor) and x.device.type == "cpu"
 
@@ -546,10 +492,6 @@ def _is_host_tensor(x: Any) -> bool:
 def _mutates(func: Any) -> bool:
     """Whether ``func`` writes to an argument (its schema marks it ``Tensor(a!)``)."""
     return bool(written_args(func))
-
-
-def _spec_tuple(t: torch.Tensor) -> tuple:
-    return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
 def _check_alias(s: TensorSpec, flat: list[Any], func: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from djinn.errors import UnsupportedOp
+from djinn.protocol import norm_stats
 
 META = torch.device("meta")
 CACHE_LIMIT = 1 << 16
@@ -130,3 +131,44 @@ def clear_cache() -> None:
 
 def cache_size() -> int:
     return len(_cache)
+
+
+def spec_of(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), None)
+
+
+def spec_tuple(t: torch.Tensor) -> tuple:
+    return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def cpu_statistics(func: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
+    """Note [statistics dtypes] (djinn/protocol/norm_stats.py): on a CPU worker, the saved
+    statistics of a half-precision normalization take the CPU kernel's dtype."""
+    from .session import current_device_type
+
+    dtype = norm_stats.cpu_dtype(func, args, kwargs)
+    if dtype is None or current_device_type(start=True) != "cpu":
+        return spec
+    out = list(spec)
+    for i in norm_stats.STATISTICS:
+        s = out[i]
+        out[i] = TensorSpec(dtype, s.shape, s.stride, s.offset, s.alias)
+    return type(spec)(out)
+
+
+_HOST_ARGS: dict[Any, tuple[int, ...]] = {}
+
+
+def host_args(func: Any) -> tuple[int, ...]:
+    """Positions of arguments the kernel wants as CPU tensors whatever the device (the
+    per-list ``scalars`` of the ``_foreach_*.Tensor`` overloads, as on CUDA)."""
+    known = _HOST_ARGS.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = tuple(
+            i
+            for i, a in enumerate(schema.arguments if schema is not None else ())
+            if a.name == "scalars" and str(a.type) == "Tensor"
+        )
+        _HOST_ARGS[func] = known
+    return known

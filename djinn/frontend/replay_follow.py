@@ -33,7 +33,6 @@ after them.
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,12 +42,10 @@ import torch
 from djinn.protocol.values import encode_constant
 from djinn.runtime.remote import RemoteTensor
 
+from . import trace as trace_mod
+from .lazy import LazyTensor, capture
 from .meta import TensorSpec
 from .nodes import Node, Pending
-
-# how many threads follow steps now: a cheap check on paths that must stop one first
-FOLLOWING = 0
-_COUNT = threading.Lock()
 
 
 class _NoPlan(Exception):
@@ -187,9 +184,6 @@ class _Made:
         self.k = k
 
 
-MISSED = object()  # an op not followed: capture it
-
-
 class Follower:
     """One replay's following of its steps (Note [followed steps])."""
 
@@ -206,17 +200,15 @@ class Follower:
         self.why = ""  # why it stopped following, if it did
 
     def start(self) -> None:
-        global FOLLOWING
         self.trace.follower = self
-        with _COUNT:
-            FOLLOWING += 1
+        with trace_mod.FOLLOWING_LOCK:
+            trace_mod.FOLLOWING += 1
 
     def _end(self) -> None:
-        global FOLLOWING
         if self.trace.follower is self:
             self.trace.follower = None
-        with _COUNT:
-            FOLLOWING -= 1
+        with trace_mod.FOLLOWING_LOCK:
+            trace_mod.FOLLOWING -= 1
         self.done = True
 
     def op(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -226,11 +218,11 @@ class Follower:
         j = len(self.log)
         if j >= len(ops) or ops[j].func is not func or torch.is_inference_mode_enabled():
             self.abort(f"its steps called {func}, not the recording's op")
-            return MISSED
+            return trace_mod.MISSED
         op = ops[j]
         if tuple(kwargs) != op.kwargs:
             self.abort(f"{func} had other arguments than in the recording")
-            return MISSED
+            return trace_mod.MISSED
         flat: list[Any] = []
         floats: list[float] = []
         it = iter(op.leaves)
@@ -244,7 +236,7 @@ class Follower:
             result, made = self._outputs(op, flat)
         except _Differs:
             self.abort(f"{func} had other arguments than in the recording")
-            return MISSED
+            return trace_mod.MISSED
         self.floats.extend(floats)
         reads = op.reads_outputs
         if reads:  # the arguments that hold outputs made
@@ -323,8 +315,6 @@ class Follower:
         """What the capture returns (``lazy._output``): the tensor written into for an
         output that aliases one; a new tensor, bound to nothing it can read, for the
         others."""
-        from .lazy import LazyTensor
-
         if op.specs is None:
             return None, []
         outs: list[Any] = []
@@ -386,9 +376,6 @@ class Follower:
             return
         self._end()
         self.why = why
-        from .lazy import capture
-        from .trace import bind
-
         self.stop()
         real: dict[int, Any] = {}
 
@@ -409,7 +396,7 @@ class Follower:
                 real[k] = t
                 ph = self.weak[k]()
                 if ph is not None:
-                    bind(ph, t._ref)
+                    trace_mod.bind(ph, t._ref)
         self.log = []
 
 

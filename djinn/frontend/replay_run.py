@@ -33,14 +33,14 @@ from .replay_key import Miss, param_at
 from .replay_sources import holds
 
 if TYPE_CHECKING:
-    from .replayable import _Record
+    from .replay_record import Record
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def replay(rec: _Record, tensors: list[Any], label: str, stats: Any = None) -> Any:
+def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> Any:
     """Run ``rec`` again on ``tensors`` (the call's tensor arguments) by its template, after
     every check (Note [replayable functions]); a Miss if one fails. ``label``: the
     function's name, for errors."""
@@ -90,7 +90,7 @@ def replay(rec: _Record, tensors: list[Any], label: str, stats: Any = None) -> A
     return pytree.tree_unflatten(leaves, rec.out_spec)
 
 
-def _bind_outputs(rec: _Record, node: Any, bound: list | None = None) -> list[Any]:
+def _bind_outputs(rec: Record, node: Any, bound: list | None = None) -> list[Any]:
     """Point the gradients ``rec`` leaves in ``.grad`` and its outputs at ``node``'s kept
     values; the result's leaves. ``bound`` gets each (tensor, kept slot)."""
     from .lazy import LazyTensor
@@ -116,14 +116,14 @@ def _bind_outputs(rec: _Record, node: Any, bound: list | None = None) -> list[An
     return leaves
 
 
-def _clear(rec: _Record) -> None:
+def _clear(rec: Record) -> None:
     for w in rec.clears:  # as the call did (zero_grad)
         p = param_at(w)
         if p is not None:
             p.grad = None
 
 
-def _whole_inputs(rec: _Record, tensors: list[Any], session: Any) -> list[RemoteTensor] | None:
+def _whole_inputs(rec: Record, tensors: list[Any], session: Any) -> list[RemoteTensor] | None:
     """The inputs of the whole recording a replay of ``rec`` may follow its steps into
     (Note [followed steps], replay_follow.py); None if it has none, or they are not as
     recorded (the ops before the steps replay as they are)."""
@@ -138,7 +138,7 @@ def _whole_inputs(rec: _Record, tensors: list[Any], session: Any) -> list[Remote
 
 
 def _followed(
-    rec: _Record,
+    rec: Record,
     tr: Any,
     called: tuple[str, Any],
     tensors: list[Any],

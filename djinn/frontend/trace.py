@@ -37,6 +37,22 @@ if TYPE_CHECKING:
     from .lazy import LazyTensor
 
 
+# Note [followed steps] (replay_follow.py): how many threads follow optimizer steps now,
+# a cheap check on the paths that must stop one first; and what a follower answers for an
+# op it does not follow (capture it)
+FOLLOWING = 0
+FOLLOWING_LOCK = threading.Lock()
+MISSED = object()
+
+
+def stop_following(why: str) -> None:
+    """Stop this thread's following of its steps, if it follows any (Note [followed
+    steps]): what it followed is captured first."""
+    follower = current().follower
+    if follower is not None:
+        follower.abort(why)
+
+
 class Trace:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
