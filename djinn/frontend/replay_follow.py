@@ -198,6 +198,7 @@ class Follower:
         self.weak: list[Any] = []  # the outputs made, weakly
         self.done = False
         self.why = ""  # why it stopped following, if it did
+        self.replaced = False  # because a tensor was not the input the plan names
 
     def start(self) -> None:
         self.trace.follower = self
@@ -297,6 +298,7 @@ class Follower:
             ok = ref is self.inputs[want[1]] or (
                 type(ref) is RemoteTensor and ref.handle == self.inputs[want[1]].handle
             )
+            self.replaced = not ok
         elif tag == "keep":
             ok = type(ref) is Pending and ref.node is self.whole and ref.index == want[1]
         elif tag == "out":  # an earlier followed op's output

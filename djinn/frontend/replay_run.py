@@ -72,7 +72,7 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
         rec.fill = templates.instantiator(rec.tpl)
     written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
     form = (rec.fingerprint, handles, rec.scalars)
-    whole = _whole_inputs(rec, tensors, session) if optimizers else None
+    whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
         return _followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
                          optimizers)  # fmt: skip
@@ -123,18 +123,13 @@ def _clear(rec: Record) -> None:
             p.grad = None
 
 
-def _whole_inputs(rec: Record, tensors: list[Any], session: Any) -> list[RemoteTensor] | None:
-    """The inputs of the whole recording a replay of ``rec`` may follow its steps into
-    (Note [followed steps], replay_follow.py); None if it has none, or they are not as
-    recorded (the ops before the steps replay as they are)."""
+def _whole_inputs(rec: Record, tensors: list[Any], session: Any) -> list[RemoteTensor]:
+    """The inputs of the whole recording a replay of ``rec`` follows its steps into (Note
+    [followed steps], replay_follow.py); a Miss if one is not as recorded (the program
+    replaced an optimizer's state: the call records again, and follows the new one)."""
     whole = rec.whole
-    if whole is None or rec.plan is None:
-        return None
-    try:
-        return [_input(kind, src, h, tensors, session) for (kind, src), h in
-                zip(whole.sources, whole.handles, strict=True)]  # fmt: skip
-    except Miss:
-        return None
+    return [_input(kind, src, h, tensors, session) for (kind, src), h in
+            zip(whole.sources, whole.handles, strict=True)]  # fmt: skip
 
 
 def _followed(
@@ -156,7 +151,8 @@ def _followed(
     whole, plan = rec.whole, rec.plan
     label, stats = called
     handles = [r.handle for r in inputs]
-    writes = [tensors[what] if kind == "arg" else what for kind, what in whole.written]
+    writes = [tensors[what] if kind == "arg" else what() for kind, what in whole.written]
+    writes = [t for t in writes if t is not None]  # one dropped since holds no error
     node = Replayed(f"a replay of {label}", tr, len(whole.tpl["keep"]),
                     tuple(t._ref for t in writes))  # fmt: skip
     for t in written:  # the ops before the steps; the steps' own count as they are called
@@ -197,6 +193,8 @@ def _followed(
     else:
         if stats is not None:
             stats.captured[follower.why] += 1
+        if follower.replaced:  # its steps read other tensors than recorded: stop trying
+            rec.plan = rec.whole = None
         trace_mod.flush(tr, wait=False)
     return pytree.tree_unflatten(leaves, rec.out_spec)
 

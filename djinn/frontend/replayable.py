@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -271,13 +272,14 @@ class Replayable:
         if isinstance(old, Record) and old.steps:  # its steps run at every call
             if split is not None and old.matches(split):
                 split.same = old.same + 1
-                _follow(split, old.whole)
+                _follow(split)
                 self._store(k, split, empty)
                 return result
             old = None  # it no longer ends with the same steps: start again
         if split is not None and rec.frozen:  # a replay of the whole would freeze a count
             if isinstance(old, Record) and old.split is not None and old.split.matches(split):
                 split.same = old.split.same + 1
+            _follow(split, on=False)
             self._store(k, split, empty)
             return result
         if isinstance(old, Record) and split is not None and old.split is not None:
@@ -286,7 +288,7 @@ class Replayable:
             if not old.matches(rec) and split.same > 1:
                 # the whole call's floats change from call to call, the ops before its
                 # steps do not (Note [optimizer steps run, not replayed])
-                _follow(split, old)
+                _follow(split)
                 self._store(k, split, empty)
                 return result
         if rec.frozen:  # a replay would not make the change the call made
@@ -319,15 +321,22 @@ class Replayable:
             self._misses.pop(self._records.popitem(last=False)[0], None)
 
 
-def _follow(split: Record, before: Record | None) -> None:
+def _follow(split: Record, on: bool = True) -> None:
     """Let replays of ``split`` follow its steps into its whole recording (Note [followed
-    steps]) when ``before``, the whole recording before it, was alike but for its
-    floats."""
+    steps]) when they can, else let that recording go. The whole recording holds what its
+    steps write weakly: the optimizer state it names is freed when the program replaces
+    it (a review found a ``load_state_dict`` leaving a copy of Adam's state on the
+    appliance for as long as the key lived)."""
     whole = split.whole
-    if whole is None or before is None or not whole.alike(before):
-        split.plan = None
+    plan = replay_follow.with_slots(split.steps_plan, whole, split) if on and whole else None
+    split.steps_plan = None
+    if plan is None:
+        split.whole = split.plan = None
         return
-    split.plan = replay_follow.with_slots(split.steps_plan, whole, split)
+    whole.split = None
+    whole.written = [(kind, weakref.ref(what) if kind == "tensor" else what)
+                     for kind, what in whole.written]  # fmt: skip
+    split.plan = plan
 
 
 def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2) -> Any:

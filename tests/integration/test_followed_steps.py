@@ -157,3 +157,45 @@ def test_a_step_that_reads_a_value_it_made_reads_eagers(remote):
     )
     stats = run.stats()
     assert stats["steps_followed"] >= 3 and stats["steps_captured"], stats
+
+
+def test_an_optimizer_state_loaded_mid_loop_is_freed_and_followed_again(remote):
+    """``load_state_dict`` replaces Adam's state: the old state is freed as eager frees it
+    (a review found the whole recording holding it), the call records again, and its
+    steps are followed again from the new state, with eager's bits."""
+    import copy
+    import gc
+    import weakref
+
+    local = _encoder()
+    model = _moved(local, remote)
+    runs = []
+    for m, device in ((local, "cpu"), (model, remote)):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+
+        def step(x, y, m=m, opt=opt):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        run = djinn.replayable(step) if device == remote else step
+        batches = _batches(device, 12)
+        for x, y in batches[:6]:
+            run(x, y)
+        old = [weakref.ref(opt.state[p]["exp_avg"]) for p in m.parameters()]
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        gc.collect()
+        assert not any(w() is not None for w in old)
+        for x, y in batches[6:]:
+            run(x, y)
+        runs.append((m, opt, run))
+    (_, local_opt, _), (_, opt, run) = runs
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    for p, q in zip(opt.param_groups[0]["params"], local_opt.param_groups[0]["params"],
+                    strict=True):  # fmt: skip
+        assert torch.equal(opt.state[p]["exp_avg_sq"].cpu(), local_opt.state[q]["exp_avg_sq"])
+    stats = run.stats()
+    assert stats["steps_followed"] >= 6 and stats["steps_captured"] == {}, stats
