@@ -47,10 +47,8 @@ class Decaying(torch.optim.Optimizer):
             raise RuntimeError(f"step {self.k} failed")
 
 
-def _loop(model, make_opt, device, replay, n=8):
-    """``n`` training steps; their losses (None for a step that raised), the Replayable
-    (or the step) and the optimizer."""
-    opt = make_opt(model.parameters())
+def _step_of(model, opt):
+    """The training step every test here replays."""
 
     def step(x, y):
         opt.zero_grad()
@@ -59,6 +57,14 @@ def _loop(model, make_opt, device, replay, n=8):
         opt.step()
         return loss.detach()
 
+    return step
+
+
+def _loop(model, make_opt, device, replay, n=8):
+    """``n`` training steps; their losses (None for a step that raised), the Replayable
+    (or the step) and the optimizer."""
+    opt = make_opt(model.parameters())
+    step = _step_of(model, opt)
     run = djinn.replayable(step) if replay else step
     losses = []
     for x, y in _batches(device, n):
@@ -172,14 +178,7 @@ def test_an_optimizer_state_loaded_mid_loop_is_freed_and_followed_again(remote):
     runs = []
     for m, device in ((local, "cpu"), (model, remote)):
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-
-        def step(x, y, m=m, opt=opt):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
+        step = _step_of(m, opt)
         run = djinn.replayable(step) if device == remote else step
         batches = _batches(device, 12)
         for x, y in batches[:6]:
