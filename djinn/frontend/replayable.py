@@ -130,13 +130,16 @@ class _Stats:
 class Replayable:
     """``fn`` made replayable (Note [replayable functions]); see ``djinn.replayable``."""
 
-    def __init__(self, fn: Callable[..., Any], *, after: int = 2) -> None:
+    def __init__(self, fn: Callable[..., Any], *, after: int = 2, follow: bool = True) -> None:
         if not callable(fn):
             raise TypeError(f"replayable() takes a function, got {type(fn).__name__}")
         if type(after) is not int or after < 1:
             raise ValueError("after must be an integer of at least 1")
+        if type(follow) is not bool:
+            raise TypeError("follow must be True or False")
         self.fn = fn
         self.after = after
+        self.follow = follow  # Note [followed steps]
         # a record; a reason it never replays; or (a reason, the call it may record again at)
         self._records: OrderedDict[Any, Record | str | tuple] = OrderedDict()
         self._stats = _Stats()
@@ -272,7 +275,7 @@ class Replayable:
         if isinstance(old, Record) and old.steps:  # its steps run at every call
             if split is not None and old.matches(split):
                 split.same = old.same + 1
-                _follow(split)
+                _follow(split, on=self.follow)
                 self._store(k, split, empty)
                 return result
             old = None  # it no longer ends with the same steps: start again
@@ -288,7 +291,7 @@ class Replayable:
             if not old.matches(rec) and split.same > 1:
                 # the whole call's floats change from call to call, the ops before its
                 # steps do not (Note [optimizer steps run, not replayed])
-                _follow(split)
+                _follow(split, on=self.follow)
                 self._store(k, split, empty)
                 return result
         if rec.frozen:  # a replay would not make the change the call made
@@ -339,10 +342,13 @@ def _follow(split: Record, on: bool = True) -> None:
     split.plan = plan
 
 
-def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2) -> Any:
+def replayable(fn: Callable[..., Any] | None = None, *, after: int = 2, follow: bool = True) -> Any:
     """Make ``fn`` replayable (Note [replayable functions]): calls after the first
     ``after`` identical recordings send the recorded graph by fingerprint instead of
-    capturing every op. Usable as ``@djinn.replayable`` or ``djinn.replayable(after=3)``."""
+    capturing every op. Usable as ``@djinn.replayable`` or ``djinn.replayable(after=3)``.
+    ``follow=False``: optimizer steps whose floats change at every call (the default
+    Adam's) are captured at every replay, not followed into one request (Note [followed
+    steps]): the same results, a request and a capture more per call."""
     if fn is None:
-        return lambda f: Replayable(f, after=after)
-    return Replayable(fn, after=after)
+        return lambda f: Replayable(f, after=after, follow=follow)
+    return Replayable(fn, after=after, follow=follow)

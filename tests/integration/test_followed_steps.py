@@ -5,6 +5,7 @@ every parameter, gradient and state ends as local eager's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import djinn
@@ -198,3 +199,32 @@ def test_an_optimizer_state_loaded_mid_loop_is_freed_and_followed_again(remote):
         assert torch.equal(opt.state[p]["exp_avg_sq"].cpu(), local_opt.state[q]["exp_avg_sq"])
     stats = run.stats()
     assert stats["steps_followed"] >= 6 and stats["steps_captured"] == {}, stats
+
+
+def test_follow_false_captures_the_steps_at_every_replay(remote, monkeypatch):
+    """``djinn.replayable(fn, follow=False)``: the steps are captured at every replay,
+    two graphs a call, with the same bits; a follow that is not a bool is refused."""
+    sent = []
+    real = flights.Flights.run_graph_async
+    monkeypatch.setattr(
+        flights.Flights,
+        "run_graph_async",
+        lambda self, *a, **k: sent.append(1) or real(self, *a, **k),
+    )
+    local = _encoder()
+    model = _moved(local, remote)
+    want, _, _ = _loop(local, lambda ps: torch.optim.Adam(ps, lr=1e-2), "cpu", False, 9)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run = djinn.replayable(_step_of(model, opt), follow=False)
+    got = [run(x, y) for x, y in _batches(remote, 9)]
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    stats = run.stats()
+    assert stats["replays"] == 6 and stats["steps_followed"] == 0, stats
+    sent.clear()
+    for x, y in _batches(remote, 3):
+        run(x, y)
+    assert len(sent) == 6, sent  # the ops before the steps, then the steps
+    with pytest.raises(TypeError, match="follow"):
+        djinn.replayable(_step_of(model, opt), follow="no")
