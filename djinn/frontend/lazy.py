@@ -19,7 +19,16 @@ from djinn.errors import UnsupportedOp
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
-from . import backward_errors, failures, hooks, inference_views, seeded, ties, uncaptured
+from . import (
+    backward_errors,
+    failures,
+    hooks,
+    inference_views,
+    seeded,
+    ties,
+    uncaptured,
+    writes,
+)
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
@@ -289,7 +298,7 @@ def _plain_ref(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     ref = x.__dict__["_b"].ref
     kind = type(ref)
     if kind is RemoteTensor:
-        if ref.failed is None:
+        if ref.failed is None and (ref.writer is None or ref.writer is trace):
             return ref
     elif kind is Pending:
         node = ref.node
@@ -320,6 +329,8 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         if ref.node.inflight is None:  # captured by another thread: send it now, and go on
             flush(ref.node.trace, wait=False)  # Note [asynchronous flushes] (trace.py)
         ref = x._ref
+    elif isinstance(ref, RemoteTensor):
+        writes.writes_sent(ref, trace)  # Note [writes another thread captured]
     return trace_mod.resolved(ref)
 
 
@@ -378,20 +389,6 @@ def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, {_remote()} and {target.device}!"
             )
-
-
-def _written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """The values of the bases of the views ``func`` writes into, as they are now (a later
-    ``.data =`` on a base does not move them): a failed write leaves them stale too (Note
-    [failed values], failures.poison_writes). Not for the foreach and fused optimizer
-    families, whose lists of parameters would cost a ``_base`` read each per step."""
-    if not written_args(func) or func._schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
-        return ()
-    return tuple(
-        t._base._ref
-        for t in written_values(func, args, kwargs)
-        if isinstance(t, LazyTensor) and t._base is not None
-    )
 
 
 def streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
@@ -462,8 +459,9 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         # keeps every later read correct); dropping one is a silent wrong number.
         node = Node(func, ref_args, ref_kwargs, trace, 0)
         node.module = hooks.module_path()
-        node.bases = _written_bases(func, args, kwargs)
+        node.bases = writes.written_bases(func, args, kwargs)
         trace.add(node)
+        writes.writes_by(trace, func, args, kwargs)
         return spec
     for s in specs:  # refuse before recording: a refused op must leave nothing behind
         if isinstance(s, TensorSpec):
@@ -471,7 +469,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
-    node.bases = _written_bases(func, args, kwargs)
+    node.bases = writes.written_bases(func, args, kwargs)
+    writes.writes_by(trace, func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     outs: list[Any] = []

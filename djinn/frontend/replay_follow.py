@@ -6,11 +6,12 @@ floats from a step count it keeps on the CPU, so a call ending with it never rec
 as a whole, and its replay sent the ops before the steps, then ran the steps, capturing
 each op (Note [optimizer steps run, not replayed], replay_steps.py). That capture, its
 encoding and its second request cost the client more than the replay itself: a replayed
-default-Adam loop took 1.4-1.8x the time of the same loop with SGD, whose step replays whole.
+default-Adam step took 1.6-1.9x as long as the same step with SGD, whose step replays
+whole (a 2-core host, 2026-11-27).
 
-When the recordings of such a call are alike as wholes but for their floats (the same
-template, inputs and outputs), the key keeps the whole recording too, with a plan of its
-steps' ops: per op, the aten function, and per argument where its value comes from (an
+When such a call's recordings split, the key keeps the last whole recording too, with a
+plan of its steps' ops: per op, the aten function, and per argument where its value comes
+from (an
 input of the template, a gradient the graph keeps, an earlier step op's output), a float
 (one of the template's scalars), or a plain value. A replay then runs the steps as ``fn``
 would, with a ``Follower`` on the thread's trace: each op they dispatch is checked against
@@ -137,7 +138,8 @@ def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
 
 
 # the tags of the constants ``values.encode_constant`` writes
-CONSTANT_TAGS = frozenset({"$dtype", "$device", "$mf", "$layout", "$float", "$complex"})
+# (not ``$complex``: its parts are floats, which the template makes scalars)
+CONSTANT_TAGS = frozenset({"$dtype", "$device", "$mf", "$layout", "$float"})
 
 
 def with_slots(plan: Plan | None, whole: Any, split: Any) -> Plan | None:

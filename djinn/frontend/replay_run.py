@@ -27,6 +27,7 @@ from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
+from . import writes
 from .meta import TensorSpec
 from .nodes import Pending, Replayed
 from .replay_key import Miss, param_at
@@ -213,6 +214,7 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
         ref = cells[0].ref
     if not isinstance(ref, RemoteTensor) or ref.session is not session:
         raise Miss("an input is not a remote tensor of this session")
+    writes.writes_sent(ref, trace_mod.current())  # Note [writes another thread captured]
     if ref.failed is not None:
         raise ref.failed
     return ref

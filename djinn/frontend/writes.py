@@ -1,0 +1,64 @@
+"""What a captured op writes into: the bases of the views it writes (Note [failed
+values]), and which thread's trace holds a write into a handle (Note [writes another
+thread captured]).
+
+Note [writes another thread captured]: an op captured on one thread that writes into a
+tensor bound to a handle (an optimizer's step into the parameters) leaves it bound to that
+handle, the write pending in that thread's trace. A read of the handle on another thread
+fetched the value without it: a model trained on a thread and read on the main one came
+back a step behind (a review, 2026-11-27: every parameter 4e-3 to 1e-2 off local
+eager's), and a thread that ended without a read never sent its last step at all. So the
+handle names the trace that last captured a write into it (``writes_by``), and a read
+elsewhere sends that trace first (``writes_sent``), as a read of another thread's pending
+value does (``lazy.ref_for_node``). The session runs its requests in the order they are
+sent, so the read sees the write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from djinn.runtime.remote import RemoteTensor
+
+from .failures import written_args, written_values
+from .trace import Trace, flush
+
+
+def writes_sent(ref: RemoteTensor, trace: Trace) -> None:
+    """Send the trace that last captured a write into ``ref``, if it is another thread's
+    and holds unsent ops."""
+    writer = ref.writer
+    if writer is not None and writer is not trace and writer.nodes:
+        flush(writer, wait=False)
+
+
+def writes_by(trace: Trace, func: Any, args: tuple, kwargs: dict) -> None:
+    """The handles ``func`` writes into name ``trace`` as their writer."""
+    if not written_args(func):
+        return
+    bases = not func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
+    for t in written_values(func, args, kwargs):
+        if not isinstance(t, torch.Tensor):
+            continue
+        # a view written into writes its base too (not looked for in the foreach and
+        # fused optimizer families' lists of parameters, as written_bases)
+        for u in (t, t._base) if bases and t._base is not None else (t,):
+            ref = getattr(u.__dict__.get("_b"), "ref", None)
+            if type(ref) is RemoteTensor:
+                ref.writer = trace
+
+
+def written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The values of the bases of the views ``func`` writes into, as they are now (a later
+    ``.data =`` on a base does not move them): a failed write leaves them stale too (Note
+    [failed values], failures.poison_writes). Not for the foreach and fused optimizer
+    families, whose lists of parameters would cost a ``_base`` read each per step."""
+    if not written_args(func) or func._schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
+        return ()
+    return tuple(
+        t._base.__dict__["_b"].ref
+        for t in written_values(func, args, kwargs)
+        if isinstance(t, torch.Tensor) and "_b" in t.__dict__ and t._base is not None
+    )
