@@ -48,6 +48,19 @@ class Decaying(torch.optim.Optimizer):
             raise RuntimeError(f"step {self.k} failed")
 
 
+@pytest.fixture
+def sent(monkeypatch):
+    """One entry per graph the session sends without waiting (a replay, a flush)."""
+    sent = []
+    real = flights.Flights.run_graph_async
+    monkeypatch.setattr(
+        flights.Flights,
+        "run_graph_async",
+        lambda self, *a, **k: sent.append(1) or real(self, *a, **k),
+    )
+    return sent
+
+
 def _step_of(model, opt):
     """The training step every test here replays."""
 
@@ -94,16 +107,9 @@ def _both(remote, make_opt, n=8):
     return run, local_opt, opt
 
 
-def test_a_default_adam_step_is_followed_into_one_request(remote, monkeypatch):
+def test_a_default_adam_step_is_followed_into_one_request(remote, sent):
     """Each replay after the recordings sends one graph (the whole call, with this step's
     bias corrections) and captures no op of the step."""
-    sent = []
-    real = flights.Flights.run_graph_async
-    monkeypatch.setattr(
-        flights.Flights,
-        "run_graph_async",
-        lambda self, *a, **k: sent.append(1) or real(self, *a, **k),
-    )
     run, local_opt, opt = _both(remote, lambda ps: torch.optim.Adam(ps, lr=1e-2), n=9)
     stats = run.stats()
     assert stats["replays"] == 6 and stats["steps_followed"] == 6, stats
@@ -201,16 +207,9 @@ def test_an_optimizer_state_loaded_mid_loop_is_freed_and_followed_again(remote):
     assert stats["steps_followed"] >= 6 and stats["steps_captured"] == {}, stats
 
 
-def test_follow_false_captures_the_steps_at_every_replay(remote, monkeypatch):
+def test_follow_false_captures_the_steps_at_every_replay(remote, sent):
     """``djinn.replayable(fn, follow=False)``: the steps are captured at every replay,
     two graphs a call, with the same bits; a follow that is not a bool is refused."""
-    sent = []
-    real = flights.Flights.run_graph_async
-    monkeypatch.setattr(
-        flights.Flights,
-        "run_graph_async",
-        lambda self, *a, **k: sent.append(1) or real(self, *a, **k),
-    )
     local = _encoder()
     model = _moved(local, remote)
     want, _, _ = _loop(local, lambda ps: torch.optim.Adam(ps, lr=1e-2), "cpu", False, 9)
