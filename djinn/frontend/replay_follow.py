@@ -34,6 +34,7 @@ after them.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,10 +200,12 @@ class Follower:
         self.log: list[tuple[Any, Any, Any, list[int]]] = []
         self.weak: list[Any] = []  # the outputs made, weakly
         self.done = False
+        self.thread = 0  # the thread following (start)
         self.why = ""  # why it stopped following, if it did
         self.replaced = False  # because a tensor was not the input the plan names
 
     def start(self) -> None:
+        self.thread = threading.get_ident()
         self.trace.follower = self
         with trace_mod.FOLLOWING_LOCK:
             trace_mod.FOLLOWING += 1
@@ -376,7 +379,10 @@ class Follower:
         """Stop following (``why``): send the split replay, capture the ops followed so
         far as they were called, and bind what they made that is still alive to the
         captured outputs (Note [followed steps])."""
-        if self.done:
+        if self.done or threading.get_ident() != self.thread:
+            # another thread flushing this trace (reading a value of this one's): what is
+            # followed is in no trace yet, and its ops must be captured on this thread
+            # (capture records into the calling thread's trace), so it goes on
             return
         self._end()
         self.why = why
