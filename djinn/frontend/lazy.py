@@ -298,7 +298,8 @@ def _plain_ref(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     ref = x.__dict__["_b"].ref
     kind = type(ref)
     if kind is RemoteTensor:
-        if ref.failed is None and (ref.writer is None or ref.writer is trace):
+        writer = ref.writer
+        if ref.failed is None and (writer is None or writer.trace is trace):
             return ref
     elif kind is Pending:
         node = ref.node
@@ -461,7 +462,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         node.module = hooks.module_path()
         node.bases = writes.written_bases(func, args, kwargs)
         trace.add(node)
-        writes.writes_by(trace, func, args, kwargs)
+        writes.writes_by(node, func, args, kwargs)
         return spec
     for s in specs:  # refuse before recording: a refused op must leave nothing behind
         if isinstance(s, TensorSpec):
@@ -470,7 +471,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node.specs = specs
     node.module = hooks.module_path()
     node.bases = writes.written_bases(func, args, kwargs)
-    writes.writes_by(trace, func, args, kwargs)
+    writes.writes_by(node, func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     outs: list[Any] = []

@@ -241,6 +241,17 @@ class Replayable:
         )
         tr = trace_mod.current()
         trace_mod.flush(tr)  # what came before runs first: the graph holds fn's ops only
+        with tr.lock:  # until its graph is sent (Note [writes another thread captured])
+            tr.recording += 1
+        try:
+            return self._recorded(k, args, kwargs, tensors, prev, empty, tr)
+        finally:
+            with tr.lock:
+                tr.recording -= 1
+
+    def _recorded(
+        self, k: Any, args: tuple, kwargs: dict, tensors: list[Any], prev: Any, empty: dict, tr: Any
+    ) -> Any:
         nodes = tr.nodes
         chunk, tr.chunk_ops = tr.chunk_ops, 0  # one graph (Note [streamed graphs])
         reads: dict[Any, list[tuple[Any, Any]]] = {}

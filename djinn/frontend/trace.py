@@ -64,6 +64,7 @@ class Trace:
         # remote tensor its ops read (Note [replayable functions])
         self.reads: dict[str, Any] | None = None
         self.follower: Any = None  # a replay following its steps (replay_follow.py)
+        self.recording = 0  # a replayable call recording here, until its graph is sent
 
     def read(self, name: Any, x: torch.Tensor) -> None:
         """Note [replayable functions]: a tensor a recording read, under its handle (a CPU
@@ -288,6 +289,7 @@ def flush(
     wait: bool = True,
     quiet: bool = False,
     add: Node | None = None,
+    unless_recording: bool = False,
 ) -> tuple[list[Any], list[RemoteTensor]]:
     """Run every pending node of ``trace``. Returns the values of the ``fetch`` refs and
     handles for the ``keep`` refs (outputs live LazyTensors hold are kept regardless).
@@ -307,6 +309,8 @@ def flush(
         trace.follower.abort("its steps read a value")
     land_all()  # what this graph reads may be what a graph in flight makes
     with trace.lock:
+        if unless_recording and trace.recording:  # Note [writes another thread captured]
+            return [], []
         if add is not None:
             trace.add(add)
         nodes, trace.nodes = trace.nodes, []

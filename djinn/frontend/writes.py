@@ -8,10 +8,10 @@ handle, the write pending in that thread's trace. A read of the handle on anothe
 fetched the value without it: a model trained on a thread and read on the main one came
 back a step behind (a review, 2026-11-27: every parameter 4e-3 to 1e-2 off local
 eager's), and a thread that ended without a read never sent its last step at all. So the
-handle names the trace that last captured a write into it (``writes_by``), and a read
-elsewhere sends that trace first (``writes_sent``), as a read of another thread's pending
-value does (``lazy.ref_for_node``). The session runs its requests in the order they are
-sent, so the read sees the write.
+handle names the node that last wrote into it (``writes_by``), and a read elsewhere sends
+that node's trace first while the node is not sent (``writes_sent``), as a read of
+another thread's pending value does (``lazy.ref_for_node``). The session runs its
+requests in the order they are sent, so the read sees the write.
 """
 
 from __future__ import annotations
@@ -23,19 +23,32 @@ import torch
 from djinn.runtime.remote import RemoteTensor
 
 from .failures import written_args, written_values
+from .nodes import Node
 from .trace import Trace, flush
 
 
 def writes_sent(ref: RemoteTensor, trace: Trace) -> None:
-    """Send the trace that last captured a write into ``ref``, if it is another thread's
-    and holds unsent ops."""
-    writer = ref.writer
-    if writer is not None and writer is not trace and writer.nodes:
-        flush(writer, wait=False)
+    """Send the trace holding the last write captured into ``ref``, if that write is
+    another thread's and not sent yet. The node, not its trace, is what the handle names:
+    naming the trace flushed whatever that thread was capturing at every read, long after
+    the write had gone (a review: a thread polling a parameter every ms cut a replayable
+    trainer's every recording short, 0 replays in 100 calls against 97)."""
+    node = ref.writer
+    if node is None:
+        return
+    if node.executed or node.inflight is not None or node.failed is not None:
+        ref.writer = None  # sent: the session runs it before anything read after it
+    elif node.trace is not trace:
+        # not while a replayable call records there (decided under the trace's lock, as
+        # the recording starts under it): a read racing a call that has not returned may
+        # see the value from before it, as in eager, and once the call returns its
+        # recording has sent the write; cut short, it would never replay
+        flush(node.trace, wait=False, unless_recording=True)
 
 
-def writes_by(trace: Trace, func: Any, args: tuple, kwargs: dict) -> None:
-    """The handles ``func`` writes into name ``trace`` as their writer."""
+def writes_by(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
+    """The handles ``func`` writes into name ``node``, its captured node, as their
+    writer."""
     if not written_args(func):
         return
     bases = not func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
@@ -47,7 +60,7 @@ def writes_by(trace: Trace, func: Any, args: tuple, kwargs: dict) -> None:
         for u in (t, t._base) if bases and t._base is not None else (t,):
             ref = getattr(u.__dict__.get("_b"), "ref", None)
             if type(ref) is RemoteTensor:
-                ref.writer = trace
+                ref.writer = node
 
 
 def written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:

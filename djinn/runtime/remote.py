@@ -46,9 +46,9 @@ class RemoteTensor:
         # may share storage with another handle: True, or the op that made it from
         # handles, to make it again from theirs (Note [lineage truncation])
         self.view: Any = False
-        # the frontend trace (a thread's) that last captured a write into this tensor, its
-        # nodes perhaps not sent: a read on another thread sends them first (Note [writes
-        # another thread captured], frontend/trace.py)
+        # the frontend node that last wrote into this tensor, perhaps not sent: a read on
+        # another thread sends its trace first (Note [writes another thread captured],
+        # frontend/writes.py)
         self.writer: Any = None
         self._finalizer = weakref.finalize(self, session._free_later, handle)
         rec = getattr(session, "_lineage", None)

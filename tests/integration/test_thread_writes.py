@@ -92,3 +92,41 @@ def test_a_write_into_a_view_is_sent_before_its_base_is_read(remote):
     want = torch.zeros(4, 4)
     want[1] += 2.0
     assert torch.equal(base.cpu(), want)
+
+
+def test_a_read_on_another_thread_while_a_call_records_leaves_it_replayable(remote):
+    """A thread reading a parameter while the trainer's replayable call records (after
+    its step is captured, before the call returns) does not send the recording's graph
+    in pieces, so the call still replays (a review: a thread polling a parameter every ms
+    left a trainer with 0 replays in 100 calls); after the loop the parameters are
+    eager's."""
+    local = _mlp()
+    model = copy.deepcopy(local).to(remote)
+    _train(local, "cpu", 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    go, done = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        while go.wait(timeout=30):
+            go.clear()
+            model[0].weight.detach().cpu()  # a handle the recording has a write into
+            done.set()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        go.set()  # read on the other thread now, while this call records
+        assert done.wait(timeout=30)
+        done.clear()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    run = djinn.replayable(step)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+        run(x.to(remote), y.to(remote))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert run.stats()["replays"] >= 4, run.stats()
