@@ -32,7 +32,7 @@ import torch
 from _appliance import appliance
 from _common import save_json
 from _report import md_table
-from training_step import R, build, using
+from training_step import R, build, train_step, using
 
 GiB = 1 << 30
 WARM = 10  # calls before the timed ones: the first makes Adam's state, two record
@@ -47,13 +47,7 @@ def steady(model: torch.nn.Module, batches: list, device: str, steps: int, follo
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
     data = [(x.to(device), y.to(device)) for x, y in batches]
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step = train_step(m, opt)
     run = step if device == "cpu" else djinn.replayable(step, follow=follow)
     for i in range(WARM):
         run(*data[i % len(data)])

@@ -225,7 +225,7 @@ class _Args:
             if self.key is not None:
                 self.key.append(("L", x.dtype, x.shape, x.stride(), x.storage_offset()))
             trace = self.trace
-            ref = _plain_ref(x, trace) if kind is LazyTensor else ref_for_node(x, trace)
+            ref = ref_for_node(x, trace)
             if trace.reads is not None or trace.recorders:
                 self._noted(x, ref)
             return ref
@@ -274,7 +274,7 @@ class _Args:
         if key is not None:
             key.append(("(", len(xs)))
             key.extend([("L", x.dtype, x.shape, x.stride(), x.storage_offset()) for x in xs])
-        refs = [_plain_ref(x, trace) for x in xs]
+        refs = [ref_for_node(x, trace) for x in xs]
         if trace.reads is not None or trace.recorders:
             for x, ref in zip(xs, refs, strict=True):
                 self._noted(x, ref)
@@ -292,11 +292,14 @@ class _Args:
                 WEIGHTS.add(ref)
 
 
-def _plain_ref(x: LazyTensor, trace: trace_mod.Trace) -> Any:
-    """``ref_for_node`` for the common cases, without its general checks: a live handle,
-    or an output of a node of ``trace`` not yet sent."""
+def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
+    if trace.follower is not None:  # a value read (fetch, repr) while steps are followed
+        trace.follower.abort("its steps read a value")  # Note [followed steps]
     ref = x.__dict__["_b"].ref
     kind = type(ref)
+    # the common cases first, without the checks below (an optimizer step's lists make
+    # them most of a capture): a live handle no other thread has a write into pending,
+    # or an output of this trace's node not yet sent
     if kind is RemoteTensor:
         writer = ref.writer
         if ref.failed is None and (writer is None or writer.trace is trace):
@@ -305,13 +308,6 @@ def _plain_ref(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         node = ref.node
         if node.trace is trace and not node.executed and node.failed is None:
             return ref
-    return ref_for_node(x, trace)
-
-
-def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
-    if trace.follower is not None:  # a value read (fetch, repr) while steps are followed
-        trace.follower.abort("its steps read a value")  # Note [followed steps]
-    ref = x._ref
     if isinstance(ref, failures.Failed):
         raise ref.error
     if isinstance(ref, Uninit):
@@ -460,9 +456,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         # keeps every later read correct); dropping one is a silent wrong number.
         node = Node(func, ref_args, ref_kwargs, trace, 0)
         node.module = hooks.module_path()
-        node.bases = writes.written_bases(func, args, kwargs)
+        writes.record_writes(node, func, args, kwargs)
         trace.add(node)
-        writes.writes_by(node, func, args, kwargs)
         return spec
     for s in specs:  # refuse before recording: a refused op must leave nothing behind
         if isinstance(s, TensorSpec):
@@ -470,8 +465,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node = Node(func, ref_args, ref_kwargs, trace, len(specs), multi=specs is spec)
     node.specs = specs
     node.module = hooks.module_path()
-    node.bases = writes.written_bases(func, args, kwargs)
-    writes.writes_by(node, func, args, kwargs)
+    writes.record_writes(node, func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
         node.rng = seeded.advance_local_generator(func, args, kwargs, fetch)
     outs: list[Any] = []

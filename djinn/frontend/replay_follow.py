@@ -261,21 +261,12 @@ class Follower:
         if tag == "(":
             if (kind is not list and kind is not tuple) or len(x) != want[1]:
                 raise _Differs
-            inputs, whole = self.inputs, self.whole
-            for v in x:  # a foreach op's list: its inputs and gradients checked in line
-                if not isinstance(v, torch.Tensor):
-                    self._match(v, it, flat, floats)
-                    continue
-                want = next(it, _END)
-                ref = getattr(v.__dict__.get("_b"), "ref", None)
-                if want[0] == "in" and ref is inputs[want[1]]:
-                    pass
-                elif want[0] == "keep" and type(ref) is Pending and ref.node is whole:
-                    if ref.index != want[1]:
-                        raise _Differs
+            for v in x:  # a foreach op's list: its tensors without a call of this each
+                if isinstance(v, torch.Tensor):
+                    self._tensor(v, next(it, _END))
+                    flat.append(v)
                 else:
-                    self._tensor(v, want)
-                flat.append(v)
+                    self._match(v, it, flat, floats)
             return
         if tag == "s":
             if kind is not float or not math.isfinite(x):

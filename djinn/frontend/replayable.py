@@ -244,14 +244,15 @@ class Replayable:
         with tr.lock:  # until its graph is sent (Note [writes another thread captured])
             tr.recording += 1
         try:
-            return self._recorded(k, args, kwargs, tensors, prev, empty, tr)
+            return self._record_on(tr, k, args, kwargs, tensors, prev, empty)
         finally:
             with tr.lock:
                 tr.recording -= 1
 
-    def _recorded(
-        self, k: Any, args: tuple, kwargs: dict, tensors: list[Any], prev: Any, empty: dict, tr: Any
+    def _record_on(
+        self, tr: Any, k: Any, args: tuple, kwargs: dict, tensors: list[Any], prev: Any, empty: dict
     ) -> Any:
+        """``_record`` on ``tr``, the thread's trace, flushed and marked recording."""
         nodes = tr.nodes
         chunk, tr.chunk_ops = tr.chunk_ops, 0  # one graph (Note [streamed graphs])
         reads: dict[Any, list[tuple[Any, Any]]] = {}

@@ -1,6 +1,6 @@
 """What a captured op writes into: the bases of the views it writes (Note [failed
-values]), and which thread's trace holds a write into a handle (Note [writes another
-thread captured]).
+values]), and which node, on which thread's trace, holds a write into a handle (Note
+[writes another thread captured]).
 
 Note [writes another thread captured]: an op captured on one thread that writes into a
 tensor bound to a handle (an optimizer's step into the parameters) leaves it bound to that
@@ -8,7 +8,7 @@ handle, the write pending in that thread's trace. A read of the handle on anothe
 fetched the value without it: a model trained on a thread and read on the main one came
 back a step behind (a review, 2026-11-27: every parameter 4e-3 to 1e-2 off local
 eager's), and a thread that ended without a read never sent its last step at all. So the
-handle names the node that last wrote into it (``writes_by``), and a read elsewhere sends
+handle names the node that last wrote into it (``record_writes``), and a read elsewhere sends
 that node's trace first while the node is not sent (``writes_sent``), as a read of
 another thread's pending value does (``lazy.ref_for_node``). The session runs its
 requests in the order they are sent, so the read sees the write.
@@ -46,32 +46,26 @@ def writes_sent(ref: RemoteTensor, trace: Trace) -> None:
         flush(node.trace, wait=False, unless_recording=True)
 
 
-def writes_by(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
-    """The handles ``func`` writes into name ``node``, its captured node, as their
-    writer."""
+def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
+    """What captured ``node`` (``func``) writes into, in one walk of its written values:
+    ``node.bases``, the values of the bases of the views it writes into, as they are now
+    (a later ``.data =`` on a base does not move them: a failed write leaves them stale
+    too, Note [failed values], failures.poison_writes); and the handles it writes into,
+    those bases' too, name ``node`` as their writer. The foreach and fused optimizer
+    families' lists of parameters are not looked at for bases: a ``_base`` read each per
+    step."""
     if not written_args(func):
         return
-    bases = not func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
+    optimizer = func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
+    bases: list[Any] = []
     for t in written_values(func, args, kwargs):
         if not isinstance(t, torch.Tensor):
             continue
-        # a view written into writes its base too (not looked for in the foreach and
-        # fused optimizer families' lists of parameters, as written_bases)
-        for u in (t, t._base) if bases and t._base is not None else (t,):
+        base = None if optimizer else t._base
+        if base is not None and "_b" in t.__dict__:
+            bases.append(base.__dict__["_b"].ref)
+        for u in (t,) if base is None else (t, base):
             ref = getattr(u.__dict__.get("_b"), "ref", None)
             if type(ref) is RemoteTensor:
                 ref.writer = node
-
-
-def written_bases(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """The values of the bases of the views ``func`` writes into, as they are now (a later
-    ``.data =`` on a base does not move them): a failed write leaves them stale too (Note
-    [failed values], failures.poison_writes). Not for the foreach and fused optimizer
-    families, whose lists of parameters would cost a ``_base`` read each per step."""
-    if not written_args(func) or func._schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
-        return ()
-    return tuple(
-        t._base.__dict__["_b"].ref
-        for t in written_values(func, args, kwargs)
-        if isinstance(t, torch.Tensor) and "_b" in t.__dict__ and t._base is not None
-    )
+    node.bases = tuple(bases)
