@@ -207,13 +207,10 @@ class _Encoder:
         self._inline_ids: dict[int, int] = {}
 
     def ref(self, ref: Any) -> Any:
-        if type(ref) is RemoteTensor and ref.failed is None:  # most of a step's inputs
-            if self.session is not None and ref.session is not self.session:
-                raise _elsewhere(ref)
-            return {"$h": ref.handle}
-        if isinstance(ref, Pending) and ref.node.inflight is not None:
-            land(ref.node.inflight)
-        ref = resolved(ref)
+        if type(ref) is not RemoteTensor or ref.failed is not None:  # a live handle as is
+            if isinstance(ref, Pending) and ref.node.inflight is not None:
+                land(ref.node.inflight)
+            ref = resolved(ref)
         if isinstance(ref, Pending):
             i = self.index.get(id(ref.node))
             if i is None:
