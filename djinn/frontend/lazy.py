@@ -122,7 +122,7 @@ class LazyTensor(torch.Tensor):
                 ref_for_node(new, current())
             if self._dyn is not None:  # its sizes are still answered from Python
                 self._dyn = spec_of(new)
-            bind(self, new._ref)
+            bind(self, new._ref, writes.shared_storage(new))
 
     __tensor_flatten__ = ties.SeenByApply("__tensor_flatten__")
     __tensor_unflatten__ = ties.SeenByApply("__tensor_unflatten__")
@@ -295,7 +295,11 @@ class _Args:
 def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     if trace.follower is not None:  # a value read (fetch, repr) while steps are followed
         trace.follower.abort("its steps read a value")  # Note [followed steps]
-    ref = x.__dict__["_b"].ref
+    cell = x.__dict__["_b"]
+    storage = cell.storage  # a view, or viewed: a write into any of them counts
+    if storage is not None and storage.writer is not None:
+        writes.writes_sent(storage, trace)
+    ref = cell.ref
     kind = type(ref)
     # the common cases first, without the checks below (an optimizer step's lists make
     # them most of a capture): a live handle no other thread has a write into pending,
@@ -474,6 +478,11 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         with inference_views.view_mode(func, args):
             for i, s in enumerate(specs):
                 outs.append(_output(s, flat, node, i) if isinstance(s, TensorSpec) else s)
+    if func.is_view and isinstance(args[0], LazyTensor):  # Note [writes another thread...]
+        storage = writes.shared_storage(args[0])
+        for out in outs:
+            if isinstance(out, LazyTensor):
+                out.__dict__["_b"].storage = storage
     if isinstance(spec, TensorSpec):
         return outs[0]
     return type(spec)(outs) if type(spec) in (tuple, list) else tuple(outs)

@@ -110,10 +110,25 @@ class Binding:
     an in-place rebind) makes a new cell, so the old one dies and its node no longer counts
     that tensor."""
 
-    __slots__ = ("__weakref__", "ref")
+    __slots__ = ("__weakref__", "ref", "storage")
 
-    def __init__(self, ref: Any) -> None:
+    def __init__(self, ref: Any, storage: Storage | None = None) -> None:
         self.ref = ref
+        # shared by a tensor and the views made of it, once one is (Note [writes another
+        # thread captured], writes.py)
+        self.storage = storage
+
+
+class Storage:
+    """The storage a tensor and its views share, as far as writes are concerned: the node
+    that last wrote into any of them (Note [writes another thread captured], writes.py).
+    Held by the cells, not the other way: a base cell kept alive by its views would count
+    as a holder of its node's output (Note [bindings])."""
+
+    __slots__ = ("writer",)
+
+    def __init__(self) -> None:
+        self.writer: Node | None = None
 
 
 class HostTensor:

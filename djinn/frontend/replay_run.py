@@ -202,19 +202,24 @@ def _followed(
 
 def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> RemoteTensor:
     """The value an input of the graph has now (a Miss if it is not what it was)."""
+    cell = None
     if kind == "arg":
-        ref = trace_mod.resolved(tensors[src]._ref)
+        cell = tensors[src].__dict__["_b"]
     elif kind == "grad":
         grad = src._grad
-        ref = None if grad is None else trace_mod.resolved(grad.__dict__["_b"].ref)
+        cell = None if grad is None else grad.__dict__["_b"]
     else:
         cells = [w() for w in src]
         if not all(holds(c, recorded) for c in cells):
             raise Miss("a tensor it reads was replaced or dropped since")
-        ref = cells[0].ref
+        cell = cells[0]
+    ref = None if cell is None else trace_mod.resolved(cell.ref)
     if not isinstance(ref, RemoteTensor) or ref.session is not session:
         raise Miss("an input is not a remote tensor of this session")
-    writes.writes_sent(ref, trace_mod.current())  # Note [writes another thread captured]
+    trace = trace_mod.current()  # Note [writes another thread captured]
+    if cell.storage is not None:
+        writes.writes_sent(cell.storage, trace)
+    writes.writes_sent(ref, trace)
     if ref.failed is not None:
         raise ref.failed
     return ref

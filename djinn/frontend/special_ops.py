@@ -17,7 +17,7 @@ import torch
 from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, inference_views, slicing, ties
+from . import attention, embedding, inference_views, slicing, ties, writes
 from .lazy import (
     SPECIAL,
     SPECIAL_TO_CPU,
@@ -91,7 +91,9 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(ref, Uninit):
         ref = ref_for_node(x, current())
     with inference_views.view_mode(func, args):  # Note [views in inference mode]
-        return LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
+        out = LazyTensor(spec_of(x), ref)  # same value, no autograd history: nothing to run
+    out.__dict__["_b"].storage = writes.shared_storage(x)  # Note [writes another thread...]
+    return out
 
 
 def _copy(func: Any, args: tuple, kwargs: dict) -> Any:

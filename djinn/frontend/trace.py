@@ -31,7 +31,7 @@ from .failures import (
     is_dependency_error,
     written_args,
 )
-from .nodes import Binding, HostTensor, Node, Pending
+from .nodes import Binding, HostTensor, Node, Pending, Storage
 
 if TYPE_CHECKING:
     from .lazy import LazyTensor
@@ -166,10 +166,10 @@ def current() -> Trace:
     return trace
 
 
-def bind(lazy: LazyTensor, ref: Any) -> None:
-    """Point a LazyTensor at a value; a pending value learns it has a live holder (Note
-    [bindings])."""
-    cell = lazy.__dict__["_b"] = Binding(ref)
+def bind(lazy: LazyTensor, ref: Any, storage: Storage | None = None) -> None:
+    """Point a LazyTensor at a value (in a ``storage`` its views share, if given); a
+    pending value learns it has a live holder (Note [bindings])."""
+    cell = lazy.__dict__["_b"] = Binding(ref, storage)
     if isinstance(ref, Pending):
         ref.node.holders[ref.index].append(weakref.ref(cell))
 

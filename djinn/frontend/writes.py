@@ -12,6 +12,17 @@ handle names the node that last wrote into it (``record_writes``), and a read el
 that node's trace first while the node is not sent (``writes_sent``), as a read of
 another thread's pending value does (``lazy.ref_for_node``). The session runs its
 requests in the order they are sent, so the read sees the write.
+
+Handles can share storage: a view read back has a handle of its own (``w[1].cpu()``), and
+so does each of two views of one base. A write into one of them is a write into the
+others, so a tensor and the views made of it share a ``Storage`` mark (nodes.py), made
+when the first view is captured (``shared_storage``): a write marks it as well as the
+handle, and a read looks at both. A review found three such reads wrong after the first
+fix: a view read after its base was written on a thread, a sibling view read after the
+other was, and a base read after ``_foreach_add_`` wrote into views of it. The mark lives
+in the cells rather than linking a view's cell to its base's: a base cell kept alive by
+its views counts as a holder of its node's output (Note [bindings]), and a gradient that
+is a view of a ``mm`` made every recorded training step keep a tensor it made.
 """
 
 from __future__ import annotations
@@ -23,16 +34,17 @@ import torch
 from djinn.runtime.remote import RemoteTensor
 
 from .failures import written_args, written_values
-from .nodes import Node
+from .nodes import Node, Storage
 from .trace import Trace, flush
 
 
-def writes_sent(ref: RemoteTensor, trace: Trace) -> None:
-    """Send the trace holding the last write captured into ``ref``, if that write is
-    another thread's and not sent yet. The node, not its trace, is what the handle names:
-    naming the trace flushed whatever that thread was capturing at every read, long after
-    the write had gone (a review: a thread polling a parameter every ms cut a replayable
-    trainer's every recording short, 0 replays in 100 calls against 97)."""
+def writes_sent(ref: RemoteTensor | Storage, trace: Trace) -> None:
+    """Send the trace holding the last write captured into ``ref`` (a handle, or a
+    ``Storage`` views share), if that write is another thread's and not sent yet. The
+    node, not its trace, is what the handle names: naming the trace flushed whatever
+    that thread was capturing at every read, long after the write had gone (a review: a
+    thread polling a parameter every ms cut a replayable trainer's every recording
+    short, 0 replays in 100 calls against 97)."""
     node = ref.writer
     if node is None:
         return
@@ -46,14 +58,26 @@ def writes_sent(ref: RemoteTensor, trace: Trace) -> None:
         flush(node.trace, wait=False, unless_recording=True)
 
 
+def shared_storage(x: Any) -> Storage | None:
+    """The ``Storage`` ``x`` shares with the views made of it (made now if none is yet);
+    None for a tensor with no cell."""
+    cell = x.__dict__.get("_b")
+    if cell is None:
+        return None
+    if cell.storage is None:
+        cell.storage = Storage()
+    return cell.storage
+
+
 def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     """What captured ``node`` (``func``) writes into, in one walk of its written values:
     ``node.bases``, the values of the bases of the views it writes into, as they are now
     (a later ``.data =`` on a base does not move them: a failed write leaves them stale
     too, Note [failed values], failures.poison_writes); and the handles it writes into,
-    those bases' too, name ``node`` as their writer. The foreach and fused optimizer
-    families' lists of parameters are not looked at for bases: a ``_base`` read each per
-    step."""
+    their bases' and the ``Storage`` each shares with views name ``node`` as their writer.
+    The foreach and fused optimizer families' lists of parameters are not looked at for
+    ``_base`` (0.1 µs a read, each element each step): the ``Storage`` marks cover
+    them."""
     if not written_args(func):
         return
     optimizer = func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
@@ -61,11 +85,17 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     for t in written_values(func, args, kwargs):
         if not isinstance(t, torch.Tensor):
             continue
+        cell = t.__dict__.get("_b")
+        if cell is None:
+            continue
+        if type(cell.ref) is RemoteTensor:
+            cell.ref.writer = node
+        if cell.storage is not None:
+            cell.storage.writer = node
         base = None if optimizer else t._base
-        if base is not None and "_b" in t.__dict__:
-            bases.append(base.__dict__["_b"].ref)
-        for u in (t,) if base is None else (t, base):
-            ref = getattr(u.__dict__.get("_b"), "ref", None)
+        if base is not None:
+            ref = base.__dict__["_b"].ref
+            bases.append(ref)
             if type(ref) is RemoteTensor:
                 ref.writer = node
     node.bases = tuple(bases)

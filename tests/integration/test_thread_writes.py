@@ -94,6 +94,55 @@ def test_a_write_into_a_view_is_sent_before_its_base_is_read(remote):
     assert torch.equal(base.cpu(), want)
 
 
+def _on_thread(work) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # the assertion below names it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+
+
+def test_a_view_with_a_handle_of_its_own_reads_a_write_into_its_base(remote):
+    """A view read back has a handle of its own that shares its base's storage: a write
+    into the base on a thread is sent before the view is read on another."""
+    base = torch.zeros(4, 4).to(remote)
+    view = base[1]
+    view.cpu()  # its own handle now
+    _on_thread(lambda: base.add_(1.0))
+    assert torch.equal(view.cpu(), torch.ones(4))
+
+
+def test_a_write_into_one_view_is_sent_before_a_sibling_view_is_read(remote):
+    base = torch.zeros(4, 4).to(remote)
+    rows, row = base[1:3], base[1]
+    rows.cpu(), row.cpu()  # each with a handle of its own
+    _on_thread(lambda: row.add_(2.0))
+    want = torch.zeros(2, 4)
+    want[0] += 2.0
+    assert torch.equal(rows.cpu(), want)
+    # and a view of a view, made on the main thread before the write
+    cell = base[2:4][0]
+    _on_thread(lambda: base[2].fill_(5.0))
+    assert torch.equal(cell.cpu(), torch.full((4,), 5.0))
+
+
+def test_a_foreach_write_into_views_is_sent_before_their_base_is_read(remote):
+    """The optimizers' ``_foreach_*`` lists are not looked at for ``_base`` (a read per
+    element per step); a write through them into views still marks the storage."""
+    base = torch.zeros(2, 3).to(remote)
+    base.cpu()
+    views = [base[0], base[1]]
+    _on_thread(lambda: torch._foreach_add_(views, 1.0))
+    assert torch.equal(base.cpu(), torch.ones(2, 3))
+
+
 def test_a_read_on_another_thread_while_a_call_records_leaves_it_replayable(remote):
     """A thread reading a parameter while the trainer's replayable call records (after
     its step is captured, before the call returns) does not send the recording's graph
