@@ -5,6 +5,7 @@ arguments, and the state of the modules, optimizers and tensors it used (Note
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -103,6 +104,11 @@ class Used:
         self.steps: list[Step] = []
         self.kept: dict[int, dict] = {}  # per optimizer, what it kept as it first stepped
         self.watch: Watch | None = None  # the last recording's state, as this call began
+        # the frame that calls ``fn`` (its id: nothing held), and the method of another
+        # object found calling an optimizer's step in between (Note [steps called by a
+        # wrapper])
+        self.caller: int | None = None
+        self.wrapper: str | None = None
 
     def module_ran(self, module: torch.nn.Module) -> None:
         self.modules.setdefault(id(module), module)
@@ -114,6 +120,8 @@ class Used:
         if id(opt) not in self.kept:  # as it first stepped
             self.kept[id(opt)] = kept_by(opt)
         mine = threading.get_ident() == self.thread
+        if mine and self.wrapper is None and self.caller is not None:
+            self.wrapper = self._wrapper_of(opt)
         step = Step(opt, self.count(), with_args or not mine)
         # each parameter's gradient as the step began: what a replay must give it (a ref,
         # not the tensor: holding that would keep alive what the call let go)
@@ -122,6 +130,27 @@ class Used:
                 cell = grad_cell(p)  # p held, not weakly: a weakly held tensor cannot be
                 step.grads.append((p, getattr(cell, "ref", cell)))  # swapped (swap_tensors)
         self.steps.append(step)
+
+    def _wrapper_of(self, opt: torch.optim.Optimizer) -> str | None:
+        """Note [steps called by a wrapper]: a replay calls each optimizer's ``step()``
+        itself, so Python between ``fn`` and that call does not run. A plain function
+        there is ``fn``'s own Python, which a replay never runs (the documented
+        contract); a method of another object is a wrapper's (a Lookahead's step count
+        and slow weights, a GradScaler's check for infinities) that the caller thinks of
+        as the step: a review found a Lookahead around Adam replayed with wrong numbers
+        and no error. Its name, if one is on the stack between the recording's call of
+        ``fn`` and the hook; None if none (a method of an optimizer stepping now, as a
+        subclass's ``step()`` or ``torch.optim``'s own wrappers, is the step)."""
+        stepping = {id(opt), *(id(s.opt) for s in self.steps if s.end is None)}
+        frame = sys._getframe(2)  # above this method and the hook calling it
+        while frame is not None and id(frame) != self.caller:
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                obj = frame.f_locals.get("self")
+                if obj is not None and id(obj) not in stepping:
+                    return f"{type(obj).__qualname__}.{code.co_name}"
+            frame = frame.f_back
+        return None
 
     def frozen(self) -> bool:
         """Whether a step changed what an optimizer keeps in Python (a step count in a CPU

@@ -81,6 +81,7 @@ are the bits a capture of the same call would give.
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 import weakref
@@ -259,6 +260,7 @@ class Replayable:
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         used = Used(lambda: len(tr.nodes))
+        used.caller = id(sys._getframe())  # Note [steps called by a wrapper] (replay_key.py)
         if isinstance(prev, Record):  # what the call changes shows against it
             split = prev.split.state if prev.split is not None else None
             used.watch = Watch(None, prev.state) if prev.steps else Watch(prev.state, split)

@@ -227,3 +227,78 @@ def test_follow_false_captures_the_steps_at_every_replay(remote, sent):
     assert len(sent) == 6, sent  # the ops before the steps, then the steps
     with pytest.raises(TypeError, match="follow"):
         djinn.replayable(_step_of(model, opt), follow="no")
+
+
+class Lookahead:
+    """A wrapper around an optimizer that does not start as one (as
+    ``torch_optimizer.Lookahead`` does not): PyTorch's step hooks see only the inner
+    step, and every ``k``-th step of its own pulls slow weights towards the parameters
+    and copies them back, Python a replay calling the inner ``step()`` would skip."""
+
+    def __init__(self, inner, k=3, alpha=0.5):
+        self.inner, self.k, self.alpha, self.n, self.slow = inner, k, alpha, 0, None
+        self.param_groups = inner.param_groups
+
+    @torch.no_grad()
+    def step(self):
+        self.inner.step()
+        self.n += 1
+        params = [p for group in self.param_groups for p in group["params"]]
+        if self.slow is None:
+            self.slow = [p.detach().clone() for p in params]
+        if self.n % self.k == 0:
+            for slow, p in zip(self.slow, params, strict=True):
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),  # its steps would be followed
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),  # it would replay whole
+    ],
+    ids=["adam", "sgd"],
+)
+def test_a_step_called_by_a_wrapper_is_not_replayed(remote, inner):
+    """Note [steps called by a wrapper] (replay_key.py): a replay would run the inner
+    optimizer's step and not the wrapper's Python (before, a Lookahead around Adam ended
+    with wrong parameters and no error). The call is captured every time, with eager's
+    bits, and ``stats()`` says why."""
+    run, _, _ = _both(remote, lambda ps: Lookahead(inner(ps)), n=9)
+    stats = run.stats()
+    assert stats["replays"] == 0, stats
+    assert any("Lookahead.step" in why for why in stats["plain"]), stats
+
+
+def test_a_step_called_by_a_plain_function_is_followed(remote):
+    """A plain function between ``fn`` and the step is ``fn``'s own Python (which a
+    replay never runs): the steps are still followed, with eager's bits."""
+
+    def apply(opt):
+        opt.step()
+
+    def step_of(model, opt):
+        def step(x, y):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            apply(opt)
+
+        return step
+
+    local = _encoder()
+    model = _moved(local, remote)
+    runs = []
+    for m, device, replay in ((local, "cpu", False), (model, remote, True)):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        run = step_of(m, opt)
+        run = djinn.replayable(run) if replay else run
+        for x, y in _batches(device, 8):
+            run(x, y)
+        runs.append(run)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert runs[1].stats()["steps_followed"] >= 5, runs[1].stats()
