@@ -4,11 +4,14 @@ arguments, and the state of the modules, optimizers and tensors it used (Note
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import struct
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,11 +107,10 @@ class Used:
         self.steps: list[Step] = []
         self.kept: dict[int, dict] = {}  # per optimizer, what it kept as it first stepped
         self.watch: Watch | None = None  # the last recording's state, as this call began
-        # the frame that calls ``fn`` (its id: nothing held), and the method of another
-        # object found calling an optimizer's step in between (Note [steps called by a
-        # wrapper])
-        self.caller: int | None = None
-        self.wrapper: str | None = None
+        # Note [steps a replay would skip]: fn's own code objects, and the first
+        # ``step()`` of an object a replay would not step that the call made
+        self.own: frozenset[Any] = frozenset()
+        self.skipped: str | None = None
 
     def module_ran(self, module: torch.nn.Module) -> None:
         self.modules.setdefault(id(module), module)
@@ -120,8 +122,6 @@ class Used:
         if id(opt) not in self.kept:  # as it first stepped
             self.kept[id(opt)] = kept_by(opt)
         mine = threading.get_ident() == self.thread
-        if mine and self.wrapper is None and self.caller is not None:
-            self.wrapper = self._wrapper_of(opt)
         step = Step(opt, self.count(), with_args or not mine)
         # each parameter's gradient as the step began: what a replay must give it (a ref,
         # not the tensor: holding that would keep alive what the call let go)
@@ -131,26 +131,61 @@ class Used:
                 step.grads.append((p, getattr(cell, "ref", cell)))  # swapped (swap_tensors)
         self.steps.append(step)
 
-    def _wrapper_of(self, opt: torch.optim.Optimizer) -> str | None:
-        """Note [steps called by a wrapper]: a replay calls each optimizer's ``step()``
-        itself, so Python between ``fn`` and that call does not run. A plain function
-        there is ``fn``'s own Python, which a replay never runs (the documented
-        contract); a method of another object is a wrapper's (a Lookahead's step count
-        and slow weights, a GradScaler's check for infinities) that the caller thinks of
-        as the step: a review found a Lookahead around Adam replayed with wrong numbers
-        and no error. Its name, if one is on the stack between the recording's call of
-        ``fn`` and the hook; None if none (a method of an optimizer stepping now, as a
-        subclass's ``step()`` or ``torch.optim``'s own wrappers, is the step)."""
-        stepping = {id(opt), *(id(s.opt) for s in self.steps if s.end is None)}
-        frame = sys._getframe(2)  # above this method and the hook calling it
-        while frame is not None and id(frame) != self.caller:
-            code = frame.f_code
-            if code.co_argcount and code.co_varnames[0] == "self":
-                obj = frame.f_locals.get("self")
-                if obj is not None and id(obj) not in stepping:
-                    return f"{type(obj).__qualname__}.{code.co_name}"
-            frame = frame.f_back
-        return None
+    @contextlib.contextmanager
+    def stepping_watched(self, fn: Any) -> Iterator[None]:
+        """While ``fn`` records on this thread, every ``step()`` it calls is looked at.
+
+        Note [steps a replay would skip]: a replay runs none of ``fn``'s Python but its
+        optimizers' ``step()`` (Note [optimizer steps run, not replayed]), so any other
+        object ``fn`` steps is left as it was: two reviews found wrong numbers with no
+        error from a Lookahead that never starts as an ``Optimizer`` (its count and slow
+        weights; PyTorch's hooks see only the inner step) and from a ``StepLR`` stepped
+        inside ``fn`` (its learning rate is the same for three calls in a row, so the
+        recordings agree; a replay never decays it). So while a call records, a
+        profile function sees each Python call (``sys.setprofile``, this thread, a few
+        calls per key): a method named ``step`` of an object that is neither a module nor
+        an optimizer whose step PyTorch's hooks began, outside ``fn``'s own code, makes
+        the call run as it is, for good, with ``stats()["plain"]`` naming it. A
+        scheduler, a diffusion sampler's ``step``, ``GradScaler.step`` all count. What a
+        hooked optimizer keeps in plain attributes (a Lookahead subclass's count) is
+        compared by ``kept_by``: changed, its ``step()`` runs at each replay. Not made
+        while another profiler is set (``cProfile``): that one is left alone."""
+        if sys.getprofile() is not None:
+            yield
+            return
+        self.own = own_code(fn)
+        sys.setprofile(self._profile)
+        try:
+            yield
+        finally:
+            if sys.getprofile() == self._profile:
+                sys.setprofile(None)
+
+    def _profile(self, frame: Any, event: str, _arg: Any) -> None:
+        """Note [steps a replay would skip]: a call of a method named ``step`` of an
+        object that is neither an optimizer stepping now (PyTorch's hooks began its step)
+        nor a module, outside ``fn``'s own code, is Python a replay would not run."""
+        if event != "call" or self.skipped is not None:
+            return
+        code = frame.f_code
+        if code.co_name != "step" or not code.co_argcount or code in self.own:
+            return
+        try:  # a profile function's error would be raised in the program
+            self._stepped_object(frame, code)
+        except Exception:  # then it is not a step it can name
+            return
+
+    def _stepped_object(self, frame: Any, code: Any) -> None:
+        obj = frame.f_locals.get(code.co_varnames[0])
+        if obj is None or isinstance(obj, torch.nn.Module):
+            return
+        if isinstance(obj, torch.optim.Optimizer) and any(
+            s.opt is obj and s.end is None for s in self.steps
+        ):
+            return
+        method = inspect.unwrap(getattr(type(obj), "step", None) or (lambda: None))
+        if getattr(method, "__code__", None) is code:  # the object's own step
+            self.skipped = f"{type(obj).__qualname__}.step"
 
     def frozen(self) -> bool:
         """Whether a step changed what an optimizer keeps in Python (a step count in a CPU
@@ -231,9 +266,40 @@ class Watch:
         return any(seen[i] != seen[i + 1] for i in range(0, len(seen) - 1, 2))
 
 
-def kept_by(opt: torch.optim.Optimizer) -> dict[tuple[int, Any], Any]:
-    """What an optimizer keeps per parameter, as the state check compares it."""
-    return {(id(p), k): _hyper(v) for p, entries in opt.state.items() for k, v in entries.items()}
+def kept_by(opt: torch.optim.Optimizer) -> dict[tuple[Any, Any], Any]:
+    """What an optimizer keeps per parameter, as the state check compares it, and its
+    own plain attributes (a wrapper's step count: Note [steps a replay would skip])."""
+    kept: dict[tuple[Any, Any], Any] = {
+        (id(p), k): _hyper(v) for p, entries in opt.state.items() for k, v in entries.items()
+    }
+    for name, value in vars(opt).items():
+        if type(value) in (int, float, bool, str):
+            kept[("attr", name)] = value
+    return kept
+
+
+def own_code(fn: Any) -> frozenset[Any]:
+    """The code objects of ``fn`` itself, through what wraps it: decorators that keep
+    ``__wrapped__``, ``functools.partial``, a bound method, a callable object's
+    ``__call__``, a module's ``forward``."""
+    codes: set[Any] = set()
+    for _ in range(16):
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            codes.add(code)
+        if hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__func__"):
+            fn = fn.__func__
+        elif code is None and isinstance(fn, torch.nn.Module):
+            fn = type(fn).forward
+        elif code is None and callable(fn):
+            fn = type(fn).__call__
+        else:
+            break
+    return frozenset(codes)
 
 
 def named_tensors(fn: Any) -> list[Any]:

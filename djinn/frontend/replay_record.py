@@ -124,8 +124,8 @@ def recorded(
             "it read a value or captured nothing" if tr.nodes is not nodes else "it captured no op",
             final=True,
         )
-    if used.wrapper is not None:  # Note [steps called by a wrapper] (replay_key.py)
-        raise Miss(f"its optimizer step is called by {used.wrapper}, which a replay skips", True)
+    if used.skipped is not None:  # Note [steps a replay would skip] (replay_key.py)
+        raise Miss(f"it calls {used.skipped}, which a replay would skip", final=True)
     ids = {id(n) for n in nodes}
     if any(n.rng is not None for n in nodes):
         raise Miss("it draws random numbers", final=True)

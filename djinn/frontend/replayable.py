@@ -81,7 +81,6 @@ are the bits a capture of the same call would give.
 
 from __future__ import annotations
 
-import sys
 import threading
 import types
 import weakref
@@ -260,7 +259,6 @@ class Replayable:
         tr.reads = reads
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         used = Used(lambda: len(tr.nodes))
-        used.caller = id(sys._getframe())  # Note [steps called by a wrapper] (replay_key.py)
         if isinstance(prev, Record):  # what the call changes shows against it
             split = prev.split.state if prev.split is not None else None
             used.watch = Watch(None, prev.state) if prev.steps else Watch(prev.state, split)
@@ -269,7 +267,7 @@ class Replayable:
                 for m in x.modules():
                     used.module_ran(m)
         try:
-            with extension_points.watching(used):
+            with extension_points.watching(used), used.stepping_watched(self.fn):
                 result = self.fn(*args, **kwargs)
         finally:
             trace_mod.RECORDING = outer
