@@ -63,6 +63,7 @@ from . import (
     autocast,
     device_module,
     factories,
+    hook_errors,
     hooks,
     pinned,
     recurrent,
@@ -222,6 +223,13 @@ def _detach_foreach_types(joined: list[list[Any]]) -> None:
             types.remove(LazyTensor)
 
 
+# -- BACKWARD_HOOKS: Note [errors in hooks during backward] (hook_errors.py) ---------------
+def _attach_backward_hooks() -> Any:
+    from .lazy import LazyTensor
+
+    return hook_errors.attach(LazyTensor)
+
+
 # -- FORWARD_HOOKS: module paths for captured ops (hooks.py) --------------------------------
 def _attach_forward_hooks() -> list[Any]:
     return [
@@ -350,6 +358,7 @@ KERNELS = Attachment("kernels", _attach_kernels, _detach_kernels)
 SERIALIZATION = Attachment("serialization", _attach_serialization, _detach_serialization)
 FOREACH_TYPES = Attachment("foreach_types", _attach_foreach_types, _detach_foreach_types)
 FORWARD_HOOKS = Attachment("forward_hooks", _attach_forward_hooks, _detach_hooks)
+BACKWARD_HOOKS = Attachment("backward_hooks", _attach_backward_hooks, hook_errors.detach)
 CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_queries)
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
@@ -361,11 +370,12 @@ ALL = (
     SERIALIZATION,
     FOREACH_TYPES,
     FORWARD_HOOKS,
+    BACKWARD_HOOKS,
     CUDA_QUERIES,
     META_PARAMETERS,
     RECORDING_HOOKS,
 )
-_DEVICE = (BACKEND, KERNELS, SERIALIZATION, FOREACH_TYPES)  # what `import djinn` holds
+_DEVICE = (BACKEND, KERNELS, SERIALIZATION, FOREACH_TYPES, BACKWARD_HOOKS)  # `import djinn`
 _registered = False
 
 

@@ -10,7 +10,6 @@ client never holds a tensor's data.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -22,9 +21,11 @@ from djinn.runtime.remote import RemoteTensor
 from . import (
     backward_errors,
     failures,
+    hook_errors,
     hooks,
     inference_views,
     seeded,
+    tensor_copy,
     ties,
     uncaptured,
     writes,
@@ -161,29 +162,18 @@ class LazyTensor(torch.Tensor):
         super().__setitem__(_local_index(index), value)
 
     def __deepcopy__(self, memo: dict) -> LazyTensor:
-        """A copy made on the appliance (a captured ``clone``), as a CUDA tensor's is made
-        on its GPU: ``copy.deepcopy(model)`` of a moved model (a best checkpoint, an EMA
-        copy) tried to pickle the session's connection instead."""
-        if id(self) in memo:
-            return memo[id(self)]
-        if not self.is_leaf:
-            raise RuntimeError(
-                "Only Tensors created explicitly by the user (graph leaves) support the "
-                "deepcopy protocol at the moment"
-            )  # eager's words
-        with torch.no_grad():
-            new = self.clone(memory_format=torch.preserve_format)
-        new.requires_grad_(self.requires_grad)
-        memo[id(self)] = new
-        if getattr(self, "_is_param", False):  # as Parameter.__deepcopy__: the value only
-            new._is_param = True
-            return new
-        if self.grad is not None:
-            new.grad = copy.deepcopy(self.grad, memo)
-        for key, value in vars(self).items():
-            if key not in ("_b", "_dyn") and not key.startswith("_sym_"):  # the copy's own
-                setattr(new, key, copy.deepcopy(value, memo))
-        return new
+        return tensor_copy.deep_copy(self, memo)
+
+    # Note [errors in hooks during backward] (hook_errors.py): Python autograd calls on
+    # its device thread must not raise there, and ``backward()`` raises what it did
+    def register_hook(self, hook: Any) -> Any:
+        return super().register_hook(hook_errors.tensor_hook(hook))
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
+        return super().register_post_accumulate_grad_hook(hook_errors.accumulated_hook(hook))
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        hook_errors.backward_raising(lambda: torch.Tensor.backward(self, *args, **kwargs))
 
     def __reduce_ex__(self, proto: Any) -> Any:
         # as a CUDA tensor pickles: its bytes, fetched, with its device recorded

@@ -1,0 +1,227 @@
+"""Python that autograd calls inside ``backward()`` of remote tensors, kept from aborting
+the process when it raises.
+
+Note [errors in hooks during backward]: PyTorch runs the backward of remote tensors on
+its own device thread, and a Python exception leaving a hook there unwinds through the
+engine's stream guard, whose destructor asks the Python device guard for its device
+type with the exception still set: ``std::terminate`` ("terminate called without an
+active exception"). A review (2026-11-27) found a tensor hook raising ``1 / 0`` killed
+the process where CPU eager raises ``ZeroDivisionError`` from ``backward()``; so did a
+post-accumulate-grad hook. The ops' own errors already never leave (Note [errors in
+backward], backward_errors.py); this does the same for the Python a program gives
+autograd: tensor hooks and post-accumulate-grad hooks registered on a remote tensor, a
+module's full backward hooks and pre-hooks, and a custom ``autograd.Function``'s
+backward. When one raises on the engine's device thread while gradients are remote:
+
+- the gradients it would have returned hold the error (Note [failed values]), so what is
+  computed from them and every ``.grad`` they reach raise it when read; a
+  post-accumulate-grad hook's parameter's ``.grad`` holds it;
+- ``backward()`` of a remote tensor raises the exception itself once the engine is done,
+  as eager raises it from ``backward()``. (``torch.autograd.backward`` and
+  ``torch.autograd.grad`` return, and the gradients raise when read. Two threads in
+  ``backward()`` at once may each raise the other's.)
+
+Anywhere else (the calling thread, a CPU or CUDA graph) the exception goes as it would.
+A hook registered through ``grad_fn.register_hook`` directly is not covered.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import failures, meta, trace
+
+_lock = threading.Lock()
+_raised: list[BaseException] = []  # by hooks inside a backward() that is running
+_open = 0  # backward() calls of remote tensors running
+_lazy: Any = None  # the LazyTensor class, given by ``attach`` (lazy.py imports this module)
+
+
+def on_device_thread() -> bool:
+    """Whether this is the autograd engine's device thread, inside a backward pass (a
+    thread Python did not start: ``threading`` calls it a dummy)."""
+    return torch._C._current_graph_task_id() != -1 and isinstance(
+        threading.current_thread(), threading._DummyThread
+    )
+
+
+def _remote(x: Any) -> bool:
+    return _lazy is not None and isinstance(x, _lazy)
+
+
+def _failed_like(x: Any, error: Any) -> Any:
+    """A remote tensor shaped like ``x`` holding ``error``; anything else as it is."""
+    if not _remote(x):
+        return x
+    return _lazy(meta.spec_of(x), failures.Failed(error))
+
+
+def _noted(exc: BaseException, what: str) -> Any:
+    """``exc`` kept for the ``backward()`` running, and the error its values hold."""
+    with _lock:
+        if _open:
+            _raised.append(exc)
+    return failures.failed_error(what, exc)
+
+
+def guarded(fn: Callable[..., Any], what: str, fails: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` that, raising on the device thread with remote gradients among its
+    arguments, returns ``fails(error, *args)`` instead (Note [errors in hooks during
+    backward])."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not on_device_thread() or not any(_remote(a) for a in _flat(args)):
+                raise
+            error = _noted(exc, what)
+        try:
+            return fails(error, *args)
+        except Exception:  # nothing may leave here; backward() raises the hook's error
+            return None
+
+    return run
+
+
+def _flat(args: tuple) -> list[Any]:
+    out: list[Any] = []
+    for a in args:
+        out.extend(a if isinstance(a, (tuple, list)) else (a,))
+    return out
+
+
+def tensor_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A tensor hook: its gradient, failed. What it returns is checked here, as the
+    engine would check it (with eager's errors), since the engine's error would abort
+    as well."""
+
+    def checked(grad: Any) -> Any:
+        out = hook(grad)
+        if out is None or not _remote(grad):
+            return out
+        name = getattr(hook, "__name__", repr(hook))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"expected Variable, but hook returned '{type(out).__name__}'")
+        if (out.dtype, out.device) != (grad.dtype, grad.device):
+            raise RuntimeError(
+                f"hook '{name}' has changed the type of value (was {grad.dtype} on "
+                f"{grad.device} got {out.dtype} on {out.device})"
+            )
+        if out.shape != grad.shape:
+            raise RuntimeError(f"hook '{name}' has changed the size of value")
+        return out
+
+    checked = functools.wraps(hook)(checked)
+    return guarded(checked, "a tensor's backward hook", lambda error, g: _failed_like(g, error))
+
+
+def accumulated_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A post-accumulate-grad hook: the parameter's ``.grad``, failed. It must return
+    None (checked here, with eager's errors)."""
+
+    def checked(param: Any) -> None:
+        out = hook(param)
+        if out is not None and _remote(param):
+            if isinstance(out, torch.Tensor):
+                raise RuntimeError("Tensor post accumulate grad hooks should return None.")
+            raise TypeError(f"expected Variable, but hook returned '{type(out).__name__}'")
+        return out
+
+    def fails(error: Any, param: Any) -> None:
+        grad = param.grad
+        if _remote(grad):
+            trace.bind(grad, failures.Failed(error))
+
+    checked = functools.wraps(hook)(checked)
+    return guarded(checked, "a post-accumulate-grad hook", fails)
+
+
+def module_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A module's full backward hook ``(module, grad_input, grad_output)`` or pre-hook
+    ``(module, grad_output)``: the gradients it was given, failed."""
+
+    def fails(error: Any, _module: Any, grads: Any, *_rest: Any) -> Any:
+        return tuple(_failed_like(g, error) for g in grads)
+
+    return guarded(hook, "a module's backward hook", fails)
+
+
+def function_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """``BackwardCFunction.apply``: each input's gradient, failed, shaped by the graph
+    (the leaf it accumulates into, or the metadata of the node it flows to)."""
+
+    def fails(error: Any, ctx: Any, *_grads: Any) -> Any:
+        out: list[Any] = []
+        for node, index in ctx.next_functions:
+            t = getattr(node, "variable", None)
+            if t is None and node is not None:
+                m = node._input_metadata[index]
+                t = torch.empty(m.shape, dtype=m.dtype, device="meta") if _remote_at(m) else None
+            out.append(None if t is None else _lazy(meta.spec_of(t), failures.Failed(error)))
+        return tuple(out)
+
+    return guarded(apply, "a custom autograd Function's backward", fails)
+
+
+def _remote_at(m: Any) -> bool:
+    return getattr(m.device, "type", None) == torch._C._get_privateuse1_backend_name()
+
+
+def backward_raising(run: Callable[[], Any]) -> Any:
+    """``run()`` (a remote tensor's ``backward()``), then the first exception a guarded
+    hook raised meanwhile, as eager raises it from ``backward()``."""
+    global _open
+    with _lock:
+        start = len(_raised)
+        _open += 1
+    try:
+        result = run()
+    finally:
+        with _lock:
+            mine = _raised[start:]
+            _open -= 1
+            if not _open:
+                _raised.clear()
+    if mine:
+        raise mine[0]
+    return result
+
+
+def attach(lazy: type) -> list[tuple[Any, str, Any]]:
+    """Guard what PyTorch calls from Python classes every program shares: a module's
+    backward hooks (``BackwardHook``) and custom Functions' backward; what to put back.
+    ``lazy``: the LazyTensor class."""
+    from torch.autograd.function import BackwardCFunction
+    from torch.utils.hooks import BackwardHook
+
+    global _lazy
+    _lazy = lazy
+
+    saved = [(BackwardCFunction, "apply", BackwardCFunction.apply)]
+    BackwardCFunction.apply = function_backward(BackwardCFunction.apply)
+    init = BackwardHook.__init__
+    saved.append((BackwardHook, "__init__", init))
+
+    @functools.wraps(init)
+    def guarded_init(self: Any, module: Any, user_hooks: Any, user_pre_hooks: Any) -> None:
+        init(
+            self,
+            module,
+            [module_hook(h) for h in user_hooks],
+            [module_hook(h) for h in user_pre_hooks],
+        )
+
+    BackwardHook.__init__ = guarded_init
+    return saved
+
+
+def detach(saved: list[tuple[Any, str, Any]]) -> None:
+    for owner, name, value in saved:
+        setattr(owner, name, value)

@@ -1,0 +1,33 @@
+"""``copy.deepcopy`` of a remote tensor: a copy made on the appliance."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    """A copy made on the appliance (a captured ``clone``), as a CUDA tensor's is made on
+    its GPU: ``copy.deepcopy(model)`` of a moved model (a best checkpoint, an EMA copy)
+    tried to pickle the session's connection instead."""
+    if id(t) in memo:
+        return memo[id(t)]
+    if not t.is_leaf:
+        raise RuntimeError(
+            "Only Tensors created explicitly by the user (graph leaves) support the "
+            "deepcopy protocol at the moment"
+        )  # eager's words
+    with torch.no_grad():
+        new = t.clone(memory_format=torch.preserve_format)
+    new.requires_grad_(t.requires_grad)
+    memo[id(t)] = new
+    if getattr(t, "_is_param", False):  # as Parameter.__deepcopy__: the value only
+        new._is_param = True
+        return new
+    if t.grad is not None:
+        new.grad = copy.deepcopy(t.grad, memo)
+    for key, value in vars(t).items():
+        if key not in ("_b", "_dyn") and not key.startswith("_sym_"):  # the copy's own
+            setattr(new, key, copy.deepcopy(value, memo))
+    return new

@@ -1,0 +1,106 @@
+"""Note [errors in hooks during backward] (djinn/frontend/hook_errors.py): Python that
+autograd calls on its device thread for remote tensors (hooks, a custom Function's
+backward) raising there aborted the process ("terminate called without an active
+exception"). Now ``backward()`` raises what eager raises, and the process goes on: each
+test runs the same program on the CPU and on the remote device and compares."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from djinn.errors import DjinnError
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _raised(device: str, model: torch.nn.Module, setup) -> BaseException | None:
+    """What ``backward()`` raises on ``device`` with ``setup(model, hidden)`` done."""
+    model = copy.deepcopy(model).to(device)
+    x = torch.ones(3, 4, device=device)
+    hidden = model[1](model[0](x))
+    setup(model, hidden)
+    try:
+        model[2](hidden).sum().backward()
+    except Exception as exc:
+        return exc
+    return None
+
+
+class _Raising(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("custom backward refused")
+
+
+def _after_accumulation(model, value):
+    """A post-accumulate-grad hook on the first weight that returns ``value``, or raises
+    if it is None."""
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: 1 / 0 if value is None else value)
+
+
+def _wrong_size(model, hidden):
+    hidden.register_hook(lambda g: g[:1])
+
+
+CASES = {
+    "tensor hook raises": lambda model, hidden: hidden.register_hook(lambda g: 1 / 0),
+    "tensor hook returns an int": lambda model, hidden: hidden.register_hook(lambda g: 3),
+    "tensor hook changes the size": _wrong_size,
+    "post-accumulate hook raises": lambda model, hidden: _after_accumulation(model, None),
+    "post-accumulate hook returns a value": lambda model, hidden: _after_accumulation(model, 1),
+    "module backward hook raises": lambda model, hidden: model[2].register_full_backward_hook(
+        lambda m, gi, go: 1 / 0
+    ),
+    "module backward pre-hook raises": lambda model, hidden: model[
+        2
+    ].register_full_backward_pre_hook(lambda m, go: 1 / 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hook_raising_in_backward_raises_from_backward_as_eager(remote, case):
+    model = _mlp()
+    want = _raised("cpu", model, CASES[case])
+    got = _raised(remote, model, CASES[case])
+    assert want is not None
+    assert type(got) is type(want), (got, want)
+    assert str(got).split(" (was")[0] == str(want).split(" (was")[0]
+    # the process goes on: the same model trains remotely as it does locally
+    local, moved = copy.deepcopy(model), copy.deepcopy(model).to(remote)
+    for m, device in ((local, "cpu"), (moved, remote)):
+        m(torch.ones(3, 4, device=device)).sum().backward()
+    for p, q in zip(moved.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.grad.cpu(), q.grad)
+
+
+def test_a_custom_backward_raising_raises_from_backward_and_its_gradients_hold_it(remote):
+    """The gradients it should have made hold the error too: code that goes on after
+    catching the exception reads an error, not a value."""
+    w = torch.ones(3, device=remote, requires_grad=True)
+    with pytest.raises(ValueError, match="custom backward refused"):
+        _Raising.apply(w * 3).sum().backward()
+    with pytest.raises(DjinnError, match="custom backward refused"):
+        w.grad.cpu()
+
+
+def test_a_hook_that_works_gives_eagers_gradients(remote):
+    """The guard changes nothing for a hook that returns a gradient."""
+    model = _mlp()
+    grads = []
+    for device in ("cpu", remote):
+        m = copy.deepcopy(model).to(device)
+        hidden = m[1](m[0](torch.ones(3, 4, device=device)))
+        hidden.register_hook(lambda g: g * 2)
+        m[2](hidden).sum().backward()
+        grads.append([p.grad.cpu() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
