@@ -72,6 +72,9 @@ class Record:
     frozen: bool = False  # the call changed state it is checked by: it cannot replay
     unwatched: bool = False  # it made gradients or stepped, and had no recording before
     fill: Any = field(default=None, repr=False, compare=False)  # templates.instantiator
+    # per output leaf that is a view: the storage it shares, ("arg", i) or the Storage
+    # (Note [writes another thread captured], writes.py)
+    shares: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
 
@@ -140,7 +143,9 @@ def recorded(
         raise Miss("an argument is also a tensor it reads by name")
     leaves, out_spec = pytree.tree_flatten(result)
     outs: list[tuple[Any, Any]] = []  # per leaf: ((node id, index), spec) or (None, value)
+    stores: list[Any] = []  # per leaf: the Storage a view shares (writes.py), or None
     for x in leaves:
+        stores.append(x.__dict__["_b"].storage if isinstance(x, LazyTensor) else None)
         if isinstance(x, LazyTensor):
             ref = x._ref
             if not isinstance(ref, Pending) or id(ref.node) not in ids:
@@ -218,7 +223,7 @@ def recorded(
     del graph
     if fetch or len(keep) != len(targets):
         raise Miss("its graph fetched or kept more than it returns")
-    parts = (outs, out_spec, tensors, reads, owners)
+    parts = (outs, out_spec, tensors, reads, owners, stores)
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
     rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external,
                      seen["form"])  # fmt: skip
@@ -265,17 +270,20 @@ def _record_of(
 ) -> Record:
     """The record of a graph the call sent (or of its ops before its optimizer steps);
     ``form``: its template, inputs and scalars when already worked out."""
-    outs, out_spec, tensors, reads, owners = parts
+    outs, out_spec, tensors, reads, owners, stores = parts
     slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
     if any(where not in slot for where in left):
         raise Miss("a gradient was not kept")
     grads = [(slot[where], t, spec) for where, (t, spec) in left.items()]
     outputs: list[tuple[str, Any]] = []
-    for where, what in outs:
+    shares: dict[int, Any] = {}
+    for (where, what), storage in zip(outs, stores, strict=True):
         if where is None:
             outputs.append(("value", what))
         elif where in slot:
             outputs.append(("kept", (slot[where], spec_key(what))))
+            if storage is not None:
+                shares[len(outputs) - 1] = _shared_with(storage, tensors)
         else:
             raise Miss("an output was not kept")
     if form is None:
@@ -295,4 +303,14 @@ def _record_of(
         out_spec=out_spec,
         grads=grads,
         state=state,
+        shares=shares,
     )
+
+
+def _shared_with(storage: Any, tensors: list[Any]) -> Any:
+    """Where a view among the outputs gets its storage at a replay: from the argument
+    whose storage it is (each call may pass another tensor), else this one."""
+    for i, t in enumerate(tensors):
+        if t.__dict__["_b"].storage is storage:
+            return ("arg", i)
+    return storage

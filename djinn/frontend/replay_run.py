@@ -82,7 +82,7 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
-        leaves = _bind_outputs(rec, node)
+        leaves = _bind_outputs(rec, node, tensors)
     _clear(rec)
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
@@ -91,9 +91,12 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     return pytree.tree_unflatten(leaves, rec.out_spec)
 
 
-def _bind_outputs(rec: Record, node: Any, bound: list | None = None) -> list[Any]:
+def _bind_outputs(
+    rec: Record, node: Any, tensors: list[Any], bound: list | None = None
+) -> list[Any]:
     """Point the gradients ``rec`` leaves in ``.grad`` and its outputs at ``node``'s kept
-    values; the result's leaves. ``bound`` gets each (tensor, kept slot)."""
+    values (a view sharing its storage as recorded: Note [writes another thread
+    captured]); the result's leaves. ``bound`` gets each (tensor, kept slot)."""
     from .lazy import LazyTensor
 
     for k, owner, (dtype, shape, stride, offset) in rec.grads:
@@ -103,7 +106,7 @@ def _bind_outputs(rec: Record, node: Any, bound: list | None = None) -> list[Any
             bound.append((owner._grad, k))
     leaves: list[Any] = []
     made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
-    for kind, what in rec.outputs:
+    for i, (kind, what) in enumerate(rec.outputs):
         if kind == "value":
             leaves.append(what)
             continue
@@ -111,6 +114,11 @@ def _bind_outputs(rec: Record, node: Any, bound: list | None = None) -> list[Any
         if what not in made:
             spec = TensorSpec(dtype, shape, stride, offset, None)
             made[what] = LazyTensor(spec, Pending(node, k))
+            share = rec.shares.get(i)
+            if share is not None:
+                made[what].__dict__["_b"].storage = (
+                    writes.shared_storage(tensors[share[1]]) if type(share) is tuple else share
+                )
             if bound is not None:
                 bound.append((made[what], k))
         leaves.append(made[what])
@@ -159,7 +167,7 @@ def _followed(
     for t in written:  # the ops before the steps; the steps' own count as they are called
         torch.autograd.graph.increment_version(t)
     bound: list[tuple[Any, int]] = []
-    leaves = _bind_outputs(whole, node, bound)
+    leaves = _bind_outputs(whole, node, tensors, bound)
     _clear(rec)
 
     def stop() -> None:  # the split replay, as it would have gone, and its outputs bound

@@ -179,3 +179,19 @@ def test_a_read_on_another_thread_while_a_call_records_leaves_it_replayable(remo
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
     assert run.stats()["replays"] >= 4, run.stats()
+
+
+def test_a_view_a_replay_returns_shares_its_arguments_storage(remote):
+    """A replayed call returning a view of its argument: a write into either on a thread
+    is sent before the other is read (the replay's output was a new tensor sharing no
+    mark with the argument: stale from the first replay on)."""
+    base = torch.zeros(3, 4).to(remote)
+    row = djinn.replayable(lambda t: t[1])
+    for i in range(5):  # recorded twice, then replayed
+        out = row(base)
+        out.cpu()
+        _on_thread(lambda: base.add_(1.0))
+        assert torch.equal(out.cpu(), torch.full((4,), 2.0 * i + 1)), i
+        _on_thread(lambda out=out: out.add_(1.0))
+        assert torch.equal(base.cpu()[1], torch.full((4,), 2.0 * i + 2)), i
+    assert row.stats()["replays"] == 3, row.stats()
