@@ -302,26 +302,20 @@ def test_a_scheduler_stepped_inside_fn_is_not_replayed(remote):
     """A ``StepLR`` stepped in the call keeps one learning rate for three calls, so the
     recordings agreed and a replay never stepped it (a review: parameters 5.8e-3 off).
     The call runs as it is, with eager's bits; ``stats()`` names the scheduler."""
-    local = _encoder()
-    model = _moved(local, remote)
-    runs = []
-    for m, device, replay in ((local, "cpu", False), (model, remote, True)):
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def step_of(m, opt):
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
-        def step(x, y, m=m, opt=opt, schedule=schedule):
+        def step(x, y):
             opt.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
             opt.step()
             schedule.step()
 
-        run = djinn.replayable(step) if replay else step
-        for x, y in _batches(device, 9):
-            run(x, y)
-        runs.append(run)
-    for p, q in zip(model.parameters(), local.parameters(), strict=True):
-        assert torch.equal(p.detach().cpu(), q.detach())
-    assert any("StepLR.step" in why for why in runs[1].stats()["plain"]), runs[1].stats()
+        return step
+
+    stats = _local_and_replayed(remote, step_of, 9)
+    assert any("StepLR.step" in why for why in stats["plain"]), stats
 
 
 class Trainer:
@@ -369,16 +363,20 @@ def test_a_step_called_by_a_plain_function_is_followed(remote):
 
         return step
 
+    stats = _local_and_replayed(remote, step_of, 8)
+    assert stats["steps_followed"] >= 5, stats
+
+
+def _local_and_replayed(remote, step_of, n):
+    """``n`` calls of ``step_of(model, Adam)`` on local eager and replayed on ``remote``
+    from the same weights, their parameters equal bit for bit; the replay's stats."""
     local = _encoder()
     model = _moved(local, remote)
-    runs = []
     for m, device, replay in ((local, "cpu", False), (model, remote, True)):
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        run = step_of(m, opt)
+        run = step_of(m, torch.optim.Adam(m.parameters(), lr=1e-2))
         run = djinn.replayable(run) if replay else run
-        for x, y in _batches(device, 8):
+        for x, y in _batches(device, n):
             run(x, y)
-        runs.append(run)
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
-    assert runs[1].stats()["steps_followed"] >= 5, runs[1].stats()
+    return run.stats()
