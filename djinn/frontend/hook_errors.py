@@ -22,7 +22,12 @@ backward. When one raises on the engine's device thread while gradients are remo
   ``backward()`` at once may each raise the other's.)
 
 Anywhere else (the calling thread, a CPU or CUDA graph) the exception goes as it would.
-A hook registered through ``grad_fn.register_hook`` directly is not covered.
+Not covered, and still aborting (a second review's probes, ``/tmp/review39b/``): hooks
+registered on a ``grad_fn`` directly (``register_hook``, ``register_prehook``, and the
+deprecated ``Module.register_backward_hook``, which uses them), and a saved-tensors unpack
+hook that raises (non-reentrant checkpointing's recomputation is one). A ``backward()``
+rooted at a CPU tensor (``y.cpu().sum().backward()``) returns; the remote gradients
+raise when read.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def guarded(fn: Callable[..., Any], what: str, fails: Callable[..., Any]) -> Cal
     def run(*args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as exc:
+        except BaseException as exc:  # a KeyboardInterrupt raised there aborted as well
             if not on_device_thread() or not any(_remote(a) for a in _flat(args)):
                 raise
             error = _noted(exc, what)
@@ -143,14 +148,29 @@ def accumulated_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     return guarded(checked, "a post-accumulate-grad hook", fails)
 
 
-def module_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+def module_hook(hook: Callable[..., Any], pre: bool) -> Callable[..., Any]:
     """A module's full backward hook ``(module, grad_input, grad_output)`` or pre-hook
-    ``(module, grad_output)``: the gradients it was given, failed."""
+    ``(module, grad_output)``: the gradients it was given, failed. How many it returns is
+    checked here, with ``BackwardHook``'s errors, which would abort where it checks."""
+
+    def checked(module: Any, grads: Any, *rest: Any) -> Any:
+        out = hook(module, grads, *rest)
+        if out is not None and any(_remote(g) for g in grads):
+            got = len(out)  # as BackwardHook counts (a tensor: its first dimension)
+            if got != len(grads):
+                which = (
+                    "pre hook returned an invalid number of grad_output"
+                    if pre
+                    else ("hook returned an invalid number of grad_input")
+                )
+                raise RuntimeError(f"Backward {which}, got {got}, but expected {len(grads)}")
+        return out
 
     def fails(error: Any, _module: Any, grads: Any, *_rest: Any) -> Any:
         return tuple(_failed_like(g, error) for g in grads)
 
-    return guarded(hook, "a module's backward hook", fails)
+    checked = functools.wraps(hook)(checked)
+    return guarded(checked, "a module's backward hook", fails)
 
 
 def function_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,8 +178,12 @@ def function_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
     (the leaf it accumulates into, or the metadata of the node it flows to)."""
 
     def fails(error: Any, ctx: Any, *_grads: Any) -> Any:
+        # one gradient per input of the forward (``needs_input_grad``); the graph's edges
+        # (``next_functions``) are the tensor inputs', in order, None where no gradient
+        edges = iter(node for node in ctx.next_functions if node[0] is not None)
         out: list[Any] = []
-        for node, index in ctx.next_functions:
+        for needed in ctx.needs_input_grad:
+            node, index = next(edges) if needed else (None, 0)
             t = getattr(node, "variable", None)
             if t is None and node is not None:
                 m = node._input_metadata[index]
@@ -214,8 +238,8 @@ def attach(lazy: type) -> list[tuple[Any, str, Any]]:
         init(
             self,
             module,
-            [module_hook(h) for h in user_hooks],
-            [module_hook(h) for h in user_pre_hooks],
+            [module_hook(h, pre=False) for h in user_hooks],
+            [module_hook(h, pre=True) for h in user_pre_hooks],
         )
 
     BackwardHook.__init__ = guarded_init

@@ -92,6 +92,10 @@ def _value_key(x: Any) -> Any:
     return ("id", kind, id(x))
 
 
+# the hooks a recording may use to see ``step()`` calls (Note [steps a replay would skip])
+HOOKS = ((sys.getprofile, sys.setprofile), (sys.gettrace, sys.settrace))
+
+
 # -- the state it used -------------------------------------------------------------------
 class Used:
     """The modules whose forward ran and the optimizers that stepped while a call was
@@ -110,6 +114,7 @@ class Used:
         # Note [steps a replay would skip]: fn's own code objects, and the first
         # ``step()`` of an object a replay would not step that the call made
         self.own: frozenset[Any] = frozenset()
+        self.owners: frozenset[int] = frozenset()
         self.skipped: str | None = None
 
     def module_ran(self, module: torch.nn.Module) -> None:
@@ -148,18 +153,25 @@ class Used:
         the call run as it is, for good, with ``stats()["plain"]`` naming it. A
         scheduler, a diffusion sampler's ``step``, ``GradScaler.step`` all count. What a
         hooked optimizer keeps in plain attributes (a Lookahead subclass's count) is
-        compared by ``kept_by``: changed, its ``step()`` runs at each replay. Not made
-        while another profiler is set (``cProfile``): that one is left alone."""
-        if sys.getprofile() is not None:
+        compared by ``kept_by``: changed, its ``step()`` runs at each replay. While a
+        profiler holds the profile hook (``cProfile``), the trace hook is used instead;
+        while both are held (a profiler and a debugger or coverage), the check is not
+        made, and they are left alone. A profiler installed from C without a Python
+        object (``sys.getprofile()`` None: yappi) is replaced for the recording."""
+        # a profile function, or a trace function if a profiler (cProfile) holds that
+        # hook: its ``call`` events are the same, and it returns None, tracing no line
+        hooks = [(g, p) for g, p in HOOKS if g() is None]
+        if not hooks:
             yield
             return
-        self.own = own_code(fn)
-        sys.setprofile(self._profile)
+        get, put = hooks[0]
+        self.own, self.owners = own_code(fn)
+        put(self._profile)
         try:
             yield
         finally:
-            if sys.getprofile() == self._profile:
-                sys.setprofile(None)
+            if get() == self._profile:
+                put(None)
 
     def _profile(self, frame: Any, event: str, _arg: Any) -> None:
         """Note [steps a replay would skip]: a call of a method named ``step`` of an
@@ -177,7 +189,7 @@ class Used:
 
     def _stepped_object(self, frame: Any, code: Any) -> None:
         obj = frame.f_locals.get(code.co_varnames[0])
-        if obj is None or isinstance(obj, torch.nn.Module):
+        if obj is None or isinstance(obj, torch.nn.Module) or id(obj) in self.owners:
             return
         if isinstance(obj, torch.optim.Optimizer) and any(
             s.opt is obj and s.end is None for s in self.steps
@@ -278,11 +290,13 @@ def kept_by(opt: torch.optim.Optimizer) -> dict[tuple[Any, Any], Any]:
     return kept
 
 
-def own_code(fn: Any) -> frozenset[Any]:
-    """The code objects of ``fn`` itself, through what wraps it: decorators that keep
+def own_code(fn: Any) -> tuple[frozenset[Any], frozenset[int]]:
+    """The code objects of ``fn`` itself, through what wraps it (decorators that keep
     ``__wrapped__``, ``functools.partial``, a bound method, a callable object's
-    ``__call__``, a module's ``forward``."""
+    ``__call__``, a module's ``forward``), and the ids of the objects it is a method of:
+    their own ``step()`` (a trainer's helper) is ``fn``'s Python too."""
     codes: set[Any] = set()
+    owners: set[int] = set()
     for _ in range(16):
         code = getattr(fn, "__code__", None)
         if code is not None:
@@ -292,14 +306,17 @@ def own_code(fn: Any) -> frozenset[Any]:
         elif isinstance(fn, functools.partial):
             fn = fn.func
         elif hasattr(fn, "__func__"):
+            owners.add(id(getattr(fn, "__self__", None)))
             fn = fn.__func__
         elif code is None and isinstance(fn, torch.nn.Module):
+            owners.add(id(fn))
             fn = type(fn).forward
         elif code is None and callable(fn):
+            owners.add(id(fn))
             fn = type(fn).__call__
         else:
             break
-    return frozenset(codes)
+    return frozenset(codes), frozenset(owners)
 
 
 def named_tensors(fn: Any) -> list[Any]:

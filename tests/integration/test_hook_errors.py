@@ -42,28 +42,53 @@ class _Raising(torch.autograd.Function):
         raise ValueError("custom backward refused")
 
 
+class _RaisingWithAScale(torch.autograd.Function):
+    """A backward that raises, for a forward with a non-tensor input (its gradients were
+    counted by the graph's edges: "returned an incorrect number of gradients")."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("scaled backward refused")
+
+
 def _after_accumulation(model, value):
     """A post-accumulate-grad hook on the first weight that returns ``value``, or raises
     if it is None."""
     model[0].weight.register_post_accumulate_grad_hook(lambda p: 1 / 0 if value is None else value)
 
 
-def _wrong_size(model, hidden):
-    hidden.register_hook(lambda g: g[:1])
+def _module_hook(model, hook):
+    model[2].register_full_backward_hook(hook)
+
+
+def _module_pre_hook(model, hook):
+    model[2].register_full_backward_pre_hook(hook)
+
+
+def _through_a_function(model):
+    model[2].register_forward_pre_hook(lambda m, args: (_RaisingWithAScale.apply(args[0], 2.0),))
 
 
 CASES = {
     "tensor hook raises": lambda model, hidden: hidden.register_hook(lambda g: 1 / 0),
     "tensor hook returns an int": lambda model, hidden: hidden.register_hook(lambda g: 3),
-    "tensor hook changes the size": _wrong_size,
+    "tensor hook changes the size": lambda model, hidden: hidden.register_hook(lambda g: g[:1]),
     "post-accumulate hook raises": lambda model, hidden: _after_accumulation(model, None),
     "post-accumulate hook returns a value": lambda model, hidden: _after_accumulation(model, 1),
-    "module backward hook raises": lambda model, hidden: model[2].register_full_backward_hook(
-        lambda m, gi, go: 1 / 0
+    "module backward hook raises": lambda model, hidden: _module_hook(model, lambda *a: 1 / 0),
+    "module backward hook returns a tensor": lambda model, hidden: _module_hook(
+        model, lambda m, grad_in, grad_out: torch.ones_like(grad_in[0])
     ),
-    "module backward pre-hook raises": lambda model, hidden: model[
-        2
-    ].register_full_backward_pre_hook(lambda m, go: 1 / 0),
+    "module backward pre-hook raises": lambda model, hidden: _module_pre_hook(
+        model, lambda *a: 1 / 0
+    ),
+    "custom backward with a non-tensor input raises": lambda model, hidden: _through_a_function(
+        model
+    ),
 }
 
 
