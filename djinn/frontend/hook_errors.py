@@ -22,10 +22,12 @@ backward. When one raises on the engine's device thread while gradients are remo
   ``backward()`` at once may each raise the other's.)
 
 Anywhere else (the calling thread, a CPU or CUDA graph) the exception goes as it would.
-Not covered, and still aborting (a second review's probes, ``/tmp/review39b/``): hooks
+A saved-tensors unpack hook (``torch.autograd.graph.saved_tensors_hooks``, and
+non-reentrant checkpointing, which recomputes its forward there) is guarded too, through
+a pack hook that keeps the remote tensor's spec beside what the program's made. Not
+covered, and still aborting (a second review's probes, ``/tmp/review39b/``): hooks
 registered on a ``grad_fn`` directly (``register_hook``, ``register_prehook``, and the
-deprecated ``Module.register_backward_hook``, which uses them), and a saved-tensors unpack
-hook that raises (non-reentrant checkpointing's recomputation is one). A ``backward()``
+deprecated ``Module.register_backward_hook``, which uses them). A ``backward()``
 rooted at a CPU tensor (``y.cpu().sum().backward()``) returns; the remote gradients
 raise when read.
 """
@@ -194,6 +196,41 @@ def function_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
     return guarded(apply, "a custom autograd Function's backward", fails)
 
 
+class _Packed:
+    """What a saved-tensors pack hook made of a remote tensor, with the tensor's spec: a
+    failed unpack is replaced by a tensor of that spec holding the error."""
+
+    __slots__ = ("inner", "spec")
+
+    def __init__(self, inner: Any, spec: Any) -> None:
+        self.inner, self.spec = inner, spec
+
+
+def saved_tensor_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> tuple:
+    """A ``saved_tensors_hooks`` pair, its unpack guarded for remote tensors (a raising
+    unpack hook aborted; non-reentrant checkpointing recomputes its forward there)."""
+
+    def packed(t: Any) -> Any:
+        inner = pack(t)
+        return _Packed(inner, meta.spec_of(t)) if _remote(t) else inner
+
+    def unpacked(x: Any) -> Any:
+        if type(x) is not _Packed:
+            return unpack(x)
+        try:
+            out = unpack(x.inner)
+            if not isinstance(out, torch.Tensor):  # the engine's check, which would abort
+                raise TypeError(f"Output of saved tensor unpack_hook expected to be a Tensor "
+                                f"but got result of type {type(out).__name__}")  # fmt: skip
+            return out
+        except BaseException as exc:
+            if not on_device_thread():
+                raise
+            return _lazy(x.spec, failures.Failed(_noted(exc, "a saved tensor's unpack hook")))
+
+    return functools.wraps(pack)(packed), functools.wraps(unpack)(unpacked)
+
+
 def _remote_at(m: Any) -> bool:
     return getattr(m.device, "type", None) == torch._C._get_privateuse1_backend_name()
 
@@ -243,6 +280,16 @@ def attach(lazy: type) -> list[tuple[Any, str, Any]]:
         )
 
     BackwardHook.__init__ = guarded_init
+
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    saved.append((hooks, "__init__", hooks.__init__))
+    hooks_init = hooks.__init__
+
+    @functools.wraps(hooks_init)
+    def guarded_hooks(self: Any, pack_hook: Any, unpack_hook: Any) -> None:
+        hooks_init(self, *saved_tensor_hooks(pack_hook, unpack_hook))
+
+    hooks.__init__ = guarded_hooks
     return saved
 
 

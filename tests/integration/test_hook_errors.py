@@ -129,3 +129,48 @@ def test_a_hook_that_works_gives_eagers_gradients(remote):
         m[2](hidden).sum().backward()
         grads.append([p.grad.cpu() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def _checkpointed(device: str, fail: bool) -> tuple[BaseException | None, list]:
+    """A non-reentrant checkpoint of a block whose recomputation raises if ``fail``; what
+    ``backward()`` raised and the gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = copy.deepcopy(_mlp()).to(device)
+    calls = []
+
+    def block(x):
+        calls.append(1)
+        if fail and len(calls) > 1:  # the recomputation, inside backward()
+            raise KeyError("recomputed")
+        return model[1](model[0](x))
+
+    try:
+        checkpoint(block, torch.ones(3, 4, device=device), use_reentrant=False).sum().backward()
+    except Exception as exc:
+        return exc, []
+    return None, [p.grad.cpu() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["recomputes", "recomputation raises"])
+def test_non_reentrant_checkpointing_is_eagers_and_its_errors_raise(remote, fail):
+    """Its recomputation runs in a saved tensor's unpack hook, on the device thread: a
+    raise there aborted the process. Guarded, backward() raises eager's KeyError; not
+    raising, the gradients are eager's."""
+    want, want_grads = _checkpointed("cpu", fail)
+    got, got_grads = _checkpointed(remote, fail)
+    assert type(got) is type(want) and str(got) == str(want)
+    assert len(got_grads) == len(want_grads)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+
+
+def test_a_saved_tensor_unpack_hook_raising_raises_from_backward(remote):
+    results = []
+    for device in ("cpu", remote):
+        x = torch.ones(3, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: 1 / 0):
+            y = (x * x).sum()
+        with pytest.raises(ZeroDivisionError) as err:
+            y.backward()
+        results.append(str(err.value))
+    assert results[0] == results[1]
