@@ -23,11 +23,17 @@ backward. When one raises on the engine's device thread while gradients are remo
 
 Anywhere else (the calling thread, a CPU or CUDA graph) the exception goes as it would.
 A saved-tensors unpack hook (``torch.autograd.graph.saved_tensors_hooks``, and
-non-reentrant checkpointing, which recomputes its forward there) is guarded too, through
-a pack hook that keeps the remote tensor's spec beside what the program's made. Not
-covered, and still aborting (a second review's probes, ``/tmp/review39b/``): hooks
-registered on a ``grad_fn`` directly (``register_hook``, ``register_prehook``, and the
-deprecated ``Module.register_backward_hook``, which uses them). A ``backward()``
+non-reentrant checkpointing, which recomputes its forward there) is guarded too: as a
+hooks object is entered, the pair pushed for autograd keeps a remote tensor's spec
+beside what the program's pack made (the object keeps the program's own pair). Not
+covered, and still aborting (reviews' probes, ``/tmp/review39b/``, ``/tmp/review39c/``):
+hooks registered on a ``grad_fn`` directly (``register_hook``, ``register_prehook``, and
+the deprecated ``Module.register_backward_hook``, which uses them); saved-tensor hooks
+pushed without a hooks object (``_raw_saved_*.register_hooks``,
+``_push_saved_tensors_default_hooks``); an unpack raising for a saved CPU tensor (a
+0-dim CPU scalar mixed into a remote op); a pack hook raising inside
+``backward(create_graph=True)`` (not guarded: such an exception is often caught by the
+Python above it, as checkpointing's ``_StopRecomputationError`` is). A ``backward()``
 rooted at a CPU tensor (``y.cpu().sum().backward()``) returns; the remote gradients
 raise when read.
 """
@@ -207,12 +213,15 @@ class _Packed:
 
 
 def saved_tensor_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> tuple:
-    """A ``saved_tensors_hooks`` pair, its unpack guarded for remote tensors (a raising
-    unpack hook aborted; non-reentrant checkpointing recomputes its forward there)."""
+    """A ``saved_tensors_hooks`` pair as pushed for autograd, guarded for remote tensors
+    on the device thread (a raising unpack hook aborted; non-reentrant checkpointing
+    recomputes its forward there). The hooks object keeps the program's own pair: code
+    that calls ``save_on_cpu().pack_hook`` itself gets what it made."""
 
     def packed(t: Any) -> Any:
-        inner = pack(t)
-        return _Packed(inner, meta.spec_of(t)) if _remote(t) else inner
+        # not guarded: an exception from a pack hook is caught above it as often as not
+        # (checkpointing stops its recomputation so, inside an unpack, on this thread)
+        return _Packed(pack(t), meta.spec_of(t)) if _remote(t) else pack(t)
 
     def unpacked(x: Any) -> Any:
         if type(x) is not _Packed:
@@ -282,14 +291,19 @@ def attach(lazy: type) -> list[tuple[Any, str, Any]]:
     BackwardHook.__init__ = guarded_init
 
     hooks = torch.autograd.graph.saved_tensors_hooks
-    saved.append((hooks, "__init__", hooks.__init__))
-    hooks_init = hooks.__init__
+    enter = hooks.__enter__
+    saved.append((hooks, "__enter__", enter))
 
-    @functools.wraps(hooks_init)
-    def guarded_hooks(self: Any, pack_hook: Any, unpack_hook: Any) -> None:
-        hooks_init(self, *saved_tensor_hooks(pack_hook, unpack_hook))
+    @functools.wraps(enter)
+    def guarded_enter(self: Any) -> None:
+        if not (callable(self.pack_hook) and callable(self.unpack_hook)):
+            return enter(self)  # refused there, as PyTorch refuses it
+        torch._C._autograd._push_saved_tensors_default_hooks(
+            *saved_tensor_hooks(self.pack_hook, self.unpack_hook)
+        )
+        return None
 
-    hooks.__init__ = guarded_hooks
+    hooks.__enter__ = guarded_enter
     return saved
 
 

@@ -174,3 +174,28 @@ def test_a_saved_tensor_unpack_hook_raising_raises_from_backward(remote):
             y.backward()
         results.append(str(err.value))
     assert results[0] == results[1]
+
+
+def test_saved_tensor_hooks_keep_the_programs_own_pair(remote):
+    """The guard is pushed for autograd as a hooks object is entered; the object keeps
+    the program's functions (a review: ``h.pack_hook is pack`` was False after ``import
+    djinn``, and a pack hook delegating to ``save_on_cpu().pack_hook`` got the guard's
+    wrapper back and failed)."""
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    assert hooks.pack_hook is pack and hooks.unpack_hook is unpack
+    grads = []
+    for device in ("cpu", remote):
+        inner = torch.autograd.graph.save_on_cpu()
+        x = torch.full((3,), 2.0, device=device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(inner.pack_hook, inner.unpack_hook):
+            y = (x * x).sum()
+        y.backward()
+        grads.append(x.grad.cpu())
+    assert torch.equal(grads[0], grads[1])
