@@ -3,15 +3,17 @@ the process when it raises.
 
 Note [errors in hooks during backward]: PyTorch runs the backward of remote tensors on
 its own device thread, and a Python exception leaving a hook there unwinds through the
-engine's stream guard, whose destructor asks the Python device guard for its device
-type with the exception still set: ``std::terminate`` ("terminate called without an
-active exception"). A review (2026-11-27) found a tensor hook raising ``1 / 0`` killed
-the process where CPU eager raises ``ZeroDivisionError`` from ``backward()``; so did a
-post-accumulate-grad hook. The ops' own errors already never leave (Note [errors in
-backward], backward_errors.py); this does the same for the Python a program gives
-autograd: tensor hooks and post-accumulate-grad hooks registered on a remote tensor, a
-module's full backward hooks and pre-hooks, and a custom ``autograd.Function``'s
-backward. When one raises on the engine's device thread while gradients are remote:
+engine's stream guard, whose destructor calls the Python device guard's
+``exchangeStream``, a ``noexcept`` method that asks Python for the device type, most
+likely failing with the hook's error still set: gdb shows ``std::terminate`` there
+("terminate called without an active exception"). A review (2026-11-27) found a tensor
+hook raising ``1 / 0`` killed the process where CPU eager raises ``ZeroDivisionError``
+from ``backward()``; so did a post-accumulate-grad hook. The ops' own errors already
+never leave (Note [errors in backward], backward_errors.py); this does the same for the
+Python a program gives autograd: tensor hooks and post-accumulate-grad hooks registered
+on a remote tensor, a module's full backward hooks and pre-hooks, and a custom
+``autograd.Function``'s backward. When one raises on the engine's device thread while
+gradients are remote:
 
 - the gradients it would have returned hold the error (Note [failed values]), so what is
   computed from them and every ``.grad`` they reach raise it when read; a

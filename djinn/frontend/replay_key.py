@@ -111,8 +111,9 @@ class Used:
         self.steps: list[Step] = []
         self.kept: dict[int, dict] = {}  # per optimizer, what it kept as it first stepped
         self.watch: Watch | None = None  # the last recording's state, as this call began
-        # Note [steps a replay would skip]: fn's own code objects, and the first
-        # ``step()`` of an object a replay would not step that the call made
+        # Note [steps a replay would skip]: fn's own code objects and the ids of the
+        # objects it is a method of; the first ``step()`` the call made of an object a
+        # replay would not step
         self.own: frozenset[Any] = frozenset()
         self.owners: frozenset[int] = frozenset()
         self.skipped: str | None = None
@@ -148,8 +149,9 @@ class Used:
         inside ``fn`` (its learning rate is the same for three calls in a row, so the
         recordings agree; a replay never decays it). So while a call records, a
         profile function sees each Python call (``sys.setprofile``, this thread, a few
-        calls per key): a method named ``step`` of an object that is neither a module nor
-        an optimizer whose step PyTorch's hooks began, outside ``fn``'s own code, makes
+        calls per key: 10-20% more per recording call): a method named ``step`` of an
+        object that is neither a module, an optimizer whose step PyTorch's hooks began,
+        nor an object ``fn`` is a method of, outside ``fn``'s own code, makes
         the call run as it is, for good, with ``stats()["plain"]`` naming it. A
         scheduler, a diffusion sampler's ``step``, ``GradScaler.step`` all count. What a
         hooked optimizer keeps in plain attributes (a Lookahead subclass's count) is
