@@ -22,7 +22,10 @@ fix: a view read after its base was written on a thread, a sibling view read aft
 other was, and a base read after ``_foreach_add_`` wrote into views of it. The mark lives
 in the cells rather than linking a view's cell to its base's: a base cell kept alive by
 its views counts as a holder of its node's output (Note [bindings]), and a gradient that
-is a view of a ``mm`` made every recorded training step keep a tensor it made.
+is a view (``t()``) of an ``mm`` made every recording of a training step fail with "it
+keeps a tensor it made". A replay's outputs are new tensors: one that was a view when
+recorded gets the ``Storage`` of the argument it is a view of, or the recorded one
+(``Record.shares``, replay_run._bind_outputs).
 """
 
 from __future__ import annotations
