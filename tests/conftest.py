@@ -96,8 +96,12 @@ def start_appliance(tmp: Path, serve_args: tuple[str, ...] = (), **settings) -> 
     cfg.write_text("\n".join(lines).replace("True", "true").replace("False", "false") + "\n")
     err = tmp / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    # --parent-pid: it stops when this process dies. A test process that crashed (a
+    # worker aborting, as the hook tests' old code did) left its appliances running, and
+    # the next run on the machine hung with them
+    serve = ["serve", "--parent-pid", str(os.getpid()), "--config", str(cfg), *serve_args]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "djinn.cli.main", "serve", "--config", str(cfg), *serve_args],
+        [sys.executable, "-m", "djinn.cli.main", *serve],
         stdout=subprocess.PIPE,
         stderr=err.open("w"),
         stdin=subprocess.DEVNULL,
