@@ -69,11 +69,14 @@ def _remote(x: Any) -> bool:
     return _lazy is not None and isinstance(x, _lazy)
 
 
+def _failed(spec: Any, error: Any) -> Any:
+    """A remote tensor of ``spec`` holding ``error`` (Note [failed values])."""
+    return _lazy(spec, failures.Failed(error))
+
+
 def _failed_like(x: Any, error: Any) -> Any:
     """A remote tensor shaped like ``x`` holding ``error``; anything else as it is."""
-    if not _remote(x):
-        return x
-    return _lazy(meta.spec_of(x), failures.Failed(error))
+    return _failed(meta.spec_of(x), error) if _remote(x) else x
 
 
 def _noted(exc: BaseException, what: str) -> Any:
@@ -84,17 +87,26 @@ def _noted(exc: BaseException, what: str) -> Any:
     return failures.failed_error(what, exc)
 
 
-def guarded(fn: Callable[..., Any], what: str, fails: Callable[..., Any]) -> Callable[..., Any]:
+def _any_remote(args: tuple) -> bool:
+    return any(_remote(a) for a in _flat(args))
+
+
+def guarded(
+    fn: Callable[..., Any],
+    what: str,
+    fails: Callable[..., Any],
+    remote: Callable[[tuple], bool] = _any_remote,
+) -> Callable[..., Any]:
     """``fn`` that, raising on the device thread with remote gradients among its
-    arguments, returns ``fails(error, *args)`` instead (Note [errors in hooks during
-    backward])."""
+    arguments (``remote(args)``), returns ``fails(error, *args)`` instead (Note [errors in
+    hooks during backward])."""
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
         try:
             return fn(*args)
         except BaseException as exc:  # a KeyboardInterrupt raised there aborted as well
-            if not on_device_thread() or not any(_remote(a) for a in _flat(args)):
+            if not on_device_thread() or not remote(args):
                 raise
             error = _noted(exc, what)
         try:
@@ -168,12 +180,12 @@ def module_hook(hook: Callable[..., Any], pre: bool) -> Callable[..., Any]:
         if out is not None and any(_remote(g) for g in grads):
             got = len(out)  # as BackwardHook counts (a tensor: its first dimension)
             if got != len(grads):
-                which = (
-                    "pre hook returned an invalid number of grad_output"
-                    if pre
-                    else ("hook returned an invalid number of grad_input")
+                which = "pre hook" if pre else "hook"
+                grad = "grad_output" if pre else "grad_input"
+                raise RuntimeError(
+                    f"Backward {which} returned an invalid number of {grad}, got {got}, "
+                    f"but expected {len(grads)}"
                 )
-                raise RuntimeError(f"Backward {which}, got {got}, but expected {len(grads)}")
         return out
 
     def fails(error: Any, _module: Any, grads: Any, *_rest: Any) -> Any:
@@ -198,7 +210,7 @@ def function_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
             if t is None and node is not None:
                 m = node._input_metadata[index]
                 t = torch.empty(m.shape, dtype=m.dtype, device="meta") if _remote_at(m) else None
-            out.append(None if t is None else _lazy(meta.spec_of(t), failures.Failed(error)))
+            out.append(None if t is None else _failed(meta.spec_of(t), error))
         return tuple(out)
 
     return guarded(apply, "a custom autograd Function's backward", fails)
@@ -225,19 +237,24 @@ def saved_tensor_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> 
         # (checkpointing stops its recomputation so, inside an unpack, on this thread)
         return _Packed(pack(t), meta.spec_of(t)) if _remote(t) else pack(t)
 
+    def checked(x: _Packed) -> Any:
+        out = unpack(x.inner)
+        if not isinstance(out, torch.Tensor):  # the engine's check, which would abort
+            raise TypeError(
+                "Output of saved tensor unpack_hook expected to be a Tensor but got result "
+                f"of type {type(out).__name__}"
+            )
+        return out
+
+    guarded_unpack = guarded(  # only a remote tensor's pack is a _Packed
+        checked,
+        "a saved tensor's unpack hook",
+        lambda error, x: _failed(x.spec, error),
+        remote=lambda _args: True,
+    )
+
     def unpacked(x: Any) -> Any:
-        if type(x) is not _Packed:
-            return unpack(x)
-        try:
-            out = unpack(x.inner)
-            if not isinstance(out, torch.Tensor):  # the engine's check, which would abort
-                raise TypeError(f"Output of saved tensor unpack_hook expected to be a Tensor "
-                                f"but got result of type {type(out).__name__}")  # fmt: skip
-            return out
-        except BaseException as exc:
-            if not on_device_thread():
-                raise
-            return _lazy(x.spec, failures.Failed(_noted(exc, "a saved tensor's unpack hook")))
+        return guarded_unpack(x) if type(x) is _Packed else unpack(x)
 
     return functools.wraps(pack)(packed), functools.wraps(unpack)(unpacked)
 

@@ -162,11 +162,11 @@ class Used:
         object (``sys.getprofile()`` None: yappi) is replaced for the recording."""
         # a profile function, or a trace function if a profiler (cProfile) holds that
         # hook: its ``call`` events are the same, and it returns None, tracing no line
-        hooks = [(g, p) for g, p in HOOKS if g() is None]
-        if not hooks:
+        free = next(((g, p) for g, p in HOOKS if g() is None), None)
+        if free is None:
             yield
             return
-        get, put = hooks[0]
+        get, put = free
         self.own, self.owners = own_code(fn)
         put(self._profile)
         try:

@@ -210,7 +210,6 @@ def _followed(
 
 def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> RemoteTensor:
     """The value an input of the graph has now (a Miss if it is not what it was)."""
-    cell = None
     if kind == "arg":
         cell = tensors[src].__dict__["_b"]
     elif kind == "grad":
