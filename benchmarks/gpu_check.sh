@@ -39,6 +39,18 @@ step transport 90 python3 benchmarks/transport.py --quick --json "$OUT/transport
 SPY=$(command -v py-spy || true)
 step replay_profile 90 python3 benchmarks/replay_profile.py --seconds 6 ${SPY:+--py-spy "$SPY"} \
     --json "$OUT/replay_profile.json"
+# the same for the default Adam (followed steps), and for a put+get of 16 bytes and of
+# 1 MiB (a GPU host's transport is 2-3x slower than a CPU worker's); py-spy's raw records
+# are kept in $OUT/raw_* for a look at whole stacks
+profiled() {  # profiled NAME ARGS...: replay_profile.py with ARGS as step NAME
+    local name=$1
+    shift
+    step "$name" 90 python3 benchmarks/replay_profile.py --seconds 4 "$@" \
+        ${SPY:+--py-spy "$SPY" --raw "$OUT/raw_$name"} --json "$OUT/$name.json"
+}
+profiled adam_profile --workload adam
+profiled tiny_profile --workload put_get
+profiled mib_profile --workload put_get --nbytes 1048576
 # one failed op breaks nothing else, on GPU workers: a bad index answered without a restart
 DJINN_TEST_GPUS=auto step failures_on_gpu 100 python3 -m pytest -n 0 -p no:cacheprovider -q -rfE \
     --timeout 120 tests/integration/test_failures_stay_local.py

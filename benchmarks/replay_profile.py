@@ -18,6 +18,12 @@ appliance, and reports, side by side for the same steps:
     python benchmarks/replay_profile.py                       # GPU workers if there are GPUs
     python benchmarks/replay_profile.py --gpus none --seconds 5
     python benchmarks/replay_profile.py --py-spy /tmp/pyspy/bin/py-spy
+    python benchmarks/replay_profile.py --workload adam            # the default Adam
+    python benchmarks/replay_profile.py --workload put_get --nbytes 1048576
+
+``--workload`` picks the step: the replayed step with one of training_step.py's
+optimizers, or ``put_get``, a put and a get of ``--nbytes`` through one client session.
+``--raw DIR`` keeps py-spy's raw records; ``--native`` samples C/C++ frames too.
 
 Prints markdown tables; ``--json`` writes them.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import subprocess
 import sys
@@ -40,15 +47,31 @@ from _common import GiB, note, save_json
 from training_step import OPTIMIZERS, batches_of, build, scheduler_stats, train_step, using
 
 R = "remote_accelerator:0"
+WORKLOADS = (*OPTIMIZERS, "put_get")
 
 
-def replayed_sgd(width: int, layers: int) -> tuple[Any, list]:
+def replayed_step(optimizer: str, width: int, layers: int) -> tuple[Any, list]:
     """The replayed step of training_step.py's encoder, and its batches on the device."""
     import djinn
 
     model = build(width, layers).train().to(R)
     data = [(x.to(R), y.to(R)) for x, y in batches_of(width, 8)]
-    return djinn.replayable(train_step(model, OPTIMIZERS["sgd"](model.parameters()))), data
+    return djinn.replayable(train_step(model, OPTIMIZERS[optimizer](model.parameters()))), data
+
+
+class PutGet:
+    """A put and a get of one float32 tensor of ``nbytes`` through a client session, as
+    ``transport.py`` times them: what a step is for the ``put_get`` workload."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.steps = session, 0
+
+    def __call__(self, t: Any) -> None:
+        self.session.put(t).cpu()
+        self.steps += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"put_gets": self.steps}
 
 
 def run_for(run: Any, data: list, seconds: float) -> int:
@@ -77,13 +100,15 @@ def top_lines(raw: Path, count: int) -> list[tuple[str, float]]:
 
 
 def profile(spy: str, pids: dict[str, int], run: Any, data: list, seconds: float,
-            rate: int, tmp: Path) -> dict[str, Any]:  # fmt: skip
+            rate: int, tmp: Path, native: bool) -> dict[str, Any]:  # fmt: skip
     """py-spy records of each of ``pids`` while the step replays for ``seconds``."""
     procs = {}
     for name, pid in pids.items():
         out = tmp / f"{name}.txt"
         cmd = [spy, "record", "-p", str(pid), "-r", str(rate), "-d", str(int(seconds) + 1),
-               "-f", "raw", "-o", str(out), "--nonblocking"]  # fmt: skip
+               "-f", "raw", "-o", str(out)]  # fmt: skip
+        # py-spy reads native stacks only from a paused process: sampling then slows it more
+        cmd += ["--native"] if native else ["--nonblocking"]
         procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True), out)  # fmt: skip
     time.sleep(0.5)  # py-spy attaches
@@ -103,19 +128,36 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--py-spy", default=None, help="a py-spy binary: profile both sides")
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    parser.add_argument("--native", action="store_true", help="py-spy's C/C++ frames too")
+    parser.add_argument("--workload", default="sgd", choices=WORKLOADS,
+                        help="what a step is: a replayed training step with this optimizer, "
+                             "or a put and a get of --nbytes")  # fmt: skip
+    parser.add_argument("--nbytes", type=int, default=16, help="the put_get workload's size")
+    parser.add_argument("--raw", default=None, help="a folder for py-spy's raw records")
     parser.add_argument("--json", default="benchmarks/results/replay_profile.json")
     args = parser.parse_args()
     unwind_on_sigterm()
-    doc: dict[str, Any] = {"benchmark": "replay_profile", "seconds": args.seconds}
-    with tempfile.TemporaryDirectory() as tmp, appliance(
-        Path(tmp), GiB, args.gpus
-    ) as app, using(app.unix):  # fmt: skip
+    doc: dict[str, Any] = {"benchmark": "replay_profile", "seconds": args.seconds,
+                           "workload": args.workload, "nbytes": args.nbytes}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        app = stack.enter_context(appliance(Path(tmp), GiB, args.gpus))
+        stack.enter_context(using(app.unix))
         doc["device"] = device_of(app.readiness)
         worker = next(
             p for p in psutil.Process(app.proc.pid).children(recursive=True)
             if "djinn.appliance.worker" in " ".join(p.cmdline())
         )  # fmt: skip
-        run, data = replayed_sgd(args.width, args.layers)
+        if args.workload == "put_get":
+            import torch
+
+            from djinn.runtime.client import Client
+
+            session = stack.enter_context(Client(app.unix).session())
+            run: Any = PutGet(session)
+            data = [(torch.arange(max(1, args.nbytes // 4), dtype=torch.float32),)]
+        else:
+            run, data = replayed_step(args.workload, args.width, args.layers)
         run_for(run, data, 1.0)  # recordings, plans compiled, graphs captured
         note(f"replaying for {args.seconds} s on {doc['device']}")
         wall0, cpu0, w0 = time.perf_counter(), time.process_time(), worker.cpu_times()
@@ -135,8 +177,10 @@ def main() -> int:
         if args.py_spy:
             note(f"py-spy on the worker and this process, {args.rate} Hz")
             pids = {"worker": worker.pid, "client": os.getpid()}
+            raw = Path(args.raw or tmp)
+            raw.mkdir(parents=True, exist_ok=True)
             doc["profile"] = profile(args.py_spy, pids, run, data, args.seconds, args.rate,
-                                     Path(tmp))  # fmt: skip
+                                     raw, args.native)  # fmt: skip
     report(doc)
     save_json(doc, args.json)
     return 0
@@ -144,8 +188,10 @@ def main() -> int:
 
 def report(doc: dict[str, Any]) -> None:
     ms = doc["ms_per_step"]
-    print(f"\nReplayed SGD step of training_step.py's encoder on {doc['device']}, "
-          f"{doc['steps']} steps in {doc['seconds']} s\n")  # fmt: skip
+    what = {"put_get": f"A put and a get of {doc['nbytes']} bytes"}.get(
+        doc["workload"], f"Replayed {doc['workload']} step of training_step.py's encoder"
+    )
+    print(f"\n{what} on {doc['device']}, {doc['steps']} steps in {doc['seconds']} s\n")
     print("| per step | ms |\n|---|---|")
     print(f"| wall (between two calls' returns) | {ms['wall']} |")
     print(f"| client CPU (this process, all threads) | {ms['client_cpu']} |")

@@ -93,7 +93,7 @@ from djinn.errors import ExecutionError, ResourceExhausted
 
 from . import index_bounds, opchecks
 from .graph import OP_ERRORS, has_extra_checks, writes
-from .metacheck import tensors_of
+from .graph_buffers import check_outputs, copied, ownable, view_of
 from .plan import CompiledRun, Plan, PlanRun
 from .plan_source import tagged_with_scalars
 
@@ -405,6 +405,9 @@ class GraphedRun(CompiledRun):
         fits = graph is not None and self._fits(graph)
         if not fits and state["captures"] >= MAX_CAPTURES:
             self.graphs.moved += 1
+            self.graphs.count_why(
+                f"runs compiled after {MAX_CAPTURES} captures: {self._misfit(graph)}"
+            )
             return (yield from CompiledRun.steps(self))
         self._guard_checks(state)  # before anything ran, as an interpreted run refuses
         if not fits:
@@ -419,6 +422,15 @@ class GraphedRun(CompiledRun):
         return all(
             k in graph.owned or t.data_ptr() == graph.addresses[k] for k, t in enumerate(self.ins)
         )
+
+    def _misfit(self, graph: PlanGraph | None) -> str:
+        """Why the plan's graph cannot serve this run (its captures spent)."""
+        if graph is None:
+            return "no capture kept a graph"
+        if _bits(self.scs) != graph.scalars:
+            # e.g. a default Adam's bias corrections: Python floats, new every step
+            return "its scalars change from run to run"
+        return "its inputs move from run to run"
 
     def _guard_checks(self, state: dict[str, Any]) -> None:
         """The index guards, on what the prefix nodes compute from this run's inputs, in
@@ -463,7 +475,7 @@ class GraphedRun(CompiledRun):
             }  # fmt: skip
         for k in varying - written:  # a written input is captured where it now is
             t = ins[k]
-            if not _ownable(t, ins):
+            if not ownable(t, ins):
                 log.info("graph plan: input %d moved and cannot be copied in", k)
                 state["captures"] = MAX_CAPTURES
                 return None
@@ -492,7 +504,7 @@ class GraphedRun(CompiledRun):
             on = list(ins)
             for k in written:
                 t = ins[k]
-                on[k] = _view_of(cloned[t.untyped_storage().data_ptr()], t)
+                on[k] = view_of(cloned[t.untyped_storage().data_ptr()], t)
             return run(on)
 
         try:
@@ -504,7 +516,7 @@ class GraphedRun(CompiledRun):
         try:
             pg.graph, values = graphs.capture.capture(self.device, warm, lambda: run(ins))
             pg.values = [values[n] for n in plan.pinned]
-            _check_outputs(pg.values, ins)
+            check_outputs(pg.values, ins)
         except Exception as exc:  # any refusal: this plan runs compiled (counted, logged)
             graphs.failed += 1
             graphs.count_why(f"capture failed: {type(exc).__name__}: {exc}"[:200])
@@ -533,7 +545,7 @@ class GraphedRun(CompiledRun):
             self.wrote = plan.first_write < len(plan.nodes)
             self.graphs.capture.replay(pg.graph)
             # a session keeps its results: the next replay writes the graph's buffers again
-            self.values = {n: _copied(v) for n, v in zip(plan.pinned, pg.values, strict=True)}
+            self.values = dict(zip(plan.pinned, copied(pg.values), strict=True))
         finally:
             self.stack.release(plan.peak)
         self._reached = len(plan.nodes) - 1
@@ -552,48 +564,3 @@ def pool_bytes(peak: int) -> int:
 
 def _bits(scalars: list[float]) -> bytes:
     return struct.pack(f"<{len(scalars)}d", *scalars)
-
-
-def _whole(t: torch.Tensor) -> bool:
-    """Contiguous and the whole of its storage."""
-    return (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
-
-
-def _ownable(t: torch.Tensor, ins: list[torch.Tensor]) -> bool:
-    """Whether input ``t`` can be copied into a buffer of the graph's own before each
-    replay: whole, and no other input shares its storage."""
-    ptr = t.untyped_storage().data_ptr()
-    return _whole(t) and sum(1 for u in ins if u.untyped_storage().data_ptr() == ptr) == 1
-
-
-def _check_outputs(values: list[Any], ins: list[torch.Tensor]) -> None:
-    """Kept and fetched values must share no storage with an input or each other (see the
-    Note)."""
-    seen = {t.untyped_storage().data_ptr() for t in ins}
-    for t in tensors_of(values):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
-            raise ValueError("a kept value shares storage with an input or another value")
-        seen.add(ptr)
-
-
-def _view_of(storage: Any, t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``storage`` with ``t``'s dtype, sizes, strides and offset."""
-    out = torch.empty((), dtype=t.dtype, device=t.device)
-    return out.set_(storage, t.storage_offset(), t.size(), t.stride())
-
-
-def _copied(v: Any) -> Any:
-    """``v`` out of the graph's buffers: its storage copied whole, so that a view keeps its
-    strides and offset as the compiled run gives them."""
-    if isinstance(v, torch.Tensor):
-        return _view_of(v.untyped_storage().clone(), v)
-    if isinstance(v, tuple):
-        return tuple(_copied(u) for u in v)
-    if isinstance(v, list):
-        return [_copied(u) for u in v]
-    return v

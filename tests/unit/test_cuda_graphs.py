@@ -153,6 +153,8 @@ def test_other_scalars_capture_again_and_a_plan_captures_at_most_three_times():
     assert graphs.captured == cg.MAX_CAPTURES
     assert graphs.moved == 2  # 5.0 and 2.0 again: compiled runs
     assert graphs.stats()["graphs"] == 1
+    # the reason is counted, as a default Adam's followed step (new floats every step) gets it
+    assert graphs.why == {"runs compiled after 3 captures: its scalars change from run to run": 2}
 
 
 def test_a_failed_capture_is_counted_and_the_plan_runs_compiled():
@@ -449,3 +451,27 @@ def test_a_kept_view_of_the_graphs_own_buffer_keeps_its_strides_and_its_values()
     for got, then in kept:  # a later replay did not overwrite what an earlier one gave
         assert torch.equal(got, then)
     assert graphs.captured == 1 and graphs.failed == 0 and graphs.replays == 3
+
+
+def test_results_copied_out_of_the_graph_keep_their_layout_and_own_their_storage():
+    """Whole tensors are copied together (one ``_foreach_copy_``), a view with its storage;
+    nested tuples and lists and non-tensors keep their shape."""
+    from djinn.appliance.executor.graph_buffers import copied
+
+    base = torch.arange(24.0).reshape(4, 6)
+    view = base.t()[1:3]  # strided, offset 1
+    whole = [torch.randn(3, 5), torch.arange(4), torch.tensor(True), torch.empty(0)]
+    values = [whole[0], (whole[1], 7), [view, whole[2]], "x", whole[3]]
+    got = copied(values)
+    assert got[3] == "x" and got[1][1] == 7 and isinstance(got[1], tuple)
+    pairs = [(got[0], whole[0]), (got[1][0], whole[1]), (got[2][1], whole[2]),
+             (got[4], whole[3]), (got[2][0], view)]  # fmt: skip
+    for out, src in pairs:
+        assert torch.equal(out, src) and out.dtype == src.dtype
+        assert (out.stride(), out.storage_offset()) == (src.stride(), src.storage_offset())
+        assert out.untyped_storage().nbytes() == src.untyped_storage().nbytes()
+        if src.numel():
+            assert out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    base.zero_()
+    whole[0].zero_()
+    assert got[2][0].abs().sum() > 0 and got[0].abs().sum() > 0  # copies, not aliases
