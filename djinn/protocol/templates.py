@@ -80,14 +80,21 @@ def instantiator(tpl: dict[str, Any]) -> Callable[[Any, Any], dict[str, Any]]:
     the template. Walking every argument of every node that read a parameter was a fifth
     of a replayed training step's client CPU. What it makes is read, never written (the
     journal's rewrites, ``remap``, make new bodies)."""
-    parts = {part: [(_sites(v), v) for v in tpl[part]] for part in PARTS}
+    # per part: its items, and (index, sites) of those that hold a slot; a body's list is
+    # a copy of the items with those put back (most nodes hold none: a C-speed copy)
+    parts = {
+        part: (tpl[part], [(i, site) for i, v in enumerate(tpl[part]) if (site := _sites(v))])
+        for part in PARTS
+    }
 
     def make(inputs: Any, scalars: Any) -> dict[str, Any]:
         _check(inputs, scalars)
-        return {
-            part: [v if site is None else _fill(v, site, inputs, scalars) for site, v in items]
-            for part, items in parts.items()
-        }
+        body: dict[str, Any] = {}
+        for part, (items, sited) in parts.items():
+            out = body[part] = list(items)
+            for i, site in sited:
+                out[i] = _fill(items[i], site, inputs, scalars)
+        return body
 
     return make
 
