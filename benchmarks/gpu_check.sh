@@ -5,10 +5,12 @@
 # gpu-marked tests, the GPU benchmark, the transport benchmark, replay_profile.py and
 # test_failures_stay_local.py on GPU workers. Each
 # step has its own time limit so that a hang costs one step, and every log lands in $OUT
-# (or /tmp/gpu_check).
+# (or /tmp/gpu_check). With PACK=1 they end up in one archive, $OUT/gpu_check.tgz: the
+# device tool brings back only a few files from $OUT (stop 40 lost py-spy's raw records).
 #
 #     bash benchmarks/gpu_check.sh [pytest args for an extra test run]
 #     SKIP="transport" bash benchmarks/gpu_check.sh   # steps named in SKIP are left out
+#     PACK=1 bash benchmarks/gpu_check.sh             # on the device machine: one archive
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -56,4 +58,8 @@ DJINN_TEST_GPUS=auto step failures_on_gpu 100 python3 -m pytest -n 0 -p no:cache
     --timeout 120 tests/integration/test_failures_stay_local.py
 if [ $# -gt 0 ]; then
     step extra_tests ${EXTRA_LIMIT:-400} python3 -m pytest -n 0 -p no:cacheprovider -q -rfE --timeout 120 "$@"
+fi
+if [ "${PACK:-0}" = 1 ]; then
+    tar -czf /tmp/gpu_check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tgz "$OUT/"
+    echo "== packed: $OUT/gpu_check.tgz"
 fi
