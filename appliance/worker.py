@@ -257,6 +257,12 @@ class Worker:
         }
         if session.via_unix:
             reply["arena"] = {"name": self.arena.name, "size": self.arena.size}
+        if self.device.name.startswith("cpu"):
+            # the threads a graph this session sends without waiting runs with (Note
+            # [steps followed while the graph runs], djinn/frontend/replay_followed.py)
+            reply["cpu_threads"] = (
+                threads.for_graph("cpu", session.via_unix, True) or threads.base()
+            )
         self.reply(session, msg["request_id"], reply, [])
         self.stats_dirty = True
         worker_stats.push(self, force=True)

@@ -4,18 +4,27 @@ The default ``Adam`` computes its bias corrections as Python floats from a step 
 keeps on the CPU, so a replay of a training call ending with its step cannot replay the
 step with the rest. Until Note [followed steps] (``djinn/frontend/replay_follow.py``) the
 replay sent the ops before the step and then captured the step, op by op, as a second
-graph; now it follows the step against the recording and sends the whole call as one
-graph with this call's floats. ``djinn.replayable(fn, follow=False)`` keeps the old way,
-which is what this compares against, in one process on one private appliance, with local
-eager beside both in every round: ``training_step.py``'s encoder, ``--steps`` steady
-steps after 10 warm calls (the recordings among them), per round, ms per step and the
-client's CPU per step. Every loop's parameters must equal local eager's bit for bit.
+graph. Now it follows the step against the recording, in one of two ways (Note [steps
+followed while the graph runs], ``replay_followed.py``; the ``follow_ahead`` setting):
+
+- ahead (``always``): the ops before the step are sent as the call starts and run while
+  the step is followed; the step then goes as a replay of its own graph;
+- after (``never``): the whole call goes as one replay once the step was followed.
+
+``djinn.replayable(fn, follow=False)`` keeps the old way (captured). All three run in
+one process on one private appliance, with local eager beside them in every round:
+``training_step.py``'s encoder, ``--steps`` steady steps after 10 warm calls (the
+recordings among them), per round, ms per step and the client's CPU per step. Every
+loop's parameters must equal local eager's bit for bit. ``--worker-threads N`` gives the
+CPU worker (and local eager) N intra-op threads: below the host's cores, the client
+follows on a core of its own (``auto`` then takes ahead).
 
     python benchmarks/followed_steps.py              # 5 rounds of 60 steps each way
     python benchmarks/followed_steps.py --rounds 3 --steps 40
+    python benchmarks/followed_steps.py --worker-threads 1
 
-This machine's timings move by tens of percent from minute to minute: judge the ratio of
-the two replayed rows within a round, and the medians over rounds.
+This machine's timings move by tens of percent from minute to minute: judge the ratios
+of the replayed rows within a round, and the medians over rounds.
 """
 
 from __future__ import annotations
@@ -38,9 +47,10 @@ GiB = 1 << 30
 WARM = 10  # calls before the timed ones: the first makes Adam's state, two record
 
 
-def steady(model: torch.nn.Module, batches: list, device: str, steps: int, follow: bool) -> dict:
+def steady(model: torch.nn.Module, batches: list, device: str, steps: int, way: str) -> dict:
     """ms per step and client CPU ms per step of ``steps`` steps after ``WARM`` calls; the
-    parameters after them (read back, so the timing includes every step's run)."""
+    parameters after them (read back, so the timing includes every step's run). ``way``:
+    local, ahead, after or captured."""
     import djinn
 
     m = copy.deepcopy(model).to(device)
@@ -48,7 +58,14 @@ def steady(model: torch.nn.Module, batches: list, device: str, steps: int, follo
     data = [(x.to(device), y.to(device)) for x, y in batches]
 
     step = train_step(m, opt)
-    run = step if device == "cpu" else djinn.replayable(step, follow=follow)
+    if device == "cpu":
+        run = step
+    else:
+        from djinn.frontend.session import default_session
+
+        # the follow_ahead setting, as the session's client holds it
+        default_session().client.follow_ahead = "never" if way == "after" else "always"
+        run = djinn.replayable(step, follow=way != "captured")
     for i in range(WARM):
         run(*data[i % len(data)])
     if device != "cpu":
@@ -65,12 +82,22 @@ def steady(model: torch.nn.Module, batches: list, device: str, steps: int, follo
     return {"ms": ms, "cpu_ms": cpu, "params": params, "followed": stats.get("steps_followed")}
 
 
+WAYS = ("ahead", "after", "captured")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--worker-threads", type=int, default=0,
+                        help="the CPU worker's and local eager's intra-op threads "
+                             "(0: the worker's default, local eager's own)")  # fmt: skip
     parser.add_argument("--json", default="benchmarks/results/followed_steps.json")
     args = parser.parse_args()
+    extra = {}
+    if args.worker_threads:
+        torch.set_num_threads(args.worker_threads)
+        extra["cpu_threads"] = args.worker_threads
     model = build(64, 2).train()
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(16, 32, 64, generator=gen), torch.randn(16, 32, 1, generator=gen))
@@ -78,45 +105,37 @@ def main() -> int:
     rows, runs = [], []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        appliance(Path(tmp), GiB, "none") as app,
+        appliance(Path(tmp), GiB, "none", **extra) as app,
         using(app.unix),
     ):
         for r in range(args.rounds):
-            local = steady(model, batches, "cpu", args.steps, True)
-            followed = steady(model, batches, R, args.steps, True)
-            captured = steady(model, batches, R, args.steps, False)
-            for name, got in (("followed", followed), ("captured", captured)):
-                same = all(torch.equal(a, b) for a, b in
-                           zip(got["params"], local["params"], strict=True))  # fmt: skip
+            got = {"local": steady(model, batches, "cpu", args.steps, "local")}
+            for way in WAYS:
+                got[way] = steady(model, batches, R, args.steps, way)
+                pairs = zip(got[way]["params"], got["local"]["params"], strict=True)
+                same = all(torch.equal(a, b) for a, b in pairs)
                 if not same:
-                    print(f"round {r}: {name} parameters differ from local eager's")
+                    print(f"round {r}: {way} parameters differ from local eager's")
                     return 1
             runs.append({k: {"ms": v["ms"], "cpu_ms": v["cpu_ms"], "followed": v["followed"]}
-                         for k, v in (("local", local), ("followed", followed),
-                                      ("captured", captured))})  # fmt: skip
-            rows.append([
-                str(r), f"{local['ms']:.2f}",
-                f"{followed['ms']:.2f} ({followed['ms'] / local['ms']:.2f}x)",
-                f"{captured['ms']:.2f} ({captured['ms'] / local['ms']:.2f}x)",
-                f"{followed['ms'] / captured['ms']:.2f}x",
-                f"{followed['cpu_ms']:.2f} / {captured['cpu_ms']:.2f}",
-                f"{followed['followed']} / {captured['followed']}",
-            ])  # fmt: skip
+                         for k, v in got.items()})  # fmt: skip
+            local = got["local"]["ms"]
+            rows.append([str(r), f"{local:.2f}",
+                         *(f"{got[w]['ms']:.2f} ({got[w]['ms'] / local:.2f}x)" for w in WAYS),
+                         " / ".join(f"{got[w]['cpu_ms']:.2f}" for w in WAYS),
+                         " / ".join(str(got[w]["followed"]) for w in WAYS)])  # fmt: skip
     med = {k: statistics.median(run[k]["ms"] for run in runs) for k in runs[0]}
-    rows.append([
-        "median", f"{med['local']:.2f}",
-        f"{med['followed']:.2f} ({med['followed'] / med['local']:.2f}x)",
-        f"{med['captured']:.2f} ({med['captured'] / med['local']:.2f}x)",
-        f"{med['followed'] / med['captured']:.2f}x", "", "",
-    ])  # fmt: skip
+    ratios = [f"{med[w]:.2f} ({med[w] / med['local']:.2f}x)" for w in WAYS]
+    rows.append(["median", f"{med['local']:.2f}", *ratios, "", ""])
     print(md_table(
-        ["round", "local eager ms/step", "followed ms/step (/ local)",
-         "captured ms/step (/ local)", "followed / captured",
-         "client CPU ms/step, followed / captured", "steps followed"],
+        ["round", "local eager ms/step", "followed, ahead (/ local)",
+         "followed, after (/ local)", "captured (/ local)",
+         "client CPU ms/step, ahead / after / captured", "steps followed"],
         rows,
     ))  # fmt: skip
-    print(f"\n(default Adam, {args.steps} steady steps a loop; every loop's parameters equal "
-          f"local eager's; torch {torch.__version__})")  # fmt: skip
+    threads = args.worker_threads or "default"
+    print(f"\n(default Adam, {args.steps} steady steps a loop, worker threads: {threads}; every "
+          f"loop's parameters equal local eager's; torch {torch.__version__})")  # fmt: skip
     save_json({"rounds": runs, "medians_ms": med, "args": vars(args)}, args.json)
     return 0
 

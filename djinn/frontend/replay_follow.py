@@ -19,16 +19,20 @@ the plan, leaf by leaf (the same function, the same tensors by where they come f
 same plain values, a finite float where a float was); its floats are taken as this call's
 scalars, and it returns what the capture would have (the tensors it writes into; new
 tensors with the recorded metadata, which nothing can read). When every op was followed
-and no tensor the steps made outlives them, the whole template goes as one replay with
-the new floats: no op is captured, no graph is encoded, one request.
+and no tensor the steps made outlives them, the steps go as a replay with the new floats:
+no op is captured, no graph is encoded. Two ways (Note [steps followed while the graph
+runs], replay_followed.py): the split replay sent as the call starts and then the steps'
+own graph (``steps_graph``: the whole template's nodes from the cut on, reading the
+gradients the split keeps as inputs), or the whole template once the steps were followed.
 
 Anything else stops the following, and loses nothing: the ops before the cut are sent as
-the split replay they would have been (its outputs and gradients rebound to it), the ops
-followed so far are captured as they were called, the tensors they made are bound to
-what the capture made, and the steps go on captured. That happens on the first op that
-differs from the plan, a special op (a read, a detach), a node captured by any other way,
-a flush of the trace, an error raised in a step, or a tensor the steps made still alive
-after them.
+the split replay they would have been, if they were not (their outputs and gradients
+rebound to it), the ops followed so far are captured as they were called, the tensors
+they made are bound to what the capture made, and the steps go on captured. That happens
+on the first op that differs from the plan, a special op (a read, a detach), a node
+captured by any other way, a flush of the trace, an error raised in a step, or a tensor
+the steps made still alive after them. If a split replay sent first fails, the steps are
+not sent, and what they write holds its error (Note [failed values]).
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from djinn.protocol import templates
 from djinn.protocol.values import encode_constant
 from djinn.runtime.remote import RemoteTensor
 
@@ -67,13 +73,26 @@ class _Op:
 
 
 @dataclass
+class Steps:
+    """The steps' own graph: the whole template's nodes from the cut on, reading what the
+    split replay keeps (the gradients) as inputs."""
+
+    tpl: dict[str, Any]
+    fp: str
+    ins: list[tuple[str, int]]  # per input: ("in", k) the whole's input k; ("keep", s)
+    fill: Callable[[Any, Any], dict[str, Any]]  # the split's kept value s
+
+
+@dataclass
 class Plan:
     """The whole recording's step ops (Note [followed steps])."""
 
     ops: list[_Op]
     s_cut: int  # the template's scalars before the steps' own
+    cut: int = 0  # the template's nodes before the steps' own
     # the whole recording's kept slots of the gradients and outputs -> the split's
     slots: dict[int, int] = field(default_factory=dict)
+    steps: Steps | None = None
 
 
 def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
@@ -135,7 +154,7 @@ def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
             ops.append(_Op(func, leaves, tuple(kwargs), specs, n.multi, new, frozenset(reads)))
     except _NoPlan:
         return None
-    return Plan(ops, _scalars_before(tpl["nodes"][:cut]))
+    return Plan(ops, _scalars_before(tpl["nodes"][:cut]), cut)
 
 
 # the tags of the constants ``values.encode_constant`` writes
@@ -160,7 +179,58 @@ def with_slots(plan: Plan | None, whole: Any, split: Any) -> Plan | None:
             return None
         if kind == "kept":
             slots[what[0]] = theirs_what[0]
-    return Plan(plan.ops, plan.s_cut, slots)
+    # None: the steps go only with the whole recording (Note [steps followed while the
+    # graph runs], replay_followed.py)
+    steps = steps_graph(whole.tpl, plan.cut, plan.s_cut, slots)
+    return Plan(plan.ops, plan.s_cut, plan.cut, slots, steps)
+
+
+def steps_graph(tpl: dict, cut: int, s_cut: int, slots: dict[int, int]) -> Steps | None:
+    """The graph of the whole template ``tpl``'s steps (its nodes from ``cut`` on, whose
+    scalars are the template's from ``s_cut`` on), with each kept value of the nodes
+    before (a gradient: kept slot j, the split's ``slots[j]``) read as an input; None if a
+    step reads another value of them. Made as the appliance makes a template from a
+    graph sent whole (``templates.template``), from a body whose handles name where each
+    input comes from and whose floats are their places among ``tpl``'s scalars."""
+    if tpl["fetch"]:
+        return None
+    keep = {(r["$v"], r.get("i")): j for j, r in enumerate(tpl["keep"]) if "$v" in r}
+    source: dict[str, tuple[str, int]] = {}
+
+    def body_of(x: Any) -> Any:
+        kind = type(x)
+        if kind is list:
+            return [body_of(v) for v in x]
+        if kind is not dict:
+            return x
+        if len(x) == 1 and "$in" in x:
+            handle = f"in:{x['$in']}"
+            source[handle] = ("in", x["$in"])
+            return {"$h": handle}
+        if len(x) == 1 and "$s" in x:
+            return float(x["$s"])
+        v = x.get("$v")
+        if type(v) is int and set(x) <= {"$v", "i"}:
+            if v >= cut:
+                return {**x, "$v": v - cut}
+            j = keep.get((v, x.get("i")))
+            if j is None or j not in slots:
+                raise _NoPlan  # a value of the ops before that the split does not keep
+            handle = f"keep:{slots[j]}"
+            source[handle] = ("keep", slots[j])
+            return {"$h": handle}
+        return {k: body_of(u) for k, u in x.items()}
+
+    try:
+        nodes = body_of(tpl["nodes"][cut:])
+    except _NoPlan:
+        return None
+    kept = [body_of(r) for r in tpl["keep"] if type(r.get("$v")) is int and r["$v"] >= cut]
+    steps, inputs, scalars = templates.template({"nodes": nodes, "keep": kept, "fetch": []})
+    if scalars != [float(k) for k in range(s_cut, s_cut + len(scalars))]:
+        return None  # the steps' floats are not the template's last ones, in order
+    return Steps(steps, templates.fingerprint(steps), [source[h] for h in inputs],
+                 templates.instantiator(steps))  # fmt: skip
 
 
 def _scalars_before(nodes: list[Any]) -> int:
@@ -190,9 +260,15 @@ class _Made:
 class Follower:
     """One replay's following of its steps (Note [followed steps])."""
 
-    def __init__(self, plan: Plan, trace: Any, whole: Node, inputs: list[Any], stop: Any) -> None:
-        self.plan, self.trace, self.whole, self.inputs = plan, trace, whole, inputs
-        self.stop = stop  # sends the split replay and rebinds its outputs to it
+    def __init__(
+        self, plan: Plan, trace: Any, node: Node, inputs: list[Any], stop: Any, ahead: bool
+    ) -> None:
+        # node: the replay whose kept values the steps read (their "keep" leaves): the
+        # split replay, sent ahead (``ahead``: Note [steps followed while the graph runs],
+        # at the split's slots), or the whole recording's, sent after them
+        self.plan, self.trace, self.node, self.inputs = plan, trace, node, inputs
+        self.stop = stop  # None, or what sends the split replay and rebinds its outputs
+        self.slots = plan.slots if ahead else None
         # what the outputs it makes point at: nothing that can be read or sent
         made = sum(len(op.new) for op in plan.ops)
         self.made = Node(torch.ops.aten.empty.memory_format, (), {}, trace, made, multi=True)
@@ -295,8 +371,9 @@ class Follower:
                 type(ref) is RemoteTensor and ref.handle == self.inputs[want[1]].handle
             )
             self.replaced = not ok
-        elif tag == "keep":
-            ok = type(ref) is Pending and ref.node is self.whole and ref.index == want[1]
+        elif tag == "keep":  # a kept value of the whole recording (or the split's)
+            slot = want[1] if self.slots is None else self.slots.get(want[1])
+            ok = type(ref) is Pending and ref.node is self.node and ref.index == slot
         elif tag == "out":  # an earlier followed op's output
             ok = type(ref) is Pending and ref.node is self.made and ref.index == self._out_of(want)
         else:
@@ -366,10 +443,17 @@ class Follower:
         self._end()
         return True
 
+    def drop(self, why: str) -> None:
+        """Stop following (``why``) and capture nothing: the steps are not to run."""
+        if not self.done:
+            self._end()
+            self.why = why
+            self.log = []
+
     def abort(self, why: str) -> None:
-        """Stop following (``why``): send the split replay, capture the ops followed so
-        far as they were called, and bind what they made that is still alive to the
-        captured outputs (Note [followed steps])."""
+        """Stop following (``why``): send the split replay if it was not, capture the ops
+        followed so far as they were called, and bind what they made that is still alive
+        to the captured outputs (Note [followed steps])."""
         if self.done or threading.get_ident() != self.thread:
             # another thread flushing this trace (reading a value of this one's): what is
             # followed is in no trace yet, and its ops must be captured on this thread
@@ -377,7 +461,8 @@ class Follower:
             return
         self._end()
         self.why = why
-        self.stop()
+        if self.stop is not None:
+            self.stop()
         real: dict[int, Any] = {}
 
         def back(x: Any) -> Any:

@@ -28,9 +28,10 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
 from . import writes
-from .meta import TensorSpec
-from .nodes import Pending, Replayed
+from .nodes import Replayed
+from .replay_followed import followed
 from .replay_key import Miss, param_at
+from .replay_outputs import bind_outputs, clear_grads
 from .replay_sources import holds
 
 if TYPE_CHECKING:
@@ -75,61 +76,20 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     form = (rec.fingerprint, handles, rec.scalars)
     whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
-        return _followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
-                         optimizers)  # fmt: skip
+        return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
+                        optimizers)  # fmt: skip
     body = rec.fill(handles, rec.scalars)
     node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
     with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
-        leaves = _bind_outputs(rec, node, tensors)
-    _clear(rec)
+        leaves = bind_outputs(rec, node, tensors)
+    clear_grads(rec)
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
             opt.step()
         trace_mod.flush(tr, wait=False)  # sent, and run while the caller goes on
     return pytree.tree_unflatten(leaves, rec.out_spec)
-
-
-def _bind_outputs(
-    rec: Record, node: Any, tensors: list[Any], bound: list | None = None
-) -> list[Any]:
-    """Point the gradients ``rec`` leaves in ``.grad`` and its outputs at ``node``'s kept
-    values (a view sharing its storage as recorded: Note [writes another thread
-    captured]); the result's leaves. ``bound`` gets each (tensor, kept slot)."""
-    from .lazy import LazyTensor
-
-    for k, owner, (dtype, shape, stride, offset) in rec.grads:
-        spec = TensorSpec(dtype, shape, stride, offset, None)
-        owner.grad = LazyTensor(spec, Pending(node, k))
-        if bound is not None:
-            bound.append((owner._grad, k))
-    leaves: list[Any] = []
-    made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
-    for i, (kind, what) in enumerate(rec.outputs):
-        if kind == "value":
-            leaves.append(what)
-            continue
-        k, (dtype, shape, stride, offset) = what
-        if what not in made:
-            spec = TensorSpec(dtype, shape, stride, offset, None)
-            made[what] = LazyTensor(spec, Pending(node, k))
-            share = rec.shares.get(i)
-            if share is not None:
-                made[what].__dict__["_b"].storage = (
-                    writes.shared_storage(tensors[share[1]]) if type(share) is tuple else share
-                )
-            if bound is not None:
-                bound.append((made[what], k))
-        leaves.append(made[what])
-    return leaves
-
-
-def _clear(rec: Record) -> None:
-    for w in rec.clears:  # as the call did (zero_grad)
-        p = param_at(w)
-        if p is not None:
-            p.grad = None
 
 
 def _whole_inputs(rec: Record, tensors: list[Any], session: Any) -> list[RemoteTensor]:
@@ -139,73 +99,6 @@ def _whole_inputs(rec: Record, tensors: list[Any], session: Any) -> list[RemoteT
     whole = rec.whole
     return [_input(kind, src, h, tensors, session) for (kind, src), h in
             zip(whole.sources, whole.handles, strict=True)]  # fmt: skip
-
-
-def _followed(
-    rec: Record,
-    tr: Any,
-    called: tuple[str, Any],
-    tensors: list[Any],
-    written: list[Any],
-    split: tuple[list[RemoteTensor], Any],
-    inputs: list[RemoteTensor],
-    optimizers: list[Any],
-) -> Any:
-    """Replay ``rec`` with its steps followed (Note [followed steps]): the whole
-    recording's template goes with this call's floats, or, if the steps part from their
-    plan, ``rec`` goes as it would have and the steps are captured."""
-    from .replay_follow import Follower
-    from .trace import bind
-
-    whole, plan = rec.whole, rec.plan
-    label, stats = called
-    handles = [r.handle for r in inputs]
-    writes = [tensors[what] if kind == "arg" else what() for kind, what in whole.written]
-    writes = [t for t in writes if t is not None]  # one dropped since holds no error
-    node = Replayed(f"a replay of {label}", tr, len(whole.tpl["keep"]),
-                    tuple(t._ref for t in writes))  # fmt: skip
-    for t in written:  # the ops before the steps; the steps' own count as they are called
-        torch.autograd.graph.increment_version(t)
-    bound: list[tuple[Any, int]] = []
-    leaves = _bind_outputs(whole, node, tensors, bound)
-    _clear(rec)
-
-    def stop() -> None:  # the split replay, as it would have gone, and its outputs bound
-        split_inputs, form = split
-        body = rec.fill(form[1], rec.scalars)
-        alone = Replayed(f"a replay of {label}", tr, len(body["keep"]),
-                         tuple(t._ref for t in written))  # fmt: skip
-        with trace_mod.replay_in_flight(tr, alone, body, rec.inline, form, split_inputs):
-            for t, k in bound:
-                bind(t, Pending(alone, plan.slots[k]))
-
-    follower = Follower(plan, tr, node, inputs, stop)
-    follower.start()
-    try:
-        for opt in optimizers:
-            opt.step()
-    except BaseException:
-        follower.abort("a step raised")
-        if stats is not None:
-            stats.captured[follower.why] += 1
-        raise
-    if follower.finish():
-        if stats is not None:
-            stats.followed += 1
-        scalars = whole.scalars[: plan.s_cut] + follower.floats
-        if whole.fill is None:
-            whole.fill = templates.instantiator(whole.tpl)
-        body = whole.fill(handles, scalars)
-        with trace_mod.replay_in_flight(tr, node, body, whole.inline,
-                                        (whole.fingerprint, handles, scalars), inputs):  # fmt: skip
-            pass
-    else:
-        if stats is not None:
-            stats.captured[follower.why] += 1
-        if follower.replaced:  # its steps read other tensors than recorded: stop trying
-            rec.plan = rec.whole = None
-        trace_mod.flush(tr, wait=False)
-    return pytree.tree_unflatten(leaves, rec.out_spec)
 
 
 def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any) -> RemoteTensor:

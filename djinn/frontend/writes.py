@@ -25,7 +25,7 @@ its views counts as a holder of its node's output (Note [bindings]), and a gradi
 is a view (``t()``) of an ``mm`` made every recording of a training step fail with "it
 keeps a tensor it made". A replay's outputs are new tensors: one that was a view when
 recorded gets the ``Storage`` of the argument it is a view of, or the recorded one
-(``Record.shares``, replay_run._bind_outputs).
+(``Record.shares``, replay_outputs.bind_outputs).
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ class Client:
         self.token = token
         # Note [spin before sleeping]: how long its channels poll for a reply (None: the
         # client_spin_us setting)
-        self.spin_us = config_mod.load().client_spin_us if spin_us is None else spin_us
+        cfg = config_mod.load()
+        self.spin_us = cfg.client_spin_us if spin_us is None else spin_us
+        self.follow_ahead: str = cfg.follow_ahead  # Note [steps followed while the graph runs]
         self._arenas: dict[str, ArenaMapping] = {}
         self._ctl = Channel(self.address, _lost, self.spin_us)
         self.server = self._ctl.hello(token)

@@ -93,6 +93,8 @@ class Session(Puts, Flights, GraphForms):
         self.id: str = info["session"]
         self.worker: int = info["worker"]
         self.device: str = info.get("device", "")
+        # a CPU worker's threads for a graph sent without waiting (None: not said)
+        self.cpu_threads: int | None = info.get("cpu_threads")
         self.inline_max: int = info["inline_max"]
         self.heartbeat_interval: float = info["heartbeat_interval"]
         self.arena = self.client._map_arena(info["arena"]) if "arena" in info else None

@@ -71,6 +71,17 @@ SETTINGS: tuple[Setting, ...] = (
         high=100_000.0,
     ),
     Setting(
+        "follow_ahead",
+        "auto",
+        "When a replayed training call's optimizer steps are followed (Note [followed "
+        "steps]): always, send the part before the steps as the call starts, so the worker "
+        "runs the forward and backward while the client follows the steps, then the steps "
+        "as a graph of their own; never, send the whole call as one graph once the steps "
+        "were followed; auto, always unless the worker is a CPU worker whose threads take "
+        "every core of the client's host (where the overlap measured slower).",
+        choices=("auto", "always", "never"),
+    ),
+    Setting(
         "graph_chunk_ops",
         4096,
         "A thread that has captured this many ops without needing a value sends them to "

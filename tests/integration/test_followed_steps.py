@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import djinn
+from djinn.frontend import replay_followed, trace
+from djinn.frontend.session import default_session
 from djinn.runtime import flights
 from tests.integration.test_replayable_training import _batches, _encoder, _moved
 
@@ -53,15 +55,25 @@ class Decaying(torch.optim.Optimizer):
 
 @pytest.fixture
 def sent(monkeypatch):
-    """One entry per graph the session sends without waiting (a replay, a flush)."""
+    """One entry per graph the session sends without waiting: its template form (a
+    replay), or None (a flush)."""
     sent = []
     real = flights.Flights.run_graph_async
     monkeypatch.setattr(
         flights.Flights,
         "run_graph_async",
-        lambda self, *a, **k: sent.append(1) or real(self, *a, **k),
+        lambda self, *a, **k: sent.append(k.get("form")) or real(self, *a, **k),
     )
     return sent
+
+
+@pytest.fixture(params=[False, True], ids=["whole after", "split ahead"])
+def ahead(request, monkeypatch):
+    """Note [steps followed while the graph runs]: both ways a followed replay goes (the
+    split replay first on a GPU worker or a spare core; on this CI's 2 cores, the whole
+    recording after the following)."""
+    monkeypatch.setattr(replay_followed, "overlapped", lambda session: request.param)
+    return request.param
 
 
 def _step_of(model, opt):
@@ -110,9 +122,11 @@ def _both(remote, make_opt, n=8):
     return run, local_opt, opt
 
 
-def test_a_default_adam_step_is_followed_into_one_request(remote, sent):
-    """Each replay after the recordings sends one graph (the whole call, with this step's
-    bias corrections) and captures no op of the step."""
+def test_a_default_adam_step_is_followed_into_a_template_of_its_own(ahead, remote, sent):
+    """Each replay after the recordings sends the ops before the steps at once, then the
+    steps' own graph with this step's bias corrections, both by fingerprint (the appliance
+    made the steps' template what the client did); or the whole recording once the steps
+    were followed. No op of the step is captured."""
     run, local_opt, opt = _both(remote, lambda ps: torch.optim.Adam(ps, lr=1e-2), n=9)
     stats = run.stats()
     assert stats["replays"] == 6 and stats["steps_followed"] == 6, stats
@@ -125,10 +139,14 @@ def test_a_default_adam_step_is_followed_into_one_request(remote, sent):
     sent.clear()
     for x, y in _batches(remote, 3):
         run(x, y)
-    assert len(sent) == 3, sent  # one graph a step
+    trace.land_all()
+    fps = [form[0] for form in sent if form is not None]
+    a_step = 2 if ahead else 1
+    assert len(sent) == len(fps) == 3 * a_step, sent
+    assert len(set(fps)) == a_step and set(fps) <= default_session()._graphs, sent
 
 
-def test_a_step_that_makes_another_op_is_captured_from_there(remote):
+def test_a_step_that_makes_another_op_is_captured_from_there(ahead, remote):
     """Every third step scales the parameters too: its following stops at that op, the
     ops followed before it are captured as they were called, then the rest."""
     run, _, _ = _both(remote, lambda ps: Decaying(ps, extra=True), n=9)
@@ -138,7 +156,7 @@ def test_a_step_that_makes_another_op_is_captured_from_there(remote):
     assert any("mul_" in why for why in stats["steps_captured"]), stats
 
 
-def test_a_step_that_detaches_is_captured(remote):
+def test_a_step_that_detaches_is_captured(ahead, remote):
     """``detach`` is not followed: each step is captured, with eager's bits."""
     run, _, _ = _both(remote, lambda ps: Decaying(ps, detach=True))
     stats = run.stats()
@@ -146,7 +164,7 @@ def test_a_step_that_detaches_is_captured(remote):
     assert any("detach" in why for why in stats["steps_captured"]), stats
 
 
-def test_a_tensor_a_step_keeps_holds_what_it_made(remote):
+def test_a_tensor_a_step_keeps_holds_what_it_made(ahead, remote):
     """A step that keeps a tensor it made (``self.kept``) is captured once it ran, and
     that tensor is bound to the value the capture made."""
     run, local_opt, opt = _both(remote, lambda ps: Decaying(ps, keep=True))
@@ -156,14 +174,14 @@ def test_a_tensor_a_step_keeps_holds_what_it_made(remote):
     assert stats["steps_followed"] >= 2, stats
 
 
-def test_a_step_that_raises_leaves_what_eager_leaves(remote):
+def test_a_step_that_raises_leaves_what_eager_leaves(ahead, remote):
     """A step raising after its updates: the error reaches the program, the updates
     made before it are not lost, and the loop goes on."""
     run, _, _ = _both(remote, lambda ps: Decaying(ps, fail_at=5))
     assert run.stats()["steps_captured"].get("a step raised") == 1, run.stats()
 
 
-def test_a_step_that_reads_a_value_it_made_reads_eagers(remote):
+def test_a_step_that_reads_a_value_it_made_reads_eagers(ahead, remote):
     """Every third step reads the update it just made (``tolist``, which reads without an
     op): the following stops there, the update is captured, and the value read is
     eager's."""
@@ -175,7 +193,7 @@ def test_a_step_that_reads_a_value_it_made_reads_eagers(remote):
     assert stats["steps_followed"] >= 3 and stats["steps_captured"], stats
 
 
-def test_an_optimizer_state_loaded_mid_loop_is_freed_and_followed_again(remote):
+def test_an_optimizer_state_loaded_mid_loop_is_freed_and_followed_again(ahead, remote):
     """``load_state_dict`` replaces Adam's state: the old state is freed as eager frees it
     (a review found the whole recording holding it), the call records again, and its
     steps are followed again from the new state, with eager's bits."""
@@ -227,7 +245,8 @@ def test_follow_false_captures_the_steps_at_every_replay(remote, sent):
     sent.clear()
     for x, y in _batches(remote, 3):
         run(x, y)
-    assert len(sent) == 6, sent  # the ops before the steps, then the steps
+    # the ops before the steps, a replay, then the steps, captured
+    assert [form is not None for form in sent] == [True, False] * 3, sent
     with pytest.raises(TypeError, match="follow"):
         djinn.replayable(_step_of(model, opt), follow="no")
 
@@ -387,3 +406,49 @@ def _local_and_replayed(remote, step_of, n):
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
     return run.stats()
+
+
+def test_a_followed_step_whose_forward_fails_leaves_what_it_writes_failed(ahead, remote):
+    """The ops before the steps fail on the appliance (an index out of range, seen by the
+    kernel only) while the steps are followed: the steps are not sent, and the loss, the
+    parameters and Adam's state raise the error when read, as a replay that fails leaves
+    what it writes (Note [failed values]); the table of indices it only reads is intact."""
+    from djinn.errors import DjinnError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 1)).to(remote)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(idx, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(idx).sum(1), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step)
+    good, y = torch.tensor([[0, 5], [2, 3]]).to(remote), torch.ones(2, 1).to(remote)
+    for _ in range(5):
+        run(good, y)
+    assert run.stats()["steps_followed"] >= 2, run.stats()
+    bad = torch.tensor([[0, 9], [2, 3]]).to(remote)  # row 9 of 6
+    try:
+        loss = run(bad, y)
+    except DjinnError as exc:  # raised where the replay lands, inside the call
+        assert "index" in str(exc)
+    else:
+        with pytest.raises(DjinnError, match="index"):
+            loss.cpu()
+    weight = model[1].weight
+    with pytest.raises(DjinnError, match="index"):
+        weight.cpu()
+    with pytest.raises(DjinnError, match="index"):
+        opt.state[weight]["exp_avg"].cpu()
+    assert torch.equal(bad.cpu(), torch.tensor([[0, 9], [2, 3]]))
+
+
+def test_a_cpu_worker_says_how_many_threads_a_graph_sent_without_waiting_gets(remote):
+    """The session-open reply of a CPU worker carries ``cpu_threads``."""
+    s = default_session()
+    assert s.device.startswith("cpu")
+    assert isinstance(s.cpu_threads, int) and s.cpu_threads >= 1

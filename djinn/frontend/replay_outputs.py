@@ -1,0 +1,56 @@
+"""What a replay leaves as a run of the function would (Note [replayable functions]): its
+outputs and the gradients it puts in ``.grad``, pointed at a replayed node's kept values,
+and the gradients the call cleared."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import writes
+from .meta import TensorSpec
+from .nodes import Pending
+from .replay_key import param_at
+
+if TYPE_CHECKING:
+    from .replay_record import Record
+
+
+def bind_outputs(
+    rec: Record, node: Any, tensors: list[Any], bound: list | None = None
+) -> list[Any]:
+    """Point the gradients ``rec`` leaves in ``.grad`` and its outputs at ``node``'s kept
+    values (a view sharing its storage as recorded: Note [writes another thread
+    captured]); the result's leaves. ``bound`` gets each (tensor, kept slot)."""
+    from .lazy import LazyTensor
+
+    for k, owner, (dtype, shape, stride, offset) in rec.grads:
+        spec = TensorSpec(dtype, shape, stride, offset, None)
+        owner.grad = LazyTensor(spec, Pending(node, k))
+        if bound is not None:
+            bound.append((owner._grad, k))
+    leaves: list[Any] = []
+    made: dict[tuple, Any] = {}  # an output returned twice is one tensor, as in eager
+    for i, (kind, what) in enumerate(rec.outputs):
+        if kind == "value":
+            leaves.append(what)
+            continue
+        k, (dtype, shape, stride, offset) = what
+        if what not in made:
+            spec = TensorSpec(dtype, shape, stride, offset, None)
+            made[what] = LazyTensor(spec, Pending(node, k))
+            share = rec.shares.get(i)
+            if share is not None:
+                made[what].__dict__["_b"].storage = (
+                    writes.shared_storage(tensors[share[1]]) if type(share) is tuple else share
+                )
+            if bound is not None:
+                bound.append((made[what], k))
+        leaves.append(made[what])
+    return leaves
+
+
+def clear_grads(rec: Record) -> None:
+    for w in rec.clears:  # as the call did (zero_grad)
+        p = param_at(w)
+        if p is not None:
+            p.grad = None
