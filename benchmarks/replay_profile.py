@@ -132,10 +132,19 @@ def main() -> int:
     parser.add_argument("--workload", default="sgd", choices=WORKLOADS,
                         help="what a step is: a replayed training step with this optimizer, "
                              "or a put and a get of --nbytes")  # fmt: skip
-    parser.add_argument("--nbytes", type=int, default=16, help="the put_get workload's size")
+    parser.add_argument("--nbytes", type=int, default=16,
+                        help="the put_get workload's size (float32s: a multiple of 4)")  # fmt: skip
     parser.add_argument("--raw", default=None, help="a folder for py-spy's raw records")
-    parser.add_argument("--json", default="benchmarks/results/replay_profile.json")
+    parser.add_argument("--json", default=None,
+                        help="default: benchmarks/results/replay_profile[_W].json")  # fmt: skip
     args = parser.parse_args()
+    if args.nbytes < 4 or args.nbytes % 4:
+        parser.error("--nbytes must be a positive multiple of 4 (float32s)")
+    if (args.raw or args.native) and not args.py_spy:
+        parser.error("--raw and --native need --py-spy")
+    if args.json is None:
+        tail = "" if args.workload == "sgd" else f"_{args.workload}"
+        args.json = f"benchmarks/results/replay_profile{tail}.json"
     unwind_on_sigterm()
     doc: dict[str, Any] = {"benchmark": "replay_profile", "seconds": args.seconds,
                            "workload": args.workload, "nbytes": args.nbytes}  # fmt: skip
@@ -155,11 +164,11 @@ def main() -> int:
 
             session = stack.enter_context(Client(app.unix).session())
             run: Any = PutGet(session)
-            data = [(torch.arange(max(1, args.nbytes // 4), dtype=torch.float32),)]
+            data = [(torch.arange(args.nbytes // 4, dtype=torch.float32),)]
         else:
             run, data = replayed_step(args.workload, args.width, args.layers)
         run_for(run, data, 1.0)  # recordings, plans compiled, graphs captured
-        note(f"replaying for {args.seconds} s on {doc['device']}")
+        note(f"running {args.workload} for {args.seconds} s on {doc['device']}")
         wall0, cpu0, w0 = time.perf_counter(), time.process_time(), worker.cpu_times()
         steps = run_for(run, data, args.seconds)
         wall, cpu, w1 = time.perf_counter() - wall0, time.process_time() - cpu0, worker.cpu_times()

@@ -405,9 +405,7 @@ class GraphedRun(CompiledRun):
         fits = graph is not None and self._fits(graph)
         if not fits and state["captures"] >= MAX_CAPTURES:
             self.graphs.moved += 1
-            self.graphs.count_why(
-                f"runs compiled after {MAX_CAPTURES} captures: {self._misfit(graph)}"
-            )
+            self.graphs.count_why(f"runs compiled: {self._misfit(state, graph)}")
             return (yield from CompiledRun.steps(self))
         self._guard_checks(state)  # before anything ran, as an interpreted run refuses
         if not fits:
@@ -423,14 +421,16 @@ class GraphedRun(CompiledRun):
             k in graph.owned or t.data_ptr() == graph.addresses[k] for k, t in enumerate(self.ins)
         )
 
-    def _misfit(self, graph: PlanGraph | None) -> str:
+    def _misfit(self, state: dict[str, Any], graph: PlanGraph | None) -> str:
         """Why the plan's graph cannot serve this run (its captures spent)."""
+        if state.get("stuck"):
+            return state["stuck"]
         if graph is None:
-            return "no capture kept a graph"
+            return f"its graph was let go (cuda_graph_bytes) after {MAX_CAPTURES} captures"
         if _bits(self.scs) != graph.scalars:
             # e.g. a default Adam's bias corrections: Python floats, new every step
-            return "its scalars change from run to run"
-        return "its inputs move from run to run"
+            return f"its scalars change from run to run ({MAX_CAPTURES} captures)"
+        return f"its inputs move from run to run ({MAX_CAPTURES} captures)"
 
     def _guard_checks(self, state: dict[str, Any]) -> None:
         """The index guards, on what the prefix nodes compute from this run's inputs, in
@@ -478,6 +478,7 @@ class GraphedRun(CompiledRun):
             if not ownable(t, ins):
                 log.info("graph plan: input %d moved and cannot be copied in", k)
                 state["captures"] = MAX_CAPTURES
+                state["stuck"] = "an input moved that cannot be copied in (a view, or shared)"
                 return None
             pg.owned[k] = torch.empty_like(t, memory_format=torch.contiguous_format)
             pg.owned[k].copy_(t)

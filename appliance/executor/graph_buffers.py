@@ -39,16 +39,34 @@ def check_outputs(values: list[Any], ins: list[torch.Tensor]) -> None:
 
 
 def view_of(storage: Any, t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``storage`` with ``t``'s dtype, sizes, strides and offset."""
+    """A tensor over ``storage`` with ``t``'s dtype, sizes, strides and offset, and its
+    conjugate and negative bits (a review found a kept ``_conj`` of a slice read back
+    unconjugated: the bits are not in the storage)."""
     out = torch.empty((), dtype=t.dtype, device=t.device)
-    return out.set_(storage, t.storage_offset(), t.size(), t.stride())
+    out = out.set_(storage, t.storage_offset(), t.size(), t.stride())
+    if t.is_conj():
+        out = out.conj()
+    if t.is_neg():
+        out = out._neg_view()
+    return out
+
+
+# the dtypes CUDA's _foreach_copy_ takes on its fast path (one launch for the list), which
+# it takes whenever every tensor has the same dtype: it has no kernel for the others (a
+# review found uint16/32/64, which the protocol allows, and float8 on older torch)
+FOREACH_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+    torch.int64,
+})  # fmt: skip
 
 
 def copied(values: list[Any]) -> list[Any]:
     """``values`` out of the graph's buffers. A tensor that is the whole of its storage is
     copied with the others in one ``_foreach_copy_`` (one launch; on this path a worker
-    spent half its time copying a training step's gradients one by one, three calls each).
-    A view's storage is copied whole, so that it keeps its strides and offset as the
+    spent half its time copying a training step's gradients one by one, three calls each),
+    unless its dtype or bits keep it off the fast path (``FOREACH_DTYPES``): then alone. A
+    view's storage is copied whole, so that it keeps its strides and offset as the
     compiled run gives them."""
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -57,6 +75,8 @@ def copied(values: list[Any]) -> list[Any]:
         if isinstance(v, torch.Tensor):
             if not whole(v):
                 return view_of(v.untyped_storage().clone(), v)
+            if v.dtype not in FOREACH_DTYPES or v.is_conj() or v.is_neg():
+                return v.clone()  # strides kept: a whole tensor is dense
             dst.append(torch.empty_like(v))
             src.append(v)
             return dst[-1]

@@ -61,6 +61,7 @@ def test_a_step_whose_written_input_moved_captures_again_where_it_is():
     _stepped(s, graphs, plan, fp, 2)  # the captures are spent: compiled runs
     assert graphs.captured == cg.MAX_CAPTURES and graphs.moved == 2
     assert graphs.replays == 1 + 2 * (cg.MAX_CAPTURES - 1)
+    assert graphs.why == {"runs compiled: its inputs move from run to run (3 captures)": 2}
 
 
 def test_a_replay_that_writes_its_inputs_says_so():
