@@ -112,9 +112,8 @@ def _split_sent(
 ) -> tuple[Replayed, list[Any], None]:
     """``rec`` (the ops before the steps) sent, and the outputs and gradients bound to it."""
     split_inputs, form = split
-    body = rec.fill(form[1], rec.scalars)
-    alone = Replayed(f"a replay of {label}", tr, len(body["keep"]),
-                     tuple(t._ref for t in written))  # fmt: skip
+    body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
+    alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
     with trace_mod.replay_in_flight(tr, alone, body, rec.inline, form, split_inputs):
         for t in written:  # the ops before the steps; the steps' own count as they are called
             torch.autograd.graph.increment_version(t)
@@ -166,8 +165,8 @@ def _steps_sent(
     ins = [inputs[k] if kind == "in" else results[k] for kind, k in steps.ins]
     handles = [r.handle for r in ins]
     scalars = follower.floats
-    with trace_mod.replay_in_flight(tr, node, steps.fill(handles, scalars), [],
-                                    (steps.fp, handles, scalars), ins):  # fmt: skip
+    body = templates.filled(steps.tpl, steps.fill, handles, scalars)
+    with trace_mod.replay_in_flight(tr, node, body, [], (steps.fp, handles, scalars), ins):
         pass
     return True
 
@@ -197,9 +196,8 @@ def _whole_bound(
 
     def stop() -> None:  # the split replay, as it would have gone, and its outputs bound
         split_inputs, form = split
-        body = rec.fill(form[1], rec.scalars)
-        alone = Replayed(f"a replay of {label}", tr, len(body["keep"]),
-                         tuple(t._ref for t in written))  # fmt: skip
+        body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
+        alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
         with trace_mod.replay_in_flight(tr, alone, body, rec.inline, form, split_inputs):
             for t, k in bound:
                 bind(t, Pending(alone, plan.slots[k]))
@@ -216,7 +214,7 @@ def _whole_sent(rec: Record, tr: Any, node: Replayed, inputs: list, follower: Fo
     scalars = whole.scalars[: rec.plan.s_cut] + follower.floats
     if whole.fill is None:
         whole.fill = templates.instantiator(whole.tpl)
-    body = whole.fill(handles, scalars)
+    body = templates.filled(whole.tpl, whole.fill, handles, scalars)
     with trace_mod.replay_in_flight(tr, node, body, whole.inline,
                                     (whole.fingerprint, handles, scalars), inputs):  # fmt: skip
         pass

@@ -78,8 +78,8 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     if whole is not None:
         return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
                         optimizers)  # fmt: skip
-    body = rec.fill(handles, rec.scalars)
-    node = Replayed(f"a replay of {label}", tr, len(body["keep"]), tuple(t._ref for t in written))
+    body = templates.filled(rec.tpl, rec.fill, handles, rec.scalars)
+    node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
     with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import DjinnError
+from djinn.protocol.templates import Filled
 from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
@@ -461,9 +462,10 @@ class Sent:
 
 @contextlib.contextmanager
 def replay_in_flight(
-    trace: Trace, node: Node, body: dict[str, Any], inline: list, form: Any, inputs: list
+    trace: Trace, node: Node, body: Filled, inline: list, form: Any, inputs: list
 ) -> Iterator[None]:
-    """Send ``body``, a replayed graph whose kept outputs are ``node``'s (Note
+    """Send ``body`` (not made: Note [bodies made when read], templates.py), a replayed
+    graph whose kept outputs are ``node``'s (Note
     [asynchronous replays], replay_run.py), without waiting: it lands as a flush sent
     without waiting does, and fails as a whole (``fail``: its outputs and what it writes
     hold the error). The block binds the outputs: nothing lands the graph before it ends
@@ -479,7 +481,7 @@ def replay_in_flight(
     with item.lock:
         try:
             item.flight = default_session().run_graph_async(
-                body["nodes"], body["keep"], inline, partial=False, form=form
+                (), (), inline, partial=False, form=form, filled=body
             )
         except DjinnError as exc:
             fail(node, exc)

@@ -99,6 +99,55 @@ def instantiator(tpl: dict[str, Any]) -> Callable[[Any, Any], dict[str, Any]]:
     return make
 
 
+class Filled:
+    """Note [bodies made when read]: the graph body ``make(inputs, scalars)`` stands for
+    (a template's ``instantiator``), plus ``extra`` top-level keys, made the first time
+    it is read (``made``). A replay goes on the wire by fingerprint, inputs and scalars,
+    and the journal keeps what it learns of a template by fingerprint (Note [journal
+    facts of a template]): in the steady state nothing reads the body, and filling it
+    took about a tenth of a replayed SGD step's client CPU (109 µs for a 253-node
+    template with 54 inputs, on a 2-core host). It is made where a body is still read:
+    a graph the appliance does not keep yet (sent whole), a resend after a recovery,
+    the first facts of its template, and the journal's walks (a replay, a pruning)."""
+
+    __slots__ = ("_body", "_make", "extra", "inputs", "keep", "nodes", "scalars")
+
+    def __init__(
+        self, make: Callable[[Any, Any], dict[str, Any]], inputs: list[str], scalars: list,
+        counts: tuple[int, int], extra: dict[str, Any],
+    ) -> None:  # fmt: skip
+        self._make, self.inputs, self.scalars, self.extra = make, inputs, scalars, extra
+        self.nodes, self.keep = counts  # the template's nodes and kept values
+        self._body: dict[str, Any] | None = None
+
+    def made(self) -> dict[str, Any]:
+        body = self._body
+        if body is None:
+            body = self._body = {**self._make(self.inputs, self.scalars), **self.extra}
+        return body
+
+
+def filled(tpl: dict[str, Any], make: Callable, inputs: list[str], scalars: list) -> Filled:
+    """The body of ``tpl`` (``make``: its instantiator) for ``inputs`` and ``scalars``, not
+    made yet."""
+    return Filled(make, inputs, scalars, (len(tpl["nodes"]), len(tpl["keep"])), {})
+
+
+def made(body: Any) -> Any:
+    """``body``, made if it is a ``Filled``."""
+    return body.made() if type(body) is Filled else body
+
+
+def count(body: Any, part: str) -> int:
+    """How many ``part`` ("nodes", "keep") ``body`` holds, made or not."""
+    return getattr(body, part) if type(body) is Filled else len(body.get(part, ()))
+
+
+def flag(body: Any, key: str) -> Any:
+    """A top-level value of ``body`` other than its parts (``partial``, ``unwaited``)."""
+    return body.extra.get(key) if type(body) is Filled else body.get(key)
+
+
 def _sites(x: Any) -> Any:
     """Where ``x`` holds slots: None (nowhere), ``("$in", k)`` or ``("$s", k)`` (it is
     one), or ``(None, [(key, sites), ...])`` for the items of a list or dict that do."""

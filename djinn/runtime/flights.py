@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from djinn.errors import DjinnError, NotFound
+from djinn.protocol import templates
 from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
 
@@ -48,20 +49,29 @@ class Flights:
         *,
         partial: bool = True,
         form: Form | None = None,
+        filled: templates.Filled | None = None,
     ) -> Flight:
         """Send a graph that fetches nothing and go on: ``Flight.outcome()`` gives what
         ``run_graph`` would have (``partial=False``: what ``execute`` would, a failing
         node failing the request). The next request of the session reads its reply
         first; a worker lost meanwhile is recovered from then, as for any request.
-        ``form``: the graph's template form, when the caller knows it (a replay)."""
+        ``form``: the graph's template form, when the caller knows it (a replay);
+        ``filled``: its body, not made yet (Note [bodies made when read]), for ``nodes``
+        and ``keep``."""
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
-        body: dict[str, Any] = {"nodes": nodes, "keep": list(keep), "fetch": []}
+        extra: dict[str, Any] = {"fetch": []}
         if partial:
-            body["partial"] = True
+            extra["partial"] = True
         # "unwaited": Note [a capturing client beside its worker] (appliance/executor)
-        body["unwaited"] = True
+        extra["unwaited"] = True
+        body: Any
+        if filled is not None:
+            filled.extra = extra
+            body = filled
+        else:
+            body = {"nodes": nodes, "keep": list(keep), **extra}
         f = Flight(self, body, segments)
-        f.form = form if form is not None else form_of(body)
+        f.form = form if form is not None else form_of(templates.made(body))
         with self._serial():
             # under the lock that sends: settled outside it, another thread's graph could
             # be sent in between and lost from ``_flight`` when this one took the slot (a
@@ -139,6 +149,7 @@ class Flights:
     def _flight_again(self, f: Flight, exc: DjinnError) -> tuple[dict[str, Any], Any]:
         """Send a graph in flight again, waiting this time: its template was let go, or
         its worker was lost (the session is rebuilt first, as ``run_body`` does)."""
+        f.body = templates.made(f.body)
         attempt = lambda b: self._exec_body(b, f.segments)  # noqa: E731
         if isinstance(exc, NotFound) and _template_gone(exc):
             self._graphs.discard(f.fp)
@@ -159,7 +170,7 @@ class Flight:
     __slots__ = ("body", "error", "form", "fp", "gen", "landed", "reply_bytes", "result", "rid",
                  "segments", "sent", "session", "started")  # fmt: skip
 
-    def __init__(self, session: Session, body: dict[str, Any], segments: list) -> None:
+    def __init__(self, session: Session, body: Any, segments: list) -> None:
         self.session = session
         self.body, self.segments = body, segments
         self.sent: dict[str, Any] = body
@@ -172,7 +183,7 @@ class Flight:
         self.result: tuple[list[Any], list[Any], dict[str, Any] | None] | None = None
         self.error: DjinnError | None = None
         # its reply's size, at most (Note [puts sent without waiting])
-        self.reply_bytes = 1024 + REPLY_BYTES * len(body.get("keep", ()))
+        self.reply_bytes = 1024 + REPLY_BYTES * templates.count(body, "keep")
 
     def outcome(self) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
         """(kept, fetched, failure), as ``Session.run_graph``; its error if it failed."""

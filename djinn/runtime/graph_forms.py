@@ -50,22 +50,22 @@ class GraphForms:
 
     _graphs: set[str]
 
-    def _exec_form(
-        self, body: dict[str, Any], form: tuple | None = None
-    ) -> tuple[dict[str, Any], str | None]:
-        """What goes on the wire for ``body``, and its template's fingerprint: the short
-        form when the appliance keeps the template, else the whole graph. ``form``: the
-        fingerprint, inputs and scalars of ``body``, already known."""
+    def _exec_form(self, body: Any, form: tuple | None = None) -> tuple[dict[str, Any], str | None]:
+        """What goes on the wire for ``body`` (made or not: Note [bodies made when read]),
+        and its template's fingerprint: the short form when the appliance keeps the
+        template, else the whole graph. ``form``: the fingerprint, inputs and scalars of
+        ``body``, already known."""
         if form is None:
+            body = templates.made(body)
             form = form_of(body)
             if form is None:
                 return body, None
         fp, inputs, scalars = form
         if fp not in self._graphs:
-            return {**body, "cache": True}, fp
+            return {**templates.made(body), "cache": True}, fp
         short = {"graph": fp, "inputs": inputs, "scalars": scalars}
         for flag in ("partial", "unwaited"):
-            if body.get(flag):
+            if templates.flag(body, flag):
                 short[flag] = True
         return short, fp
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import RecoveryFailed
+from djinn.protocol.templates import Filled
 from djinn.protocol.tensors import is_dense
 
 if TYPE_CHECKING:
@@ -38,6 +39,22 @@ class Entry:
     writes: tuple[set[str], dict[str, set[str]]] | None = field(
         default=None, repr=False, compare=False
     )
+
+
+def _body(e: Entry) -> Any:
+    """An entry's body, made on its first read if it was recorded unmade (a replay's:
+    Note [bodies made when read], djinn/protocol/templates.py)."""
+    b = e.__dict__["_body"]
+    if type(b) is Filled:
+        b = e.__dict__["_body"] = b.made()
+    return b
+
+
+def _set_body(e: Entry, body: Any) -> None:
+    e.__dict__["_body"] = body
+
+
+Entry.body = property(_body, _set_body)  # type: ignore[assignment]
 
 
 def remap(x: Any, mapping: dict[str, str]) -> Any:

@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import DjinnError, RecoveryFailed, SessionLost, Unavailable, WorkerLost
+from djinn.protocol import templates
 
 from . import kv_replay
 from .journal import (  # noqa: F401 - Entry and the helpers are this module's API too
@@ -221,10 +222,10 @@ class Lineage:
             self.record(Entry("free_objects", list(oids), nbytes=32 * len(oids)))
 
     @staticmethod
-    def graph_entry(body: dict[str, Any], segments: list, out: dict[str, Any]) -> Entry:
+    def graph_entry(body: Any, segments: list, out: dict[str, Any]) -> Entry:
         kept = [None if k is None else k["handle"] for k in out.get("kept", [])]
         data = [bytes(s) for s in segments]
-        nbytes = sum(len(d) for d in data) + NODE_BYTES * (len(body.get("nodes", ())) + 1)
+        nbytes = sum(len(d) for d in data) + NODE_BYTES * (templates.count(body, "nodes") + 1)
         return Entry("exec", body, data, kept, nbytes)
 
     @staticmethod

@@ -70,6 +70,37 @@ def test_an_sgd_training_step_replays_with_local_eagers_bits(remote):
     assert stats["replays"] == 3 and stats["recordings"] == 2, stats
 
 
+def test_a_replays_body_is_made_only_where_it_is_read(remote, monkeypatch):
+    """Note [bodies made when read] (djinn/protocol/templates.py): a replay goes by
+    fingerprint and its journal entry by its template's facts, so after the first replay
+    of a template no replay's body is made; a cut made now walks the journal without
+    making them either, and the loop keeps local eager's bits."""
+    from djinn.frontend import trace
+    from djinn.frontend.session import default_session
+    from djinn.protocol import templates
+
+    made = []
+    real = templates.Filled.made
+    monkeypatch.setattr(
+        templates.Filled, "made", lambda self: made.append(self._body is None) or real(self)
+    )
+    local = _encoder()
+    model = _moved(local, remote)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    want, _ = _train(local, sgd, _batches("cpu", 12), replay=False)
+    got, run = _train(model, sgd, _batches(remote, 12), replay=True)
+    trace.land_all()
+    assert run.stats()["replays"] == 9, run.stats()
+    assert sum(made) <= 1, made  # the first replay of the template: its journal facts
+    lineage = default_session()._lineage
+    if lineage is not None:
+        lineage.checkpoint()
+    assert all(torch.equal(g.cpu(), w.detach()) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    assert sum(made) <= 1, made
+
+
 def test_a_capturable_adam_step_replays_with_the_captured_loops_bits(remote):
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-2, capturable=True)  # noqa: E731
     captured = _moved(_encoder(), remote)
