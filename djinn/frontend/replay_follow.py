@@ -373,7 +373,16 @@ class Follower:
             self.replaced = not ok
         elif tag == "keep":  # a kept value of the whole recording (or the split's)
             slot = want[1] if self.slots is None else self.slots.get(want[1])
-            ok = type(ref) is Pending and ref.node is self.node and ref.index == slot
+            node = self.node
+            ok = (type(ref) is Pending and ref.node is node and ref.index == slot) or (
+                # the split, sent ahead, landed meanwhile (another thread read a value)
+                type(ref) is RemoteTensor
+                and node.executed
+                and node.failed is None
+                and slot is not None
+                and slot < len(node.results or ())
+                and ref is node.results[slot]
+            )
         elif tag == "out":  # an earlier followed op's output
             ok = type(ref) is Pending and ref.node is self.made and ref.index == self._out_of(want)
         else:

@@ -57,7 +57,16 @@ def overlapped(session: Any) -> bool:
     if device != "cpu":
         return bool(device)
     threads = vars(session).get("cpu_threads")
-    return isinstance(threads, int) and threads < (os.cpu_count() or 1)
+    return isinstance(threads, int) and threads < _cores()
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, which a container's cpuset
+    narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def followed(
@@ -90,6 +99,12 @@ def followed(
         follower.abort("a step raised")
         if stats is not None:
             stats.captured[follower.why] += 1
+        if ahead and node.failed is not None:
+            # the split failed, landed by another thread: the capture of the ops followed
+            # so far raised its error from the step. Its step counts went on; what it
+            # writes must hold the error (a review: parameters 8e-4 off eager, silently,
+            # in a loop that caught the error and went on)
+            _steps_failed(rec, tr, label, tensors, follower, node.failed)
         raise
     if ahead:
         sent = _steps_sent(rec, tr, label, node, (tensors, inputs), follower)
@@ -154,14 +169,13 @@ def _steps_sent(
         follower.drop("the ops before its steps failed")
     elif not follower.finish():
         return False
-    node = Replayed(f"the steps of {label}", tr, len(steps.tpl["keep"]),
-                    _writes(whole, tensors))  # fmt: skip
     if error is not None:
-        failures.fail(node, error)
-        failures.fail(follower.made, error)  # a tensor the steps made that is still alive
+        _steps_failed(rec, tr, label, tensors, follower, error)
         if raised is not None:
             raise raised
         return True
+    node = Replayed(f"the steps of {label}", tr, len(steps.tpl["keep"]),
+                    _writes(whole, tensors))  # fmt: skip
     ins = [inputs[k] if kind == "in" else results[k] for kind, k in steps.ins]
     handles = [r.handle for r in ins]
     scalars = follower.floats
@@ -169,6 +183,16 @@ def _steps_sent(
     with trace_mod.replay_in_flight(tr, node, body, [], (steps.fp, handles, scalars), ins):
         pass
     return True
+
+
+def _steps_failed(
+    rec: Record, tr: Any, label: str, tensors: list, follower: Follower, error: DjinnError
+) -> None:
+    """The steps did not run on the appliance: what they write, and any tensor they made
+    that is still alive, hold ``error`` (Note [failed values])."""
+    node = Replayed(f"the steps of {label}", tr, 0, _writes(rec.whole, tensors))
+    failures.fail(node, error)
+    failures.fail(follower.made, error)
 
 
 def _writes(whole: Record, tensors: list) -> tuple[Any, ...]:

@@ -452,3 +452,57 @@ def test_a_cpu_worker_says_how_many_threads_a_graph_sent_without_waiting_gets(re
     s = default_session()
     assert s.device.startswith("cpu")
     assert isinstance(s.cpu_threads, int) and s.cpu_threads >= 1
+
+
+def test_a_failed_forward_landed_by_another_thread_leaves_what_the_steps_write_failed(
+    ahead, remote
+):
+    """As above, but another thread reads an unrelated value as the step starts, which
+    lands the part before the steps when it went ahead: the call raises, and Adam's
+    moments and the parameters hold the error. (A review found them readable with their
+    old values while the step counts had gone on: a loop that caught the error trained on
+    8e-4 off eager, silently.)"""
+    import threading
+
+    from djinn.errors import DjinnError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 1)).to(remote)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    other = torch.ones(3).to(remote) * 2
+    reading = {"on": False, "read": []}
+
+    def read(out):
+        try:
+            out.append((other + 1).cpu())
+        except DjinnError as exc:  # it landed the failed replay: raised where it lands
+            out.append(exc)
+
+    def read_elsewhere(_opt, _args, _kwargs):
+        if reading["on"]:
+            t = threading.Thread(target=read, args=(reading["read"],))
+            t.start()
+            t.join()
+
+    opt.register_step_pre_hook(read_elsewhere)
+
+    def step(idx, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(idx).sum(1), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step)
+    good, y = torch.tensor([[0, 5], [2, 3]]).to(remote), torch.ones(2, 1).to(remote)
+    for _ in range(5):
+        run(good, y)
+    reading["on"] = True
+    with pytest.raises(DjinnError, match="index"):
+        run(torch.tensor([[0, 9], [2, 3]]).to(remote), y).cpu()
+    (got,) = reading["read"]
+    assert isinstance(got, DjinnError) or torch.equal(got, torch.full((3,), 3.0)), got
+    weight = model[1].weight
+    for t in (weight, opt.state[weight]["exp_avg"]):
+        with pytest.raises(DjinnError, match="index"):
+            t.cpu()
