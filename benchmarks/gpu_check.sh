@@ -50,7 +50,10 @@ profiled() {  # profiled NAME ARGS...: replay_profile.py with ARGS as step NAME
     step "$name" 90 python3 benchmarks/replay_profile.py --seconds 4 "$@" \
         ${SPY:+--py-spy "$SPY" --raw "$OUT/raw_$name"} --json "$OUT/$name.json"
 }
-profiled adam_profile --workload adam
+# the default Adam's followed steps both ways (Note [steps followed while the graph runs]):
+# sent ahead of the following (what auto takes on a GPU) and the whole call after it
+DJINN_FOLLOW_AHEAD=always profiled adam_profile --workload adam
+DJINN_FOLLOW_AHEAD=never profiled adam_after_profile --workload adam
 profiled tiny_profile --workload put_get
 profiled mib_profile --workload put_get --nbytes 1048576
 # one failed op breaks nothing else, on GPU workers: a bad index answered without a restart
