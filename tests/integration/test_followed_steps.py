@@ -408,16 +408,15 @@ def _local_and_replayed(remote, step_of, n):
     return run.stats()
 
 
-def test_a_followed_step_whose_forward_fails_leaves_what_it_writes_failed(ahead, remote):
-    """The ops before the steps fail on the appliance (an index out of range, seen by the
-    kernel only) while the steps are followed: the steps are not sent, and the loss, the
-    parameters and Adam's state raise the error when read, as a replay that fails leaves
-    what it writes (Note [failed values]); the table of indices it only reads is intact."""
-    from djinn.errors import DjinnError
-
+def _embedding_loop(remote, hook=None):
+    """An embedding model trained by a replayed default-Adam step (``hook``: a step
+    pre-hook of its optimizer), five calls in, its steps followed: (model, optimizer,
+    Replayable, good ids, target)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 1)).to(remote)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if hook is not None:
+        opt.register_step_pre_hook(hook)
 
     def step(idx, y):
         opt.zero_grad()
@@ -430,6 +429,17 @@ def test_a_followed_step_whose_forward_fails_leaves_what_it_writes_failed(ahead,
     good, y = torch.tensor([[0, 5], [2, 3]]).to(remote), torch.ones(2, 1).to(remote)
     for _ in range(5):
         run(good, y)
+    return model, opt, run, good, y
+
+
+def test_a_followed_step_whose_forward_fails_leaves_what_it_writes_failed(ahead, remote):
+    """The ops before the steps fail on the appliance (an index out of range, seen by the
+    kernel only) while the steps are followed: the steps are not sent, and the loss, the
+    parameters and Adam's state raise the error when read, as a replay that fails leaves
+    what it writes (Note [failed values]); the table of indices it only reads is intact."""
+    from djinn.errors import DjinnError
+
+    model, opt, run, _good, y = _embedding_loop(remote)
     assert run.stats()["steps_followed"] >= 2, run.stats()
     bad = torch.tensor([[0, 9], [2, 3]]).to(remote)  # row 9 of 6
     try:
@@ -466,9 +476,6 @@ def test_a_failed_forward_landed_by_another_thread_leaves_what_the_steps_write_f
 
     from djinn.errors import DjinnError
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 1)).to(remote)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     other = torch.ones(3).to(remote) * 2
     reading = {"on": False, "read": []}
 
@@ -484,19 +491,8 @@ def test_a_failed_forward_landed_by_another_thread_leaves_what_the_steps_write_f
             t.start()
             t.join()
 
-    opt.register_step_pre_hook(read_elsewhere)
-
-    def step(idx, y):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(idx).sum(1), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    run = djinn.replayable(step)
-    good, y = torch.tensor([[0, 5], [2, 3]]).to(remote), torch.ones(2, 1).to(remote)
-    for _ in range(5):
-        run(good, y)
+    model, opt, run, _good, y = _embedding_loop(remote, read_elsewhere)
+    assert run.stats()["steps_followed"] >= 2, run.stats()
     reading["on"] = True
     with pytest.raises(DjinnError, match="index"):
         run(torch.tensor([[0, 9], [2, 3]]).to(remote), y).cpu()
