@@ -25,6 +25,7 @@ adam``), and ``gpu.py``'s default-Adam rows time it.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +61,10 @@ def overlapped(session: Any) -> bool:
     return isinstance(threads, int) and threads < _cores()
 
 
+@functools.cache
 def _cores() -> int:
     """The cores this process may run on (its affinity, which a container's cpuset
-    narrows)."""
+    narrows), read once."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
