@@ -34,7 +34,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
 python3 -c 'import djinn; print("djinn imports from", djinn.__file__)' 2>&1 | tail -3
 step gpu_tests 150 python3 -m pytest -n 0 -m gpu -p no:cacheprovider -q -rfE --timeout 120 \
-    tests/integration/test_gpu.py tests/unit/test_tiers.py
+    tests/integration/test_gpu.py tests/unit/test_tiers.py tests/unit/test_cuda_graphs.py
 step gpu_bench 240 python3 benchmarks/gpu.py --json "$OUT/gpu.json"
 step transport 90 python3 benchmarks/transport.py --quick --json "$OUT/transport.json"
 # where a replayed training step's time goes (worker and client sampled if py-spy is there)

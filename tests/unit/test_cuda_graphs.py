@@ -490,3 +490,24 @@ def test_results_with_a_conjugate_or_negative_bit_or_a_rare_dtype_are_copied_as_
                            src.resolve_conj().resolve_neg().to(torch.complex128))  # fmt: skip
         assert (out.stride(), out.storage_offset()) == (src.stride(), src.storage_offset())
         assert out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+def test_results_of_every_wire_dtype_are_copied_out_on_a_gpu():
+    """CUDA's ``_foreach_copy_`` takes its one-launch path whenever a list has one dtype,
+    and has kernels for some dtypes only: each dtype the protocol carries is copied out
+    of the graph's buffers with its bits, alone in a list as a plan's results may be."""
+    from djinn.appliance.executor.graph_buffers import copied
+    from djinn.protocol.tensors import DTYPES
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    raw = torch.arange(64, dtype=torch.uint8, device="cuda") % 2  # valid in every dtype
+    for name, dtype in DTYPES.items():
+        size = torch.empty((), dtype=dtype).element_size()
+        src = [raw[: 4 * size].clone().view(dtype), raw[: 8 * size].clone().view(dtype)]
+        out = copied(src)
+        for o, s in zip(out, src, strict=True):
+            assert o.dtype == dtype and o.shape == s.shape, name
+            assert torch.equal(o.view(torch.uint8), s.view(torch.uint8)), name
+            assert o.untyped_storage().data_ptr() != s.untyped_storage().data_ptr(), name
