@@ -33,7 +33,11 @@ Python per node and reads the same addresses:
   check that reads values syncs during the capture, which fails it: the plan stays
   compiled;
 - the floats the template took out (``scalars``) are those of the capture, bit for bit
-  (-0.0 is not 0.0 to a division): a kernel's float arguments are baked into it;
+  (-0.0 is not 0.0 to a division): a kernel's float arguments are baked into it. A run
+  with other scalars captures again only when they are those of the run before: a
+  schedule that changes them at every run (a default Adam's bias corrections, Note
+  [followed steps]) spent three captures, and their copies of what the plan writes, on
+  one run each, then ran compiled; now it spends one;
 - its kept and fetched values share no storage with an input or with each other: each
   replay's results are copied out of the graph's buffers, so the next replay cannot
   overwrite what a session holds. A value that is a view of a buffer of the graph's (a
@@ -402,10 +406,16 @@ class GraphedRun(CompiledRun):
         if self.partial or not state:
             return (yield from CompiledRun.steps(self))
         graph = state["graph"]
+        bits = _bits(self.scs)
+        last, state["last"] = state.get("last"), bits
         fits = graph is not None and self._fits(graph)
         if not fits and state["captures"] >= MAX_CAPTURES:
             self.graphs.moved += 1
             self.graphs.count_why(f"runs compiled: {self._misfit(state, graph)}")
+            return (yield from CompiledRun.steps(self))
+        if not fits and graph is not None and bits != graph.scalars and bits != last:
+            # new scalars, not the last run's: captured again once they repeat (the Note)
+            self.graphs.count_why("runs compiled: its scalars changed since the run before")
             return (yield from CompiledRun.steps(self))
         self._guard_checks(state)  # before anything ran, as an interpreted run refuses
         if not fits:

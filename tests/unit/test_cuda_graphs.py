@@ -143,18 +143,37 @@ def test_an_input_that_moves_is_copied_into_the_graphs_own_buffer():
     assert graphs.bytes == cg.pool_bytes(plan.peak) + 4 * 8 * 4
 
 
-def test_other_scalars_capture_again_and_a_plan_captures_at_most_three_times():
+def test_other_scalars_capture_again_once_they_repeat_at_most_three_times():
+    """A run with new scalars runs compiled; the next with the same ones captures them. A
+    schedule that changes them at every run (a default Adam's followed step) is captured
+    once, not three times."""
     s = _session()
     plan, fp = _plan(_forward(2.0), s)
     graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
-    for scale in (2.0, 3.0, 4.0, 5.0, 2.0):
+    captured = []
+    for scale in (2.0, 3.0, 3.0, 4.0, 4.0, 5.0, 5.0, 2.0):
         ((kept,), _), _ = _run(_forward(scale), s, plan, fp, graphs)
         assert torch.equal(kept, _eager(s.handles["x"], s.handles["w"], scale)[0])
-    assert graphs.captured == cg.MAX_CAPTURES
-    assert graphs.moved == 2  # 5.0 and 2.0 again: compiled runs
+        captured.append(graphs.captured)
+    assert captured == [1, 1, 2, 2, 3, 3, 3, 3]
+    assert graphs.moved == 3  # 5.0 twice, then 2.0 again (the last graph holds 4.0)
     assert graphs.stats()["graphs"] == 1
-    # the reason is counted, as a default Adam's followed step (new floats every step) gets it
-    assert graphs.why == {"runs compiled: its scalars change from run to run (3 captures)": 2}
+    assert graphs.why == {
+        "runs compiled: its scalars changed since the run before": 2,
+        "runs compiled: its scalars change from run to run (3 captures)": 3,
+    }
+
+
+def test_scalars_that_change_at_every_run_are_captured_once():
+    s = _session()
+    plan, fp = _plan(_forward(2.0), s)
+    graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
+    for k in range(8):
+        scale = 2.0 + k / 8
+        ((kept,), _), _ = _run(_forward(scale), s, plan, fp, graphs)
+        assert torch.equal(kept, _eager(s.handles["x"], s.handles["w"], scale)[0])
+    assert graphs.captured == 1 and graphs.replays == 1
+    assert graphs.why == {"runs compiled: its scalars changed since the run before": 7}
 
 
 def test_a_failed_capture_is_counted_and_the_plan_runs_compiled():
@@ -325,9 +344,11 @@ def test_scalars_are_matched_by_their_bits():
     plan, fp = _plan(body(0.0), s)
     graphs = cg.CudaGraphs(True, 1 << 30, StandIn())
     (_, (a,)), _ = _run(body(0.0), s, plan, fp, graphs)
-    (_, (b,)), _ = _run(body(-0.0), s, plan, fp, graphs)
-    assert a.tolist() == [float("inf")] * 3 and b.tolist() == [float("-inf")] * 3
-    assert graphs.captured == 2
+    (_, (b,)), _ = _run(body(-0.0), s, plan, fp, graphs)  # new scalars: compiled
+    (_, (c,)), _ = _run(body(-0.0), s, plan, fp, graphs)  # the same again: captured
+    assert a.tolist() == [float("inf")] * 3
+    assert b.tolist() == c.tolist() == [float("-inf")] * 3
+    assert graphs.captured == 2 and graphs.replays == 2
 
 
 def _with_gpu_guards(monkeypatch, graphs: cg.CudaGraphs) -> None:
