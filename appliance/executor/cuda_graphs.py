@@ -408,10 +408,10 @@ class GraphedRun(CompiledRun):
         graph = state["graph"]
         bits = _bits(self.scs)
         last, state["last"] = state.get("last"), bits
-        fits = graph is not None and self._fits(graph)
+        fits = graph is not None and self._fits(graph, bits)
         if not fits and state["captures"] >= MAX_CAPTURES:
             self.graphs.moved += 1
-            self.graphs.count_why(f"runs compiled: {self._misfit(state, graph)}")
+            self.graphs.count_why(f"runs compiled: {self._misfit(state, graph, bits)}")
             return (yield from CompiledRun.steps(self))
         if not fits and graph is not None and bits != graph.scalars and bits != last:
             # new scalars, not the last run's: captured again once they repeat (the Note)
@@ -424,20 +424,21 @@ class GraphedRun(CompiledRun):
                 return (yield from CompiledRun.steps(self))
         return self._replay(graph)
 
-    def _fits(self, graph: PlanGraph) -> bool:
-        if _bits(self.scs) != graph.scalars:  # -0.0 is not 0.0 to a kernel; NaN is NaN
+    def _fits(self, graph: PlanGraph, bits: bytes) -> bool:
+        """Whether ``graph`` serves this run, whose scalars are ``bits``."""
+        if bits != graph.scalars:  # -0.0 is not 0.0 to a kernel; NaN is NaN
             return False
         return all(
             k in graph.owned or t.data_ptr() == graph.addresses[k] for k, t in enumerate(self.ins)
         )
 
-    def _misfit(self, state: dict[str, Any], graph: PlanGraph | None) -> str:
+    def _misfit(self, state: dict[str, Any], graph: PlanGraph | None, bits: bytes) -> str:
         """Why the plan's graph cannot serve this run (its captures spent)."""
         if state.get("stuck"):
             return state["stuck"]
         if graph is None:
             return f"its graph was let go (cuda_graph_bytes) after {MAX_CAPTURES} captures"
-        if _bits(self.scs) != graph.scalars:
+        if bits != graph.scalars:
             # e.g. a default Adam's bias corrections: Python floats, new every step
             return f"its scalars change from run to run ({MAX_CAPTURES} captures)"
         return f"its inputs move from run to run ({MAX_CAPTURES} captures)"

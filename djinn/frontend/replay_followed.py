@@ -40,7 +40,7 @@ from . import failures
 from . import trace as trace_mod
 from .nodes import Pending, Replayed
 from .replay_follow import Follower
-from .replay_outputs import bind_outputs, clear_grads
+from .replay_outputs import bind_outputs, clear_grads, replay_sent
 
 if TYPE_CHECKING:
     from .replay_record import Record
@@ -88,8 +88,10 @@ def followed(
     label, stats = called
     plan = rec.plan
     ahead = plan.steps is not None and overlapped(default_session())
-    if ahead:
-        node, leaves, stop = _split_sent(rec, tr, label, tensors, written, split)
+    if ahead:  # the ops before the steps go now
+        node, leaves = replay_sent(rec, tr, label, tensors, written, split)
+        clear_grads(rec)
+        stop = None
     else:
         node, leaves, stop = _whole_bound(rec, tr, label, tensors, written, split)
     follower = Follower(plan, tr, node, inputs, stop, ahead)
@@ -124,21 +126,6 @@ def followed(
     return pytree.tree_unflatten(leaves, rec.out_spec)
 
 
-def _split_sent(
-    rec: Record, tr: Any, label: str, tensors: list, written: list, split: tuple
-) -> tuple[Replayed, list[Any], None]:
-    """``rec`` (the ops before the steps) sent, and the outputs and gradients bound to it."""
-    split_inputs, form = split
-    body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
-    alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-    with trace_mod.replay_in_flight(tr, alone, body, rec.inline, form, split_inputs):
-        for t in written:  # the ops before the steps; the steps' own count as they are called
-            torch.autograd.graph.increment_version(t)
-        leaves = bind_outputs(rec, alone, tensors)
-    clear_grads(rec)
-    return alone, leaves, None
-
-
 def _steps_sent(
     rec: Record, tr: Any, label: str, alone: Any, called: tuple[list, list], follower: Follower
 ) -> bool:
@@ -159,23 +146,20 @@ def _steps_sent(
         follower.abort("its call was interrupted")
         raise
     error = raised or alone.failed
-    results = alone.results or []
-    if error is None and any(
-        kind == "keep" and (k >= len(results) or results[k] is None) for kind, k in steps.ins
-    ):
-        follower.abort("a gradient its steps read was not kept")
     if error is not None:
         # not captured either: the gradients they read hold the error. What the steps
         # write holds it too (an Adam whose CPU step counts went on must not go on from
         # moments that did not)
         follower.drop("the ops before its steps failed")
-    elif not follower.finish():
-        return False
-    if error is not None:
         _steps_failed(rec, tr, label, tensors, follower, error)
         if raised is not None:
             raise raised
         return True
+    results = alone.results or []
+    if any(kind == "keep" and (k >= len(results) or results[k] is None) for kind, k in steps.ins):
+        follower.abort("a gradient its steps read was not kept")
+    if not follower.finish():
+        return False
     node = Replayed(f"the steps of {label}", tr, len(steps.tpl["keep"]),
                     _writes(whole, tensors))  # fmt: skip
     ins = [inputs[k] if kind == "in" else results[k] for kind, k in steps.ins]

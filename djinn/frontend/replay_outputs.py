@@ -1,18 +1,39 @@
 """What a replay leaves as a run of the function would (Note [replayable functions]): its
-outputs and the gradients it puts in ``.grad``, pointed at a replayed node's kept values,
-and the gradients the call cleared."""
+graph sent, its outputs and the gradients it puts in ``.grad`` pointed at the replayed
+node's kept values, and the gradients the call cleared."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from djinn.protocol import templates
+
+from . import trace as trace_mod
 from . import writes
 from .meta import TensorSpec
-from .nodes import Pending
+from .nodes import Pending, Replayed
 from .replay_key import param_at
 
 if TYPE_CHECKING:
     from .replay_record import Record
+
+
+def replay_sent(
+    rec: Record, tr: Any, label: str, tensors: list, written: list, sent: tuple
+) -> tuple[Replayed, list[Any]]:
+    """``rec`` sent as a replay without waiting (Note [asynchronous replays]), with ``sent``
+    (its input RemoteTensors, its template form), and bound: its node, and the leaves of
+    its result. ``written``: the tensors it writes into."""
+    inputs, form = sent
+    body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
+    node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
+    with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
+        for t in written:  # as eager's in-place ops count (autograd checks them)
+            torch.autograd.graph.increment_version(t)
+        leaves = bind_outputs(rec, node, tensors)
+    return node, leaves
 
 
 def bind_outputs(

@@ -28,10 +28,9 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
 from . import writes
-from .nodes import Replayed
 from .replay_followed import followed
 from .replay_key import Miss, param_at
-from .replay_outputs import bind_outputs, clear_grads
+from .replay_outputs import clear_grads, replay_sent
 from .replay_sources import holds
 
 if TYPE_CHECKING:
@@ -78,12 +77,7 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     if whole is not None:
         return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
                         optimizers)  # fmt: skip
-    body = templates.filled(rec.tpl, rec.fill, handles, rec.scalars)
-    node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-    with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
-        for t in written:  # as eager's in-place ops count (autograd checks them)
-            torch.autograd.graph.increment_version(t)
-        leaves = bind_outputs(rec, node, tensors)
+    _node, leaves = replay_sent(rec, tr, label, tensors, written, (inputs, form))
     clear_grads(rec)
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
