@@ -47,12 +47,13 @@ GiB = 1 << 30
 WARM = 10  # calls before the timed ones: the first makes Adam's state, two record
 
 
-def steady(model: torch.nn.Module, batches: list, device: str, steps: int, way: str) -> dict:
+def steady(model: torch.nn.Module, batches: list, steps: int, way: str) -> dict:
     """ms per step and client CPU ms per step of ``steps`` steps after ``WARM`` calls; the
     parameters after them (read back, so the timing includes every step's run). ``way``:
-    local, ahead, after or captured."""
+    local (eager on the CPU), ahead, after or captured."""
     import djinn
 
+    device = "cpu" if way == "local" else R
     m = copy.deepcopy(model).to(device)
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
     data = [(x.to(device), y.to(device)) for x, y in batches]
@@ -109,9 +110,9 @@ def main() -> int:
         using(app.unix),
     ):
         for r in range(args.rounds):
-            got = {"local": steady(model, batches, "cpu", args.steps, "local")}
+            got = {"local": steady(model, batches, args.steps, "local")}
             for way in WAYS:
-                got[way] = steady(model, batches, R, args.steps, way)
+                got[way] = steady(model, batches, args.steps, way)
                 pairs = zip(got[way]["params"], got["local"]["params"], strict=True)
                 same = all(torch.equal(a, b) for a, b in pairs)
                 if not same:
