@@ -99,7 +99,7 @@ def plan_of(nodes: list[Node], cut: int, tpl: dict) -> Plan | None:
     """The plan of ``nodes[cut:]``, the steps of a whole recording whose template is
     ``tpl``, read from the template (the nodes let their arguments go once they ran).
     None when they cannot be followed."""
-    keep = {(r["$v"], r.get("i")): j for j, r in enumerate(tpl["keep"]) if "$v" in r}
+    keep = _kept_slots(tpl)
     ops: list[_Op] = []
     try:
         for n, t in zip(nodes[cut:], tpl["nodes"][cut:], strict=True):
@@ -194,7 +194,7 @@ def steps_graph(tpl: dict, cut: int, s_cut: int, slots: dict[int, int]) -> Steps
     input comes from and whose floats are their places among ``tpl``'s scalars."""
     if tpl["fetch"]:
         return None
-    keep = {(r["$v"], r.get("i")): j for j, r in enumerate(tpl["keep"]) if "$v" in r}
+    keep = _kept_slots(tpl)
     source: dict[str, tuple[str, int]] = {}
 
     def body_of(x: Any) -> Any:
@@ -231,6 +231,11 @@ def steps_graph(tpl: dict, cut: int, s_cut: int, slots: dict[int, int]) -> Steps
         return None  # the steps' floats are not the template's last ones, in order
     return Steps(steps, templates.fingerprint(steps), [source[h] for h in inputs],
                  templates.instantiator(steps))  # fmt: skip
+
+
+def _kept_slots(tpl: dict) -> dict[tuple[int, Any], int]:
+    """The kept slot of each node output the template ``tpl`` keeps, by (node, output)."""
+    return {(r["$v"], r.get("i")): j for j, r in enumerate(tpl["keep"]) if "$v" in r}
 
 
 def _scalars_before(nodes: list[Any]) -> int:
