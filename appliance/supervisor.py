@@ -504,6 +504,12 @@ class Supervisor:
             if via_unix and self.cfg.socket_path:
                 with contextlib.suppress(OSError):
                     os.unlink(self.cfg.socket_path)
+                if self.parent_pid:
+                    # An appliance tied to a parent (embedded) listens in a private
+                    # directory made for it; a parent killed before its atexit ran cannot
+                    # remove it, so the appliance does once it is empty.
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.dirname(self.cfg.socket_path))
         for conn in list(self.conns.values()):
             self._close(conn)
         for w in self.workers:

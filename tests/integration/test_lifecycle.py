@@ -199,7 +199,8 @@ def test_embedded_appliance_stops_when_its_client_is_killed(tmp_path):
     code = textwrap.dedent("""
         import sys, time, djinn
         c = djinn.connect()
-        print(c.stats()["appliance"]["pid"], flush=True)
+        st = c.stats()["appliance"]
+        print(st["pid"], st["addresses"]["unix"], flush=True)
         time.sleep(120)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
@@ -208,7 +209,8 @@ def test_embedded_appliance_stops_when_its_client_is_killed(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
     )
-    pid = int(proc.stdout.readline())
+    pid, address = proc.stdout.readline().split()
+    pid = int(pid)
     proc.kill()
     proc.wait()
     from tests.conftest import wait_for
@@ -221,3 +223,5 @@ def test_embedded_appliance_stops_when_its_client_is_killed(tmp_path):
 
     wait_for(gone, timeout=15)
     assert _segments_of(pid) == []
+    # the client's atexit never ran: the appliance removed its private directory itself
+    assert not Path(address.removeprefix("unix://")).parent.exists()

@@ -19,7 +19,9 @@ def _djinn(*args: str, cwd=None, **env: str) -> subprocess.CompletedProcess:
     """Run `djinn`, by default in an empty directory: no ./djinn.toml but the test's own."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
     if cwd is None:
-        cwd = tempfile.mkdtemp(prefix="djinn-cli-")
+        # A directory of its own, removed after: every call made one and left it in /tmp.
+        with tempfile.TemporaryDirectory(prefix="djinn-cli-") as empty:
+            return _djinn(*args, cwd=empty, **env)
     return subprocess.run(
         [sys.executable, "-m", "djinn.cli.main", *args],
         capture_output=True,
