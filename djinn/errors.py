@@ -165,3 +165,40 @@ def error_from_wire(code: str, message: str) -> DjinnError:
 
 def all_codes() -> list[str]:
     return sorted(_BY_CODE)
+
+
+def copy_of(error: BaseException, _depth: int = 0) -> BaseException:
+    """A copy of ``error`` without its traceback: the one to keep on a failed value, and
+    the one to raise where a kept error is reported again.
+
+    Note [raising a kept error]: a traceback holds the frame each raise passed through,
+    and a frame holds the frames that called it (``f_back``, once it returns) with all
+    their locals: the program's model and optimizer. Their lazy tensors are held by C++
+    too (the autograd graph, a gradient's accumulator), which makes them roots Python's
+    collector does not look through. A failure kept on a value, with a traceback, and
+    raised again at every read of it, so made a cycle error -> frames -> tensor -> failed
+    value -> error that was never freed, nor the appliance's handles behind it (a loop
+    whose forward failed left 12). So a kept error has no traceback, a cause kept with it
+    neither, and each report raises a copy, which goes when the program lets it go. A
+    cause that is not Djinn's (a hook's own error) keeps where it was raised as a note."""
+    import copy
+    import traceback
+
+    try:
+        fresh = copy.copy(error)  # its type, args and attributes (a code, a failed value)
+    except Exception:  # a type that cannot be rebuilt from its args
+        try:
+            fresh = BaseException.__new__(type(error), *error.args)
+            fresh.__dict__.update(getattr(error, "__dict__", {}))
+        except Exception:
+            return error
+    cause = error.__cause__
+    fresh.__cause__ = copy_of(cause, _depth + 1) if cause is not None and _depth < 8 else None
+    fresh.__suppress_context__ = error.__suppress_context__
+    notes = list(getattr(error, "__notes__", ()))
+    if error.__traceback__ is not None and not isinstance(error, DjinnError):
+        where = "".join(traceback.format_tb(error.__traceback__)).rstrip()
+        notes.append(f"{type(error).__name__} was raised here:\n{where}")
+    if notes:
+        fresh.__notes__ = notes  # type: ignore[attr-defined]
+    return fresh.with_traceback(None)

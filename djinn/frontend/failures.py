@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from djinn.errors import DjinnError, ExecutionError
+from djinn.errors import DjinnError, ExecutionError, copy_of
 from djinn.runtime.remote import RemoteTensor
 
 from .nodes import Node, Pending
@@ -23,7 +23,7 @@ class Failed:
     __slots__ = ("error",)
 
     def __init__(self, error: DjinnError) -> None:
-        self.error = error
+        self.error = copy_of(error)  # Note [raising a kept error]
 
     @property
     def failed(self) -> DjinnError:  # read like a RemoteTensor's, in an executed node's results
@@ -37,7 +37,7 @@ def failed_error(op_name: str, exc: BaseException) -> DjinnError:
         err.code = exc.code
     else:
         err = ExecutionError(f"{op_name} failed: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
+    err.__cause__ = copy_of(exc)  # as it is now: a raise that goes on adds nothing to it
     return err
 
 
@@ -95,6 +95,8 @@ def fail(node: Node, error: DjinnError) -> None:
     """Note [failed values]: the node's outputs, and the tensors it would have written
     into, hold ``error`` from now on."""
     error._djinn_failed_value = True  # type: ignore[attr-defined]
+    # kept as it is now: the caller may raise ``error`` on (Note [raising a kept error])
+    error = copy_of(error)
     poison_writes(node, error)
     node.failed = error
     node.executed = True

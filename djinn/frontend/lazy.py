@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import UnsupportedOp
+from djinn.errors import UnsupportedOp, copy_of
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
@@ -303,7 +303,7 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         if node.trace is trace and not node.executed and node.failed is None:
             return ref
     if isinstance(ref, failures.Failed):
-        raise ref.error
+        raise copy_of(ref.error)
     if isinstance(ref, Uninit):
         node = Node(
             torch.ops.aten.empty_strided.default,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from djinn.errors import copy_of
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
@@ -115,5 +116,5 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
         writes.writes_sent(cell.storage, trace)
     writes.writes_sent(ref, trace)
     if ref.failed is not None:
-        raise ref.failed
+        raise copy_of(ref.failed)
     return ref

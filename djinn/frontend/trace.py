@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import DjinnError
+from djinn.errors import DjinnError, copy_of
 from djinn.protocol.templates import Filled
 from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
@@ -179,20 +179,20 @@ def resolved(ref: Any) -> Any:
     """A pending ref whose node already ran elsewhere becomes its kept handle; a failed
     value raises its error (Note [failed values])."""
     if isinstance(ref, Failed):
-        raise ref.error
+        raise copy_of(ref.error)
     if isinstance(ref, RemoteTensor) and ref.failed is not None:
-        raise ref.failed
+        raise copy_of(ref.failed)
     if isinstance(ref, Pending) and ref.node.failed is not None:
-        raise ref.node.failed
+        raise copy_of(ref.node.failed)
     if isinstance(ref, Pending) and ref.node.executed:
         results = ref.node.results or []
         value = results[ref.index] if ref.index < len(results) else None
         if value is None:
             if ref.node.failed is not None:  # failed on another thread since the check above
-                raise ref.node.failed
+                raise copy_of(ref.node.failed)
             raise DjinnError(f"{ref.node.name}: its value was released before it was read")
         if value.failed is not None:
-            raise value.failed
+            raise copy_of(value.failed)
         return value
     return ref
 
@@ -518,7 +518,7 @@ def land(item: Sent) -> None:
             try:
                 item.reply = item.flight.outcome()
             except DjinnError as exc:  # the request itself failed: nothing is known to run
-                item.error = exc
+                item.error = copy_of(exc)  # Note [raising a kept error]
     with item.trace.lock:
         if item.landed:
             return
@@ -531,7 +531,7 @@ def land(item: Sent) -> None:
                 fail(n, item.error)
                 n.inflight = None
             if not item.quiet:
-                raise item.error
+                raise copy_of(item.error)
             return
         assert item.reply is not None
         kept, _fetched, failure = item.reply
@@ -588,5 +588,5 @@ def _after_failure(
     for ref in (*fetch, *keep):
         resolved(ref)  # a requested value an op failed to write into raises
     if raise_now is not None:
-        raise raise_now
+        raise copy_of(raise_now)
     return fetched, kept

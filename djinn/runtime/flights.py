@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from djinn.errors import DjinnError, NotFound
+from djinn.errors import DjinnError, NotFound, copy_of
 from djinn.protocol import templates
 from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
@@ -85,7 +85,7 @@ class Flights:
             try:
                 f.rid = self.channel.send(Kind.EXEC, f.sent, segments, sink=self._sink)
             except DjinnError as exc:
-                f.error = exc  # _settle deals with it as with a failed reply
+                f.error = copy_of(exc)  # _settle deals with it as with a failed reply
             self._flight = f
         return f
 
@@ -127,7 +127,7 @@ class Flights:
             form = f.form if body is f.body else None  # not the journal's rewrite
             f.result = self._finish_exec(body, f.segments, out, seconds, form)
         except DjinnError as exc:
-            f.error = exc  # raised where the program waits for this graph
+            f.error = copy_of(exc)  # raised where the program waits (Note [raising a kept error])
         finally:
             f.landed = True
 
@@ -196,6 +196,6 @@ class Flight:
                 if not self.landed:
                     self.session._settle()
         if self.error is not None:
-            raise self.error
+            raise copy_of(self.error)
         assert self.result is not None
         return self.result

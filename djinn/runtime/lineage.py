@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from djinn.errors import DjinnError, RecoveryFailed, SessionLost, Unavailable, WorkerLost
+from djinn.errors import DjinnError, RecoveryFailed, SessionLost, Unavailable, WorkerLost, copy_of
 from djinn.protocol import templates
 
 from . import kv_replay
@@ -331,8 +331,8 @@ class Lineage:
             f"session {self.s.id} could not be rebuilt ({why}); the original fault: "
             f"{fault.code}: {fault.message}"
         )
-        err.fault = fault
-        self.gave_up = err
+        err.fault = copy_of(fault)
+        self.gave_up = copy_of(err)  # the one returned is raised (Note [raising a kept error])
         return err
 
     # -- recovery ----------------------------------------------------------------------
@@ -344,7 +344,7 @@ class Lineage:
             if self.generation != gen:
                 return  # another thread rebuilt it while this one waited
             if self.gave_up is not None:
-                raise self.gave_up
+                raise copy_of(self.gave_up)
             started = time.perf_counter()
             last: DjinnError = fault
             for attempt in range(self.policy.retries):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import DjinnError, ResourceExhausted
+from djinn.errors import DjinnError, ResourceExhausted, copy_of
 from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
 
@@ -191,6 +191,7 @@ class Puts:
         self._not_done(exc, {})
         if self._lineage is not None and exc.code in self._lineage.policy.errors:
             return
+        exc = copy_of(exc)  # kept (Note [raising a kept error])
         for r in p.remotes:
             r.failed = exc
             r._finalizer.detach()  # nothing on the appliance to free

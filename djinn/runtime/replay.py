@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from djinn.errors import DjinnError, RecoveryFailed
+from djinn.errors import DjinnError, RecoveryFailed, copy_of
 
 from . import kv_replay
 from .journal import Entry, kept, needed, pair_ids, remap, strings_in
@@ -80,7 +80,7 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
                 if exc.code in lin.policy.errors:
                     raise
                 if h in live:
-                    live[h].failed = exc
+                    live[h].failed = copy_of(exc)  # Note [raising a kept error]
                     live[h]._finalizer.detach()  # nothing on the appliance to free
                 continue
             put_names.append(h)

@@ -28,6 +28,7 @@ from djinn.errors import (
     SessionExpired,
     SessionLost,
     WorkerLost,
+    copy_of,
 )
 from djinn.protocol.frames import Frame, Kind
 from djinn.protocol.tensors import from_wire, to_wire, validate
@@ -166,7 +167,7 @@ class Session(Puts, Flights, GraphForms):
 
     def _not_done(self, exc: DjinnError, body: dict[str, Any]) -> None:
         if isinstance(exc, (SessionEnded, SessionExpired)):
-            self._gone = exc  # the appliance freed it: nothing more will work
+            self._gone = copy_of(exc)  # the appliance freed it: nothing more will work
             self._unsent(body)
         elif isinstance(exc, (WorkerLost, SessionLost)):
             self._unsent(body)
@@ -315,7 +316,7 @@ class Session(Puts, Flights, GraphForms):
 
         got = self._recovering(attempt)
         if failed:
-            raise failed[0]
+            raise copy_of(failed[0])
         return got
 
     def _get_many(

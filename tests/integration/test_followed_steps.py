@@ -457,6 +457,42 @@ def test_a_followed_step_whose_forward_fails_leaves_what_it_writes_failed(ahead,
     assert torch.equal(bad.cpu(), torch.tensor([[0, 9], [2, 3]]))
 
 
+def test_a_loop_whose_forward_failed_lets_its_handles_go_once_dropped(ahead, appliance, remote):
+    """Note [raising a kept error]: the loop above, its failed values read (each raises),
+    then dropped: the appliance holds none of its tensors any more. The error kept on the
+    failed values had gathered every reader's frames, the loop's model and optimizer
+    among their locals, in a cycle through tensors C++ holds, which Python's collector
+    never freed: 12 handles stayed on the appliance for good."""
+    import gc
+
+    from djinn.errors import DjinnError
+    from tests.conftest import wait_for
+
+    s = default_session()
+
+    def handles() -> int:
+        trace.land_all()
+        gc.collect()
+        s.memory_allocated()  # a request: what was let go is freed with the next one
+        return next(r for r in appliance.stats()["sessions"] if r["id"] == s.id)["handles"]
+
+    before = handles()
+
+    def failed_loop() -> None:
+        model, opt, run, good, y = _embedding_loop(remote)
+        with contextlib.suppress(DjinnError):
+            run(torch.tensor([[0, 9], [2, 3]]).to(remote), y).cpu()  # row 9 of 6
+        weight = model[1].weight
+        for value in (weight, weight.grad, opt.state[weight]["exp_avg"]):
+            with pytest.raises(DjinnError, match="index"):
+                value.cpu()
+        with pytest.raises(DjinnError, match="index"):  # it reads the failed parameters
+            run(good, y).cpu()
+
+    failed_loop()
+    wait_for(lambda: handles() <= before, timeout=10)
+
+
 def test_a_cpu_worker_says_how_many_threads_a_graph_sent_without_waiting_gets(remote):
     """The session-open reply of a CPU worker carries ``cpu_threads``."""
     s = default_session()
