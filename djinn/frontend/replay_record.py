@@ -22,7 +22,7 @@ from .failures import written_values
 from .nodes import Pending
 from .replay_key import PLAIN, Miss, State, Used
 from .replay_run import same_bytes
-from .replay_sources import grad_owners, left_in_grad, sources_of, spec_key
+from .replay_sources import grad_owners, held_by_views, left_in_grad, sources_of, spec_key
 from .replay_steps import (
     grads_as_at_steps,
     grads_left,
@@ -161,8 +161,9 @@ def recorded(
             raise Miss(f"it returns a {type(x).__name__}, not a tensor or a plain value", True)
     owners = grad_owners(readers + tensors)
     returned = {o for o, _ in outs if o is not None}
+    shared = {id(s) for s in stores if s is not None}
     try:
-        left = left_in_grad(nodes, returned, owners)
+        left = left_in_grad(nodes, returned, owners, held_by_views(leaves), shared)
     except Miss:
         left = None  # looked at again outside this block: its traceback holds the tensor
     if left is None:
@@ -172,7 +173,7 @@ def recorded(
         # capture's frames held F.linear's arguments). The call does not keep it: collect
         # the young generations once (cheap) and look again.
         gc.collect(1)
-        left = left_in_grad(nodes, returned, owners)
+        left = left_in_grad(nodes, returned, owners, held_by_views(leaves), shared)
     steps = outer_steps(used.steps)
     cut = optimizer_cut(len(nodes), steps)
     before = set() if cut is None else {id(n) for n in nodes[:cut]}

@@ -123,6 +123,53 @@ def test_a_tensor_only_garbage_holds_is_not_kept_by_the_call(remote):
     assert f.stats()["recordings"] == 1 and f.stats()["plain"] == {}, f.stats()
 
 
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda y: y.view(-1),
+        lambda y: y[:, -1],
+        lambda y: y.transpose(0, 1),
+        lambda y: y.unsqueeze(0)[..., :2],  # a view of a view: both of the same base
+    ],
+    ids=["view", "select", "transpose", "view-of-view"],
+)
+def test_a_call_returning_a_view_of_what_it_made_replays(remote, view):
+    """Note [a returned view's base]: the base of a returned view (GPT-2's last hidden
+    state is a ``view`` of its final layer norm's output) stays alive through the view
+    alone; such a call used to run as it is every time ("it keeps a tensor it made")."""
+    local = _mlp()
+    model = _moved(local, remote)
+    fwd = djinn.replayable(lambda x: view(model(x)))
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 16)
+            out = fwd(x.to(remote))
+            assert torch.equal(out.cpu(), view(local(x)))
+            out.mul_(2)  # written where the view points, as a local one would be
+            assert torch.equal(out.cpu(), view(local(x)) * 2)
+    assert fwd.stats()["replays"] == 3 and fwd.stats()["plain"] == {}, fwd.stats()
+
+
+def test_a_call_that_keeps_the_base_of_the_view_it_returns_runs_as_it_is(remote):
+    """The base is held elsewhere too (``self.cache``): a replay could not set it."""
+    kept = {}
+
+    def fn(x):
+        y = x * 2
+        kept["y"] = y
+        return y.view(-1)
+
+    f = djinn.replayable(fn)
+    for i in range(4):
+        x = torch.full((2, 3), float(i))
+        assert torch.equal(f(x.to(remote)).cpu(), (x * 2).view(-1))
+        assert torch.equal(kept["y"].cpu(), x * 2)
+    assert f.stats()["replays"] == 0, f.stats()
+    assert "it keeps a tensor it made that it does not return (aten::mul.Tensor)" in (
+        f.stats()["plain"]
+    )
+
+
 def test_new_argument_kinds_record_again(remote):
     local = _mlp()
     model = _moved(local, remote)
