@@ -17,11 +17,15 @@ one process on one private appliance, with local eager beside them in every roun
 recordings among them), per round, ms per step and the client's CPU per step. Every
 loop's parameters must equal local eager's bit for bit. ``--worker-threads N`` gives the
 CPU worker (and local eager) N intra-op threads: below the host's cores, the client
-follows on a core of its own (``auto`` then takes ahead).
+follows on a core of its own (``auto`` then takes ahead). ``--dropout P`` trains with
+dropout: its masks are drawn anew at every replay as eager draws them (Note [replayed
+draws]; before that, such a call ran as it was at every call, and every row here was a
+capture); each loop starts from the same seed.
 
     python benchmarks/followed_steps.py              # 5 rounds of 60 steps each way
     python benchmarks/followed_steps.py --rounds 3 --steps 40
     python benchmarks/followed_steps.py --worker-threads 1
+    python benchmarks/followed_steps.py --dropout 0.1
 
 This machine's timings move by tens of percent from minute to minute: judge the ratios
 of the replayed rows within a round, and the medians over rounds.
@@ -59,6 +63,7 @@ def steady(model: torch.nn.Module, batches: list, steps: int, way: str) -> dict:
     data = [(x.to(device), y.to(device)) for x, y in batches]
 
     step = train_step(m, opt)
+    torch.manual_seed(1234)  # each way draws --dropout's masks from the same generator
     if device == "cpu":
         run = step
     else:
@@ -93,13 +98,16 @@ def main() -> int:
     parser.add_argument("--worker-threads", type=int, default=0,
                         help="the CPU worker's and local eager's intra-op threads "
                              "(0: the worker's default, local eager's own)")  # fmt: skip
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the encoder's dropout: its masks replay, drawn as eager "
+                             "draws them (Note [replayed draws])")  # fmt: skip
     parser.add_argument("--json", default="benchmarks/results/followed_steps.json")
     args = parser.parse_args()
     extra = {}
     if args.worker_threads:
         torch.set_num_threads(args.worker_threads)
         extra["cpu_threads"] = args.worker_threads
-    model = build(64, 2).train()
+    model = build(64, 2, args.dropout).train()
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(16, 32, 64, generator=gen), torch.randn(16, 32, 1, generator=gen))
                for _ in range(20)]  # fmt: skip
@@ -135,7 +143,8 @@ def main() -> int:
         rows,
     ))  # fmt: skip
     threads = args.worker_threads or "default"
-    print(f"\n(default Adam, {args.steps} steady steps a loop, worker threads: {threads}; every "
+    print(f"\n(default Adam, dropout {args.dropout}, {args.steps} steady steps a loop, worker "
+          f"threads: {threads}; every "
           f"loop's parameters equal local eager's; torch {torch.__version__})")  # fmt: skip
     save_json({"rounds": runs, "medians_ms": med, "args": vars(args)}, args.json)
     return 0

@@ -57,10 +57,10 @@ from _report import md_table
 R = "remote_accelerator:0"
 
 
-def build(width: int, layers: int) -> torch.nn.Module:
+def build(width: int, layers: int, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(
-        width, nhead=4, dim_feedforward=2 * width, dropout=0.0, batch_first=True
+        width, nhead=4, dim_feedforward=2 * width, dropout=dropout, batch_first=True
     )
     return torch.nn.Sequential(
         torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),

@@ -102,7 +102,7 @@ def fail(node: Node, error: DjinnError) -> None:
     node.executed = True
     node.results = [None] * node.nout
     node.args = node.kwargs = None
-    node.rng = None
+    node.rng = node.draw = None
     node.bases = ()
     failed = Failed(error)
     for holders in node.holders:

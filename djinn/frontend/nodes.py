@@ -24,6 +24,7 @@ class Node:
         "__weakref__",
         "args",
         "bases",
+        "draw",
         "executed",
         "failed",
         "holders",
@@ -55,6 +56,7 @@ class Node:
         self.inflight: Sent | None = None  # Note [asynchronous flushes]: sent, not landed
         self.failed: DjinnError | None = None  # Note [failed values]
         self.rng: torch.Tensor | None = None
+        self.draw: Any = None  # how its random op advanced the local generator (seeded.Draw)
         self.module = ""
         self.specs: Any = None
         # the values of the bases of the views this op writes into (Note [failed values])

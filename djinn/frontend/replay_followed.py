@@ -208,7 +208,7 @@ def _whole_bound(
         split_inputs, form = split
         body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
         alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-        with trace_mod.replay_in_flight(tr, alone, body, rec.inline, form, split_inputs):
+        with trace_mod.replay_in_flight(tr, alone, body, rec.inline_now(), form, split_inputs):
             for t, k in bound:
                 bind(t, Pending(alone, plan.slots[k]))
 
@@ -225,7 +225,7 @@ def _whole_sent(rec: Record, tr: Any, node: Replayed, inputs: list, follower: Fo
     if whole.fill is None:
         whole.fill = templates.instantiator(whole.tpl)
     body = templates.filled(whole.tpl, whole.fill, handles, scalars)
-    with trace_mod.replay_in_flight(tr, node, body, whole.inline,
+    with trace_mod.replay_in_flight(tr, node, body, whole.inline_now(),
                                     (whole.fingerprint, handles, scalars), inputs):  # fmt: skip
         pass
     return True

@@ -29,7 +29,7 @@ def replay_sent(
     inputs, form = sent
     body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
     node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-    with trace_mod.replay_in_flight(tr, node, body, rec.inline, form, inputs):  # runs as we go on
+    with trace_mod.replay_in_flight(tr, node, body, rec.inline_now(), form, inputs):  # goes on
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
         leaves = bind_outputs(rec, node, tensors)

@@ -75,6 +75,9 @@ class Record:
     # per output leaf that is a view: the storage it shares, ("arg", i) or the Storage
     # (Note [writes another thread captured], writes.py)
     shares: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    # per random op, in program order: its generator state's place in ``inline`` and how
+    # it advanced the local generator (Note [replayed draws])
+    draws: list[tuple[int, Any]] = field(default_factory=list, repr=False, compare=False)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
 
@@ -90,8 +93,38 @@ class Record:
             and self.outputs == other.outputs
             and self.out_spec == other.out_spec
             and len(self.inline) == len(other.inline)
-            and all(same_bytes(a, b) for a, b in zip(self.inline, other.inline, strict=True))
+            and [k for k, _ in self.draws] == [k for k, _ in other.draws]
+            and self._same_inline(other)
         )
+
+    def _same_inline(self, other: Record) -> bool:
+        """The same inline tensors but for the random ops' generator states."""
+        drawn = {k for k, _ in self.draws}
+        pairs = enumerate(zip(self.inline, other.inline, strict=True))
+        return all(same_bytes(a, b) for k, (a, b) in pairs if k not in drawn)
+
+    def inline_now(self) -> list[torch.Tensor]:
+        """The inline tensors a replay sends: as recorded, but for each random op's
+        generator state, drawn now.
+
+        Note [replayed draws]: a random op (dropout in a training step) sends the state
+        of the local CPU generator it runs with, and advances that generator as eager's
+        would by running on scratch tensors (Note [seeded ops]). A replay runs no op on
+        the client, so a call with one ran as it was, op by op, at every call: training
+        with dropout never replayed. The states travel as inline tensors, which a replay
+        sends anew each time; so a replay now takes, for each random op in program order,
+        the generator's state and advances it as the op's capture did (``seeded.Draw``:
+        the op again on scratch tensors of the same layouts). The worker draws the
+        numbers eager would, and every later random number, local or remote, is eager's
+        too. Two recordings are alike with other states in those places. An op that
+        draws as many numbers as its inputs' values say (a Poisson sampler) would need
+        them read: such a call runs as it is."""
+        if not self.draws:
+            return self.inline
+        inline = list(self.inline)
+        for k, draw in self.draws:
+            inline[k] = draw.again()
+        return inline
 
     def _shape(self) -> list[Any]:
         """Where each input and each gradient come from, a held input named by its handle."""
@@ -130,8 +163,9 @@ def recorded(
     if used.skipped is not None:  # Note [steps a replay would skip] (replay_key.py)
         raise Miss(f"it calls {used.skipped}, which a replay would skip", final=True)
     ids = {id(n) for n in nodes}
-    if any(n.rng is not None for n in nodes):
-        raise Miss("it draws random numbers", final=True)
+    draws = [n.draw for n in nodes if n.rng is not None]  # Note [replayed draws]
+    if any(d is None for d in draws):
+        raise Miss("it draws random numbers as many as its inputs' values say", final=True)
     if any(n.failed is not None or n.executed or n.inflight is not None for n in nodes):
         raise Miss("an op failed while it was captured")
     readers = [t for entries in reads.values() for _cell, t in entries]
@@ -224,7 +258,7 @@ def recorded(
     del graph
     if fetch or len(keep) != len(targets):
         raise Miss("its graph fetched or kept more than it returns")
-    parts = (outs, out_spec, tensors, reads, owners, stores)
+    parts = (outs, out_spec, tensors, reads, owners, stores, draws)
     external = [(w, bytes_) for w, bytes_ in local if w() is not None]
     rec = _record_of(encoded, keep, targets, inline, left, written[0], parts, state, external,
                      seen["form"])  # fmt: skip
@@ -271,7 +305,10 @@ def _record_of(
 ) -> Record:
     """The record of a graph the call sent (or of its ops before its optimizer steps);
     ``form``: its template, inputs and scalars when already worked out."""
-    outs, out_spec, tensors, reads, owners, stores = parts
+    outs, out_spec, tensors, reads, owners, stores, draws = parts
+    at = [node["rng"] for node in encoded if "rng" in node]  # in node order, as ``draws``
+    if len(at) > len(draws):
+        raise Miss("a random op's draw is unknown")
     slot = {(id(n), k): j for j, (n, k, _alive) in enumerate(targets)}
     if any(where not in slot for where in left):
         raise Miss("a gradient was not kept")
@@ -305,6 +342,7 @@ def _record_of(
         grads=grads,
         state=state,
         shares=shares,
+        draws=list(zip(at, draws[: len(at)], strict=True)),
     )
 
 

@@ -31,11 +31,13 @@ call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
   global module and optimizer hooks; and whether each ``.grad`` a replay sets was empty
   when the recording began (else a run would add to it); a change records again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
-  steer Python), drew no random numbers (a replay would repeat them), made no tensor with
-  an autograd history (a replay builds none), captured every op in one graph (its own
-  and its backward pass's), returned only tensors it made (and plain values), and left
-  no other tensor it made alive but gradients in ``.grad`` (``self.cache = x``: a replay
-  could not set it);
+  steer Python), drew no random numbers as many as its inputs' values say (a Poisson
+  sampler; dropout and ``randn`` replay, each replay drawing anew from the local
+  generator: Note [replayed draws]), made no tensor with an autograd history (a replay
+  builds none), captured every op in one graph (its own and its backward pass's),
+  returned only tensors it made, views of them, and plain values, and left no other
+  tensor it made alive but gradients in ``.grad`` (``self.cache = x``: a replay could
+  not set it; a base only its returned views hold is theirs);
 - a key replays only after ``after`` recordings in a row gave the same graph, the same
   floats and inline tensors, the same inputs and the same outputs: a float that changes
   from call to call (an optimizer's bias correction) is Python state a replay would

@@ -34,22 +34,76 @@ DRAWS_BY_VALUE = frozenset(
 )
 
 
+class _Scratch:
+    """A remote tensor's place in a ``Draw``: a local tensor of its layout is made for it
+    at each draw, holding a value every random op accepts."""
+
+    __slots__ = ("dtype", "shape", "stride")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.shape, self.stride, self.dtype = tuple(x.shape), tuple(x.stride()), x.dtype
+
+    def made(self) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        # a probability, a mean, a rate, never uninitialised memory: bernoulli refuses p
+        # outside [0, 1]
+        return t.fill_(0.5 if t.is_floating_point() or t.is_complex() else 1)
+
+
+class Draw:
+    """A random op as it advances the local generator: run again, it advances it again
+    the same way (Note [replayed draws] in replay_record.py)."""
+
+    __slots__ = ("args", "func", "kwargs")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
+        self.func = func
+        self.args = [_placed(v) for v in args]
+        self.kwargs = {k: _placed(v) for k, v in kwargs.items()}
+
+    def again(self) -> torch.Tensor:
+        """The local generator's state for the op to run with, the generator advanced."""
+        state = torch.get_rng_state()
+        self.func(*[_made(v) for v in self.args], **{k: _made(v) for k, v in self.kwargs.items()})
+        return state
+
+
+def _placed(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
+        return _Scratch(x)
+    if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
+        return torch.device("cpu")
+    if type(x) in (list, tuple):
+        return type(x)(_placed(v) for v in x)
+    return x
+
+
+def _made(x: Any) -> Any:
+    if type(x) is _Scratch:
+        return x.made()
+    if type(x) in (list, tuple):
+        return type(x)(_made(v) for v in x)
+    return x
+
+
 def advance_local_generator(
     func: Any, args: tuple, kwargs: dict, read: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, Draw | None]:
     """The local generator's state for ``func`` to run with, the generator then advanced
-    as eager's would be (Note [seeded ops]); ``read`` gives a remote tensor's value."""
+    as eager's would be (Note [seeded ops]); ``read`` gives a remote tensor's value. And
+    the ``Draw`` that advances it so again, but for an op that draws by its inputs'
+    values (``DRAWS_BY_VALUE``), which reads them."""
+    if func not in DRAWS_BY_VALUE:
+        draw = Draw(func, args, kwargs)
+        return draw.again(), draw
     state = torch.get_rng_state()
-    by_value = func in DRAWS_BY_VALUE
 
     def scratch(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
-            t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
-            if by_value:  # the generator advances by as many draws as these values take
-                return t.copy_(read(x))
-            # values every random op accepts (a probability, a mean, a rate), never
-            # uninitialised memory: bernoulli refuses p outside [0, 1]
-            return t.fill_(0.5 if t.is_floating_point() or t.is_complex() else 1)
+            # the generator advances by as many draws as these values take
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype).copy_(
+                read(x)
+            )
         if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
             return torch.device("cpu")
         if type(x) in (list, tuple):
@@ -57,4 +111,4 @@ def advance_local_generator(
         return x
 
     func(*[scratch(v) for v in args], **{k: scratch(v) for k, v in kwargs.items()})
-    return state
+    return state, None

@@ -419,7 +419,7 @@ def _ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) ->
         n.results = results[id(n)]
         n.executed = True
         n.args = n.kwargs = None  # let inputs go
-        n.rng = None
+        n.rng = n.draw = None
         n.bases = ()
     for (_n, _k, alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:

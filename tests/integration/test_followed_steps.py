@@ -146,6 +146,33 @@ def test_a_default_adam_step_is_followed_into_a_template_of_its_own(ahead, remot
     assert len(set(fps)) == a_step and set(fps) <= default_session()._graphs, sent
 
 
+def test_a_step_with_dropout_replays_with_eagers_draws(ahead, remote):
+    """Note [replayed draws]: an encoder trained with dropout replays (it used to run as it
+    was at every call: "it draws random numbers"), each replay drawing its masks from the
+    local generator as eager does: the same bits in every loss, parameter and gradient,
+    and the same random numbers after the loop."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.25, batch_first=True)
+    local = torch.nn.Sequential(
+        torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), torch.nn.Linear(16, 1)
+    ).train()
+    model = _moved(local, remote)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    torch.manual_seed(7)
+    want, _, _ = _loop(local, adam, "cpu", False)
+    after_local = torch.rand(4)
+    torch.manual_seed(7)
+    got, run, _ = _loop(model, adam, remote, True)
+    after_remote = torch.rand(4)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+        assert torch.equal(p.grad.cpu(), q.grad)
+    assert torch.equal(after_remote, after_local)
+    stats = run.stats()
+    assert stats["replays"] == 5 and stats["steps_followed"] == 5, stats
+
+
 def test_a_step_that_makes_another_op_is_captured_from_there(ahead, remote):
     """Every third step scales the parameters too: its following stops at that op, the
     ops followed before it are captured as they were called, then the rest."""

@@ -70,6 +70,37 @@ def test_an_sgd_training_step_replays_with_local_eagers_bits(remote):
     assert stats["replays"] == 3 and stats["recordings"] == 2, stats
 
 
+def test_random_ops_replay_drawing_what_eager_draws(remote):
+    """Note [replayed draws]: dropout and ``randn`` in a replayed call, with the generator
+    reseeded between calls and read by local draws between them: every call gives eager's
+    numbers, including the replays, which draw anew. A sampler that draws as many numbers
+    as its inputs' values say runs as it is."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    rw = w.to(remote)
+
+    def fn(x, w):
+        h = torch.nn.functional.dropout(x @ w, 0.5)
+        return h + torch.randn(h.shape, device=h.device)
+
+    run = djinn.replayable(fn)
+    for seed in (1, 2, 1, 3, 3, 4):
+        x = torch.randn(4, 8)
+        torch.manual_seed(seed)
+        want = (fn(x, w), torch.rand(2))
+        torch.manual_seed(seed)
+        got = (run(x.to(remote), rw).cpu(), torch.rand(2))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+    assert run.stats()["replays"] == 4 and run.stats()["plain"] == {}, run.stats()
+
+    poisson = djinn.replayable(lambda rate: torch.poisson(rate))
+    rate = torch.full((3,), 4.0).to(remote)
+    for _ in range(4):
+        poisson(rate).cpu()
+    assert poisson.stats()["replays"] == 0
+    assert "it read a value or captured nothing" in poisson.stats()["plain"]
+
+
 def test_a_replays_body_is_made_only_where_it_is_read(remote, monkeypatch):
     """Note [bodies made when read] (djinn/protocol/templates.py): a replay goes by
     fingerprint and its journal entry by its template's facts, so after the first replay
