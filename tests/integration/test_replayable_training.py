@@ -84,6 +84,7 @@ def test_random_ops_replay_drawing_what_eager_draws(remote):
         return h + torch.randn(h.shape, device=h.device)
 
     run = djinn.replayable(fn)
+    threads = torch.get_num_threads()
     for seed in (1, 2, 1, 3, 3, 4):
         x = torch.randn(4, 8)
         torch.manual_seed(seed)
@@ -92,6 +93,8 @@ def test_random_ops_replay_drawing_what_eager_draws(remote):
         got = (run(x.to(remote), rw).cpu(), torch.rand(2))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
     assert run.stats()["replays"] == 4 and run.stats()["plain"] == {}, run.stats()
+    # the draws ran on one thread (Note [scratch draws on one thread]), and gave it back
+    assert torch.get_num_threads() == threads
 
     poisson = djinn.replayable(lambda rate: torch.poisson(rate))
     rate = torch.full((3,), 4.0).to(remote)
