@@ -11,7 +11,10 @@ Measures, in one run on one appliance:
 - replayed: the same forward through ``djinn.replayable`` (Note [replayable functions]),
   sent by its template's fingerprint with no op captured, in the same rounds; with the
   client's own CPU time per replay, per op, and its request bytes (issue 11: at most 10
-  µs per op, constant in the op count);
+  µs per op, constant in the op count); and the transformer alone, returning its last
+  hidden state, which is a view of its final layer norm's output (Note [a returned
+  view's base]: before stop 41 such a call ran op by op at every call), against local
+  eager's transformer in the same rounds;
 - with ``--compiled``, the local model under ``torch.compile`` (inductor) in the same
   rounds: what compiling buys on this machine (issue 11's "once compiled" target).
 
@@ -159,6 +162,7 @@ def main() -> int:
         return time.perf_counter() - start
 
     replayed = djinn.replayable(lambda x: remote(x).logits)
+    hidden = djinn.replayable(lambda x: remote.transformer(x).last_hidden_state)
     from djinn.frontend.session import default_session
 
     channel = default_session().channel
@@ -179,6 +183,7 @@ def main() -> int:
         local(ids)  # warm
         for _ in range(replayed.after + 1):  # recorded, confirmed, then replayed
             replayed(rids).cpu()
+            hidden(rids).cpu()
         compiled = None
         if args.compiled:
             compiled = torch.compile(local)
@@ -194,9 +199,14 @@ def main() -> int:
                 timed_once(unstreamed),
                 timed_once(lambda: compiled(ids).logits) if compiled is not None else 0.0,
                 timed_once(lambda: replayed(rids).cpu()),
+                timed_once(lambda: local.transformer(ids).last_hidden_state),
+                timed_once(lambda: hidden(rids).cpu()),
             )
             for _ in range(args.repeat)
         ]
+        local_hidden_s = statistics.median(r[5] for r in rounds)
+        hidden_s = statistics.median(r[6] for r in rounds)
+        hidden_diff = (hidden(rids).cpu() - local.transformer(ids).last_hidden_state).abs().max()
         local_s = statistics.median(r[0] for r in rounds)
         remote_s = statistics.median(r[1] for r in rounds)
         whole_s = statistics.median(r[2] for r in rounds)
@@ -239,6 +249,11 @@ def main() -> int:
         "replay_stats": replay_stats,
         "weights_upload_s": round(upload_s, 2),
         "target_us_per_op": 20,
+        "local_hidden_ms": round(local_hidden_s * 1e3, 2),
+        "hidden_replayed_ms": round(hidden_s * 1e3, 2),
+        "hidden_replayed_over_local": round(hidden_s / local_hidden_s, 3),
+        "hidden_max_abs_diff": hidden_diff.item(),
+        "hidden_stats": hidden.stats(),
     }
     if compiled is not None:
         result["local_compiled_ms"] = round(compiled_s * 1e3, 2)
@@ -277,6 +292,13 @@ def main() -> int:
         f"{result['replay_client_us_per_op']}; {request_bytes} |"
     )
     print(f"| max abs diff vs local (captured; replayed) | {diff:.2e}; {replay_diff:.2e} |")
+    print(
+        f"| transformer alone, its last hidden state (a view) replayed: local ms; "
+        f"replayed ms (/ local); max abs diff | {result['local_hidden_ms']}; "
+        f"{result['hidden_replayed_ms']} ({result['hidden_replayed_over_local']}); "
+        f"{result['hidden_max_abs_diff']:.2e} |"
+    )
+    print(f"| its replays, recordings, calls run as they are | {result['hidden_stats']} |")
     print(f"| replays, recordings, calls run as they are | {replay_stats} |")
     print(f"| weights upload + first forward (s) | {result['weights_upload_s']} |\n")
     save_json(result, args.json)
