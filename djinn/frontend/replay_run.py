@@ -11,9 +11,11 @@ sat idle while the client made the outputs, returned, and ran the program up to 
 call (the checks of the next replay included, which now run before anything lands); the
 default Adam's step, captured after the replayed forward and backward, waited for them
 before its first op was captured. The request is not partial: a node that fails fails
-the replay as a whole, which is raised where it lands, and the replay's outputs and every
-tensor it writes into hold the error from then on (Note [failed values]: a parameter a
-failed step half wrote must not be read as if it held the program's value).
+the replay as a whole, which is raised where it lands on the thread that sent it
+(another thread's unrelated read that lands it gets its value, as in eager), and the
+replay's outputs and every tensor it writes into hold the error from then on (Note
+[failed values]: a parameter a failed step half wrote must not be read as if it held the
+program's value).
 """
 
 from __future__ import annotations

@@ -448,7 +448,7 @@ class Sent:
     """A flush sent without waiting for its reply."""
 
     __slots__ = ("error", "flight", "inputs", "keep_targets", "landed", "lock", "quiet", "reply",
-                 "sent", "trace")  # fmt: skip
+                 "sent", "thread", "trace")  # fmt: skip
 
     def __init__(self, trace: Trace, sent: list[Node], keep_targets: list, quiet: bool) -> None:
         self.trace, self.sent, self.keep_targets, self.quiet = trace, sent, keep_targets, quiet
@@ -458,6 +458,7 @@ class Sent:
         self.reply: tuple[list[Any], list[Any], Any] | None = None  # (kept, fetched, failure)
         self.error: DjinnError | None = None  # or why the request failed as a whole
         self.inputs: list[Any] = []  # a replay's input values, held until it lands
+        self.thread = threading.get_ident()  # where its failure is raised as it lands
 
 
 @contextlib.contextmanager
@@ -530,7 +531,9 @@ def land(item: Sent) -> None:
             for n in item.sent:
                 fail(n, item.error)
                 n.inflight = None
-            if not item.quiet:
+            # raised on the thread that sent it; another lands it for an unrelated read,
+            # which eager would answer (its outputs and writes hold the error either way)
+            if not item.quiet and item.thread == threading.get_ident():
                 raise copy_of(item.error)
             return
         assert item.reply is not None

@@ -313,6 +313,38 @@ def test_a_failing_replay_raises_and_the_next_call_works(remote):
     assert fwd.stats()["replays"] >= 2
 
 
+def test_a_failed_replay_landed_by_another_threads_unrelated_read_is_not_raised_there(remote):
+    """A replay fails as a whole where it lands (Note [asynchronous replays]); another
+    thread whose unrelated read lands it gets its value, as in eager, and the replay's
+    output still raises its error where it is read."""
+    import threading
+
+    table = torch.randn(6, 3)
+    rtable = table.to(remote)
+    other = torch.arange(3.0).to(remote)
+    fwd = djinn.replayable(lambda idx: rtable.index_select(0, idx) * 2)
+    for _ in range(3):
+        fwd(torch.tensor([0, 5, 2]).to(remote)).cpu()
+    bad = torch.tensor([0, 9, 2]).to(remote)
+    trace.land_all()  # the put of ``bad``
+    out = fwd(bad)  # sent, not landed
+    got: list = []
+
+    def read() -> None:
+        try:
+            got.append((other + 1).cpu())
+        except DjinnError as exc:
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join()
+    assert fwd.stats()["replays"] >= 2
+    assert torch.equal(got[0], torch.arange(3.0) + 1), got
+    with pytest.raises(DjinnError, match="index"):
+        out.cpu()
+
+
 def test_reset_forgets_recordings_and_bad_arguments_are_refused(remote):
     fwd = djinn.replayable(lambda x: x * 2)
     x = torch.randn(3).to(remote)
