@@ -22,7 +22,7 @@ from .failures import written_values
 from .nodes import Pending
 from .replay_key import PLAIN, Miss, State, Used
 from .replay_run import same_bytes
-from .replay_sources import grad_owners, held_by_views, left_in_grad, sources_of, spec_key
+from .replay_sources import grad_owners, left_in_grad, sources_of, spec_key
 from .replay_steps import (
     grads_as_at_steps,
     grads_left,
@@ -143,6 +143,7 @@ def recorded(
     reads: dict[Any, list[tuple[Any, Any]]],
     used: Used,
     closure: list[Any],
+    generator: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Record:
     """Check the call just captured (Note [replayable functions]), then run it as one
     graph, watching what goes on the wire; its record. When it ends with optimizer steps
@@ -166,6 +167,8 @@ def recorded(
     draws = [n.draw for n in nodes if n.rng is not None]  # Note [replayed draws]
     if any(d is None for d in draws):
         raise Miss("it draws random numbers as many as its inputs' values say", final=True)
+    if generator is not None and not _draws_alone(generator, draws):
+        raise Miss("it uses the local random generator itself (a seed, a local draw)")
     if any(n.failed is not None or n.executed or n.inflight is not None for n in nodes):
         raise Miss("an op failed while it was captured")
     readers = [t for entries in reads.values() for _cell, t in entries]
@@ -197,7 +200,7 @@ def recorded(
     returned = {o for o, _ in outs if o is not None}
     shared = {id(s) for s in stores if s is not None}
     try:
-        left = left_in_grad(nodes, returned, owners, held_by_views(leaves), shared)
+        left = left_in_grad(nodes, returned, owners, shared)
     except Miss:
         left = None  # looked at again outside this block: its traceback holds the tensor
     if left is None:
@@ -207,7 +210,7 @@ def recorded(
         # capture's frames held F.linear's arguments). The call does not keep it: collect
         # the young generations once (cheap) and look again.
         gc.collect(1)
-        left = left_in_grad(nodes, returned, owners, held_by_views(leaves), shared)
+        left = left_in_grad(nodes, returned, owners, shared)
     steps = outer_steps(used.steps)
     cut = optimizer_cut(len(nodes), steps)
     before = set() if cut is None else {id(n) for n in nodes[:cut]}
@@ -283,6 +286,22 @@ def recorded(
         rec.split.clears, rec.split.nones = clears, nones
         rec.split.unwatched = rec.unwatched
     return rec
+
+
+def _draws_alone(generator: tuple[torch.Tensor, torch.Tensor], draws: list[Any]) -> bool:
+    """Whether the call left the local generator where its random ops' draws alone leave
+    it from where it found it (Note [replayed draws]). A replay runs only those: a seed
+    the call sets, a state it restores (``fork_rng``), a draw it makes locally (LayerDrop's
+    ``torch.rand([]) < p``) would not happen, and every later number would be another
+    (a review found such calls replayed off eager from their third call)."""
+    entry, left = generator
+    torch.set_rng_state(entry)
+    try:
+        for draw in draws:
+            draw.again()
+        return torch.equal(torch.get_rng_state(), left)
+    finally:
+        torch.set_rng_state(left)
 
 
 def _written(nodes: list[Any]) -> set[str]:

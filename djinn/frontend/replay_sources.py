@@ -9,8 +9,6 @@ import sys
 import weakref
 from typing import Any
 
-import torch
-
 from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
@@ -31,77 +29,45 @@ def grad_owners(tensors: list[Any]) -> dict[int, Any]:
     return owners
 
 
-class _Probe(torch.Tensor):
-    """A tensor subclass, as LazyTensor is, to count what holds a base only its views do."""
-
-
-def _python_refs(t: torch.Tensor) -> int:
-    """``t``'s reference count, ``t`` held by one local of the caller."""
-    return sys.getrefcount(t)
-
-
-def _views_only() -> int:
-    """What ``_python_refs`` counts for a tensor nothing but its views holds: C++ holds
-    it then (a view's autograd meta), which Python's count does not show. Measured on a
-    probe, not assumed, so that another interpreter's counting gives its own figure."""
-    view = torch.empty(1).as_subclass(_Probe).view(1)
-    base = view._base
-    return _python_refs(base)
-
-
-_VIEWS_ONLY = _views_only()
-
-
-def held_by_views(leaves: list[Any]) -> set[int]:
-    """ids of the Bindings of the bases of the views it returns that nothing else holds.
+def only_views_hold(cells: list[Any]) -> bool:
+    """Whether the tensors bound by ``cells`` are each held by nothing but views.
 
     Note [a returned view's base]: ``return x.view(...)`` (GPT-2's last hidden state, a
     slice of logits) keeps ``x`` alive as the view's ``_base``, and ``x`` looked like a
     tensor the call made and kept without returning it, which a replay could not set:
-    such calls were never replayed. A tensor held only by the views it returns is reached
-    only through them: not kept. One held by anything else as well (``self.cache = x``)
-    is. A view of a view can hold the view between too (``x.unsqueeze(0)[..., :2]``: the
-    slice's reverse view function keeps its input), which ``_base`` does not name: a
-    tensor left that shares its storage with a returned one is looked for among the
-    collector's objects (``only_views_hold``), a heap walk made only then."""
-    from .lazy import LazyTensor
-
-    held = set()
-    for x in leaves:
-        if isinstance(x, LazyTensor) and x._is_view():
-            base = x._base
-            if _python_refs(base) <= _VIEWS_ONLY:
-                held.add(id(base.__dict__["_b"]))
-    return held
-
-
-def only_views_hold(cells: list[Any]) -> bool:
-    """Whether the tensors bound by ``cells`` are each held by nothing but views."""
+    such calls were never replayed. A view of a view can hold the view between as well
+    (the slice's reverse view function keeps its input). Such tensors are held by C++
+    alone, which Python's collector does not see as a referrer; a tensor the program
+    keeps (``self.cache = x``, ``box[0] = x[2:]``) has one, a container or a frame. So
+    a tensor the call made and did not return, that shares its storage with one it
+    returns, is looked for among the collector's objects, and then whatever refers to it
+    (two heap walks, made at a recording only, and only then). A reference count cannot
+    tell: what C++ ownership adds to it differs between kinds of tensor subclass (a
+    review found a count calibrated on another kind one too lenient, and a kept view
+    replayed stale)."""
     from .lazy import LazyTensor
 
     want = {id(c) for c in cells}
-    found = 0
-    objects = gc.get_objects()
-    for o in objects:
-        # type(), not isinstance: a module proxy warns when its __class__ is read
-        if issubclass(type(o), LazyTensor) and id(o.__dict__.get("_b")) in want:
-            if _python_refs(o) - 1 > _VIEWS_ONLY:  # less ``objects``' own reference
-                return False
-            found += 1
-    return found == len(want)
+    # type(), not isinstance: a module proxy warns when its __class__ is read
+    found = [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), LazyTensor) and id(o.__dict__.get("_b")) in want
+    ]
+    if len(found) != len(want):
+        return False
+    here = sys._getframe()
+    holders = [r for r in gc.get_referrers(*found) if r is not found and r is not here]
+    return not holders
 
 
 def left_in_grad(
-    nodes: list[Any],
-    returned: set,
-    owners: dict[int, Any],
-    viewed: set[int] = frozenset(),
-    shared: set[int] = frozenset(),
+    nodes: list[Any], returned: set, owners: dict[int, Any], shared: set[int] = frozenset()
 ) -> dict:
     """The outputs it made that stay alive in ``.grad`` (each replay puts new ones there),
     by output; any other it did not return is a Miss, but for one only the views it
-    returns hold (Note [a returned view's base]). ``viewed``: the Bindings of such bases
-    (``held_by_views``); ``shared``: the ids of the ``Storage``s of what it returns."""
+    returns hold (Note [a returned view's base]). ``shared``: the ids of the
+    ``Storage``s of what it returns."""
     from .lazy import spec_of
 
     left: dict[tuple[int, int], tuple[Any, tuple]] = {}
@@ -113,8 +79,6 @@ def left_in_grad(
                 if cell is None or not isinstance(cell.ref, Pending) or cell.ref.node is not n:
                     continue
                 owner = owners.get(id(cell))
-                if owner is None and id(cell) in viewed:
-                    continue  # reached only through a view it returns
                 if (id(n), k) in returned:  # a returned gradient is in .grad too
                     if owner is not None and (id(n), k) not in left:
                         left[(id(n), k)] = (owner, spec_key(spec_of(owner._grad)))

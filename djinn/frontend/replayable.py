@@ -268,6 +268,7 @@ class Replayable:
             if isinstance(x, torch.nn.Module):
                 for m in x.modules():
                     used.module_ran(m)
+        entry = torch.get_rng_state()  # Note [replayed draws]: what the call does with it
         try:
             with extension_points.watching(used), used.stepping_watched(self.fn):
                 result = self.fn(*args, **kwargs)
@@ -277,7 +278,8 @@ class Replayable:
             tr.reads = None
         try:
             closure = named_tensors(self.fn)
-            rec = recorded(tr, nodes, result, tensors, reads, used, closure)
+            generator = (entry, torch.get_rng_state())
+            rec = recorded(tr, nodes, result, tensors, reads, used, closure, generator)
         except Miss as why:
             self._stats.plain[str(why)] += 1
             if why.final:

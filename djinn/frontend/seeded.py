@@ -31,6 +31,10 @@ DRAWS_BY_VALUE = frozenset(
         torch.ops.aten._standard_gamma.default,
         torch.ops.aten.binomial.default,
         torch.ops.aten._sample_dirichlet.default,
+        # one draw per element that is not positive (``F.rrelu`` in training)
+        torch.ops.aten.rrelu_with_noise.default,
+        torch.ops.aten.rrelu_with_noise_.default,
+        torch.ops.aten.rrelu_with_noise_functional.default,
     }
 )
 

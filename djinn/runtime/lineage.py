@@ -332,6 +332,7 @@ class Lineage:
             f"{fault.code}: {fault.message}"
         )
         err.fault = copy_of(fault)
+        err.__cause__ = fault  # as a caller's ``raise ... from`` would set it, for the kept copy
         self.gave_up = copy_of(err)  # the one returned is raised (Note [raising a kept error])
         return err
 

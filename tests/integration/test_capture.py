@@ -162,8 +162,10 @@ def test_seeded_sequences_match_and_the_local_generator_stays_in_step():
         lambda rate: torch.poisson(rate),
         lambda rate: torch._standard_gamma(rate),
         lambda rate: torch.distributions.Dirichlet(rate).sample(),
+        # one draw per element that is not positive (a review found the generator off)
+        lambda rate: torch.nn.functional.rrelu(rate - 10.0, training=True),
     ],
-    ids=["poisson", "gamma", "dirichlet"],
+    ids=["poisson", "gamma", "dirichlet", "rrelu"],
 )
 def test_a_sampler_that_draws_until_it_accepts_keeps_the_local_generator_in_step(draw):
     """How many numbers it draws depends on its input's values: the local generator was

@@ -104,6 +104,38 @@ def test_random_ops_replay_drawing_what_eager_draws(remote):
     assert "it read a value or captured nothing" in poisson.stats()["plain"]
 
 
+@pytest.mark.parametrize(
+    "local",
+    [
+        lambda: torch.manual_seed(123),
+        lambda: torch.rand(5),
+        lambda: torch.set_rng_state(torch.get_rng_state()) or torch.rand(1),
+    ],
+    ids=["a seed", "a local draw", "a state set"],
+)
+def test_a_call_that_uses_the_local_generator_itself_runs_as_it_is(remote, local):
+    """Note [replayed draws]: a replay makes only its random ops' draws; a call that also
+    seeds, restores or draws from the local generator itself runs as it is, with eager's
+    numbers (a review found such calls replayed off eager from their third call)."""
+
+    def fn(x):
+        h = torch.nn.functional.dropout(x, 0.5)
+        local()
+        return torch.nn.functional.dropout(h, 0.5)
+
+    run = djinn.replayable(fn)
+    torch.manual_seed(0)
+    xs = [torch.randn(16) for _ in range(5)]
+    torch.manual_seed(1)
+    want = [fn(x) for x in xs] + [torch.rand(3)]
+    torch.manual_seed(1)
+    got = [run(x.to(remote)).cpu() for x in xs] + [torch.rand(3)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    stats = run.stats()
+    assert stats["replays"] == 0, stats
+    assert "it uses the local random generator itself (a seed, a local draw)" in stats["plain"]
+
+
 def test_a_replays_body_is_made_only_where_it_is_read(remote, monkeypatch):
     """Note [bodies made when read] (djinn/protocol/templates.py): a replay goes by
     fingerprint and its journal entry by its template's facts, so after the first replay
