@@ -173,6 +173,43 @@ def test_a_step_with_dropout_replays_with_eagers_draws(ahead, remote):
     assert stats["replays"] == 5 and stats["steps_followed"] == 5, stats
 
 
+def test_a_transformers_model_trained_with_dropout_replays_with_eagers_bits(ahead, remote):
+    """Note [replayed draws] on a real model: a small GPT-2 (dropout 0.1 in its
+    embeddings, attention and blocks, as the config defaults) trained on its own labels
+    with AdamW replays, bit for bit eager's, the generator in step after."""
+    import copy
+
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=16)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).train()
+    got = {}
+    for device in ("cpu", remote):
+        model = copy.deepcopy(base).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(ids, model=model, opt=opt):
+            opt.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        run = djinn.replayable(step) if device == remote else step
+        torch.manual_seed(5)
+        gen = torch.Generator().manual_seed(1)
+        losses = [run(torch.randint(0, 100, (2, 12), generator=gen).to(device)).cpu()
+                  for _ in range(8)]  # fmt: skip
+        params = [p.detach().cpu() for p in model.parameters()]
+        got[device] = (losses, params, torch.rand(3), run)
+    (want, want_params, want_after, _), (have, params, after, run) = got["cpu"], got[remote]
+    assert all(torch.equal(a, b) for a, b in zip(have, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+    assert torch.equal(after, want_after)
+    assert run.stats()["replays"] >= 4 and run.stats()["steps_followed"] >= 4, run.stats()
+
+
 def test_a_step_that_makes_another_op_is_captured_from_there(ahead, remote):
     """Every third step scales the parameters too: its following stops at that op, the
     ops followed before it are captured as they were called, then the rest."""
