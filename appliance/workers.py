@@ -28,7 +28,10 @@ FIRST_BACKOFF_S = 0.5
 # runtime's own wait, 0.58 s with a thousand rounds, 0.57 s sleeping at once. Sleeping at
 # once costs a wake-up per parallel region instead, and a kernel-bound GPT-2 forward ran
 # 134 ms against 128 (the runtime's own) and 119 (a thousand rounds): "brief" is the
-# default. It changes when threads wait, never how an op's work is split among them, so
+# default. (Stop 41's alternated capture.py runs did not reproduce the forward's part:
+# its replay over local eager read 1.055 and 1.036 brief, 1.043 and 1.022 with the
+# runtime's own; the training loop still favoured brief, 0.51 s against 0.62.)
+# It changes when threads wait, never how an op's work is split among them, so
 # the results are the same bits. The runtime reads these variables once, when it loads.
 _WAITS = {
     "brief": {"GOMP_SPINCOUNT": "1000"},
