@@ -33,7 +33,8 @@ call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
   steer Python), drew no random numbers as many as its inputs' values say (a Poisson
   sampler; dropout and ``randn`` replay, each replay drawing anew from the local
-  generator: Note [replayed draws]), made no tensor with an autograd history (a replay
+  generator: Note [replayed draws]) and used that generator no other way (a seed, a
+  local draw), made no tensor with an autograd history (a replay
   builds none), captured every op in one graph (its own and its backward pass's),
   returned only tensors it made, views of them, and plain values, and left no other
   tensor it made alive but gradients in ``.grad`` (``self.cache = x``: a replay could
