@@ -133,13 +133,21 @@ def test_a_tensor_only_garbage_holds_is_not_kept_by_the_call(remote):
     ],
     ids=["view", "select", "transpose", "view-of-view"],
 )
-def test_a_call_returning_a_view_of_what_it_made_replays(remote, view):
+@pytest.mark.parametrize("collected", [False, True], ids=["young", "collected"])
+def test_a_call_returning_a_view_of_what_it_made_replays(remote, view, collected):
     """Note [a returned view's base]: the base of a returned view (GPT-2's last hidden
     state is a ``view`` of its final layer norm's output) stays alive through the view
     alone; such a call used to run as it is every time ("it keeps a tensor it made")."""
     local = _mlp()
     model = _moved(local, remote)
-    fwd = djinn.replayable(lambda x: view(model(x)))
+
+    def fn(x):
+        y = model(x)
+        if collected:  # what the call made is in the oldest generation then, not the young
+            gc.collect()
+        return view(y)
+
+    fwd = djinn.replayable(fn)
     with torch.no_grad():
         for _ in range(5):
             x = torch.randn(4, 16)
