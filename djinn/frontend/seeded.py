@@ -98,14 +98,20 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _placed(x: Any) -> Any:
+def _scratch_args(x: Any, tensor: Callable[[torch.Tensor], Any]) -> Any:
+    """``x`` with each remote tensor in it as ``tensor(t)`` and the remote device as the
+    CPU: an argument of a random op run locally."""
     if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
-        return _Scratch(x)
+        return tensor(x)
     if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
         return torch.device("cpu")
     if type(x) in (list, tuple):
-        return type(x)(_placed(v) for v in x)
+        return type(x)(_scratch_args(v, tensor) for v in x)
     return x
+
+
+def _placed(x: Any) -> Any:
+    return _scratch_args(x, _Scratch)
 
 
 def _made(x: Any) -> Any:
@@ -128,17 +134,9 @@ def advance_local_generator(
         return draw.again(), draw
     state = torch.get_rng_state()
 
-    def scratch(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
-            # the generator advances by as many draws as these values take
-            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype).copy_(
-                read(x)
-            )
-        if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
-            return torch.device("cpu")
-        if type(x) in (list, tuple):
-            return type(x)(scratch(v) for v in x)
-        return x
+    def copied(t: torch.Tensor) -> torch.Tensor:  # the generator advances as these values say
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype).copy_(read(t))
 
-    func(*[scratch(v) for v in args], **{k: scratch(v) for k, v in kwargs.items()})
+    args = tuple(_scratch_args(v, copied) for v in args)
+    func(*args, **{k: _scratch_args(v, copied) for k, v in kwargs.items()})
     return state, None
