@@ -220,3 +220,14 @@ def own_frontend(fresh_appliance):
     app = fresh_appliance(cpu_workers=1, restart_backoff_max=1.0)
     with frontend_at(app.unix):
         yield app
+
+
+@pytest.fixture(params=[False, True], ids=["whole after", "split ahead"])
+def ahead(request, monkeypatch):
+    """Note [steps followed while the graph runs]: both ways a followed replay goes (the
+    split replay first on a GPU worker or a spare core; on this CI's 2 cores, the whole
+    recording after the following)."""
+    from djinn.frontend import replay_followed
+
+    monkeypatch.setattr(replay_followed, "overlapped", lambda session: request.param)
+    return request.param

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import djinn
-from djinn.frontend import replay_followed, trace
+from djinn.frontend import trace
 from djinn.frontend.session import default_session
 from djinn.runtime import flights
 from tests.integration.test_replayable_training import _batches, _encoder, _moved
@@ -65,15 +65,6 @@ def sent(monkeypatch):
         lambda self, *a, **k: sent.append(k.get("form")) or real(self, *a, **k),
     )
     return sent
-
-
-@pytest.fixture(params=[False, True], ids=["whole after", "split ahead"])
-def ahead(request, monkeypatch):
-    """Note [steps followed while the graph runs]: both ways a followed replay goes (the
-    split replay first on a GPU worker or a spare core; on this CI's 2 cores, the whole
-    recording after the following)."""
-    monkeypatch.setattr(replay_followed, "overlapped", lambda session: request.param)
-    return request.param
 
 
 def _step_of(model, opt):
@@ -144,70 +135,6 @@ def test_a_default_adam_step_is_followed_into_a_template_of_its_own(ahead, remot
     a_step = 2 if ahead else 1
     assert len(sent) == len(fps) == 3 * a_step, sent
     assert len(set(fps)) == a_step and set(fps) <= default_session()._graphs, sent
-
-
-def test_a_step_with_dropout_replays_with_eagers_draws(ahead, remote):
-    """Note [replayed draws]: an encoder trained with dropout replays (it used to run as it
-    was at every call: "it draws random numbers"), each replay drawing its masks from the
-    local generator as eager does: the same bits in every loss, parameter and gradient,
-    and the same random numbers after the loop."""
-    torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.25, batch_first=True)
-    local = torch.nn.Sequential(
-        torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), torch.nn.Linear(16, 1)
-    ).train()
-    model = _moved(local, remote)
-    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
-    torch.manual_seed(7)
-    want, _, _ = _loop(local, adam, "cpu", False)
-    after_local = torch.rand(4)
-    torch.manual_seed(7)
-    got, run, _ = _loop(model, adam, remote, True)
-    after_remote = torch.rand(4)
-    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
-    for p, q in zip(model.parameters(), local.parameters(), strict=True):
-        assert torch.equal(p.detach().cpu(), q.detach())
-        assert torch.equal(p.grad.cpu(), q.grad)
-    assert torch.equal(after_remote, after_local)
-    stats = run.stats()
-    assert stats["replays"] == 5 and stats["steps_followed"] == 5, stats
-
-
-def test_a_transformers_model_trained_with_dropout_replays_with_eagers_bits(ahead, remote):
-    """Note [replayed draws] on a real model: a small GPT-2 (dropout 0.1 in its
-    embeddings, attention and blocks, as the config defaults) trained on its own labels
-    with AdamW replays, bit for bit eager's, the generator in step after."""
-    import copy
-
-    import transformers
-
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=16)
-    torch.manual_seed(0)
-    base = transformers.GPT2LMHeadModel(cfg).train()
-    got = {}
-    for device in ("cpu", remote):
-        model = copy.deepcopy(base).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(ids, model=model, opt=opt):
-            opt.zero_grad()
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        run = djinn.replayable(step) if device == remote else step
-        torch.manual_seed(5)
-        gen = torch.Generator().manual_seed(1)
-        losses = [run(torch.randint(0, 100, (2, 12), generator=gen).to(device)).cpu()
-                  for _ in range(8)]  # fmt: skip
-        params = [p.detach().cpu() for p in model.parameters()]
-        got[device] = (losses, params, torch.rand(3), run)
-    (want, want_params, want_after, _), (have, params, after, run) = got["cpu"], got[remote]
-    assert all(torch.equal(a, b) for a, b in zip(have, want, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
-    assert torch.equal(after, want_after)
-    assert run.stats()["replays"] >= 4 and run.stats()["steps_followed"] >= 4, run.stats()
 
 
 def test_a_step_that_makes_another_op_is_captured_from_there(ahead, remote):
