@@ -247,8 +247,11 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
     }
 
 
-def training_batches(steps: int) -> tuple[torch.nn.Module, list]:
-    return build_encoder(64, 2).train(), batches_of(64, steps)
+DROPOUT = 0.1  # the dropout loops': what nn.TransformerEncoderLayer, BERT and GPT-2 default to
+
+
+def training_batches(steps: int, dropout: float = 0.0) -> tuple[torch.nn.Module, list]:
+    return build_encoder(64, 2, dropout).train(), batches_of(64, steps)
 
 
 LOCAL_LOOPS = {  # name: (optimizer, attention kernels of the local loop or None for any)
@@ -256,6 +259,7 @@ LOCAL_LOOPS = {  # name: (optimizer, attention kernels of the local loop or None
     "adam_math": ("adam", "math"),
     "capturable": ("capturable", None),
     "sgd": ("sgd", None),
+    "adam_dropout": ("adam", None),  # the model with DROPOUT
 }
 # the remote loops: name, optimizer, replayed by djinn.replayable, local loop compared with
 REMOTE_LOOPS = (
@@ -263,6 +267,9 @@ REMOTE_LOOPS = (
     ("capturable", "capturable", True, "capturable"),
     ("adam_replayed", "adam", True, "adam"),
     ("sgd_replayed", "sgd", True, "sgd"),
+    # Note [replayed draws]: a GPU worker seeds CUDA's generator from the client's CPU
+    # state, so its draws are not local GPU eager's: the parameters differ by the masks
+    ("adam_dropout", "adam", True, "adam_dropout"),
 )
 
 
@@ -279,9 +286,9 @@ def local_training_child(repeat: int, steps: int, out: str) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from training_step import loop, steady
 
-    model, batches = training_batches(steps)
     result = {}
     for name, (optimizer, kernels) in LOCAL_LOOPS.items():
+        model, batches = training_batches(steps, DROPOUT if "dropout" in name else 0.0)
         scope = sdpa_kernel(SDPBackend.MATH) if kernels else contextlib.nullcontext()
         with scope:
             loop(model, batches[:2], "cuda", optimizer)  # warm
@@ -299,18 +306,18 @@ def training(repeat: int, client: Any, steps: int = 20) -> dict[str, Any]:
     """training_step.py's loop (a 2-layer encoder of width 64), remote and on this GPU in a
     child process (``local_training_child``); the parameters after the loop compared (a
     GPU's kernels round differently from a CPU's, so local GPU eager is the reference
-    here). The remote loops (``REMOTE_LOOPS``): Adam captured step by step, and three
+    here). The remote loops (``REMOTE_LOOPS``): Adam captured step by step, and four
     replayed by ``djinn.replayable`` (issue 11's training target): ``Adam(capturable=True)``,
-    the default Adam (its step runs after the replayed forward and backward) and SGD
-    (momentum 0.9). Each replayed loop reports its seconds per steady step (past the first
-    call and the recordings, ``training_step.steady``) beside local eager's, and each loop
-    what the worker's CUDA graphs did meanwhile (Note [a graph that writes its inputs])."""
+    the default Adam (its steps followed beside the replayed forward and backward), SGD
+    (momentum 0.9), and the default Adam on the model with dropout (its draws replayed,
+    Note [replayed draws]; a random op keeps its plan from a CUDA graph). Each replayed
+    loop reports its seconds per steady step (past the first call and the recordings,
+    ``training_step.steady``) beside local eager's, and each loop what the worker's CUDA
+    graphs did meanwhile (Note [a graph that writes its inputs])."""
     import subprocess
 
     import training_step
     from training_step import loop
-
-    model, batches = training_batches(steps)
 
     def graphs() -> dict[str, int]:
         time.sleep(0.5)  # the worker's stats reach the supervisor every STATS_PUSH_S
@@ -319,6 +326,7 @@ def training(repeat: int, client: Any, steps: int = 20) -> dict[str, Any]:
     remote: dict[str, tuple[list[float], list[torch.Tensor], list[float]]] = {}
     cuda_graphs: dict[str, dict[str, int]] = {}
     for name, optimizer, replay, _ in REMOTE_LOOPS:
+        model, batches = training_batches(steps, DROPOUT if "dropout" in name else 0.0)
         before = graphs()
         loop(model, batches[:2], R, optimizer)  # warm
         times, got, per_step = [], [], []
@@ -536,6 +544,7 @@ def training_rows(tr: dict[str, Any], where: str) -> None:
         "capturable": "the same, `Adam(capturable=True)` replayed",
         "adam_replayed": "the same, default Adam replayed",
         "sgd_replayed": "the same, SGD replayed (against local SGD)",
+        "adam_dropout": f"the same with dropout {DROPOUT}, default Adam replayed (other draws)",
     }
     for name, row in tr["loops"].items():
         extra = ""

@@ -54,6 +54,9 @@ profiled() {  # profiled NAME ARGS...: replay_profile.py with ARGS as step NAME
 # sent ahead of the following (what auto takes on a GPU) and the whole call after it
 DJINN_FOLLOW_AHEAD=always profiled adam_profile --workload adam
 DJINN_FOLLOW_AHEAD=never profiled adam_after_profile --workload adam
+# the default Adam on the encoder with dropout (auto): its draws replayed (Note [replayed
+# draws]), and its forward and backward never a CUDA graph (a random op)
+profiled adam_dropout_profile --workload adam --dropout 0.1
 profiled tiny_profile --workload put_get
 profiled mib_profile --workload put_get --nbytes 1048576
 # one failed op breaks nothing else, on GPU workers: a bad index answered without a restart

@@ -19,6 +19,7 @@ appliance, and reports, side by side for the same steps:
     python benchmarks/replay_profile.py --gpus none --seconds 5
     python benchmarks/replay_profile.py --py-spy /tmp/pyspy/bin/py-spy
     python benchmarks/replay_profile.py --workload adam            # the default Adam
+    python benchmarks/replay_profile.py --workload adam --dropout 0.1   # its draws replayed
     python benchmarks/replay_profile.py --workload put_get --nbytes 1048576
 
 ``--workload`` picks the step: the replayed step with one of training_step.py's
@@ -50,11 +51,11 @@ R = "remote_accelerator:0"
 WORKLOADS = (*OPTIMIZERS, "put_get")
 
 
-def replayed_step(optimizer: str, width: int, layers: int) -> tuple[Any, list]:
+def replayed_step(optimizer: str, width: int, layers: int, dropout: float) -> tuple[Any, list]:
     """The replayed step of training_step.py's encoder, and its batches on the device."""
     import djinn
 
-    model = build(width, layers).train().to(R)
+    model = build(width, layers, dropout).train().to(R)
     data = [(x.to(R), y.to(R)) for x, y in batches_of(width, 8)]
     return djinn.replayable(train_step(model, OPTIMIZERS[optimizer](model.parameters()))), data
 
@@ -126,6 +127,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the encoder's dropout (Note [replayed draws])")  # fmt: skip
     parser.add_argument("--py-spy", default=None, help="a py-spy binary: profile both sides")
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     parser.add_argument("--native", action="store_true", help="py-spy's C/C++ frames too")
@@ -144,10 +147,12 @@ def main() -> int:
         parser.error("--raw and --native need --py-spy")
     if args.json is None:
         tail = "" if args.workload == "sgd" else f"_{args.workload}"
+        tail += f"_dropout{args.dropout}" if args.dropout else ""
         args.json = f"benchmarks/results/replay_profile{tail}.json"
     unwind_on_sigterm()
     doc: dict[str, Any] = {"benchmark": "replay_profile", "seconds": args.seconds,
-                           "workload": args.workload, "nbytes": args.nbytes}  # fmt: skip
+                           "workload": args.workload, "nbytes": args.nbytes,
+                           "dropout": args.dropout}  # fmt: skip
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         app = stack.enter_context(appliance(Path(tmp), GiB, args.gpus))
@@ -166,7 +171,7 @@ def main() -> int:
             run: Any = PutGet(session)
             data = [(torch.arange(args.nbytes // 4, dtype=torch.float32),)]
         else:
-            run, data = replayed_step(args.workload, args.width, args.layers)
+            run, data = replayed_step(args.workload, args.width, args.layers, args.dropout)
         run_for(run, data, 1.0)  # recordings, plans compiled, graphs captured
         note(f"running {args.workload} for {args.seconds} s on {doc['device']}")
         wall0, cpu0, w0 = time.perf_counter(), time.process_time(), worker.cpu_times()
@@ -200,6 +205,7 @@ def report(doc: dict[str, Any]) -> None:
     what = {"put_get": f"A put and a get of {doc['nbytes']} bytes"}.get(
         doc["workload"], f"Replayed {doc['workload']} step of training_step.py's encoder"
     )
+    what += f" with dropout {doc['dropout']}" if doc.get("dropout") else ""
     print(f"\n{what} on {doc['device']}, {doc['steps']} steps in {doc['seconds']} s\n")
     print("| per step | ms |\n|---|---|")
     print(f"| wall (between two calls' returns) | {ms['wall']} |")
