@@ -388,8 +388,13 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--arena", default="4GiB")
     parser.add_argument("--json", default="benchmarks/results/gpu.json")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated sections to run (default: all): vmu_before, "
+                             "upload, model_path, vmu_loaded, graph_forward, training, "
+                             "no_cuda_graphs")  # fmt: skip
     parser.add_argument("--local-training-child", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    wanted = set(args.sections.split(",")) if args.sections else None
     if args.local_training_child:
         return local_training_child(max(1, args.repeat), 20, args.local_training_child)
     if not torch.cuda.is_available():
@@ -437,6 +442,8 @@ def main() -> int:
             ("training", lambda: training(max(1, args.repeat // 2), client)),
         ]  # fmt: skip
         for name, section in sections:
+            if wanted is not None and name not in wanted:
+                continue
             # one section's failure is a finding, reported with the others' figures
             note(f"{name} ({doc['model']})" if name == "model_path" else name)
             try:
@@ -448,20 +455,21 @@ def main() -> int:
         keep.clear()
     # the replayed forward once more, on an appliance whose plans are not CUDA graphs
     # (Note [CUDA graphs for plans]): what the graphs buy, same machine, same run
-    note("graph_forward without CUDA graphs")
-    try:
-        with tempfile.TemporaryDirectory() as tmp, appliance(
-            Path(tmp), parse_bytes(args.arena), "auto", cuda_graphs=False
-        ) as app, using(app.unix), Client(app.unix) as client:  # fmt: skip
-            doc["graph_forward_no_cuda_graphs"] = graph_forward(
-                local, cfg.vocab_size, args.tokens, args.repeat, client
-            )
-            save_json(doc, args.json)
-            note("training without CUDA graphs")
-            doc["training_no_cuda_graphs"] = training(max(1, args.repeat // 2), client)
-    except Exception as exc:  # reported with the other sections
-        name = "training" if "graph_forward_no_cuda_graphs" in doc else "graph_forward"
-        doc[f"{name}_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    if wanted is None or "no_cuda_graphs" in wanted:
+        note("graph_forward without CUDA graphs")
+        try:
+            with tempfile.TemporaryDirectory() as tmp, appliance(
+                Path(tmp), parse_bytes(args.arena), "auto", cuda_graphs=False
+            ) as app, using(app.unix), Client(app.unix) as client:  # fmt: skip
+                doc["graph_forward_no_cuda_graphs"] = graph_forward(
+                    local, cfg.vocab_size, args.tokens, args.repeat, client
+                )
+                save_json(doc, args.json)
+                note("training without CUDA graphs")
+                doc["training_no_cuda_graphs"] = training(max(1, args.repeat // 2), client)
+        except Exception as exc:  # reported with the other sections
+            name = "training" if "graph_forward_no_cuda_graphs" in doc else "graph_forward"
+            doc[f"{name}_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     save_json(doc, args.json)
     report(doc)
     save_json(doc, args.json)

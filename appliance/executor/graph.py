@@ -16,6 +16,7 @@ the stack segment. Only then does the real kernel run.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from typing import Any
@@ -39,6 +40,7 @@ from . import index_bounds, metacheck, opargs, opchecks, oppolicy, threads
 _OP_CACHE: dict[str, Any] = {}
 # what a kernel raises for arguments it refuses: reported as EXECUTION_ERROR naming the op
 OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)
+PHILOX_STATE_BYTES = 16  # a device generator's seed and offset (a CPU state is 5056 bytes)
 MAX_PLANS = 256  # templates whose last uses are kept (the worker keeps as many templates)
 _LAST_USES: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
 
@@ -231,9 +233,14 @@ class GraphRun:
 
     def _seed(self, k: Any) -> None:
         """Random ops carry the client generator's state so a CPU worker draws exactly the
-        numbers local eager PyTorch would under the same seed."""
+        numbers local eager PyTorch would under the same seed; or, from a GPU worker's
+        session, the device generator's seed and offset (Note [a GPU worker's generator]
+        in djinn/frontend/seeded.py)."""
         if type(k) is not int or not 0 <= k < len(self.segments):
             raise InvalidArgument(f"no payload segment {k!r} for the generator state")
+        if len(self.segments[k]) == PHILOX_STATE_BYTES:
+            self._seed_philox(bytes(self.segments[k]))
+            return
         state = torch.frombuffer(self.segments[k], dtype=torch.uint8).clone()
         try:
             if self.device.type == "cpu":
@@ -243,6 +250,18 @@ class GraphRun:
                 torch.cuda.manual_seed(int.from_bytes(digest, "little"))
         except RuntimeError as exc:
             raise InvalidArgument(f"bad generator state: {exc}") from None
+
+    def _seed_philox(self, raw: bytes) -> None:
+        seed, offset = struct.unpack("<QQ", raw)
+        if offset % 4:  # CUDA's generator refuses it; checked on every device alike
+            raise InvalidArgument(f"generator offset {offset} is not a multiple of 4")
+        if self.device.type == "cuda":
+            gen = torch.cuda.default_generators[self.device.index or 0]
+            gen.manual_seed(seed)
+            gen.set_offset(offset)
+        else:  # a CPU worker sent the device's state (its session was placed late)
+            digest = hashlib.blake2b(raw, digest_size=8).digest()
+            torch.default_generator.manual_seed(int.from_bytes(digest, "little"))
 
     def _account(self, value: Any, delta: int) -> None:
         """Stack segment bookkeeping: storages created by this run, while referenced."""

@@ -5,10 +5,14 @@ than a kernel: ``torch.random.fork_rng`` and activation checkpointing save and r
 RNG state, autocast asks which dtypes it supports, ``torch.accelerator`` and
 ``GradScaler`` query it. This module answers as a CUDA device would.
 
-Note [remote rng]: random ops on the remote device draw from the *local CPU generator*
-(Note [seeded ops] in ``seeded.py``): the client records its state with each random op and
-the worker restores it, so remote values equal local eager values under one seed. The
-device's RNG state is therefore the CPU generator's state, and seeding it seeds that.
+Note [remote rng]: on a CPU worker's session, random ops on the remote device draw from
+the *local CPU generator* (Note [seeded ops] in ``seeded.py``): the client records its
+state with each random op and the worker restores it, so remote values equal local eager
+values under one seed. The device's RNG state is then the CPU generator's state. On a GPU
+worker's session they draw from the device's own generator, as CUDA eager's do (Note [a
+GPU worker's generator]): its state is that generator's, 16 bytes. Seeding the device
+seeds both (``torch.manual_seed`` seeds the CPU one itself, then calls
+``manual_seed_all``).
 
 Memory figures are the appliance's accounting of this process's session (its handles
 and remote objects in the VMU's data segment), read from the stats document.
@@ -32,6 +36,12 @@ def is_available() -> bool:
 
 def is_initialized() -> bool:
     return True
+
+
+# what torch.utils.checkpoint reads (not is_initialized()) before it saves the device's RNG
+# state for the recomputation: without it, a checkpointed dropout on a GPU worker's session
+# drew another mask in backward (Note [a GPU worker's generator])
+_initialized = True
 
 
 def _lazy_init() -> None:
@@ -69,8 +79,18 @@ def synchronize(device: Any = None) -> None:
 
 
 # -- RNG: Note [remote rng] -----------------------------------------------------------------
+def _on_device() -> bool:
+    """Whether random ops draw from the device's generator (a GPU worker's session, as
+    far as is known without opening one)."""
+    from .session import current_device_type
+
+    return current_device_type() not in (None, "cpu")
+
+
 def get_rng_state(device: Any = None) -> torch.Tensor:
-    return torch.get_rng_state()
+    from .seeded import DEVICE_GENERATOR
+
+    return DEVICE_GENERATOR.state() if _on_device() else torch.get_rng_state()
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -78,7 +98,12 @@ def get_rng_state_all() -> list[torch.Tensor]:
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
-    torch.set_rng_state(new_state)
+    from .seeded import DEVICE_GENERATOR
+
+    if new_state.numel() == 16:  # the device generator's (a CPU state is 5056 bytes)
+        DEVICE_GENERATOR.set_state(new_state)
+    else:
+        torch.set_rng_state(new_state)
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
@@ -86,6 +111,9 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 
 
 def manual_seed(seed: int) -> None:
+    from .seeded import DEVICE_GENERATOR
+
+    DEVICE_GENERATOR.manual_seed(seed)
     torch.default_generator.manual_seed(int(seed))
 
 
@@ -94,7 +122,9 @@ def manual_seed_all(seed: int) -> None:
 
 
 def seed() -> None:
-    torch.default_generator.seed()
+    from .seeded import DEVICE_GENERATOR
+
+    DEVICE_GENERATOR.manual_seed(torch.default_generator.seed())
 
 
 def seed_all() -> None:
@@ -102,7 +132,9 @@ def seed_all() -> None:
 
 
 def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
+    from .seeded import DEVICE_GENERATOR
+
+    return DEVICE_GENERATOR.seed if _on_device() else torch.default_generator.initial_seed()
 
 
 # -- autocast --------------------------------------------------------------------------------

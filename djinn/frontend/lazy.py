@@ -461,7 +461,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node.module = hooks.module_path()
     writes.record_writes(node, func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
-        node.rng, node.draw = seeded.advance_local_generator(func, args, kwargs, fetch)
+        node.rng, node.draw = seeded.advance_local_generator(func, args, kwargs, fetch, specs)
     outs: list[Any] = []
     with trace.lock:  # Note [a node and its outputs] (trace.py)
         trace.add(node)

@@ -16,7 +16,7 @@ from djinn.protocol import templates
 from djinn.runtime.graph_forms import worth_a_template
 from djinn.runtime.remote import RemoteTensor
 
-from . import replay_follow
+from . import replay_follow, seeded
 from . import trace as trace_mod
 from .failures import written_values
 from .nodes import Pending
@@ -143,7 +143,7 @@ def recorded(
     reads: dict[Any, list[tuple[Any, Any]]],
     used: Used,
     closure: list[Any],
-    generator: tuple[torch.Tensor, torch.Tensor],
+    generator: tuple[Any, Any],
 ) -> Record:
     """Check the call just captured (Note [replayable functions]), then run it as one
     graph, watching what goes on the wire; its record. When it ends with optimizer steps
@@ -288,22 +288,23 @@ def recorded(
     return rec
 
 
-def _draws_alone(generator: tuple[torch.Tensor, torch.Tensor], draws: list[Any]) -> bool:
-    """Whether the call left the local generator where its random ops' draws alone leave
-    it from where it found it (Note [replayed draws]). A replay runs only those: a seed
-    the call sets, a state it restores (``fork_rng``), a draw it makes locally (LayerDrop's
-    ``torch.rand([]) < p``) would not happen, and every later number would be another
-    (a review found such calls replayed off eager from their third call)."""
+def _draws_alone(generator: tuple[Any, Any], draws: list[Any]) -> bool:
+    """Whether the call left the generators (the local CPU one, the device's: Note [a GPU
+    worker's generator]) where its random ops' draws alone leave them from where it found
+    them (Note [replayed draws]). A replay runs only those: a seed the call sets, a state
+    it restores (``fork_rng``), a draw it makes locally (LayerDrop's ``torch.rand([]) <
+    p``) would not happen, and every later number would be another (a review found such
+    calls replayed off eager from their third call)."""
     entry, left = generator
-    if not draws:  # nothing to draw again: the generator must not have moved
-        return torch.equal(entry, left)
-    torch.set_rng_state(entry)
+    if not draws:  # nothing to draw again: the generators must not have moved
+        return seeded.same_generators(entry, left)
+    seeded.set_generators(entry)
     try:
         for draw in draws:
             draw.again()
-        return torch.equal(torch.get_rng_state(), left)
+        return seeded.same_generators(seeded.generators(), left)
     finally:
-        torch.set_rng_state(left)
+        seeded.set_generators(left)
 
 
 def _written(nodes: list[Any]) -> set[str]:

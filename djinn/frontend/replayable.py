@@ -95,7 +95,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import extension_points, replay_follow
+from . import extension_points, replay_follow, seeded
 from . import trace as trace_mod
 from .replay_key import Miss, Used, Watch, key, named_tensors
 from .replay_record import Record, recorded
@@ -269,7 +269,7 @@ class Replayable:
             if isinstance(x, torch.nn.Module):
                 for m in x.modules():
                     used.module_ran(m)
-        entry = torch.get_rng_state()  # Note [replayed draws]: what the call does with it
+        entry = seeded.generators()  # Note [replayed draws]: what the call does with them
         try:
             with extension_points.watching(used), used.stepping_watched(self.fn):
                 result = self.fn(*args, **kwargs)
@@ -279,7 +279,7 @@ class Replayable:
             tr.reads = None
         try:
             closure = named_tensors(self.fn)
-            generator = (entry, torch.get_rng_state())
+            generator = (entry, seeded.generators())
             rec = recorded(tr, nodes, result, tensors, reads, used, closure, generator)
         except Miss as why:
             self._stats.plain[str(why)] += 1

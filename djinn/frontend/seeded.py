@@ -1,15 +1,18 @@
-"""Random ops on the remote device: the local generator kept in step with eager's.
+"""Random ops on the remote device: the generator they draw from, kept in step with eager's.
 
 Note [seeded ops]: a random op records the local CPU generator's state (the worker
 restores it before running the op), then runs the op locally on scratch tensors so the
 local generator advances exactly as eager PyTorch's would. Remote values then equal local
 eager values under the same ``torch.manual_seed``, and so does every later random number,
-remote or local.
+remote or local. That is for a session on a CPU worker; one on a GPU worker draws from the
+remote device's own generator (Note [a GPU worker's generator]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,20 +126,174 @@ def _made(x: Any) -> Any:
 
 
 def advance_local_generator(
-    func: Any, args: tuple, kwargs: dict, read: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[torch.Tensor, Draw | None]:
-    """The local generator's state for ``func`` to run with, the generator then advanced
-    as eager's would be (Note [seeded ops]); ``read`` gives a remote tensor's value. And
-    the ``Draw`` that advances it so again, but for an op that draws by its inputs'
-    values (``DRAWS_BY_VALUE``), which reads them."""
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    read: Callable[[torch.Tensor], torch.Tensor],
+    specs: tuple = (),
+) -> tuple[torch.Tensor, Any]:
+    """The generator state for ``func`` to run with, the generator then advanced as
+    eager's would be (Note [seeded ops]); ``read`` gives a remote tensor's value, ``specs``
+    the outputs' specs where known. And the ``Draw`` that advances it so again, but for
+    an op that draws by its inputs' values (``DRAWS_BY_VALUE``) on the CPU generator,
+    which reads them. On a GPU worker's session, the remote device's generator's (Note
+    [a GPU worker's generator]): a ``DeviceDraw``."""
+    if _draws_on_device():
+        device_draw = DeviceDraw(_philox_increment(args, kwargs, specs))
+        return device_draw.again(), device_draw
     if func not in DRAWS_BY_VALUE:
         draw = Draw(func, args, kwargs)
         return draw.again(), draw
     state = torch.get_rng_state()
 
     def copied(t: torch.Tensor) -> torch.Tensor:  # the generator advances as these values say
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype).copy_(read(t))
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        if torch._debug_has_internal_overlap(torch.empty_strided(shape, stride, device="meta")):
+            # an expanded rate: no copy can be written in its layout (copy_ refuses); the
+            # values go in the same order whatever the layout
+            return read(t).clone()
+        return torch.empty_strided(shape, stride, dtype=t.dtype).copy_(read(t))
 
     args = tuple(_scratch_args(v, copied) for v in args)
     func(*args, **{k: _scratch_args(v, copied) for k, v in kwargs.items()})
     return state, None
+
+
+# Note [a GPU worker's generator]: keeping the local CPU generator in step with CPU
+# eager's (Note [seeded ops]) runs every random op again on the client, on scratch
+# tensors: one 64-bit draw of the Mersenne Twister per element of a dropout, serially.
+# On a GPU appliance that made the client the bottleneck: on an H100, a replayed
+# training step of training_step.py's encoder with dropout 0.1 took 21.0 ms against
+# local CUDA eager's 6.1 ms, the client spending 10.2 ms of CPU a step, 56% of it in
+# those draws; GPT-2 small trained at 512 tokens would draw some 4e8 numbers a step on
+# the client. And on a GPU they buy nothing: a GPU worker cannot draw CPU eager's
+# numbers. CUDA eager does not touch the CPU generator for a random op on the GPU: it
+# takes the GPU's own Philox generator, a seed and an offset that each op moves on by
+# what it may draw. So does Djinn's remote device on a GPU worker: random ops send a
+# (seed, offset) of the device's generator, the client moves the offset on by a bound
+# on what the op draws (four 32-bit numbers per element of every tensor it reads or
+# makes, and per unit of its integer arguments), in O(1), and the worker sets its CUDA
+# generator to it before the op. The local CPU generator is left alone, as by CUDA
+# eager; ``torch.manual_seed`` seeds the device's generator (PyTorch calls the device
+# module's ``manual_seed_all``); ``fork_rng`` and activation checkpointing save and
+# restore it through the device module. The numbers are the GPU's, fresh at every op and
+# the same under the same seed, but not CUDA eager's own (its offsets come from its
+# kernels' launch shapes). A session whose worker is not known at the op (a fleet
+# session not placed yet) keeps the CPU generator's way.
+CUDA_DEFAULT_SEED = 67280421310721  # c10::detail::default_rng_seed_val, CUDA's too
+_U64 = (1 << 64) - 1
+
+
+def _uint64(seed: int) -> int:
+    """A seed as ``torch.manual_seed`` takes it: a negative one as its two's complement
+    (what ``torch.initial_seed()`` then says)."""
+    seed = int(seed)
+    if not -(1 << 63) <= seed <= _U64:
+        raise RuntimeError(f"Overflow when unpacking long long: seed {seed}")
+    return seed & _U64
+
+
+class _DeviceGenerator:
+    """The remote device's Philox generator, kept on the client: a seed and an offset."""
+
+    __slots__ = ("lock", "offset", "seed")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seed, self.offset = CUDA_DEFAULT_SEED, 0
+
+    def take(self, increment: int) -> torch.Tensor:
+        """The state for an op that may draw ``increment`` numbers; the offset moved on."""
+        with self.lock:
+            state = _packed(self.seed, self.offset)
+            self.offset = (self.offset + increment) & _U64
+        return state
+
+    def state(self) -> torch.Tensor:
+        with self.lock:
+            return _packed(self.seed, self.offset)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
+            raise RuntimeError("the remote device's generator state is 16 bytes (uint8)")
+        seed, offset = struct.unpack("<QQ", state.contiguous().numpy().tobytes())
+        if offset % 4:
+            raise RuntimeError(f"the generator offset must be a multiple of 4, not {offset}")
+        with self.lock:
+            self.seed, self.offset = seed, offset
+
+    def manual_seed(self, seed: int) -> None:
+        with self.lock:
+            self.seed, self.offset = _uint64(seed), 0
+
+
+DEVICE_GENERATOR = _DeviceGenerator()
+
+
+def _packed(seed: int, offset: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(struct.pack("<QQ", seed, offset)), dtype=torch.uint8)
+
+
+class DeviceDraw:
+    """A random op as it moves the device generator's offset on: again, it moves it again."""
+
+    __slots__ = ("increment",)
+
+    def __init__(self, increment: int) -> None:
+        self.increment = increment
+
+    def again(self) -> torch.Tensor:
+        return DEVICE_GENERATOR.take(self.increment)
+
+
+def _draws_on_device() -> bool:
+    """Whether this thread's random ops draw from the device's generator: the default
+    session's worker is a GPU's (Note [a GPU worker's generator])."""
+    from .session import current_device_type
+
+    return current_device_type(start=True) not in (None, "cpu")
+
+
+def _philox_increment(args: tuple, kwargs: dict, specs: tuple) -> int:
+    """A bound on the numbers a random op draws per CUDA thread, which is what its Philox
+    offset must move by: four per element of what it reads and makes (PyTorch's kernels
+    draw at most four per element, one ``curand4`` call), and per unit of an integer
+    argument (a size, a sample count); a multiple of 4, as CUDA's generator requires."""
+    count = 1
+    for x in (*args, *kwargs.values(), *specs):
+        count += _elements(x)
+    return 4 * count
+
+
+def _elements(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # a TensorSpec
+        n = 1
+        for d in x.shape:
+            n *= int(d)
+        return n
+    if type(x) is int:
+        return abs(x)
+    if isinstance(x, (list, tuple)):  # torch.Size too
+        if x and all(type(v) is int for v in x):  # a size
+            n = 1
+            for v in x:
+                n *= abs(v)
+            return n
+        return sum(_elements(v) for v in x)
+    return 0
+
+
+def generators() -> tuple[torch.Tensor, torch.Tensor]:
+    """The states of both generators a random op may advance (a recording checks them)."""
+    return torch.get_rng_state(), DEVICE_GENERATOR.state()
+
+
+def set_generators(states: tuple[torch.Tensor, torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    DEVICE_GENERATOR.set_state(states[1])
+
+
+def same_generators(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

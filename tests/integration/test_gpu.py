@@ -249,12 +249,14 @@ def test_a_replayed_training_step_runs_as_a_cuda_graph(gpu_appliance, tmp_path, 
 def test_a_step_with_dropout_replays_on_a_gpu_worker_as_it_runs_captured(
     gpu_appliance, monkeypatch
 ):
-    """Note [replayed draws]: a replay sends, for each random op, the client generator's
-    state it runs with, as a captured op does; a GPU worker seeds CUDA's generator from it
-    (Note [seeded ops]), so a replayed step with dropout draws the masks the same step
-    draws captured op by op: the same losses and parameters, bit for bit, and the local
-    generator where CPU eager leaves it. The default Adam's steps are followed (ahead of
-    the forward and backward on a GPU worker, Note [steps followed while the graph runs])."""
+    """Note [replayed draws] with a GPU worker's generator (Note [a GPU worker's generator]):
+    a replay sends, for each random op, the device generator's seed and offset as the
+    captured op did, and the worker sets CUDA's generator to them, so a replayed step with
+    dropout draws the masks the same step draws captured op by op: the same losses and
+    parameters, bit for bit. The local CPU generator is left where the model's
+    initialisation left it, as CUDA eager leaves it. The default Adam's steps are followed
+    (ahead of the forward and backward on a GPU worker, Note [steps followed while the
+    graph runs])."""
     import djinn
     from djinn.frontend import session
 
@@ -262,14 +264,12 @@ def test_a_step_with_dropout_replays_on_a_gpu_worker_as_it_runs_captured(
     session.reset()
     r = "remote_accelerator:0"
 
-    def train(
-        replay: bool, device: str = r
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    def train(replay: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.25),
             torch.nn.Linear(64, 1),
-        ).to(device)  # fmt: skip
+        ).to(r)  # fmt: skip
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -284,7 +284,7 @@ def test_a_step_with_dropout_replays_on_a_gpu_worker_as_it_runs_captured(
         losses = []
         for _ in range(10):
             x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen)
-            losses.append(run(x.to(device), y.to(device)).cpu())
+            losses.append(run(x.to(r), y.to(r)).cpu())
         if replay:
             stats = run.stats()
             # the first call runs as it is: Adam makes its state (zeros_like) and keeps it
@@ -292,10 +292,12 @@ def test_a_step_with_dropout_replays_on_a_gpu_worker_as_it_runs_captured(
         return losses, [p.detach().cpu() for p in model.parameters()], torch.rand(4)
 
     losses, params, after = train(replay=True)
+    device_after = torch.remote_accelerator.get_rng_state()
     want_losses, want_params, want_after = train(replay=False)
-    # CPU eager's generator after the same loop (its masks are CPU's, so its losses differ)
-    *_, eager_after = train(replay=False, device="cpu")
-    assert torch.equal(after, want_after) and torch.equal(after, eager_after)
+    assert torch.equal(torch.remote_accelerator.get_rng_state(), device_after)
+    torch.manual_seed(0)
+    torch.nn.Linear(16, 64), torch.nn.Linear(64, 1)  # what train() draws on the CPU
+    assert torch.equal(after, want_after) and torch.equal(after, torch.rand(4))
     for k, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
         assert torch.equal(got, want), f"loss {k}: {got} != {want}"
     for got, want in zip(params, want_params, strict=True):

@@ -140,3 +140,16 @@ def test_a_call_that_uses_the_local_generator_itself_runs_as_it_is(remote, local
     stats = run.stats()
     assert stats["replays"] == 0, stats
     assert "it uses the local random generator itself (a seed, a local draw)" in stats["plain"]
+
+
+def test_a_sampler_of_an_expanded_rate_draws_eagers_numbers(remote):
+    """Note [seeded ops]: a sampler that draws by its input's values reads them into a
+    local copy of the input's layout; an expanded rate has none that can be written (copy_
+    refused it, so eager's ``torch.poisson(rate.expand(...))`` raised on the remote
+    device). Its values now go in as read, in the same order."""
+    rate = torch.tensor([[3.0], [7.0]])
+    torch.manual_seed(2)
+    want, want_after = torch.poisson(rate.expand(2, 5)), torch.rand(3)
+    torch.manual_seed(2)
+    got = torch.poisson(rate.to(remote).expand(2, 5)).cpu()
+    assert torch.equal(got, want) and torch.equal(torch.rand(3), want_after)

@@ -1,0 +1,149 @@
+"""Note [a GPU worker's generator] (djinn/frontend/seeded.py): on a GPU worker's session,
+random ops draw from the remote device's own generator, a seed and an offset, as CUDA
+eager's do from the GPU's; the local CPU generator is left alone.
+
+This machine has no GPU: the client is told its session is a GPU worker's (``on_gpu``),
+and the CPU worker seeds its generator from the seed and offset it is sent. What is
+checked is the client's side (what the generator does, what a replay sends) and that the
+worker draws the same numbers for the same state; test_gpu.py checks a CUDA worker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import djinn
+from djinn.frontend import device_module, seeded
+
+
+@pytest.fixture
+def on_gpu(remote, monkeypatch):
+    monkeypatch.setattr(seeded, "_draws_on_device", lambda: True)
+    monkeypatch.setattr(device_module, "_on_device", lambda: True)
+    yield remote
+    torch.manual_seed(0)  # the device generator is process-wide: leave it as seeded
+
+
+def test_random_ops_draw_from_the_device_generator_and_leave_the_cpu_one_alone(on_gpu):
+    """As CUDA eager: a remote draw moves the device's offset on, not the CPU generator;
+    ``torch.manual_seed`` seeds the device's generator, so the same seed draws the same
+    numbers, and every op draws fresh ones."""
+    r = on_gpu
+    torch.manual_seed(3)
+    want_cpu = torch.rand(4)
+    torch.manual_seed(3)
+    a = torch.randn(1000, device=r)
+    mask = torch.nn.functional.dropout(torch.ones(64, 64, device=r), 0.5)
+    b = torch.randn(1000, device=r)
+    assert torch.equal(torch.rand(4), want_cpu)  # the CPU generator never moved
+    a, mask, b = a.cpu(), mask.cpu(), b.cpu()
+    assert not torch.equal(a, b)
+    assert set(mask.unique().tolist()) == {0.0, 2.0}
+    torch.manual_seed(3)
+    assert torch.equal(torch.randn(1000, device=r).cpu(), a)
+    torch.manual_seed(4)
+    assert not torch.equal(torch.randn(1000, device=r).cpu(), a)
+    assert torch.remote_accelerator.initial_seed() == 4
+
+
+def test_the_device_state_saves_and_restores_like_cudas(on_gpu):
+    """``get_rng_state``/``set_rng_state`` of the device module, ``fork_rng`` and a
+    checkpointed dropout (recomputed in backward with the mask of the forward: the same
+    gradients as without the checkpoint)."""
+    r = on_gpu
+    torch.manual_seed(0)
+    state = torch.remote_accelerator.get_rng_state()
+    assert state.dtype == torch.uint8 and state.numel() == 16
+    first = torch.rand(100, device=r).cpu()
+    torch.remote_accelerator.set_rng_state(state)
+    assert torch.equal(torch.rand(100, device=r).cpu(), first)
+    with torch.random.fork_rng(device_type="remote_accelerator"):
+        inside = torch.rand(100, device=r).cpu()
+    assert torch.equal(torch.rand(100, device=r).cpu(), inside)
+    bad = state.clone()
+    bad[8] = 3  # an offset that is not a multiple of 4
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        torch.remote_accelerator.set_rng_state(bad)
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(32, 32).to(r)
+    x = torch.randn(16, 32).to(r)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(lin(x).relu(), 0.5).sum(-1)
+
+    grads = []
+    for checkpointed in (False, True):
+        lin.zero_grad()
+        torch.manual_seed(9)
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed \
+            else block(x)  # fmt: skip
+        y.sum().backward()
+        grads.append((y.detach().cpu(), lin.weight.grad.cpu()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def _train(replay: bool, r: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.25), torch.nn.Linear(64, 1)
+    ).to(r)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        h = model(x)
+        # a sampler that draws as many numbers as its input's values say: on the CPU
+        # generator such a call runs as it is (it would read them); the device's moves by
+        # a bound, so it replays
+        noise = torch.poisson(h.detach().abs().expand(4, -1, -1)).mean()
+        loss = torch.nn.functional.mse_loss(h, y) + noise * 1e-3
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = djinn.replayable(step) if replay else step
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(8):
+        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen)
+        losses.append(run(x.to(r), y.to(r)).cpu())
+    stats = run.stats() if replay else {}
+    return losses, [p.detach().cpu() for p in model.parameters()], stats
+
+
+def test_a_replayed_step_with_dropout_draws_what_its_captured_run_draws(ahead, on_gpu):
+    """Note [replayed draws] with the device generator: a replay moves its offset on as
+    the captured ops did, so the replayed loop is the captured loop, bit for bit; the CPU
+    generator is where the model's initialisation left it, and a Poisson sampler
+    replays."""
+    losses, params, stats = _train(True, on_gpu)
+    cpu_after, device_after = torch.get_rng_state(), torch.remote_accelerator.get_rng_state()
+    assert stats["replays"] == 5 and stats["recordings"] == 2, stats
+    want_losses, want_params, _ = _train(False, on_gpu)
+    assert torch.equal(torch.remote_accelerator.get_rng_state(), device_after)
+    for k, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
+        assert torch.equal(got, want), f"loss {k}"
+    for got, want in zip(params, want_params, strict=True):
+        assert torch.equal(got, want)
+    torch.manual_seed(0)
+    torch.nn.Linear(16, 64), torch.nn.Linear(64, 1)  # what _train draws on the CPU
+    assert torch.equal(torch.get_rng_state(), cpu_after)
+
+
+def test_a_call_that_seeds_the_device_runs_as_it_is(on_gpu):
+    """A seed inside the call moves the device generator as no replay would: the call
+    runs as it is, and its numbers are the same at every call."""
+    r = on_gpu
+    x = torch.ones(256, device=r)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(5)
+        return torch.nn.functional.dropout(x, 0.5)
+
+    run = djinn.replayable(fn)
+    outs = [run(x).cpu() for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert run.stats()["replays"] == 0, run.stats()
+    assert any("generator" in why for why in run.stats()["plain"]), run.stats()
