@@ -67,20 +67,24 @@ def _gather(params: Sequence[Tensor], has_biases: bool, has_projections: bool) -
 
 
 # -- cells: (step input, hidden, params, whether the input is already projected) -----------
+# RNN.cpp's CPU cells, with their in-place ops: a gate is a view of the projected gates
+# (strided), and on an AVX2 CPU an elementwise kernel over strided operands rounds
+# otherwise than over contiguous ones (no FMA). Out-of-place gates made GRU's gradients
+# differ from eager's by 3e-8 on such a machine (sigmoid_backward of a contiguous output).
 def _simple(nonlinearity: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
     def cell(x: Tensor, h: Tensor, p: _Params, projected: bool) -> Tensor:
-        return nonlinearity(p.linear_hh(h) + (x if projected else p.linear_ih(x)))
+        return nonlinearity(p.linear_hh(h).add_(x if projected else p.linear_ih(x)))
 
     return cell
 
 
 def _lstm(x: Tensor, hidden: tuple[Tensor, Tensor], p: _Params, projected: bool) -> Any:
     hx, cx = hidden
-    gates = p.linear_hh(hx) + (x if projected else p.linear_ih(x))
-    ingate, forgetgate, cellgate, outgate = gates.unsafe_chunk(4, 1)
-    ingate, forgetgate = ingate.sigmoid(), forgetgate.sigmoid()
-    cellgate, outgate = cellgate.tanh(), outgate.sigmoid()
-    cy = (forgetgate * cx) + (ingate * cellgate)
+    gates = p.linear_hh(hx).add_(x if projected else p.linear_ih(x))
+    chunked = gates.unsafe_chunk(4, 1)
+    ingate, forgetgate = chunked[0].sigmoid_(), chunked[1].sigmoid_()
+    cellgate, outgate = chunked[2].tanh_(), chunked[3].sigmoid_()
+    cy = (forgetgate * cx).add_(ingate * cellgate)
     hy = outgate * cy.tanh()
     if p.w_hr is not None:
         hy = torch.matmul(hy, p.w_hr.t())
@@ -90,10 +94,10 @@ def _lstm(x: Tensor, hidden: tuple[Tensor, Tensor], p: _Params, projected: bool)
 def _gru(x: Tensor, h: Tensor, p: _Params, projected: bool) -> Tensor:
     igates = (x if projected else p.linear_ih(x)).unsafe_chunk(3, 1)
     hgates = p.linear_hh(h).unsafe_chunk(3, 1)
-    reset_gate = (hgates[0] + igates[0]).sigmoid()
-    input_gate = (hgates[1] + igates[1]).sigmoid()
-    new_gate = (igates[2] + hgates[2] * reset_gate).tanh()
-    return (h - new_gate) * input_gate + new_gate
+    reset_gate = hgates[0].add_(igates[0]).sigmoid_()
+    input_gate = hgates[1].add_(igates[1]).sigmoid_()
+    new_gate = igates[2].add(hgates[2].mul_(reset_gate)).tanh_()
+    return (h - new_gate).mul_(input_gate).add_(new_gate)
 
 
 # -- hidden states: a tensor, or an LSTM's (h, c) --------------------------------------------
