@@ -11,8 +11,8 @@ state with each random op and the worker restores it, so remote values equal loc
 values under one seed. The device's RNG state is then the CPU generator's state. On a GPU
 worker's session they draw from the device's own generator, as CUDA eager's do (Note [a
 GPU worker's generator]): its state is that generator's, 16 bytes. Seeding the device
-seeds both (``torch.manual_seed`` seeds the CPU one itself, then calls
-``manual_seed_all``).
+seeds its generator, and the CPU one only where that is the device's (``torch.manual_seed``
+seeds the CPU one itself, then calls ``manual_seed_all``).
 
 Memory figures are the appliance's accounting of this process's session (its handles
 and remote objects in the VMU's data segment), read from the stats document.
@@ -20,6 +20,7 @@ and remote objects in the VMU's data segment), read from the stats document.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -79,12 +80,14 @@ def synchronize(device: Any = None) -> None:
 
 
 # -- RNG: Note [remote rng] -----------------------------------------------------------------
-def _on_device() -> bool:
-    """Whether random ops draw from the device's generator (a GPU worker's session, as
-    far as is known without opening one)."""
+def _on_device(start: bool = True) -> bool:
+    """Whether random ops draw from the device's generator: a GPU worker's session. With
+    ``start``, the session is opened if there is none: a ``fork_rng`` before the first
+    remote op saved the CPU state, and its draws inside then went unrestored (a review).
+    Seeding opens none (``torch.manual_seed`` at a script's top must not start one)."""
     from .session import current_device_type
 
-    return current_device_type() not in (None, "cpu")
+    return current_device_type(start=start) not in (None, "cpu")
 
 
 def get_rng_state(device: Any = None) -> torch.Tensor:
@@ -111,10 +114,13 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 
 
 def manual_seed(seed: int) -> None:
+    """Seed the device's generator; and the CPU one, the device's on a CPU worker's session
+    (or where none is open yet), as ``torch.cuda.manual_seed`` leaves the CPU's alone."""
     from .seeded import DEVICE_GENERATOR
 
     DEVICE_GENERATOR.manual_seed(seed)
-    torch.default_generator.manual_seed(int(seed))
+    if not _on_device(start=False):
+        torch.default_generator.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
@@ -124,7 +130,10 @@ def manual_seed_all(seed: int) -> None:
 def seed() -> None:
     from .seeded import DEVICE_GENERATOR
 
-    DEVICE_GENERATOR.manual_seed(torch.default_generator.seed())
+    if _on_device(start=False):
+        DEVICE_GENERATOR.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    else:
+        DEVICE_GENERATOR.manual_seed(torch.default_generator.seed())
 
 
 def seed_all() -> None:

@@ -434,7 +434,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     except meta_mod.DataDependent:
         rng = None
         if seeded.SEEDED in func.tags:  # Note [seeded ops]
-            rng, _draw = seeded.advance_local_generator(func, args, kwargs, fetch)
+            rng, _draw = seeded.advance_generator(func, args, kwargs, fetch)
         return _run_now(func, trace, ref_args, ref_kwargs, rng)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     if func in norm_stats.OPS:
@@ -461,7 +461,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node.module = hooks.module_path()
     writes.record_writes(node, func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
-        node.rng, node.draw = seeded.advance_local_generator(func, args, kwargs, fetch, specs)
+        node.rng, node.draw = seeded.advance_generator(func, args, kwargs, fetch, specs)
     outs: list[Any] = []
     with trace.lock:  # Note [a node and its outputs] (trace.py)
         trace.add(node)

@@ -76,7 +76,7 @@ class Record:
     # (Note [writes another thread captured], writes.py)
     shares: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
     # per random op, in program order: its generator state's place in ``inline`` and how
-    # it advanced the local generator (Note [replayed draws])
+    # it advanced the generator it draws from (Note [replayed draws])
     draws: list[tuple[int, Any]] = field(default_factory=list, repr=False, compare=False)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
@@ -118,7 +118,12 @@ class Record:
         numbers eager would, and every later random number, local or remote, is eager's
         too. Two recordings are alike with other states in those places. An op that
         draws as many numbers as its inputs' values say (a Poisson sampler) would need
-        them read: such a call runs as it is."""
+        them read: such a call runs as it is. On a GPU worker's session the state is the
+        device generator's seed and offset, and a draw moves the offset on as the
+        capture did (``seeded.DeviceDraw``, Note [a GPU worker's generator]); there such
+        a sampler replays too. A draw whose op takes a fixed count of the CPU
+        generator's outputs is made as that count once learnt (Note [draws by
+        count])."""
         if not self.draws:
             return self.inline
         inline = list(self.inline)
@@ -295,16 +300,7 @@ def _draws_alone(generator: tuple[Any, Any], draws: list[Any]) -> bool:
     it restores (``fork_rng``), a draw it makes locally (LayerDrop's ``torch.rand([]) <
     p``) would not happen, and every later number would be another (a review found such
     calls replayed off eager from their third call)."""
-    entry, left = generator
-    if not draws:  # nothing to draw again: the generators must not have moved
-        return seeded.same_generators(entry, left)
-    seeded.set_generators(entry)
-    try:
-        for draw in draws:
-            draw.again()
-        return seeded.same_generators(seeded.generators(), left)
-    finally:
-        seeded.set_generators(left)
+    return seeded.drawn_alone(generator[0], generator[1], draws)
 
 
 def _written(nodes: list[Any]) -> set[str]:

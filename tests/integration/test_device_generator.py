@@ -2,8 +2,8 @@
 random ops draw from the remote device's own generator, a seed and an offset, as CUDA
 eager's do from the GPU's; the local CPU generator is left alone.
 
-This machine has no GPU: the client is told its session is a GPU worker's (``on_gpu``),
-and the CPU worker seeds its generator from the seed and offset it is sent. What is
+This machine has no GPU: the client is told that its session's CPU worker is a GPU
+(``on_gpu``), and the CPU worker seeds its generator from the seed and offset it is sent. What is
 checked is the client's side (what the generator does, what a replay sends) and that the
 worker draws the same numbers for the same state; test_gpu.py checks a CUDA worker."""
 
@@ -14,13 +14,18 @@ import torch
 import torch.utils.checkpoint
 
 import djinn
-from djinn.frontend import device_module, seeded
+from djinn.frontend import session
 
 
 @pytest.fixture
 def on_gpu(remote, monkeypatch):
-    monkeypatch.setattr(seeded, "_draws_on_device", lambda: True)
-    monkeypatch.setattr(device_module, "_on_device", lambda: True)
+    real = session.current_device_type
+
+    def as_a_gpu(start: bool = False) -> str | None:  # None still where no session is open
+        kind = real(start)
+        return "cuda" if kind == "cpu" else kind
+
+    monkeypatch.setattr(session, "current_device_type", as_a_gpu)
     yield remote
     torch.manual_seed(0)  # the device generator is process-wide: leave it as seeded
 
@@ -147,3 +152,35 @@ def test_a_call_that_seeds_the_device_runs_as_it_is(on_gpu):
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert run.stats()["replays"] == 0, run.stats()
     assert any("generator" in why for why in run.stats()["plain"]), run.stats()
+
+
+def test_draws_before_the_session_opens_and_huge_bounds_are_fresh(on_gpu):
+    """A review's two ways to get the same numbers twice: a ``fork_rng`` entered before
+    any session was open saved the CPU state, so the device's draws inside went
+    unrestored; and a ``randint`` bound counted into the offset's increment wrapped it
+    round to where it was."""
+    r = on_gpu
+    session.reset()
+    torch.manual_seed(0)
+    with torch.random.fork_rng(device_type="remote_accelerator"):
+        a = torch.randn(4, device=r).cpu()
+    assert torch.equal(torch.randn(4, device=r).cpu(), a)
+    high = (1 << 62) - 36  # 4 * high + 4 * 10 + 64 == 2**64 under the old count
+    b, c = (torch.randint(0, high, (10,), device=r).cpu() for _ in range(2))
+    assert not torch.equal(b, c)
+
+
+def test_a_seed_before_import_djinn_seeds_the_device(tmp_path):
+    """``torch.manual_seed`` before ``import djinn`` did not reach the device module: the
+    device's generator starts from the CPU one's initial seed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.manual_seed({}); import djinn; "
+        "from djinn.frontend.seeded import DEVICE_GENERATOR as g; print(g.seed, g.offset)"
+    )
+    for seed in (5, 6):
+        out = subprocess.run([sys.executable, "-c", code.format(seed)], capture_output=True,
+                             text=True, timeout=120, check=True).stdout.split()  # fmt: skip
+        assert out == [str(seed), "0"]

@@ -222,13 +222,13 @@ def test_the_fused_kernel_is_not_run_on_the_client_to_advance_its_generator(remo
     from djinn.frontend import seeded
 
     ran: list[object] = []
-    real = seeded.advance_local_generator
+    real = seeded.advance_generator
 
     def advance(func, *args):
         ran.append(func)
         return real(func, *args)
 
-    monkeypatch.setattr(seeded, "advance_local_generator", advance)
+    monkeypatch.setattr(seeded, "advance_generator", advance)
     q, k, v = _qkv(2, 4, 16, 8)
     torch.manual_seed(3)
     with torch.no_grad():
