@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 
 import djinn
 from djinn.frontend import session
+from tests.dropout_training import initialised_cpu_generator, train_with_dropout
 
 
 @pytest.fixture
@@ -89,52 +90,21 @@ def test_the_device_state_saves_and_restores_like_cudas(on_gpu):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-def _train(replay: bool, r: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.25), torch.nn.Linear(64, 1)
-    ).to(r)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        h = model(x)
-        # a sampler that draws as many numbers as its input's values say: on the CPU
-        # generator such a call runs as it is (it would read them); the device's moves by
-        # a bound, so it replays
-        noise = torch.poisson(h.detach().abs().expand(4, -1, -1)).mean()
-        loss = torch.nn.functional.mse_loss(h, y) + noise * 1e-3
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    run = djinn.replayable(step) if replay else step
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(8):
-        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen)
-        losses.append(run(x.to(r), y.to(r)).cpu())
-    stats = run.stats() if replay else {}
-    return losses, [p.detach().cpu() for p in model.parameters()], stats
-
-
 def test_a_replayed_step_with_dropout_draws_what_its_captured_run_draws(ahead, on_gpu):
     """Note [replayed draws] with the device generator: a replay moves its offset on as
     the captured ops did, so the replayed loop is the captured loop, bit for bit; the CPU
-    generator is where the model's initialisation left it, and a Poisson sampler
-    replays."""
-    losses, params, stats = _train(True, on_gpu)
+    generator is where the model's initialisation left it, and a Poisson sampler (which
+    on the CPU generator would need its input's values read) replays."""
+    losses, params, stats = train_with_dropout(on_gpu, True, 8, sampler=True)
     cpu_after, device_after = torch.get_rng_state(), torch.remote_accelerator.get_rng_state()
     assert stats["replays"] == 5 and stats["recordings"] == 2, stats
-    want_losses, want_params, _ = _train(False, on_gpu)
+    want_losses, want_params, _ = train_with_dropout(on_gpu, False, 8, sampler=True)
     assert torch.equal(torch.remote_accelerator.get_rng_state(), device_after)
     for k, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
         assert torch.equal(got, want), f"loss {k}"
     for got, want in zip(params, want_params, strict=True):
         assert torch.equal(got, want)
-    torch.manual_seed(0)
-    torch.nn.Linear(16, 64), torch.nn.Linear(64, 1)  # what _train draws on the CPU
-    assert torch.equal(torch.get_rng_state(), cpu_after)
+    assert torch.equal(cpu_after, initialised_cpu_generator())
 
 
 def test_a_call_that_seeds_the_device_runs_as_it_is(on_gpu):

@@ -257,47 +257,19 @@ def test_a_step_with_dropout_replays_on_a_gpu_worker_as_it_runs_captured(
     initialisation left it, as CUDA eager leaves it. The default Adam's steps are followed
     (ahead of the forward and backward on a GPU worker, Note [steps followed while the
     graph runs])."""
-    import djinn
     from djinn.frontend import session
+    from tests.dropout_training import initialised_cpu_generator, train_with_dropout
 
     monkeypatch.setenv("DJINN_ADDRESS", gpu_appliance.unix)
     session.reset()
     r = "remote_accelerator:0"
-
-    def train(replay: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.25),
-            torch.nn.Linear(64, 1),
-        ).to(r)  # fmt: skip
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        run = djinn.replayable(step) if replay else step
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(10):
-            x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen)
-            losses.append(run(x.to(r), y.to(r)).cpu())
-        if replay:
-            stats = run.stats()
-            # the first call runs as it is: Adam makes its state (zeros_like) and keeps it
-            assert stats["replays"] == 7 and stats["recordings"] == 2, stats
-        return losses, [p.detach().cpu() for p in model.parameters()], torch.rand(4)
-
-    losses, params, after = train(replay=True)
-    device_after = torch.remote_accelerator.get_rng_state()
-    want_losses, want_params, want_after = train(replay=False)
+    losses, params, stats = train_with_dropout(r, True, 10)
+    cpu_after, device_after = torch.get_rng_state(), torch.remote_accelerator.get_rng_state()
+    # the first call runs as it is: Adam makes its state (zeros_like) and keeps it
+    assert stats["replays"] == 7 and stats["recordings"] == 2, stats
+    want_losses, want_params, _ = train_with_dropout(r, False, 10)
     assert torch.equal(torch.remote_accelerator.get_rng_state(), device_after)
-    torch.manual_seed(0)
-    torch.nn.Linear(16, 64), torch.nn.Linear(64, 1)  # what train() draws on the CPU
-    assert torch.equal(after, want_after) and torch.equal(after, torch.rand(4))
+    assert torch.equal(cpu_after, initialised_cpu_generator())
     for k, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
         assert torch.equal(got, want), f"loss {k}: {got} != {want}"
     for got, want in zip(params, want_params, strict=True):
