@@ -93,12 +93,13 @@ COUNTED = frozenset(
 LEARN = 2  # draws whose count must agree, each from another start state
 
 
-def _advance(count: int) -> None:
-    """Move the CPU generator on by ``count`` 32-bit outputs of its Mersenne Twister: an
-    int32 ``random_`` takes one per element, and is the cheapest per output of the
-    kernels that take a fixed count (float64 ``uniform_`` took twice as long)."""
+def _advance(count: int, generator: torch.Generator | None = None) -> None:
+    """Move a CPU generator (the default one) on by ``count`` 32-bit outputs of its
+    Mersenne Twister: an int32 ``random_`` takes one per element, and is the cheapest per
+    output of the kernels that take a fixed count (float64 ``uniform_`` took twice as
+    long)."""
     if count:
-        torch.empty(count, dtype=torch.int32).random_()
+        torch.empty(count, dtype=torch.int32).random_(generator=generator)
 
 
 class Draw:
@@ -129,17 +130,19 @@ class Draw:
         return state
 
     def _learn(self, start: torch.Tensor, out: Any) -> None:
+        """Which count took the generator from ``start`` to where it is, tried on a
+        private generator: another thread's draws meanwhile are neither lost nor seen."""
         after = torch.get_rng_state()
         first = out[0] if isinstance(out, (tuple, list)) else out
         n = first.numel() if isinstance(first, torch.Tensor) else 0
         found = None
+        trial = torch.Generator()
         for count in (2 * n, n) if n else ():
-            torch.set_rng_state(start)
-            _advance(count)
-            if torch.equal(torch.get_rng_state(), after):
+            trial.set_state(start)
+            _advance(count, trial)
+            if torch.equal(trial.get_state(), after):
                 found = count
                 break
-        torch.set_rng_state(after)
         if found is None or (self.count is not None and found != self.count):
             self.learnt = -1  # it draws some other way: as it is, always
             return
