@@ -63,14 +63,14 @@ class _Scratch:
 # Twister's 32-bit outputs per element, whatever the numbers drawn: one or two. Running
 # such an op again on scratch tensors does more than move the generator on by that
 # count: a dropout fills a float mask and multiplies it in twice. So a Draw of one of
-# ``COUNTED`` learns its count: at its first ``LEARN`` draws it also moves a copy of the
-# start state on by each candidate count (one or two outputs per element of its result,
-# taken by an int32 ``random_``) and compares the whole states, the normal-sample caches
-# included. A count that gave the op's own state every time is used from then on; an op
-# that draws any other way (the Intel MKL path of ``bernoulli_`` takes one output per
-# call) matches none and keeps running as it is. The Twister itself stays: the 3.9e5
-# mask elements of training_step.py's encoder with dropout 0.1 (2 layers) took 3.5-3.9 ms
-# a step as the ops and 2.3-3.0 ms as counts, on this 2-core machine.
+# ``COUNTED`` learns its count: at its first ``LEARN`` draws it also moves a private
+# generator, set to the start state, on by each candidate count (one or two outputs per
+# element of its result, taken by an int32 ``random_``) and compares the whole states,
+# the normal-sample caches included. A count that gave the op's own state every time is
+# used from then on; an op that draws any other way (the Intel MKL path of ``bernoulli_``
+# takes one output per call) matches none and keeps running as it is. The Twister itself
+# stays: the 3.9e5 mask elements of training_step.py's encoder with dropout 0.1 (2
+# layers) took 3.5-3.9 ms a step as the ops and 2.3-3.0 ms as counts, on a 2-core machine.
 COUNTED = frozenset(
     {
         torch.ops.aten.native_dropout.default,
@@ -131,7 +131,8 @@ class Draw:
 
     def _learn(self, start: torch.Tensor, out: Any) -> None:
         """Which count took the generator from ``start`` to where it is, tried on a
-        private generator: another thread's draws meanwhile are neither lost nor seen."""
+        private generator: the default one is never set back, so another thread's draws
+        are not lost (drawn in between, they make no count match: the op keeps running)."""
         after = torch.get_rng_state()
         first = out[0] if isinstance(out, (tuple, list)) else out
         n = first.numel() if isinstance(first, torch.Tensor) else 0
