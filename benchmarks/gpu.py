@@ -250,7 +250,10 @@ def graph_forward(local: torch.nn.Module, vocab: int, tokens: int, repeat: int,
 DROPOUT = 0.1  # the dropout loops': what nn.TransformerEncoderLayer, BERT and GPT-2 default to
 
 
-def training_batches(steps: int, dropout: float = 0.0) -> tuple[torch.nn.Module, list]:
+def training_batches(steps: int, loop: str) -> tuple[torch.nn.Module, list]:
+    """The encoder and batches of a training loop (``LOCAL_LOOPS``, ``REMOTE_LOOPS``): with
+    ``DROPOUT`` for a loop whose name says so."""
+    dropout = DROPOUT if "dropout" in loop else 0.0
     return build_encoder(64, 2, dropout).train(), batches_of(64, steps)
 
 
@@ -288,7 +291,7 @@ def local_training_child(repeat: int, steps: int, out: str) -> int:
 
     result = {}
     for name, (optimizer, kernels) in LOCAL_LOOPS.items():
-        model, batches = training_batches(steps, DROPOUT if "dropout" in name else 0.0)
+        model, batches = training_batches(steps, name)
         scope = sdpa_kernel(SDPBackend.MATH) if kernels else contextlib.nullcontext()
         with scope:
             loop(model, batches[:2], "cuda", optimizer)  # warm
@@ -326,7 +329,7 @@ def training(repeat: int, client: Any, steps: int = 20) -> dict[str, Any]:
     remote: dict[str, tuple[list[float], list[torch.Tensor], list[float]]] = {}
     cuda_graphs: dict[str, dict[str, int]] = {}
     for name, optimizer, replay, _ in REMOTE_LOOPS:
-        model, batches = training_batches(steps, DROPOUT if "dropout" in name else 0.0)
+        model, batches = training_batches(steps, name)
         before = graphs()
         loop(model, batches[:2], R, optimizer)  # warm
         times, got, per_step = [], [], []

@@ -41,6 +41,13 @@ _OP_CACHE: dict[str, Any] = {}
 # what a kernel raises for arguments it refuses: reported as EXECUTION_ERROR naming the op
 OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)
 PHILOX_STATE_BYTES = 16  # a device generator's seed and offset (a CPU state is 5056 bytes)
+
+
+def _digest_seed(state: bytes) -> int:
+    """A seed for a generator of another algorithm than the state's, from all of it."""
+    return int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little")
+
+
 MAX_PLANS = 256  # templates whose last uses are kept (the worker keeps as many templates)
 _LAST_USES: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
 
@@ -246,8 +253,7 @@ class GraphRun:
             if self.device.type == "cpu":
                 torch.set_rng_state(state)
             else:  # CUDA's generator is another algorithm: seed it from the whole state
-                digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
-                torch.cuda.manual_seed(int.from_bytes(digest, "little"))
+                torch.cuda.manual_seed(_digest_seed(state.numpy().tobytes()))
         except RuntimeError as exc:
             raise InvalidArgument(f"bad generator state: {exc}") from None
 
@@ -260,8 +266,7 @@ class GraphRun:
             gen.manual_seed(seed)
             gen.set_offset(offset)
         else:  # a CPU worker sent the device's state (its session was placed late)
-            digest = hashlib.blake2b(raw, digest_size=8).digest()
-            torch.default_generator.manual_seed(int.from_bytes(digest, "little"))
+            torch.default_generator.manual_seed(_digest_seed(raw))
 
     def _account(self, value: Any, delta: int) -> None:
         """Stack segment bookkeeping: storages created by this run, while referenced."""

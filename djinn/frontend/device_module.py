@@ -101,9 +101,9 @@ def get_rng_state_all() -> list[torch.Tensor]:
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
-    from .seeded import DEVICE_GENERATOR
+    from .seeded import DEVICE_GENERATOR, DEVICE_STATE_BYTES
 
-    if new_state.numel() == 16:  # the device generator's (a CPU state is 5056 bytes)
+    if new_state.numel() == DEVICE_STATE_BYTES:  # the device generator's
         DEVICE_GENERATOR.set_state(new_state)
     else:
         torch.set_rng_state(new_state)

@@ -172,7 +172,7 @@ def recorded(
     draws = [n.draw for n in nodes if n.rng is not None]  # Note [replayed draws]
     if any(d is None for d in draws):
         raise Miss("it draws random numbers as many as its inputs' values say", final=True)
-    if not _draws_alone(generator, draws):
+    if not seeded.drawn_alone(*generator, draws):
         raise Miss("it uses the local random generator itself (a seed, a local draw)")
     if any(n.failed is not None or n.executed or n.inflight is not None for n in nodes):
         raise Miss("an op failed while it was captured")
@@ -291,16 +291,6 @@ def recorded(
         rec.split.clears, rec.split.nones = clears, nones
         rec.split.unwatched = rec.unwatched
     return rec
-
-
-def _draws_alone(generator: tuple[Any, Any], draws: list[Any]) -> bool:
-    """Whether the call left the generators (the local CPU one, the device's: Note [a GPU
-    worker's generator]) where its random ops' draws alone leave them from where it found
-    them (Note [replayed draws]). A replay runs only those: a seed the call sets, a state
-    it restores (``fork_rng``), a draw it makes locally (LayerDrop's ``torch.rand([]) <
-    p``) would not happen, and every later number would be another (a review found such
-    calls replayed off eager from their third call)."""
-    return seeded.drawn_alone(generator[0], generator[1], draws)
 
 
 def _written(nodes: list[Any]) -> set[str]:

@@ -11,6 +11,7 @@ remote device's own generator (Note [a GPU worker's generator]).
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -243,8 +244,7 @@ def advance_generator(
 # takes the GPU's own Philox generator, a seed and an offset that each op moves on by
 # what it may draw. So does Djinn's remote device on a GPU worker: random ops send a
 # (seed, offset) of the device's generator, the client moves the offset on by a bound
-# on what the op draws (four 32-bit numbers per element of every tensor it reads or
-# makes, and per unit of its integer arguments), in O(1), and the worker sets its CUDA
+# on what the op draws (``_philox_increment``), in O(1), and the worker sets its CUDA
 # generator to it before the op. The local CPU generator is left alone, as by CUDA
 # eager; ``torch.manual_seed`` seeds the device's generator (PyTorch calls the device
 # module's ``manual_seed_all``); ``fork_rng`` and activation checkpointing save and
@@ -253,6 +253,7 @@ def advance_generator(
 # kernels' launch shapes). A session whose worker is not known at the op (a fleet
 # session not placed yet) keeps the CPU generator's way.
 _U64 = (1 << 64) - 1
+DEVICE_STATE_BYTES = 16  # a seed and an offset, little-endian uint64s (a CPU state: 5056)
 
 
 def _uint64(seed: int) -> int:
@@ -286,15 +287,14 @@ class _DeviceGenerator:
         with self.lock:
             return _packed(self.seed, self.offset)
 
-    def moved(self, state: torch.Tensor, by: int) -> torch.Tensor:
-        """``state`` with its offset moved on by ``by``, this generator untouched."""
-        seed, offset = struct.unpack("<QQ", state.numpy().tobytes())
-        return _packed(seed, (offset + by) & _U64)
-
     def set_state(self, state: torch.Tensor) -> None:
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
+        if (
+            not isinstance(state, torch.Tensor)
+            or state.dtype != torch.uint8
+            or state.numel() != DEVICE_STATE_BYTES
+        ):
             raise RuntimeError("the remote device's generator state is 16 bytes (uint8)")
-        seed, offset = struct.unpack("<QQ", state.contiguous().numpy().tobytes())
+        seed, offset = _unpacked(state)
         if offset % 4:
             raise RuntimeError(f"the generator offset must be a multiple of 4, not {offset}")
         with self.lock:
@@ -310,6 +310,10 @@ DEVICE_GENERATOR = _DeviceGenerator()
 
 def _packed(seed: int, offset: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(struct.pack("<QQ", seed, offset)), dtype=torch.uint8)
+
+
+def _unpacked(state: torch.Tensor) -> tuple[int, int]:
+    return struct.unpack("<QQ", state.contiguous().numpy().tobytes())
 
 
 class DeviceDraw:
@@ -356,16 +360,10 @@ def _elements(x: Any) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel()
     if hasattr(x, "shape") and hasattr(x, "dtype"):  # a TensorSpec
-        n = 1
-        for d in x.shape:
-            n *= int(d)
-        return n
+        return math.prod(int(d) for d in x.shape)
     if isinstance(x, (list, tuple)):  # torch.Size too
         if x and all(type(v) is int for v in x):  # a size: its tensor's elements
-            n = 1
-            for v in x:
-                n *= max(v, 0)
-            return n
+            return math.prod(max(v, 0) for v in x)
         return sum(_elements(v) for v in x)
     return 0
 
@@ -377,13 +375,19 @@ def generators() -> tuple[torch.Tensor, torch.Tensor]:
 
 def drawn_alone(entry: tuple[torch.Tensor, torch.Tensor],
                 left: tuple[torch.Tensor, torch.Tensor], draws: list[Any]) -> bool:  # fmt: skip
-    """Whether ``draws`` alone take the generators from ``entry`` to ``left``. The device's
-    by arithmetic: setting it back to draw again would hand another thread's op offsets
-    already given (a review saw one so with a switch interval of a microsecond). The
-    CPU generator's by drawing again from ``entry`` (one thread's draws in between would
-    be lost: as before the device's generator)."""
+    """Whether a call left the generators (``generators()``) where its random ops'
+    ``draws`` alone take them from ``entry`` (Note [replayed draws]). A replay runs only
+    those: a seed the call sets, a state it restores (``fork_rng``), a draw it makes
+    locally (LayerDrop's ``torch.rand([]) < p``) would not happen, and every later number
+    would be another (a review found such calls replayed off eager from their third call).
+
+    The device's generator is checked by arithmetic: setting it back to draw again would
+    hand another thread's op offsets already given (a review saw one so with a switch
+    interval of a microsecond). The CPU generator's by drawing again from ``entry`` (one
+    thread's draws in between would be lost: as before the device's generator)."""
+    seed, offset = _unpacked(entry[1])
     counted = sum(d.increment for d in draws if type(d) is DeviceDraw)
-    if not torch.equal(DEVICE_GENERATOR.moved(entry[1], counted), left[1]):
+    if not torch.equal(_packed(seed, (offset + counted) & _U64), left[1]):
         return False
     local = [d for d in draws if type(d) is not DeviceDraw]
     if not local:
