@@ -20,6 +20,7 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import (
     backward_errors,
+    engine_started,
     failures,
     hook_errors,
     hooks,
@@ -173,7 +174,10 @@ class LazyTensor(torch.Tensor):
         return super().register_post_accumulate_grad_hook(hook_errors.accumulated_hook(hook))
 
     def backward(self, *args: Any, **kwargs: Any) -> None:
-        hook_errors.backward_raising(lambda: torch.Tensor.backward(self, *args, **kwargs))
+        # Note [an engine started before Djinn] (engine_started.py)
+        hook_errors.backward_raising(
+            lambda: engine_started.backward(lambda: torch.Tensor.backward(self, *args, **kwargs))
+        )
 
     def __reduce_ex__(self, proto: Any) -> Any:
         # as a CUDA tensor pickles: its bytes, fetched, with its device recorded
