@@ -27,28 +27,14 @@ FIRST_BACKOFF_S = 0.5
 # on 2 cores a 20-step training loop (benchmarks/training_step.py) took 0.83 s with the
 # runtime's own wait, 0.58 s with a thousand rounds, 0.57 s sleeping at once. Sleeping at
 # once costs a wake-up per parallel region instead, and a kernel-bound GPT-2 forward ran
-# 134 ms against 128 (the runtime's own) and 119 (a thousand rounds). (Stop 41's
-# alternated capture.py runs did not reproduce the forward's part: its replay over local
-# eager read 1.055 and 1.036 brief, 1.043 and 1.022 with the runtime's own; the training
-# loop still favoured brief, 0.51 s against 0.62.)
-#
-# "brief" is the default, and it spins 5,000 rounds: about 140 µs on the 2-core AMD EPYC
-# it was measured on (a round is one `pause`, 28 ns there). A thousand rounds (28 µs) was
-# shorter than the gaps between parallel regions within one graph, so a replayed training
-# step (one graph of small ops, Note [replayable functions]) woke the threads at most of
-# its ops: its plan took 13.5-16.3 ms on the worker against 8.1-11.1 ms with the
-# runtime's own wait, and local eager itself ran that step in 11-19 ms a thousand rounds
-# against 6-9 ms its own way. A gap between two graphs of a capturing client is
-# milliseconds, and a client that replays waits meanwhile, so 140 µs still gives the
-# core back where it is wanted. Alternated on that host (three rounds, medians), the
-# replayed steady step of training_step.py's encoder went from 18.2 to 14.8 ms with SGD
-# and from 25.0 to 20.4 ms with the default Adam; the 20-step Adam loop captured op by op
-# read 1.07 s against 1.18 s in that run and 1.10 against 1.08 in an earlier one, the
-# GPT-2 forward's replay 1.21-1.32x local eager against 1.10-1.39x: within that host's
-# noise. It changes when threads wait, never how an op's work is split among them, so
+# 134 ms against 128 (the runtime's own) and 119 (a thousand rounds): "brief" is the
+# default. (Stop 41's alternated capture.py runs did not reproduce the forward's part:
+# its replay over local eager read 1.055 and 1.036 brief, 1.043 and 1.022 with the
+# runtime's own; the training loop still favoured brief, 0.51 s against 0.62.)
+# It changes when threads wait, never how an op's work is split among them, so
 # the results are the same bits. The runtime reads these variables once, when it loads.
 _WAITS = {
-    "brief": {"GOMP_SPINCOUNT": "5000"},
+    "brief": {"GOMP_SPINCOUNT": "1000"},
     "passive": {"GOMP_SPINCOUNT": "0"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }

@@ -52,15 +52,13 @@ SETTINGS: tuple[Setting, ...] = (
         "cpu_wait_policy",
         "brief",
         "How a worker's idle OpenMP threads wait for the next parallel region (Note [idle "
-        "OpenMP threads]): brief (they spin 5,000 rounds, about 140 µs on a 2-core AMD "
-        "EPYC, then sleep: GOMP_SPINCOUNT=5000), passive (they sleep at once), active "
-        "(they spin), or inherit (the environment's OMP_WAIT_POLICY and GOMP_SPINCOUNT, "
-        "else the OpenMP runtime's own: 300,000 rounds). Spinning threads take the cores "
-        "of the clients capturing beside the worker: a 2-core training loop took 0.83 s "
-        "with the runtime's own, 0.58 s brief. Threads that sleep too soon are woken at "
-        "each op: a replayed training step took 18.2 ms with a thousand rounds, 14.8 ms "
-        "with 5,000. The same bits whichever: it is how threads wait, not how an op's "
-        "work is split.",
+        "OpenMP threads]): brief (they spin about a thousand rounds, then sleep: "
+        "GOMP_SPINCOUNT=1000), passive (they sleep at once), active (they spin), or "
+        "inherit (the environment's OMP_WAIT_POLICY and GOMP_SPINCOUNT, else the OpenMP "
+        "runtime's own: 300,000 rounds). Spinning threads take the cores of the clients "
+        "capturing beside the worker: a 2-core training loop took 0.83 s with the "
+        "runtime's own, 0.58 s brief. The same bits whichever: it is how threads wait, not "
+        "how an op's work is split.",
         choices=("brief", "passive", "active", "inherit"),
     ),
     Setting(

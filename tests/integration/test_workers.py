@@ -116,7 +116,7 @@ def _worker_env(app) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("policy", "want"),
     [
-        ("brief", {"GOMP_SPINCOUNT": "5000"}),
+        ("brief", {"GOMP_SPINCOUNT": "1000"}),
         ("passive", {"GOMP_SPINCOUNT": "0"}),
         ("active", {"OMP_WAIT_POLICY": "ACTIVE"}),
     ],
