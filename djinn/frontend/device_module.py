@@ -140,6 +140,25 @@ def seed_all() -> None:
     seed()
 
 
+def cuda_manual_seed(seed: int) -> None:
+    """``torch.cuda.manual_seed`` (and ``_all``) under ``djinn run``: the remote device's
+    generator, which a GPU worker's session draws from, and never the CPU one. A CPU
+    worker's session draws from the CPU generator (Note [remote rng]), as the same script
+    does on a machine without CUDA, where PyTorch's own call changes nothing; seeding the
+    device's generator changes nothing there either."""
+    from .seeded import DEVICE_GENERATOR
+
+    DEVICE_GENERATOR.manual_seed(seed)
+
+
+def cuda_seed() -> None:
+    """``torch.cuda.seed`` (and ``_all``) under ``djinn run``: a random seed for the remote
+    device's generator alone (``cuda_manual_seed``)."""
+    from .seeded import DEVICE_GENERATOR
+
+    DEVICE_GENERATOR.manual_seed(int.from_bytes(os.urandom(8), "little"))
+
+
 def initial_seed() -> int:
     from .seeded import DEVICE_GENERATOR
 

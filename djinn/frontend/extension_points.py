@@ -262,9 +262,6 @@ CUDA_QUERIES_NAMES = (
     "reset_peak_memory_stats",
     "empty_cache",
     "is_bf16_supported",
-    # torch.cuda.manual_seed* stay PyTorch's (queued no-ops without CUDA): remote random
-    # ops draw from the CPU generator (Note [remote rng]), so reseeding it here would make
-    # the script's CPU randomness differ from the same script run on the CPU
     "initial_seed",
     "get_rng_state",
     "set_rng_state",
@@ -277,14 +274,24 @@ CUDA_QUERIES_NAMES = (
     "stream",
 )
 NVTX_NAMES = {"range_push": "nvtx_range_push", "range_pop": "nvtx_range_pop", "mark": "nvtx_mark"}
+# torch.cuda's seeding, as CUDA's: the remote device's generator, never the CPU one
+# (device_module.cuda_manual_seed says why)
+SEEDING_NAMES = {
+    "manual_seed": "cuda_manual_seed",
+    "manual_seed_all": "cuda_manual_seed",
+    "seed": "cuda_seed",
+    "seed_all": "cuda_seed",
+}
 
 
 def _attach_cuda_queries() -> dict[str, Any]:
     import torch.cuda.nvtx as nvtx
 
-    saved = {name: getattr(torch.cuda, name) for name in CUDA_QUERIES_NAMES}
+    saved = {name: getattr(torch.cuda, name) for name in (*CUDA_QUERIES_NAMES, *SEEDING_NAMES)}
     for name in CUDA_QUERIES_NAMES:
         setattr(torch.cuda, name, getattr(device_module, name))
+    for name, ours in SEEDING_NAMES.items():
+        setattr(torch.cuda, name, getattr(device_module, ours))
     for name, ours in NVTX_NAMES.items():
         saved[f"nvtx.{name}"] = getattr(nvtx, name)
         setattr(nvtx, name, getattr(device_module, ours))

@@ -154,3 +154,42 @@ def test_a_seed_before_import_djinn_seeds_the_device(tmp_path):
         out = subprocess.run([sys.executable, "-c", code.format(seed)], capture_output=True,
                              text=True, timeout=120, check=True).stdout.split()  # fmt: skip
         assert out == [str(seed), "0"]
+
+
+def test_torch_cuda_manual_seed_under_djinn_run_seeds_the_device_alone(on_gpu):
+    """Under ``djinn run`` (which holds CUDA_QUERIES), ``torch.cuda.manual_seed`` and its
+    ``_all`` seed the remote device's generator, as CUDA's seed the GPU's, and leave the
+    CPU generator alone; ``torch.cuda.seed`` draws a fresh seed for it."""
+    from djinn.frontend.extension_points import CUDA_QUERIES
+
+    r = on_gpu
+    torch.manual_seed(1)
+    want_cpu = torch.rand(4)
+    torch.manual_seed(1)
+    with CUDA_QUERIES.held():
+        torch.cuda.manual_seed(9)
+        a = torch.randn(100, device=r).cpu()
+        torch.cuda.manual_seed_all(9)
+        b = torch.randn(100, device=r).cpu()
+        torch.cuda.manual_seed(10)
+        c = torch.randn(100, device=r).cpu()
+        torch.cuda.seed()
+        d = torch.randn(100, device=r).cpu()
+        assert torch.remote_accelerator.initial_seed() != 10
+    assert torch.equal(torch.rand(4), want_cpu)  # the CPU generator never moved
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c) and not torch.equal(c, d)
+
+
+def test_torch_cuda_manual_seed_under_djinn_run_leaves_a_cpu_session_as_eager(remote):
+    """On a CPU worker's session remote draws are CPU eager's: ``torch.cuda.manual_seed``
+    changes them no more than it changes a CPU script's on a machine without CUDA."""
+    from djinn.frontend.extension_points import CUDA_QUERIES
+
+    torch.manual_seed(2)
+    want = torch.randn(100)
+    torch.manual_seed(2)
+    with CUDA_QUERIES.held():
+        torch.cuda.manual_seed(9)
+        got = torch.randn(100, device=remote).cpu()
+    assert torch.equal(got, want)
