@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import DjinnError, ResourceExhausted, copy_of
+from djinn.errors import DjinnError, ResourceExhausted, error_from_wire
 from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
 
@@ -191,9 +191,11 @@ class Puts:
         self._not_done(exc, {})
         if self._lineage is not None and exc.code in self._lineage.policy.errors:
             return
-        exc = copy_of(exc)  # kept (Note [raising a kept error])
         for r in p.remotes:
-            r.failed = exc
+            # kept (Note [raising a kept error]), in the words the appliance uses for a
+            # request that named it before this reply was read: every read says the same
+            why = f"handle {r.handle!r}: its PUT failed: {exc.message}"
+            r.failed = error_from_wire(exc.code, why)
             r._finalizer.detach()  # nothing on the appliance to free
         if self._lineage is not None:  # nor to put again after a recovery
             self._lineage.record_frees([r.handle for r in p.remotes], None)

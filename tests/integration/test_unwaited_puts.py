@@ -69,15 +69,20 @@ def test_a_put_not_waited_for_that_fails_fails_its_tensor_with_the_puts_error(fr
         with pytest.raises(QuotaExceeded, match=r"its PUT failed.*session_device_max"):
             s.execute([{"op": "aten::sum.default", "args": [over.ref()]}], fetch=[{"$v": 0}])
         assert isinstance(over.failed, QuotaExceeded)
-        with pytest.raises(QuotaExceeded, match="session_device_max"):
+        with pytest.raises(QuotaExceeded, match=r"its PUT failed.*session_device_max"):
             over.cpu()
         assert torch.equal(kept.cpu(), torch.ones(MIB // 4))
         # a GET sent behind it, before its reply was read (Session._get_behind_puts)
         again = s.put(torch.ones(MIB // 2), wait=False)
         assert s._puts
-        with pytest.raises(QuotaExceeded, match=r"its PUT failed.*session_device_max"):
+        with pytest.raises(QuotaExceeded, match=r"its PUT failed.*session_device_max") as first:
             again.cpu()
         assert isinstance(again.failed, QuotaExceeded) and not s._puts
+        # read again, the tensor raises what the first read raised (it raised the
+        # appliance's words and then its own)
+        with pytest.raises(QuotaExceeded) as second:
+            again.cpu()
+        assert str(second.value) == str(first.value)
         small = s.put(torch.ones(4), wait=False)
         assert torch.equal(small.cpu(), torch.ones(4))
         assert s.memory_allocated() == MIB + 16  # the failed put holds nothing
