@@ -13,7 +13,10 @@ The engine can run a backward pass without any device queue: with
 runs on the calling thread, as a CPU node does anyway. The nodes and the order their
 dependencies allow are the same, so are the values. So a remote tensor's ``backward()``
 that meets that assert turns multithreading off for its thread, for good, and runs again,
-and from then on ``backward()`` of a remote tensor on any thread runs with it off.
+and from then on ``backward()`` of a remote tensor on any thread runs with it off. A
+thread with it off runs the remote nodes behind the same device guard as the engine's
+device thread, so its hooks are guarded as that thread's are (Note [errors in hooks
+during backward], hook_errors.py: a hook raising there aborted the process).
 
 Running again is safe: the root (the remote tensor) is the first node the engine queues,
 and the assert is raised by that lookup, before any node ran or any gradient was

@@ -23,7 +23,10 @@ gradients are remote:
   ``torch.autograd.grad`` return, and the gradients raise when read. Two threads in
   ``backward()`` at once may each raise the other's.)
 
-Anywhere else (the calling thread, a CPU or CUDA graph) the exception goes as it would.
+A thread with the engine's multithreading off runs the remote nodes itself, behind the
+same guard, and is guarded as the device thread is (Note [an engine started before
+Djinn]). Anywhere else (the calling thread, a CPU or CUDA graph) the exception goes as it
+would.
 A saved-tensors unpack hook (``torch.autograd.graph.saved_tensors_hooks``, and
 non-reentrant checkpointing, which recomputes its forward there) is guarded too: as a
 hooks object is entered, the pair pushed for autograd keeps a remote tensor's spec
@@ -58,10 +61,14 @@ _lazy: Any = None  # the LazyTensor class, given by ``attach`` (lazy.py imports 
 
 
 def on_device_thread() -> bool:
-    """Whether this is the autograd engine's device thread, inside a backward pass (a
-    thread Python did not start: ``threading`` calls it a dummy)."""
-    return torch._C._current_graph_task_id() != -1 and isinstance(
-        threading.current_thread(), threading._DummyThread
+    """Whether this thread runs the remote device's backward nodes, inside a backward
+    pass: the autograd engine's device thread (a thread Python did not start:
+    ``threading`` calls it a dummy), or a thread with the engine's multithreading off,
+    which runs them itself behind the same device guard (Note [an engine started before
+    Djinn], engine_started.py: a hook raising there aborted the process too)."""
+    return torch._C._current_graph_task_id() != -1 and (
+        isinstance(threading.current_thread(), threading._DummyThread)
+        or not torch._C._is_multithreading_enabled()
     )
 
 

@@ -70,6 +70,16 @@ F.mse_loss(ref(x), y).backward()
 assert all(torch.equal(p.grad.cpu(), q.grad)
            for p, q in zip(model.parameters(), ref.parameters(), strict=True))
 print("thread")
+
+# a hook that raises: backward() raises it, as CPU eager does (it aborted the process
+# when the nodes ran on this thread: Note [errors in hooks during backward])
+model = copy.deepcopy(start).to(R)
+out = model(x.to(R))
+out.register_hook(lambda g: 1 / 0)
+try:
+    F.mse_loss(out, y.to(R)).backward()
+except ZeroDivisionError:
+    print("hook")
 """
 
 
@@ -79,4 +89,5 @@ def test_a_process_that_ran_backward_before_import_djinn_trains_remotely(applian
                          timeout=300, env=env, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
-    assert lines[:4] == ["trained captured ", "trained replayed 3", "grad", "thread"], out.stdout
+    want = ["trained captured ", "trained replayed 3", "grad", "thread", "hook"]
+    assert lines[:5] == want, out.stdout
