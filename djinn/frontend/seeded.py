@@ -130,6 +130,29 @@ class Draw:
             self._learn(state, out)
         return state
 
+    def on(self, generator: torch.Generator) -> bool:
+        """Move ``generator`` on as ``again()`` moves the default one, which is left alone:
+        by the learnt count, else the op with ``generator`` (its overload that takes one;
+        dropout, which has none, as its CPU kernel draws its mask: ``bernoulli_`` of a
+        tensor like its input). False where the op has no such form."""
+        if self.learnt >= LEARN:
+            _advance(self.count, generator)
+            return True
+        dropout = self.func is torch.ops.aten.native_dropout.default
+        op = _with_generator(self.func)
+        if (op is None and not dropout) or self.kwargs.get("generator") is not None:
+            return False
+        with _one_thread():
+            args = [_made(v) for v in self.args]
+            kwargs = {k: _made(v) for k, v in self.kwargs.items()}
+            if dropout:  # its CPU kernel draws a mask so, and has no generator argument
+                x, p = args[0], args[1]
+                mask = torch.empty_like(x, memory_format=torch.contiguous_format)
+                mask.bernoulli_(1.0 - p, generator=generator)
+            else:
+                op(*args, **{**kwargs, "generator": generator})
+        return True
+
     def _learn(self, start: torch.Tensor, out: Any) -> None:
         """Which count took the generator from ``start`` to where it is, tried on a
         private generator: the default one is never set back, so another thread's draws
@@ -149,6 +172,26 @@ class Draw:
             self.learnt = -1  # it draws some other way: as it is, always
             return
         self.count, self.learnt = found, self.learnt + 1
+
+
+_WITH_GENERATOR: dict[Any, Any] = {}
+
+
+def _with_generator(func: Any) -> Any:
+    """The op itself if it has a ``generator`` argument, else its overload that adds one
+    (``randn.default``: ``randn.generator``), else None (``native_dropout``)."""
+    if func in _WITH_GENERATOR:
+        return _WITH_GENERATOR[func]
+    found = None
+    if any(a.name == "generator" for a in func._schema.arguments):
+        found = func
+    else:
+        name = func._overloadname
+        overload = "generator" if name == "default" else f"{name}_generator"
+        if overload in func.overloadpacket.overloads():
+            found = getattr(func.overloadpacket, overload)
+    _WITH_GENERATOR[func] = found
+    return found
 
 
 # Note [scratch draws on one thread]: a scratch dropout of a training step's activations
@@ -383,8 +426,12 @@ def drawn_alone(entry: tuple[torch.Tensor, torch.Tensor],
 
     The device's generator is checked by arithmetic: setting it back to draw again would
     hand another thread's op offsets already given (a review saw one so with a switch
-    interval of a microsecond). The CPU generator's by drawing again from ``entry`` (one
-    thread's draws in between would be lost: as before the device's generator)."""
+    interval of a microsecond). The CPU generator's by drawing again from ``entry`` on a
+    private generator (``Draw.on``: a learnt count, or the op given that generator), so
+    that another thread's draws meanwhile are not lost. Only where a draw cannot move a
+    generator other than the default one (dropout before its count is learnt) is the
+    default one set back to ``entry`` and drawn from, and then left where the call left
+    it: a draw of another thread inside that window would be lost."""
     seed, offset = _unpacked(entry[1])
     counted = sum(d.increment for d in draws if type(d) is DeviceDraw)
     if not torch.equal(_packed(seed, (offset + counted) & _U64), left[1]):
@@ -392,6 +439,10 @@ def drawn_alone(entry: tuple[torch.Tensor, torch.Tensor],
     local = [d for d in draws if type(d) is not DeviceDraw]
     if not local:
         return torch.equal(entry[0], left[0])
+    trial = torch.Generator()
+    trial.set_state(entry[0])
+    if all(draw.on(trial) for draw in local):
+        return torch.equal(trial.get_state(), left[0])
     torch.set_rng_state(entry[0])
     try:
         for draw in local:

@@ -153,3 +153,48 @@ def test_a_sampler_of_an_expanded_rate_draws_eagers_numbers(remote):
     torch.manual_seed(2)
     got = torch.poisson(rate.to(remote).expand(2, 5)).cpu()
     assert torch.equal(got, want) and torch.equal(torch.rand(3), want_after)
+
+
+def test_a_recording_checks_its_draws_without_setting_the_generator_back(remote, monkeypatch):
+    """Note [replayed draws]: a recording checks that a call drew only through its random
+    ops by drawing them again on a private generator (dropout as its CPU kernel draws its
+    mask, ``randn`` by its overload that takes a generator): the program's generator is
+    never set back, so another thread's draws meanwhile are not lost."""
+    from djinn.frontend import seeded
+
+    checked, sets, inside = [], [], []
+    real_check, real_set = seeded.drawn_alone, torch.set_rng_state
+
+    def check(*args):
+        inside.append(True)
+        try:
+            checked.append(real_check(*args))
+            return checked[-1]
+        finally:
+            inside.pop()
+
+    def set_state(state):
+        if inside:
+            sets.append(state)
+        real_set(state)
+
+    monkeypatch.setattr(seeded, "drawn_alone", check)
+    monkeypatch.setattr(torch, "set_rng_state", set_state)
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    rw = w.to(remote)
+
+    def fn(x, w):
+        h = torch.nn.functional.dropout(x @ w, 0.5)
+        return h + torch.randn(h.shape, device=h.device)
+
+    run = djinn.replayable(fn)
+    for seed in (1, 2, 3, 4):
+        x = torch.randn(4, 8)
+        torch.manual_seed(seed)
+        want = (fn(x, w), torch.rand(2))
+        torch.manual_seed(seed)
+        got = (run(x.to(remote), rw).cpu(), torch.rand(2))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+    assert checked and all(checked) and not sets, (checked, len(sets))
+    assert run.stats()["replays"] >= 1, run.stats()
