@@ -189,7 +189,10 @@ def _with_generator(func: Any) -> Any:
         name = func._overloadname
         overload = "generator" if name == "default" else f"{name}_generator"
         if overload in func.overloadpacket.overloads():
-            found = getattr(func.overloadpacket, overload)
+            other = getattr(func.overloadpacket, overload)
+            names = [a.name for a in other._schema.arguments if a.name != "generator"]
+            if names == [a.name for a in func._schema.arguments]:  # the same call, plus it
+                found = other
     _WITH_GENERATOR[func] = found
     return found
 

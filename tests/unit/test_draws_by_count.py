@@ -53,3 +53,33 @@ def test_an_op_that_draws_otherwise_keeps_running_as_it_is(monkeypatch):
         torch.empty(3).normal_()
     assert torch.equal(got, torch.get_rng_state())
     assert draw.learnt == -1
+
+
+def test_a_draw_is_made_again_on_a_private_generator_by_an_overload_of_the_same_call():
+    """``Draw.on`` (a recording's check, Note [replayed draws]): the op itself where it
+    takes a generator, else its overload that adds one to the same arguments, else none
+    (dropout is drawn as its kernel draws its mask)."""
+    from djinn.frontend.seeded import _with_generator
+
+    aten = torch.ops.aten
+    assert _with_generator(aten.bernoulli_.float) is aten.bernoulli_.float
+    assert _with_generator(aten.randn.default) is aten.randn.generator
+    assert _with_generator(aten.randint.low) is aten.randint.low_generator
+    assert _with_generator(aten.randint_like.Tensor) is aten.randint_like.Tensor_generator
+    assert _with_generator(aten.randint_like.low_dtype) is None  # its overload is named otherwise
+    assert _with_generator(aten.native_dropout.default) is None
+
+
+def test_dropout_drawn_again_on_a_private_generator_moves_it_as_the_op_moves_the_default():
+    from djinn.frontend.seeded import Draw
+
+    for shape, p in (((4, 8), 0.5), ((1000, 37), 0.1), ((3,), 0.9)):
+        x = torch.randn(*shape)
+        start = torch.get_rng_state()
+        torch.ops.aten.native_dropout.default(x, p, True)
+        after = torch.get_rng_state()
+        trial = torch.Generator()
+        trial.set_state(start)
+        assert Draw(torch.ops.aten.native_dropout.default, (x, p, True), {}).on(trial)
+        assert torch.equal(trial.get_state(), after)
+        assert torch.equal(torch.get_rng_state(), after)  # the default one left alone
