@@ -41,10 +41,6 @@ _started_before = False  # the engine was found started without the remote devic
 _off: threading.local = threading.local()  # .done: this thread turned multithreading off
 
 
-def started_before() -> bool:
-    return _started_before
-
-
 def _on_caller(run: Callable[[], Any]) -> Any:
     if getattr(_off, "done", False):
         return run()

@@ -147,8 +147,10 @@ class Draw:
             kwargs = {k: _made(v) for k, v in self.kwargs.items()}
             if dropout:  # its CPU kernel draws a mask so, and has no generator argument
                 x, p = args[0], args[1]
-                mask = torch.empty_like(x, memory_format=torch.contiguous_format)
-                mask.bernoulli_(1.0 - p, generator=generator)
+                train = args[2] if len(args) > 2 else kwargs.get("train")
+                if x.numel() and train is not False:  # the kernel draws nothing else
+                    mask = torch.empty_like(x, memory_format=torch.contiguous_format)
+                    mask.bernoulli_(1.0 - p, generator=generator)
             else:
                 op(*args, **{**kwargs, "generator": generator})
         return True
@@ -432,9 +434,10 @@ def drawn_alone(entry: tuple[torch.Tensor, torch.Tensor],
     interval of a microsecond). The CPU generator's by drawing again from ``entry`` on a
     private generator (``Draw.on``: a learnt count, or the op given that generator), so
     that another thread's draws meanwhile are not lost. Only where a draw cannot move a
-    generator other than the default one (dropout before its count is learnt) is the
-    default one set back to ``entry`` and drawn from, and then left where the call left
-    it: a draw of another thread inside that window would be lost."""
+    generator other than the default one (an op with no learnt count and no generator
+    form: none of PyTorch's random ops today) is the default one set back to ``entry``
+    and drawn from, then left where the call left it: a draw of another thread inside
+    that window would be lost."""
     seed, offset = _unpacked(entry[1])
     counted = sum(d.increment for d in draws if type(d) is DeviceDraw)
     if not torch.equal(_packed(seed, (offset + counted) & _U64), left[1]):

@@ -73,13 +73,15 @@ def test_a_draw_is_made_again_on_a_private_generator_by_an_overload_of_the_same_
 def test_dropout_drawn_again_on_a_private_generator_moves_it_as_the_op_moves_the_default():
     from djinn.frontend.seeded import Draw
 
-    for shape, p in (((4, 8), 0.5), ((1000, 37), 0.1), ((3,), 0.9)):
+    cases = [((4, 8), 0.5, True), ((1000, 37), 0.1, True), ((3,), 0.9, None)]
+    cases += [((0, 3), 0.5, True), ((5, 3), 0.5, False)]  # the kernel draws nothing
+    for shape, p, train in cases:
         x = torch.randn(*shape)
         start = torch.get_rng_state()
-        torch.ops.aten.native_dropout.default(x, p, True)
+        torch.ops.aten.native_dropout.default(x, p, train)
         after = torch.get_rng_state()
         trial = torch.Generator()
         trial.set_state(start)
-        assert Draw(torch.ops.aten.native_dropout.default, (x, p, True), {}).on(trial)
+        assert Draw(torch.ops.aten.native_dropout.default, (x, p, train), {}).on(trial)
         assert torch.equal(trial.get_state(), after)
         assert torch.equal(torch.get_rng_state(), after)  # the default one left alone
