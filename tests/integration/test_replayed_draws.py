@@ -76,28 +76,34 @@ def test_a_transformers_model_trained_with_dropout_replays_with_eagers_bits(ahea
     assert run.stats()["replays"] >= 4 and run.stats()["steps_followed"] >= 4, run.stats()
 
 
+def _dropout_and_randn(x, w):
+    h = torch.nn.functional.dropout(x @ w, 0.5)
+    return h + torch.randn(h.shape, device=h.device)
+
+
+def _calls_draw_as_eager(run, remote, seeds):
+    """``run`` (``_dropout_and_randn`` replayable) called under each seed gives eager's
+    numbers, and leaves the generator where eager leaves it (the next local draws)."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    rw = w.to(remote)
+    for seed in seeds:
+        x = torch.randn(4, 8)
+        torch.manual_seed(seed)
+        want = (_dropout_and_randn(x, w), torch.rand(2))
+        torch.manual_seed(seed)
+        got = (run(x.to(remote), rw).cpu(), torch.rand(2))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+
+
 def test_random_ops_replay_drawing_what_eager_draws(remote):
     """Note [replayed draws]: dropout and ``randn`` in a replayed call, with the generator
     reseeded between calls and read by local draws between them: every call gives eager's
     numbers, including the replays, which draw anew. A sampler that draws as many numbers
     as its inputs' values say runs as it is."""
-    torch.manual_seed(0)
-    w = torch.randn(8, 8)
-    rw = w.to(remote)
-
-    def fn(x, w):
-        h = torch.nn.functional.dropout(x @ w, 0.5)
-        return h + torch.randn(h.shape, device=h.device)
-
-    run = djinn.replayable(fn)
+    run = djinn.replayable(_dropout_and_randn)
     threads = torch.get_num_threads()
-    for seed in (1, 2, 1, 3, 3, 4):
-        x = torch.randn(4, 8)
-        torch.manual_seed(seed)
-        want = (fn(x, w), torch.rand(2))
-        torch.manual_seed(seed)
-        got = (run(x.to(remote), rw).cpu(), torch.rand(2))
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+    _calls_draw_as_eager(run, remote, (1, 2, 1, 3, 3, 4))
     assert run.stats()["replays"] == 4 and run.stats()["plain"] == {}, run.stats()
     # the draws ran on one thread (Note [scratch draws on one thread]), and gave it back
     assert torch.get_num_threads() == threads
@@ -180,21 +186,7 @@ def test_a_recording_checks_its_draws_without_setting_the_generator_back(remote,
 
     monkeypatch.setattr(seeded, "drawn_alone", check)
     monkeypatch.setattr(torch, "set_rng_state", set_state)
-    torch.manual_seed(0)
-    w = torch.randn(8, 8)
-    rw = w.to(remote)
-
-    def fn(x, w):
-        h = torch.nn.functional.dropout(x @ w, 0.5)
-        return h + torch.randn(h.shape, device=h.device)
-
-    run = djinn.replayable(fn)
-    for seed in (1, 2, 3, 4):
-        x = torch.randn(4, 8)
-        torch.manual_seed(seed)
-        want = (fn(x, w), torch.rand(2))
-        torch.manual_seed(seed)
-        got = (run(x.to(remote), rw).cpu(), torch.rand(2))
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+    run = djinn.replayable(_dropout_and_randn)
+    _calls_draw_as_eager(run, remote, (1, 2, 3, 4))
     assert checked and all(checked) and not sets, (checked, len(sets))
     assert run.stats()["replays"] >= 1, run.stats()
