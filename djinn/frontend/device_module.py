@@ -131,7 +131,7 @@ def seed() -> None:
     from .seeded import DEVICE_GENERATOR
 
     if _on_device(start=False):
-        DEVICE_GENERATOR.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        cuda_seed()
     else:
         DEVICE_GENERATOR.manual_seed(torch.default_generator.seed())
 

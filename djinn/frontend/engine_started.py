@@ -28,7 +28,6 @@ of those before the engine runs it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,14 +37,6 @@ import torch
 _ASSERT = "device_ready_queues_"
 
 _started_before = False  # the engine was found started without the remote device
-_off: threading.local = threading.local()  # .done: this thread turned multithreading off
-
-
-def _on_caller(run: Callable[[], Any]) -> Any:
-    if getattr(_off, "done", False):
-        return run()
-    with torch.autograd.set_multithreading_enabled(False):
-        return run()
 
 
 def backward(run: Callable[[], Any]) -> Any:
@@ -53,7 +44,8 @@ def backward(run: Callable[[], Any]) -> Any:
     started before Djinn (Note [an engine started before Djinn])."""
     global _started_before
     if _started_before:
-        return _on_caller(run)
+        with torch.autograd.set_multithreading_enabled(False):  # puts back what it found
+            return run()
     try:
         return run()
     except RuntimeError as exc:
@@ -62,5 +54,4 @@ def backward(run: Callable[[], Any]) -> Any:
     _started_before = True
     # for good on this thread: torch.autograd.grad of remote tensors here works too
     torch.autograd.set_multithreading_enabled(False)
-    _off.done = True
     return run()

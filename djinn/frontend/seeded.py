@@ -124,36 +124,29 @@ class Draw:
             _advance(self.count)
             return state
         with _one_thread():  # the scratch tensors' fill too
-            args = [_made(v) for v in self.args]
-            out = self.func(*args, **{k: _made(v) for k, v in self.kwargs.items()})
+            args, kwargs = self._scratch()
+            out = self.func(*args, **kwargs)
         if self.learnt >= 0:
             self._learn(state, out)
         return state
 
     def on(self, generator: torch.Generator) -> bool:
         """Move ``generator`` on as ``again()`` moves the default one, which is left alone:
-        by the learnt count, else the op with ``generator`` (its overload that takes one;
-        dropout, which has none, as its CPU kernel draws its mask: ``bernoulli_`` of a
-        tensor like its input). False where the op has no such form."""
+        by the learnt count, else as the op draws with ``generator`` (``_drawer``). False
+        where the op cannot draw from another generator."""
         if self.learnt >= LEARN:
             _advance(self.count, generator)
             return True
-        dropout = self.func is torch.ops.aten.native_dropout.default
-        op = _with_generator(self.func)
-        if (op is None and not dropout) or self.kwargs.get("generator") is not None:
+        draw = _drawer(self.func)
+        if draw is None or self.kwargs.get("generator") is not None:
             return False
         with _one_thread():
-            args = [_made(v) for v in self.args]
-            kwargs = {k: _made(v) for k, v in self.kwargs.items()}
-            if dropout:  # its CPU kernel draws a mask so, and has no generator argument
-                x, p = args[0], args[1]
-                train = args[2] if len(args) > 2 else kwargs.get("train")
-                if x.numel() and train is not False:  # the kernel draws nothing else
-                    mask = torch.empty_like(x, memory_format=torch.contiguous_format)
-                    mask.bernoulli_(1.0 - p, generator=generator)
-            else:
-                op(*args, **{**kwargs, "generator": generator})
+            draw(*self._scratch(), generator)
         return True
+
+    def _scratch(self) -> tuple[list[Any], dict[str, Any]]:
+        """The op's arguments, its remote tensors made as scratch CPU tensors."""
+        return [_made(v) for v in self.args], {k: _made(v) for k, v in self.kwargs.items()}
 
     def _learn(self, start: torch.Tensor, out: Any) -> None:
         """Which count took the generator from ``start`` to where it is, tried on a
@@ -180,8 +173,8 @@ _WITH_GENERATOR: dict[Any, Any] = {}
 
 
 def _with_generator(func: Any) -> Any:
-    """The op itself if it has a ``generator`` argument, else its overload that adds one
-    (``randn.default``: ``randn.generator``), else None (``native_dropout``)."""
+    """The op itself if it has a ``generator`` argument, else its overload that takes the
+    same arguments plus one (``randn.default``: ``randn.generator``), else None."""
     if func in _WITH_GENERATOR:
         return _WITH_GENERATOR[func]
     found = None
@@ -197,6 +190,27 @@ def _with_generator(func: Any) -> Any:
                 found = other
     _WITH_GENERATOR[func] = found
     return found
+
+
+def _dropout_mask(args: list[Any], kwargs: dict[str, Any], generator: torch.Generator) -> None:
+    """``native_dropout``'s draws, which it takes no generator for: its CPU kernel draws a
+    mask like its input with ``bernoulli_(1 - p)``, and nothing for an empty input or
+    ``train=False``."""
+    x, p = args[0], args[1]
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    if x.numel() and train is not False:
+        mask = torch.empty_like(x, memory_format=torch.contiguous_format)
+        mask.bernoulli_(1.0 - p, generator=generator)
+
+
+def _drawer(func: Any) -> Callable[[list[Any], dict[str, Any], torch.Generator], None] | None:
+    """How ``func`` draws from a given generator: by ``_with_generator``, else, for
+    dropout, ``_dropout_mask``; None for an op with neither (attention and recurrent
+    kernels with dropout, ``randint_like.low_dtype``)."""
+    op = _with_generator(func)
+    if op is not None:
+        return lambda args, kwargs, gen: op(*args, **{**kwargs, "generator": gen})
+    return _dropout_mask if func is torch.ops.aten.native_dropout.default else None
 
 
 # Note [scratch draws on one thread]: a scratch dropout of a training step's activations
@@ -434,8 +448,8 @@ def drawn_alone(entry: tuple[torch.Tensor, torch.Tensor],
     interval of a microsecond). The CPU generator's by drawing again from ``entry`` on a
     private generator (``Draw.on``: a learnt count, or the op given that generator), so
     that another thread's draws meanwhile are not lost. Only where a draw cannot move a
-    generator other than the default one (an op with no learnt count and no generator
-    form: none of PyTorch's random ops today) is the default one set back to ``entry``
+    generator other than the default one (no learnt count and no ``_drawer``: attention
+    or a recurrent kernel with dropout) is the default one set back to ``entry``
     and drawn from, then left where the call left it: a draw of another thread inside
     that window would be lost."""
     seed, offset = _unpacked(entry[1])
