@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from djinn.errors import (
+    BehindFailed,
     DjinnError,
     InvalidArgument,
     NotFound,
@@ -197,11 +198,24 @@ def handle_get(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     return export(w, s, tensors)
 
 
+def _after_failed(s: WorkerSession, body: dict[str, Any]) -> None:
+    """BehindFailed, before anything runs, for a graph sent behind a request of the
+    session that failed (Note [replays sent ahead] in djinn/runtime/flights.py)."""
+    after = body.get("after")
+    if after is None:
+        return
+    if not isinstance(after, int) or isinstance(after, bool):
+        raise InvalidArgument(f"EXEC 'after' must be a request id, got {after!r}")
+    if after in s.failed_execs:
+        raise BehindFailed(f"not run: request {after}, sent before it, failed")
+
+
 def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, None, Reply]:
     """EXEC one op at a time (the worker's scheduler may run other requests between two
     ops: Note [threading model] in scheduler.py). A graph may come as a template's
     fingerprint, or ask to be kept as one (Note [graph templates])."""
     body, kept_as, record = frame.body, None, None
+    _after_failed(s, body)
     named: dict[str, None] = {}  # the handles this graph resolved, for recharge
     started = time.perf_counter()
 

@@ -14,7 +14,7 @@ import re
 import secrets
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from .outbox import Outbox
 
 OPEN, EXPIRED, CLOSED, ENDED = "open", "expired", "closed", "ended"
 FAILED_PUTS = 256  # failed PUT names a session remembers (Note [puts sent without waiting])
+FAILED_EXECS = 16  # failed EXEC request ids a session remembers (Note [replays sent ahead])
 FAILED_MESSAGE_MAX = 1024  # of each one's error message
 # a handle a client names: what new_handle() makes (22 url-safe characters), up to 64
 CLIENT_HANDLE = re.compile(r"[A-Za-z0-9_-]{16,64}")
@@ -75,6 +76,9 @@ class WorkerSession:
     muted: bool = False  # out of the worker's selector while a request of it is parked
     # Note [puts sent without waiting]: names of this session's PUTs that failed, and why
     failed_puts: OrderedDict[str, tuple[str, str]] = field(default_factory=OrderedDict)
+    # Note [replays sent ahead]: request ids of its last EXECs that failed, which an EXEC
+    # sent behind one of them (its "after") must not run after
+    failed_execs: deque[int] = field(default_factory=lambda: deque(maxlen=FAILED_EXECS))
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()

@@ -129,6 +129,14 @@ class ExecutionError(DjinnError):
     code = "EXECUTION_ERROR"
 
 
+class BehindFailed(DjinnError):
+    """A graph sent behind another request of its session (its ``after``) that failed: it
+    was not run (Note [replays sent ahead]). A client sends it again, or fails it with the
+    first one's error; a program never sees this code."""
+
+    code = "BEHIND_FAILED"
+
+
 class Unavailable(DjinnError):
     """The appliance cannot be reached or has no worker ready."""
 

@@ -50,8 +50,19 @@ def overlapped(session: Any) -> bool:
     """Whether ``session``'s followed replays send the split replay first (the Note): the
     ``follow_ahead`` setting; ``auto``, where its worker is not a CPU worker, or runs a
     graph sent without waiting with fewer threads than this host has cores."""
+    return _ahead(session, "follow_ahead")
+
+
+def replays_ahead(session: Any) -> bool:
+    """Whether ``session``'s replays are sent behind the graph in flight (Note [replays
+    sent ahead] in djinn/runtime/flights.py): the ``replay_ahead`` setting, ``auto`` as
+    ``overlapped``'s (measured the same way: ``benchmarks/replay_ahead.py``)."""
+    return _ahead(session, "replay_ahead")
+
+
+def _ahead(session: Any, which: str) -> bool:
     client = vars(session).get("client")
-    setting = getattr(client, "follow_ahead", "auto")
+    setting = getattr(client, which, "auto")
     if setting != "auto":
         return setting == "always"
     device = str(vars(session).get("device", "")).partition(":")[0]

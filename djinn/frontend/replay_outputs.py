@@ -21,15 +21,24 @@ if TYPE_CHECKING:
 
 
 def replay_sent(
-    rec: Record, tr: Any, label: str, tensors: list, written: list, sent: tuple
+    rec: Record,
+    tr: Any,
+    label: str,
+    tensors: list,
+    written: list,
+    sent: tuple,
+    *,
+    ahead: bool = False,
 ) -> tuple[Replayed, list[Any]]:
     """``rec`` sent as a replay without waiting (Note [asynchronous replays]), with ``sent``
     (its input RemoteTensors, its template form), and bound: its node, and the leaves of
-    its result. ``written``: the tensors it writes into."""
+    its result. ``written``: the tensors it writes into; ``ahead``: sent behind the graph
+    in flight (Note [replays sent ahead])."""
     inputs, form = sent
     body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
     node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-    with trace_mod.replay_in_flight(tr, node, body, rec.inline_now(), form, inputs):  # goes on
+    inline = rec.inline_now()
+    with trace_mod.replay_in_flight(tr, node, body, inline, form, inputs, ahead=ahead):
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
         leaves = bind_outputs(rec, node, tensors)

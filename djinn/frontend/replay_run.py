@@ -31,7 +31,8 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
 from . import writes
-from .replay_followed import followed
+from .nodes import Pending
+from .replay_followed import followed, replays_ahead
 from .replay_key import Miss, param_at
 from .replay_outputs import clear_grads, replay_sent
 from .replay_sources import holds
@@ -67,8 +68,11 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
         raise Miss("an optimizer it steps is gone")
     if any(getattr(param_at(w), "_grad", None) is not None for w in rec.nones):
         raise Miss("a .grad it found empty is not")  # the call found it None
-    trace_mod.land_all()  # the inputs' handles: a graph in flight may make them
     session = default_session()
+    # the inputs' handles: a graph in flight may make them. Where a replay is sent behind
+    # the last graph (Note [replays sent ahead]), an input that one makes lands it (_input)
+    ahead = replays_ahead(session)
+    trace_mod.land_all(but_last=ahead)
     inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
     handles = [r.handle for r in inputs]
@@ -78,9 +82,10 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     form = (rec.fingerprint, handles, rec.scalars)
     whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
+        trace_mod.land_all()  # a followed replay's graphs go as before: after the last
         return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
                         optimizers)  # fmt: skip
-    _node, leaves = replay_sent(rec, tr, label, tensors, written, (inputs, form))
+    _node, leaves = replay_sent(rec, tr, label, tensors, written, (inputs, form), ahead=ahead)
     clear_grads(rec)
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
@@ -111,6 +116,9 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
             raise Miss("a tensor it reads was replaced or dropped since")
         cell = cells[0]
     ref = None if cell is None else trace_mod.resolved(cell.ref)
+    if isinstance(ref, Pending) and ref.node.inflight is not None:
+        trace_mod.land(ref.node.inflight)  # made by the graph a replay goes behind
+        ref = trace_mod.resolved(cell.ref)
     if not isinstance(ref, RemoteTensor) or ref.session is not session:
         raise Miss("an input is not a remote tensor of this session")
     trace = trace_mod.current()  # Note [writes another thread captured]

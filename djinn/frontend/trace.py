@@ -463,7 +463,14 @@ class Sent:
 
 @contextlib.contextmanager
 def replay_in_flight(
-    trace: Trace, node: Node, body: Filled, inline: list, form: Any, inputs: list
+    trace: Trace,
+    node: Node,
+    body: Filled,
+    inline: list,
+    form: Any,
+    inputs: list,
+    *,
+    ahead: bool = False,
 ) -> Iterator[None]:
     """Send ``body`` (not made: Note [bodies made when read], templates.py), a replayed
     graph whose kept outputs are ``node``'s (Note
@@ -474,7 +481,8 @@ def replay_in_flight(
     RemoteTensors it reads, are held until it lands, as a captured graph's nodes hold
     theirs: a program that drops a batch it moved in (``x.to(remote)``) as the call returns
     must not free it from the journal a recovery replays before this graph is sent again
-    (test_recovery's replayed loop, its batches put: the resent replay got NOT_FOUND)."""
+    (test_recovery's replayed loop, its batches put: the resent replay got NOT_FOUND).
+    ``ahead``: sent behind the graph in flight (Note [replays sent ahead])."""
     from .session import default_session
 
     item = Sent(trace, [node], [(node, k, []) for k in range(node.nout)], quiet=False)
@@ -482,7 +490,7 @@ def replay_in_flight(
     with item.lock:
         try:
             item.flight = default_session().run_graph_async(
-                (), (), inline, partial=False, form=form, filled=body
+                (), (), inline, partial=False, form=form, filled=body, ahead=ahead
             )
         except DjinnError as exc:
             fail(node, exc)
@@ -495,10 +503,11 @@ def replay_in_flight(
             alive.extend(cell for w in n.holders[k] if (cell := w()) is not None)
 
 
-def land_all() -> None:
-    """Land every flush in flight, in the order they were sent."""
+def land_all(but_last: bool = False) -> None:
+    """Land every flush in flight, in the order they were sent (``but_last``: all but the
+    last sent, which a replay is sent behind: Note [replays sent ahead])."""
     with _INFLIGHT_LOCK:
-        items = list(_INFLIGHT)
+        items = _INFLIGHT[:-1] if but_last else list(_INFLIGHT)
     for item in items:
         land(item)
 
@@ -532,8 +541,11 @@ def land(item: Sent) -> None:
                 fail(n, item.error)
                 n.inflight = None
             # raised on the thread that sent it; another lands it for an unrelated read,
-            # which eager would answer (its outputs and writes hold the error either way)
-            if not item.quiet and item.thread == threading.get_ident():
+            # which eager would answer (its outputs and writes hold the error either way).
+            # A replay failed because the graph sent before it did is quiet: the program
+            # was told of that one (Note [replays sent ahead])
+            chained = getattr(item.flight, "chained", False)
+            if not item.quiet and not chained and item.thread == threading.get_ident():
                 raise copy_of(item.error)
             return
         assert item.reply is not None

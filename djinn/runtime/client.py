@@ -34,6 +34,7 @@ class Client:
         cfg = config_mod.load()
         self.spin_us = cfg.client_spin_us if spin_us is None else spin_us
         self.follow_ahead: str = cfg.follow_ahead  # Note [steps followed while the graph runs]
+        self.replay_ahead: str = cfg.replay_ahead  # Note [replays sent ahead]
         self._arenas: dict[str, ArenaMapping] = {}
         self._ctl = Channel(self.address, _lost, self.spin_us)
         self.server = self._ctl.hello(token)

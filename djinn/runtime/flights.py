@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from djinn.errors import DjinnError, NotFound, copy_of
+from djinn.errors import BehindFailed, DjinnError, NotFound, WorkerLost, copy_of, error_from_wire
 from djinn.protocol import templates
 from djinn.protocol.frames import Kind
 from djinn.protocol.tensors import to_wire
@@ -50,6 +50,7 @@ class Flights:
         partial: bool = True,
         form: Form | None = None,
         filled: templates.Filled | None = None,
+        ahead: bool = False,
     ) -> Flight:
         """Send a graph that fetches nothing and go on: ``Flight.outcome()`` gives what
         ``run_graph`` would have (``partial=False``: what ``execute`` would, a failing
@@ -57,7 +58,8 @@ class Flights:
         first; a worker lost meanwhile is recovered from then, as for any request.
         ``form``: the graph's template form, when the caller knows it (a replay);
         ``filled``: its body, not made yet (Note [bodies made when read]), for ``nodes``
-        and ``keep``."""
+        and ``keep``. ``ahead``: sent while the graph in flight still runs, if that one
+        fails as a whole (Note [replays sent ahead])."""
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
         extra: dict[str, Any] = {"fetch": []}
         if partial:
@@ -71,17 +73,28 @@ class Flights:
         else:
             body = {"nodes": nodes, "keep": list(keep), **extra}
         f = Flight(self, body, segments)
+        f.partial = partial
         f.form = form if form is not None else form_of(templates.made(body))
         with self._serial():
             # under the lock that sends: settled outside it, another thread's graph could
             # be sent in between and lost from ``_flight`` when this one took the slot (a
             # review's two threads replaying: that graph never landed)
-            self._settle()
+            last = self._flight
+            if ahead and last is not None and not last.partial and last.error is None:
+                self._settle_older()  # at most two graphs in flight
+                self._older.append((last, self._puts))
+                self._flight, self._puts = None, []
+                f.behind = last
+            else:
+                self._settle()
             if self._lineage is not None:
                 f.gen = self._lineage.before_request()
             sent, f.fp = self._exec_form(body, f.form)
             f.sent = self._outgoing(sent)
+            if f.behind is not None:
+                f.sent["after"] = f.behind.rid  # the worker runs it only if that one ran
             f.started = time.perf_counter()
+            f.channel = self.channel
             try:
                 f.rid = self.channel.send(Kind.EXEC, f.sent, segments, sink=self._sink)
             except DjinnError as exc:
@@ -104,23 +117,54 @@ class Flights:
         [asynchronous flushes], Note [puts sent without waiting]): the graph in flight
         and the puts sent after it, in that order, before the session's next request is
         sent or recorded."""
-        if self._flight is None and not self._puts:
+        if self._flight is None and not self._puts and not self._older:
             return
         with self._serial():
+            self._settle_older()
             # both taken first: a graph's resend (below) settles again, and must not read
             # puts from a connection its recovery has replaced
             f, self._flight = self._flight, None
             puts, self._puts = self._puts, []
-            if f is not None:
-                self._land(f)
-            for p in puts:
-                self._land_put(p)
+            self._land_with(f, puts)
+
+    def _settle_older(self) -> None:
+        """Land the graphs a graph now in flight was sent behind, and the puts after
+        each (Note [replays sent ahead])."""
+        while self._older:
+            self._land_with(*self._older.pop(0))
+
+    def _settle_through(self, f: Flight) -> None:
+        """Read the replies of what was sent without waiting up to ``f``'s, in order: a
+        graph sent behind ``f`` stays in flight."""
+        with self._serial():
+            while self._older and not f.landed:
+                self._land_with(*self._older.pop(0))
+            if not f.landed:
+                self._settle()
+
+    def _land_with(self, f: Flight | None, puts: list[Any]) -> None:
+        if f is not None:
+            self._land(f)
+        for p in puts:
+            self._land_put(p)
 
     def _land(self, f: Flight) -> None:
         body = f.body
         try:
             try:
                 out = self._flight_reply(f)
+            except BehindFailed as exc:
+                behind = f.behind
+                if behind is None or behind.error is None:
+                    # the one before failed on its first try, and its resend ran
+                    out, body = self._flight_again(f, exc)
+                else:
+                    f.chained = True  # its program was told already: Note [replays sent ahead]
+                    raise error_from_wire(
+                        behind.error.code,
+                        "not run: the graph sent before it failed "
+                        f"({behind.error.code}: {behind.error.message})",
+                    ) from None
             except DjinnError as exc:
                 out, body = self._flight_again(f, exc)
             seconds = _cost(out, time.perf_counter() - f.started)
@@ -129,11 +173,21 @@ class Flights:
         except DjinnError as exc:
             f.error = copy_of(exc)  # raised where the program waits (Note [raising a kept error])
         finally:
+            f.behind = None  # landed first: no chain of flights kept alive
             f.landed = True
 
     def _flight_reply(self, f: Flight) -> dict[str, Any]:
         if f.error is not None:  # it could not even be sent
             error, f.error = f.error, None
+            self._not_done(error, f.sent)
+            raise error
+        if f.channel is not self.channel:
+            # sent behind a graph whose worker was lost: the recovery the other's landing
+            # made replaced the connection, and this one is sent again like it
+            error = WorkerLost(
+                f"the appliance worker serving session {self.id} went away; the request "
+                "did not complete"
+            )
             self._not_done(error, f.sent)
             raise error
         try:
@@ -151,8 +205,10 @@ class Flights:
         its worker was lost (the session is rebuilt first, as ``run_body`` does)."""
         f.body = templates.made(f.body)
         attempt = lambda b: self._exec_body(b, f.segments)  # noqa: E731
-        if isinstance(exc, NotFound) and _template_gone(exc):
-            self._graphs.discard(f.fp)
+        gone = isinstance(exc, NotFound) and _template_gone(exc)
+        if gone or isinstance(exc, BehindFailed):
+            if gone:
+                self._graphs.discard(f.fp)
             if self._lineage is None:
                 return attempt(f.body), f.body
             return self._lineage.run_body(attempt, f.body)
@@ -167,8 +223,9 @@ REPLY_BYTES = 160  # a handle's share of a reply (a PUT's name or leased slab; a
 class Flight:
     """A graph sent without waiting for its reply (Note [asynchronous flushes])."""
 
-    __slots__ = ("body", "error", "form", "fp", "gen", "landed", "reply_bytes", "result", "rid",
-                 "segments", "sent", "session", "started")  # fmt: skip
+    __slots__ = ("behind", "body", "chained", "channel", "error", "form", "fp", "gen", "landed",
+                 "partial", "reply_bytes", "result", "rid", "segments", "sent", "session",
+                 "started")  # fmt: skip
 
     def __init__(self, session: Session, body: Any, segments: list) -> None:
         self.session = session
@@ -180,6 +237,10 @@ class Flight:
         self.rid = 0
         self.started = 0.0
         self.landed = False
+        self.partial = True
+        self.channel: Any = None  # the connection it went on
+        self.behind: Flight | None = None  # the graph it was sent behind, until it lands
+        self.chained = False  # failed because that one did
         self.result: tuple[list[Any], list[Any], dict[str, Any] | None] | None = None
         self.error: DjinnError | None = None
         # its reply's size, at most (Note [puts sent without waiting])
@@ -194,7 +255,7 @@ class Flight:
             # this graph unsettled)
             with self.session._serial():
                 if not self.landed:
-                    self.session._settle()
+                    self.session._settle_through(self)
         if self.error is not None:
             raise copy_of(self.error)
         assert self.result is not None

@@ -69,6 +69,9 @@ class Session(Puts, Flights, GraphForms):
         # reads its reply first (replies come in the order of the requests)
         self._flight: Flight | None = None
         self._puts: list[PutFlight] = []  # Note [puts sent without waiting], in order sent
+        # Note [replays sent ahead]: graphs (and the puts after each) sent before the one
+        # in flight, whose replies are unread; oldest first
+        self._older: list[tuple[Flight, list[PutFlight]]] = []
         self._flight_lock = threading.RLock()
         # Note [lineage journal]: a recovering session records what it asks for, to
         # rebuild it on another worker when its own dies

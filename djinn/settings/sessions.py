@@ -82,6 +82,17 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "always", "never"),
     ),
     Setting(
+        "replay_ahead",
+        "auto",
+        "When a replayed call is sent (Note [replays sent ahead]): always, while the graph "
+        "before it still runs on the worker, which starts it as soon as that one ends (a "
+        "failure of that graph is then raised a call later, and the replayed call's "
+        "results hold it); never, once that graph's reply was read; auto, always unless "
+        "the worker is a CPU worker whose threads take every core of the client's host "
+        "(where the overlap measured no faster).",
+        choices=("auto", "always", "never"),
+    ),
+    Setting(
         "graph_chunk_ops",
         4096,
         "A thread that has captured this many ops without needing a value sends them to "

@@ -104,6 +104,7 @@ BAD_VALUES = {
     "gpus": ["abc", "0,0", "-1", ["0"]],
     "cpu_workers": [0, -2, 1000, "many"],
     "follow_ahead": ["sometimes", 1, True],
+    "replay_ahead": ["often", 2, False],
     "arena_bytes": ["lots", "1KiB", 0, -5],
     "arena_session_max": [0, 1.5, "half"],
     "arena_reserve": [-0.1, 1.0],

@@ -1,0 +1,148 @@
+"""Replayed training steps sent behind the last one, against sent after its reply.
+
+A replayed call (``djinn.replayable``) is sent without waiting for its reply (Note
+[asynchronous replays]). Until Note [replays sent ahead] (``djinn/runtime/flights.py``)
+the next call still read that reply before it sent its own graph, so the worker sat idle
+from the end of one step's graph until the client had read its reply, landed it and sent
+the next: a round trip and the client's own work per step. Now (the ``replay_ahead``
+setting) the next replay goes while the last one runs, and the worker starts it as soon
+as the last one ends.
+
+Both ways run in one process on one private appliance, with local eager beside them in
+every round: ``training_step.py``'s encoder, SGD with momentum (compared with local
+eager SGD bit for bit) and ``Adam(capturable=True)`` (its two remote loops compared with
+each other bit for bit: PyTorch has no capturable Adam on the CPU), ``--steps`` steady
+steps after 10 warm calls (the recordings among them), per round, ms per step.
+``--worker-threads N`` gives the CPU worker (and local eager) N intra-op threads: below
+the host's cores, the client and the worker each have a core of their own (``auto``, the
+default, sends ahead then, and on a GPU worker).
+
+    python benchmarks/replay_ahead.py                     # 5 rounds of 60 steps each way
+    python benchmarks/replay_ahead.py --worker-threads 1
+    python benchmarks/replay_ahead.py --rounds 3 --steps 40
+
+This machine's timings move by tens of percent from minute to minute: judge the ratios
+within a round, and the medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _appliance import appliance
+from _common import save_json
+from _report import md_table
+from training_step import OPTIMIZERS, R, build, train_step, using
+
+GiB = 1 << 30
+WARM = 10  # calls before the timed ones: two of them record
+WAYS = ("ahead", "after")
+
+
+def steady(model: torch.nn.Module, batches: list, steps: int, way: str, opt: str) -> dict:
+    """ms per step of ``steps`` steps after ``WARM`` calls, and the parameters after them
+    (read back, so the timing includes every step's run). ``way``: local (eager on the
+    CPU), ahead or after."""
+    import djinn
+
+    device = "cpu" if way == "local" else R
+    m = copy.deepcopy(model).to(device)
+    optimizer = OPTIMIZERS[opt](m.parameters())
+    data = [(x.to(device), y.to(device)) for x, y in batches]
+    run = train_step(m, optimizer)
+    if device != "cpu":
+        from djinn.frontend.session import default_session
+
+        # the replay_ahead setting, as the session's client holds it
+        default_session().client.replay_ahead = "always" if way == "ahead" else "never"
+        run = djinn.replayable(run)
+    for i in range(WARM):
+        run(*data[i % len(data)])
+    if device != "cpu":
+        from djinn.frontend import trace
+
+        trace.land_all()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        run(*data[i % len(data)])
+    params = [p.detach().cpu() for p in m.parameters()]
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    stats = run.stats() if device != "cpu" else {}
+    return {"ms": ms, "params": params, "replays": stats.get("replays")}
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--worker-threads", type=int, default=0,
+                        help="the CPU worker's and local eager's intra-op threads "
+                             "(0: the worker's default, local eager's own)")  # fmt: skip
+    parser.add_argument("--json", default="benchmarks/results/replay_ahead.json")
+    args = parser.parse_args()
+    extra = {}
+    if args.worker_threads:
+        torch.set_num_threads(args.worker_threads)
+        extra["cpu_threads"] = args.worker_threads
+    model = build(64, 2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 32, 64, generator=gen), torch.randn(16, 32, 1, generator=gen))
+               for _ in range(20)]  # fmt: skip
+    rows, runs = [], []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        appliance(Path(tmp), GiB, "none", **extra) as app,
+        using(app.unix),
+    ):
+        for r in range(args.rounds):
+            got: dict[str, dict] = {"sgd local": steady(model, batches, args.steps, "local", "sgd")}
+            for opt in ("sgd", "capturable"):
+                # alternate which way goes first, so neither always follows the other
+                for way in WAYS if r % 2 == 0 else WAYS[::-1]:
+                    got[f"{opt} {way}"] = steady(model, batches, args.steps, way, opt)
+            for way in WAYS:
+                if not same(got[f"sgd {way}"]["params"], got["sgd local"]["params"]):
+                    print(f"round {r}: SGD {way}: parameters differ from local eager's")
+                    return 1
+            if not same(got["capturable ahead"]["params"], got["capturable after"]["params"]):
+                print(f"round {r}: capturable Adam: ahead and after differ")
+                return 1
+            runs.append({k: {"ms": v["ms"], "replays": v["replays"]} for k, v in got.items()})
+            local = got["sgd local"]["ms"]
+            rows.append([str(r), f"{local:.2f}",
+                         *(f"{got[f'sgd {w}']['ms']:.2f} ({got[f'sgd {w}']['ms'] / local:.2f}x)"
+                           for w in WAYS),
+                         *(f"{got[f'capturable {w}']['ms']:.2f}" for w in WAYS)])  # fmt: skip
+    med = {k: statistics.median(run[k]["ms"] for run in runs) for k in runs[0]}
+    local = med["sgd local"]
+    rows.append(["median", f"{local:.2f}",
+                 *(f"{med[f'sgd {w}']:.2f} ({med[f'sgd {w}'] / local:.2f}x)" for w in WAYS),
+                 *(f"{med[f'capturable {w}']:.2f}" for w in WAYS)])  # fmt: skip
+    print(md_table(
+        ["round", "local eager SGD ms/step", "SGD replayed, ahead (/ local)",
+         "SGD replayed, after (/ local)", "capturable Adam, ahead", "capturable Adam, after"],
+        rows,
+    ))  # fmt: skip
+    threads = args.worker_threads or "default"
+    replays = {k: v["replays"] for k, v in runs[-1].items() if v["replays"] is not None}
+    print(f"\n({args.steps} steady steps a loop, worker threads: {threads}; replays in the "
+          f"last round's loops: {replays}; SGD's parameters equal local eager's in every "
+          f"loop, capturable Adam's equal between the two ways; "
+          f"torch {torch.__version__})")  # fmt: skip
+    save_json({"rounds": runs, "medians_ms": med, "args": vars(args)}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
