@@ -462,16 +462,8 @@ class Sent:
 
 
 @contextlib.contextmanager
-def replay_in_flight(
-    trace: Trace,
-    node: Node,
-    body: Filled,
-    inline: list,
-    form: Any,
-    inputs: list,
-    *,
-    ahead: bool = False,
-) -> Iterator[None]:
+def replay_in_flight(trace: Trace, node: Node, body: Filled, inline: list, form: Any,
+                     inputs: list, *, ahead: bool = False) -> Iterator[None]:  # fmt: skip
     """Send ``body`` (not made: Note [bodies made when read], templates.py), a replayed
     graph whose kept outputs are ``node``'s (Note
     [asynchronous replays], replay_run.py), without waiting: it lands as a flush sent
@@ -541,11 +533,11 @@ def land(item: Sent) -> None:
                 fail(n, item.error)
                 n.inflight = None
             # raised on the thread that sent it; another lands it for an unrelated read,
-            # which eager would answer (its outputs and writes hold the error either way).
-            # A replay failed because the graph sent before it did is quiet: the program
-            # was told of that one (Note [replays sent ahead])
-            chained = getattr(item.flight, "chained", False)
-            if not item.quiet and not chained and item.thread == threading.get_ident():
+            # which eager would answer (its outputs and writes hold the error either way);
+            # not where the graph sent before it failed: that one was (Note [replays sent
+            # ahead])
+            quiet = item.quiet or getattr(item.flight, "chained", False)
+            if not quiet and item.thread == threading.get_ident():
                 raise copy_of(item.error)
             return
         assert item.reply is not None

@@ -1,6 +1,37 @@
 """Graphs sent without waiting for their reply (Note [asynchronous flushes]): a mixin of
 ``Session`` (session.py), whose requests read such a graph's reply first, and then the
-replies of the puts sent after it (puts.py, Note [puts sent without waiting])."""
+replies of the puts sent after it (puts.py, Note [puts sent without waiting]).
+
+Note [replays sent ahead]: a replayed call (Note [asynchronous replays]) used to read the
+last graph's reply before it sent its own, so the worker sat idle from the end of one
+training step's graph until the client had read its reply, landed it and sent the next
+(on a 2-core host, about 2-3 ms of a 15-18 ms replayed step). With the ``replay_ahead``
+setting a replay goes while the graph before it still runs, and the worker, which runs
+a session's requests in order, starts it as soon as that one ends. At most two graphs
+are in flight: sending a third lands the first. The rules:
+
+- it goes behind a graph that fails as a whole only (a replay, ``partial=False``): the
+  rest of a partial graph that failed is sent again after it, and would then run after
+  the replay that reads what it writes;
+- the worker runs it only if that graph ran: the EXEC carries ``"after": rid`` and the
+  worker answers BEHIND_FAILED, running nothing, if request ``rid`` failed. The client
+  then sends it again if the first one's resend ran (its template had been let go), or
+  fails it with an error naming the first one's. The program is told once, where the
+  first lands (a call later than before, as CUDA reports a kernel's error at a later
+  call); what the replay behind it made and wrote holds the error, and its landing is
+  quiet;
+- replies are read in the order sent, and a landing takes everything from the slots
+  first, putting back what stays in flight: a recovery's journal replay (its requests
+  settle first) must not land the graph behind before the one it rebuilds for, which is
+  sent again first (``_land_pending``). A graph whose connection a recovery replaced is
+  sent again, renamed for the new worker, after the one before it;
+- a replay whose inputs the graph in flight makes lands it first (``replay_run._input``).
+
+``auto`` sends ahead where the worker has cores the client does not need: a GPU worker,
+or a CPU worker with fewer threads than this host has cores. On a 2-core host whose
+worker takes both, the client's work for the next step then takes a core from the graph
+that runs, and ``python benchmarks/replay_ahead.py`` measured no gain (the numbers are in
+that file's docstring)."""
 
 from __future__ import annotations
 
@@ -79,16 +110,24 @@ class Flights:
             # under the lock that sends: settled outside it, another thread's graph could
             # be sent in between and lost from ``_flight`` when this one took the slot (a
             # review's two threads replaying: that graph never landed)
+            lineage = self._lineage
+            gen = lineage.generation if lineage is not None else 0
+            if ahead:
+                self._land_pending(keep_last=True)  # at most two graphs in flight
             last = self._flight
-            if ahead and last is not None and not last.partial and last.error is None:
-                self._settle_older()  # at most two graphs in flight
+            if ahead and last is not None and self._goes_behind(last):
                 self._older.append((last, self._puts))
                 self._flight, self._puts = None, []
                 f.behind = last
             else:
                 self._settle()
-            if self._lineage is not None:
-                f.gen = self._lineage.before_request()
+            if lineage is not None:
+                f.gen = lineage.before_request()
+                if f.gen != gen:
+                    # what landed above rebuilt the session: the body names the lost
+                    # worker's handles (a replay sent ahead of a graph that failed to go)
+                    body = f.body = lineage.renamed(templates.made(body), gen)[0]
+                    f.form = form_of(body)
             sent, f.fp = self._exec_form(body, f.form)
             f.sent = self._outgoing(sent)
             if f.behind is not None:
@@ -120,27 +159,39 @@ class Flights:
         if self._flight is None and not self._puts and not self._older:
             return
         with self._serial():
-            self._settle_older()
-            # both taken first: a graph's resend (below) settles again, and must not read
-            # puts from a connection its recovery has replaced
-            f, self._flight = self._flight, None
-            puts, self._puts = self._puts, []
-            self._land_with(f, puts)
-
-    def _settle_older(self) -> None:
-        """Land the graphs a graph now in flight was sent behind, and the puts after
-        each (Note [replays sent ahead])."""
-        while self._older:
-            self._land_with(*self._older.pop(0))
+            self._land_pending()
 
     def _settle_through(self, f: Flight) -> None:
         """Read the replies of what was sent without waiting up to ``f``'s, in order: a
         graph sent behind ``f`` stays in flight."""
         with self._serial():
-            while self._older and not f.landed:
-                self._land_with(*self._older.pop(0))
-            if not f.landed:
-                self._settle()
+            self._land_pending(upto=f)
+
+    def _land_pending(self, upto: Flight | None = None, keep_last: bool = False) -> None:
+        """Land what was sent without waiting, in the order sent: everything, or up to
+        ``upto``, or all but the graph in flight and the puts after it. All of it is
+        taken from the slots first and what stays is put back: a request made while one
+        lands (a recovery's journal replay, a graph sent again) settles first, and must
+        find nothing to read before its own reply. A graph sent after the one landing
+        must not land before it (sent again first after a recovery, it would run first)."""
+        pending = [*self._older, (self._flight, self._puts)]
+        self._older, self._flight, self._puts = [], None, []
+        try:
+            while pending and not (upto is not None and upto.landed):
+                if keep_last and len(pending) == 1:
+                    break
+                self._land_with(*pending.pop(0))
+        finally:
+            if pending:  # nothing is sent under this lock meanwhile: the slots are empty
+                *older, (self._flight, self._puts) = pending
+                self._older = older
+
+    def _goes_behind(self, last: Flight) -> bool:
+        """Whether a graph may be sent behind ``last``, the graph in flight: one that fails
+        as a whole (a partial graph's rest is sent again after it failed: it would run
+        after the graph behind it), that went out, on this connection (one that a
+        recovery replaced is sent again after this one would have run)."""
+        return not last.partial and last.error is None and last.channel is self.channel
 
     def _land_with(self, f: Flight | None, puts: list[Any]) -> None:
         if f is not None:

@@ -1,0 +1,206 @@
+"""Note [replays sent ahead] (djinn/runtime/flights.py): with ``replay_ahead``, a replay
+goes while the graph before it still runs. The worker runs it only if that one ran
+(``after``, BEHIND_FAILED); the results are eager's; a failure is raised once, a call
+later, and what the replay behind it made holds it; a worker lost with both in flight is
+recovered and both are sent again, in order."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+import djinn
+from djinn.errors import DjinnError
+from djinn.frontend.session import default_session
+from djinn.protocol.frames import Kind
+from djinn.runtime.session import Session
+from tests.conftest import wait_for
+
+R = "remote_accelerator:0"
+
+
+@pytest.fixture
+def behind(monkeypatch):
+    """Replays sent ahead whatever the host (this CI's 2 cores say never by ``auto``), and
+    for each graph sent, whether it went behind another."""
+    monkeypatch.setattr(default_session().client, "replay_ahead", "always")
+    went: list[bool] = []
+    real = Session.run_graph_async
+
+    def sending(self, *args, **kwargs):
+        f = real(self, *args, **kwargs)
+        went.append(f.behind is not None)
+        return f
+
+    monkeypatch.setattr(Session, "run_graph_async", sending)
+    return went
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _sgd_step(model, opt):
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_a_training_loop_sent_ahead_ends_with_eagers_parameters(remote, behind):
+    local = _mlp()
+    model = copy.deepcopy(local).to(remote)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen))
+               for _ in range(8)]  # fmt: skip
+    step = djinn.replayable(_sgd_step(model, opt))
+    eager = _sgd_step(local, local_opt)
+    losses = []
+    for x, y in batches:
+        losses.append((step(x.to(remote), y.to(remote)), eager(x, y)))
+    # two calls record, and the first step's momentum buffers change what the next reads
+    assert step.stats()["replays"] == 5
+    assert sum(behind) == 4  # every replay after the first went behind the one before
+    for got, want in losses:
+        assert torch.equal(got.cpu(), want)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+
+
+def test_a_replay_reading_what_the_one_in_flight_made_lands_it_first(remote, behind):
+    """A recurrence: each call reads the last call's output, which the replay in flight
+    makes; it lands that one and replays (no new recording), with eager's numbers."""
+    w = torch.randn(6, 6) / 3
+    rw = w.to(remote)
+    f = djinn.replayable(lambda h: torch.tanh(h @ rw))
+    h, rh = torch.randn(2, 6), None
+    rh = h.to(remote)
+    for _ in range(6):
+        h, rh = torch.tanh(h @ w), f(rh)
+    assert f.stats()["replays"] == 4 and f.stats()["recordings"] == 2
+    assert torch.equal(rh.cpu(), h)
+
+
+def test_a_replay_sent_behind_one_that_fails_is_not_run_and_holds_its_error(remote, behind):
+    """The first replay fails on the worker (an index out of range, seen by the kernel
+    only); the second, sent behind it, is not run: the tensor both write into is not
+    written twice. The first's error is raised once, where it lands; the second's output
+    holds an error naming it, and is not raised at its landing."""
+    table = torch.arange(12.0).reshape(6, 2)
+    rtable = table.to(remote)
+    racc = torch.zeros(6, 2).to(remote)
+    ones = torch.ones(3, 2).to(remote)
+
+    def step(idx):
+        racc.index_add_(0, idx, ones)
+        return (racc * rtable).sum(dim=1)
+
+    good = torch.tensor([0, 5, 2]).to(R)
+    f = djinn.replayable(step)
+    for _ in range(3):
+        f(good)
+    bad = f(torch.tensor([0, 9, 2]).to(R))  # row 9 of 6
+    after = f(good)  # sent behind the failing one
+    assert f.stats()["replays"] == 3
+    assert behind[-1] is True
+    with pytest.raises(DjinnError, match="index") as first:
+        after.cpu()  # lands the failed replay first: its error, on this thread
+    assert "not run" not in str(first.value)
+    with pytest.raises(DjinnError, match="not run: the graph sent before it failed") as second:
+        after.cpu()
+    assert "index" in str(second.value)
+    with pytest.raises(DjinnError, match="index"):
+        bad.cpu()
+    with pytest.raises(DjinnError):
+        racc.cpu()
+    assert torch.equal(rtable.cpu(), table)
+
+
+def test_the_worker_refuses_a_graph_sent_behind_a_failed_request(remote):
+    """The protocol's part: ``after`` naming a failed EXEC of the session gets
+    BEHIND_FAILED and runs nothing; naming one that ran, it runs; a malformed one is an
+    INVALID_ARGUMENT."""
+    s = default_session()
+    trace_free = torch.ones(2).to(remote)  # a session with a live handle
+    assert torch.equal(trace_free.cpu(), torch.ones(2))
+    ch = s.channel
+    s._settle()
+    failed = ch.send(Kind.EXEC, {"nodes": [{"op": "aten::no_such_op"}], "keep": [], "fetch": []})
+    with pytest.raises(DjinnError) as refused:
+        ch.receive(failed)
+    assert refused.value.code != "BEHIND_FAILED"
+    behind = ch.send(Kind.EXEC, {"nodes": [], "keep": [], "fetch": [], "after": failed})
+    with pytest.raises(DjinnError, match="not run: request") as skipped:
+        ch.receive(behind)
+    assert skipped.value.code == "BEHIND_FAILED"
+    ran = ch.send(Kind.EXEC, {"nodes": [], "keep": [], "fetch": []})
+    ch.receive(ran)
+    fine = ch.send(Kind.EXEC, {"nodes": [], "keep": [], "fetch": [], "after": ran})
+    assert ch.receive(fine).body["kept"] == []
+    for bad in ("3", True, 1.5, [1]):
+        rid = ch.send(Kind.EXEC, {"nodes": [], "keep": [], "fetch": [], "after": bad})
+        with pytest.raises(DjinnError, match="'after' must be a request id") as err:
+            ch.receive(rid)
+        assert err.value.code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("when", ["after both were sent", "before the first was sent"])
+def test_a_worker_lost_with_two_replays_sent_recovers_both_in_order(
+    own_frontend, monkeypatch, when
+):
+    """Two replays, the second sent behind the first, and the worker dies. After both were
+    sent (it was stopped, then killed): the first's landing rebuilds the session and sends
+    it again, and the second, whose connection is gone, is sent again after it. Before the
+    first was sent (its send fails): the second goes after the first's recovery, its
+    handles renamed for the new worker. The accumulator both write ends as eager's."""
+    monkeypatch.setattr(default_session().client, "replay_ahead", "always")
+    w = torch.randn(4, 4)
+    rw = w.to(R)
+    acc = torch.zeros(2, 4)
+    racc = acc.to(R)
+
+    def step(t):
+        racc.add_((t @ rw).relu())
+        return racc.sum()
+
+    f = djinn.replayable(step)
+    x = torch.randn(2, 4)
+    rx = x.to(R)
+    for _ in range(3):
+        f(rx)
+        acc.add_((x @ w).relu())
+    assert torch.equal(racc.cpu(), acc)
+    s = default_session()
+    pid = next(w["pid"] for w in own_frontend.stats()["workers"] if w["id"] == s.worker)
+    os.kill(pid, signal.SIGSTOP if when == "after both were sent" else signal.SIGKILL)
+    if when == "before the first was sent":
+        wait_for(lambda: any(w["pid"] == pid and not w["alive"]
+                             for w in own_frontend.stats()["workers"]))  # fmt: skip
+    first, second = f(rx), f(rx)
+    if when == "after both were sent":
+        assert behind_flags(s) == [True]  # the second went behind the first
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(2):
+        acc.add_((x @ w).relu())
+    assert f.stats()["replays"] == 3
+    assert torch.equal(second.cpu(), acc.sum())
+    assert torch.equal(first.cpu(), (acc - (x @ w).relu()).sum())
+    assert torch.equal(racc.cpu(), acc)
+    assert s.recovery_stats()["recoveries"] == 1
+
+
+def behind_flags(s: Session) -> list[bool]:
+    """For the graphs of ``s`` in flight, oldest first, whether each went behind another."""
+    flights = [f for f, _ in s._older] + ([s._flight] if s._flight is not None else [])
+    return [f.behind is not None for f in flights][1:]
