@@ -22,7 +22,18 @@ default, sends ahead then, and on a GPU worker).
     python benchmarks/replay_ahead.py --rounds 3 --steps 40
 
 This machine's timings move by tens of percent from minute to minute: judge the ratios
-within a round, and the medians over rounds.
+within a round, and the medians over rounds. On the 2-core VM it was written on
+(2026-11-27, medians of 5 rounds, ms per step):
+
+| worker threads | SGD ahead | SGD after | local eager SGD | capturable Adam ahead / after |
+|---|---|---|---|---|
+| 1 (``--worker-threads 1``) | 13.59 (1.26x) | 15.49 (1.44x) | 10.75 | 16.15 / 19.07 |
+| 2, the host's cores | 18.62 (2.02x) | 23.07 (2.50x) | 9.23 | 25.62 / 30.42 |
+
+With one thread ahead was faster in every round for SGD and in 4 of 5 for Adam; with
+two, in 3 of 5 each way, and an earlier run of 6 rounds read 18.03 against 17.72 ms: the
+client's work for the next step then takes a core from the graph that runs. So ``auto``
+sends ahead where the worker leaves the client a core (and on a GPU worker).
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ are in flight: sending a third lands the first. The rules:
 ``auto`` sends ahead where the worker has cores the client does not need: a GPU worker,
 or a CPU worker with fewer threads than this host has cores. On a 2-core host whose
 worker takes both, the client's work for the next step then takes a core from the graph
-that runs, and ``python benchmarks/replay_ahead.py`` measured no gain (the numbers are in
-that file's docstring)."""
+that runs, and ``python benchmarks/replay_ahead.py`` measured no steady gain (its
+docstring has the numbers: with one worker thread, 13.6 ms a replayed SGD step ahead
+against 15.5 after, local eager 10.8)."""
 
 from __future__ import annotations
 
