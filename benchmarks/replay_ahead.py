@@ -50,7 +50,16 @@ import torch
 from _appliance import appliance
 from _common import save_json
 from _report import md_table
-from training_step import OPTIMIZERS, R, build, train_step, using
+from training_step import (
+    OPTIMIZERS,
+    R,
+    add_worker_threads,
+    batches_of,
+    build,
+    train_step,
+    using,
+    worker_threads,
+)
 
 GiB = 1 << 30
 WARM = 10  # calls before the timed ones: two of them record
@@ -97,19 +106,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--worker-threads", type=int, default=0,
-                        help="the CPU worker's and local eager's intra-op threads "
-                             "(0: the worker's default, local eager's own)")  # fmt: skip
+    add_worker_threads(parser)
     parser.add_argument("--json", default="benchmarks/results/replay_ahead.json")
     args = parser.parse_args()
-    extra = {}
-    if args.worker_threads:
-        torch.set_num_threads(args.worker_threads)
-        extra["cpu_threads"] = args.worker_threads
+    extra = worker_threads(args.worker_threads)
     model = build(64, 2)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(16, 32, 64, generator=gen), torch.randn(16, 32, 1, generator=gen))
-               for _ in range(20)]  # fmt: skip
+    batches = batches_of(64, 20)
     rows, runs = [], []
     with (
         tempfile.TemporaryDirectory() as tmp,

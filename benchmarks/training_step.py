@@ -89,6 +89,21 @@ def batches_of(width: int, count: int, batch: int = 16, seq: int = 32) -> list[t
     ]
 
 
+def add_worker_threads(parser: argparse.ArgumentParser) -> None:
+    """``--worker-threads N``, as followed_steps.py and replay_ahead.py take it."""
+    parser.add_argument("--worker-threads", type=int, default=0,
+                        help="the CPU worker's and local eager's intra-op threads "
+                             "(0: the worker's default, local eager's own)")  # fmt: skip
+
+
+def worker_threads(n: int) -> dict[str, int]:
+    """The appliance settings for ``--worker-threads n`` (local eager takes n too)."""
+    if not n:
+        return {}
+    torch.set_num_threads(n)
+    return {"cpu_threads": n}
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
     """One step of this benchmark's loop: MSE loss, backward, the optimizer's step."""
 
