@@ -30,6 +30,7 @@ def admit(w: Worker) -> None:
                 f"short by {waiting.short} bytes: {waiting.message}"
             ),
         )
+        waiting.session.failed(waiting.frame.kind.name, waiting.frame.request_id)
         w._serve_buffered(waiting.session)
     for waiting in w.admission.ready(w.store.vmu.used):
         s = waiting.session

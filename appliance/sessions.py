@@ -80,6 +80,12 @@ class WorkerSession:
     # sent behind one of them (its "after") must not run after
     failed_execs: deque[int] = field(default_factory=lambda: deque(maxlen=FAILED_EXECS))
 
+    def failed(self, kind: str, rid: int) -> None:
+        """Request ``rid`` (of ``kind``) was answered with an error: an EXEC sent behind an
+        EXEC that failed must not run (Note [replays sent ahead])."""
+        if kind == "EXEC":
+            self.failed_execs.append(rid)
+
     def touch(self) -> None:
         self.last_seen = time.monotonic()
 

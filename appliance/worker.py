@@ -470,8 +470,8 @@ class Worker:
             self.send_error(s, rid, InternalError(f"{type(exc).__name__}: {exc}"))
             device_lost.exit_if_lost(self)
         finally:
-            if frame.kind == Kind.EXEC and outcome not in ("ok", "parked", "cancelled"):
-                s.failed_execs.append(rid)  # Note [replays sent ahead]
+            if outcome not in ("ok", "parked", "cancelled"):
+                s.failed(frame.kind.name, rid)
             self.memory.end(s, frame.kind.name)
             self.busy.current = None
             self.batcher.discard([frame])  # a batched result its handler never took

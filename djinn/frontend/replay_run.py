@@ -70,8 +70,11 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
         raise Miss("a .grad it found empty is not")  # the call found it None
     session = default_session()
     # the inputs' handles: a graph in flight may make them. Where a replay is sent behind
-    # the last graph (Note [replays sent ahead]), an input that one makes lands it (_input)
-    ahead = replays_ahead(session)
+    # the last graph (Note [replays sent ahead]), an input that one makes lands it
+    # (_input). One whose optimizer steps run at each call (followed, or captured after
+    # it) goes as before: everything landed first, its handles read after (a recovery
+    # the landing made renames them)
+    ahead = not optimizers and replays_ahead(session)
     trace_mod.land_all(but_last=ahead)
     inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
@@ -82,7 +85,6 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     form = (rec.fingerprint, handles, rec.scalars)
     whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
-        trace_mod.land_all()  # a followed replay's graphs go as before: after the last
         return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
                         optimizers)  # fmt: skip
     _node, leaves = replay_sent(rec, tr, label, tensors, written, (inputs, form), ahead=ahead)
@@ -116,8 +118,9 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
             raise Miss("a tensor it reads was replaced or dropped since")
         cell = cells[0]
     ref = None if cell is None else trace_mod.resolved(cell.ref)
-    if isinstance(ref, Pending) and ref.node.inflight is not None:
-        trace_mod.land(ref.node.inflight)  # made by the graph a replay goes behind
+    item = ref.node.inflight if isinstance(ref, Pending) else None
+    if item is not None:
+        trace_mod.land(item)  # made by the graph a replay goes behind
         ref = trace_mod.resolved(cell.ref)
     if not isinstance(ref, RemoteTensor) or ref.session is not session:
         raise Miss("an input is not a remote tensor of this session")

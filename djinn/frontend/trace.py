@@ -496,10 +496,12 @@ def replay_in_flight(trace: Trace, node: Node, body: Filled, inline: list, form:
 
 
 def land_all(but_last: bool = False) -> None:
-    """Land every flush in flight, in the order they were sent (``but_last``: all but the
-    last sent, which a replay is sent behind: Note [replays sent ahead])."""
+    """Land every flush in flight, in the order sent; ``but_last``: not the last if it
+    fails as a whole, for a replay to go behind (Note [replays sent ahead])."""
     with _INFLIGHT_LOCK:
-        items = _INFLIGHT[:-1] if but_last else list(_INFLIGHT)
+        items = list(_INFLIGHT)
+    if but_last and items and getattr(items[-1].flight, "partial", True) is False:
+        items.pop()  # a partial one's failure sends its rest again: first
     for item in items:
         land(item)
 
@@ -534,8 +536,7 @@ def land(item: Sent) -> None:
                 n.inflight = None
             # raised on the thread that sent it; another lands it for an unrelated read,
             # which eager would answer (its outputs and writes hold the error either way);
-            # not where the graph sent before it failed: that one was (Note [replays sent
-            # ahead])
+            # not if it failed as the one before it did (Note [replays sent ahead])
             quiet = item.quiet or getattr(item.flight, "chained", False)
             if not quiet and item.thread == threading.get_ident():
                 raise copy_of(item.error)

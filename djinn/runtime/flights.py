@@ -111,8 +111,11 @@ class Flights:
             # under the lock that sends: settled outside it, another thread's graph could
             # be sent in between and lost from ``_flight`` when this one took the slot (a
             # review's two threads replaying: that graph never landed)
+            # the generation the body was built in; a journal cut that is due lands what
+            # is in flight first (landed later, a recovery it made would leave this
+            # graph's generation and its "after" stale: a review)
             lineage = self._lineage
-            gen = lineage.generation if lineage is not None else 0
+            gen = lineage.before_request() if lineage is not None else 0
             if ahead:
                 self._land_pending(keep_last=True)  # at most two graphs in flight
             last = self._flight
@@ -123,7 +126,7 @@ class Flights:
             else:
                 self._settle()
             if lineage is not None:
-                f.gen = lineage.before_request()
+                f.gen = lineage.generation
                 if f.gen != gen:
                     # what landed above rebuilt the session: the body names the lost
                     # worker's handles (a replay sent ahead of a graph that failed to go)

@@ -117,16 +117,20 @@ def _replayed_sgd(
     return [p.detach().cpu() for p in model.parameters()], stats
 
 
+@pytest.mark.parametrize("ahead", ["never", "always"], ids=["after", "ahead"])
 @pytest.mark.parametrize("cut_after_s", ["3600", "0.01"], ids=["whole-journal", "cut-often"])
 def test_a_replayed_training_loop_interrupted_by_a_worker_kill_ends_with_eagers_parameters(
-    recovering, monkeypatch, cut_after_s
+    recovering, monkeypatch, cut_after_s, ahead
 ):
     """Note [journal facts of a template]: a replay's journal entry takes what it writes
     and which of its outputs are views from its template's facts, renamed; the session is
-    rebuilt from those entries (and cut from them) exactly as from a captured step's."""
+    rebuilt from those entries (and cut from them) exactly as from a captured step's. Each
+    replay sent behind the last (Note [replays sent ahead]) or after it; cut often, a cut
+    falls due as a replay is sent ahead of one in flight."""
     from djinn.frontend import session
 
     monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", cut_after_s)
+    monkeypatch.setenv("DJINN_REPLAY_AHEAD", ahead)
     session.reset()
     want, _ = _replayed_sgd(10, "cpu")
     got, stats = _replayed_sgd(10, R, kill_at=6, app=recovering)
@@ -136,16 +140,19 @@ def test_a_replayed_training_loop_interrupted_by_a_worker_kill_ends_with_eagers_
         assert (a - b).abs().max().item() <= 1e-6
 
 
+@pytest.mark.parametrize("ahead", ["never", "always"], ids=["after", "ahead"])
 @pytest.mark.parametrize("cut_after_s", ["3600", "0.01"], ids=["whole-journal", "cut-often"])
 def test_a_replayed_adam_loop_whose_steps_are_followed_survives_a_worker_kill(
-    recovering, monkeypatch, cut_after_s
+    recovering, monkeypatch, cut_after_s, ahead
 ):
     """Note [followed steps]: a default-Adam replay sends the whole call as one graph
     with this step's floats; the journal keeps it, and a session rebuilt after a kill
-    ends with eager's parameters, its steps followed before the kill and after it."""
+    ends with eager's parameters, its steps followed before the kill and after it. With
+    ``replay_ahead`` (a review: the handles were read before a landing that recovered)."""
     from djinn.frontend import session
 
     monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", cut_after_s)
+    monkeypatch.setenv("DJINN_REPLAY_AHEAD", ahead)
     session.reset()
     want, _ = _replayed_sgd(12, "cpu", adam=True)
     got, stats = _replayed_sgd(12, R, kill_at=8, app=recovering, adam=True)
