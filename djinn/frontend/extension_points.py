@@ -284,28 +284,35 @@ SEEDING_NAMES = {
 }
 
 
-def _attach_cuda_queries() -> dict[str, Any]:
+def _cuda_parts() -> dict[str, Any]:
+    """torch.cuda's submodules whose functions CUDA_QUERIES replaces too, by the prefix
+    their saved names take: ``torch.cuda.random.manual_seed`` is the function
+    ``torch.cuda.manual_seed`` names, and a script may call it by either name."""
     import torch.cuda.nvtx as nvtx
+    import torch.cuda.random as cuda_random
 
+    return {"nvtx.": (nvtx, NVTX_NAMES), "random.": (cuda_random, SEEDING_NAMES)}
+
+
+def _attach_cuda_queries() -> dict[str, Any]:
     saved = {name: getattr(torch.cuda, name) for name in (*CUDA_QUERIES_NAMES, *SEEDING_NAMES)}
     for name in CUDA_QUERIES_NAMES:
         setattr(torch.cuda, name, getattr(device_module, name))
     for name, ours in SEEDING_NAMES.items():
         setattr(torch.cuda, name, getattr(device_module, ours))
-    for name, ours in NVTX_NAMES.items():
-        saved[f"nvtx.{name}"] = getattr(nvtx, name)
-        setattr(nvtx, name, getattr(device_module, ours))
+    for prefix, (module, names) in _cuda_parts().items():
+        for name, ours in names.items():
+            saved[prefix + name] = getattr(module, name)
+            setattr(module, name, getattr(device_module, ours))
     return saved
 
 
 def _detach_cuda_queries(saved: dict[str, Any]) -> None:
-    import torch.cuda.nvtx as nvtx
-
+    parts = _cuda_parts()
     for name, fn in saved.items():
-        if name.startswith("nvtx."):
-            setattr(nvtx, name.removeprefix("nvtx."), fn)
-        else:
-            setattr(torch.cuda, name, fn)
+        prefix, dot, rest = name.partition(".")
+        module = parts[prefix + dot][0] if dot else torch.cuda
+        setattr(module, rest if dot else name, fn)
 
 
 # -- META_PARAMETERS: Note [meta parameters] ------------------------------------------------

@@ -156,29 +156,36 @@ def test_a_seed_before_import_djinn_seeds_the_device(tmp_path):
         assert out == [str(seed), "0"]
 
 
-def test_torch_cuda_manual_seed_under_djinn_run_seeds_the_device_alone(on_gpu):
+@pytest.mark.parametrize("where", ["torch.cuda", "torch.cuda.random"])
+def test_torch_cuda_manual_seed_under_djinn_run_seeds_the_device_alone(on_gpu, where):
     """Under ``djinn run`` (which holds CUDA_QUERIES), ``torch.cuda.manual_seed`` and its
     ``_all`` seed the remote device's generator, as CUDA's seed the GPU's, and leave the
-    CPU generator alone; ``torch.cuda.seed`` draws a fresh seed for it."""
+    CPU generator alone; ``torch.cuda.seed`` draws a fresh seed for it. The same functions
+    called as ``torch.cuda.random``'s do the same; all are PyTorch's again after."""
+    import importlib
+
     from djinn.frontend.extension_points import CUDA_QUERIES
 
     r = on_gpu
+    module = importlib.import_module(where)
+    theirs = module.manual_seed
     torch.manual_seed(1)
     want_cpu = torch.rand(4)
     torch.manual_seed(1)
     with CUDA_QUERIES.held():
-        torch.cuda.manual_seed(9)
+        module.manual_seed(9)
         a = torch.randn(100, device=r).cpu()
-        torch.cuda.manual_seed_all(9)
+        module.manual_seed_all(9)
         b = torch.randn(100, device=r).cpu()
-        torch.cuda.manual_seed(10)
+        module.manual_seed(10)
         c = torch.randn(100, device=r).cpu()
-        torch.cuda.seed()
+        module.seed()
         d = torch.randn(100, device=r).cpu()
         assert torch.remote_accelerator.initial_seed() != 10
     assert torch.equal(torch.rand(4), want_cpu)  # the CPU generator never moved
     assert torch.equal(a, b)
     assert not torch.equal(a, c) and not torch.equal(c, d)
+    assert module.manual_seed is theirs
 
 
 def test_torch_cuda_manual_seed_under_djinn_run_leaves_a_cpu_session_as_eager(remote):
