@@ -91,20 +91,23 @@ def followed(
     split: tuple[list[RemoteTensor], Any],
     inputs: list[RemoteTensor],
     optimizers: list[Any],
+    behind: bool = False,
 ) -> Any:
     """Replay ``rec`` with its steps followed, the split replay sent first or the whole
-    recording after (the Note); if the steps part from their plan, they are captured."""
+    recording after (the Note); if the steps part from their plan, they are captured.
+    ``behind``: its first graph goes behind the graph in flight (Note [replays sent
+    ahead])."""
     from .session import default_session
 
     label, stats = called
     plan = rec.plan
     ahead = plan.steps is not None and overlapped(default_session())
     if ahead:  # the ops before the steps go now
-        node, leaves = replay_sent(rec, tr, label, tensors, written, split)
+        node, leaves = replay_sent(rec, tr, label, tensors, written, split, ahead=behind)
         clear_grads(rec)
         stop = None
     else:
-        node, leaves, stop = _whole_bound(rec, tr, label, tensors, written, split)
+        node, leaves, stop = _whole_bound(rec, tr, label, tensors, written, split, behind)
     follower = Follower(plan, tr, node, inputs, stop, ahead)
     follower.start()
     try:
@@ -124,7 +127,7 @@ def followed(
     if ahead:
         sent = _steps_sent(rec, tr, label, node, (tensors, inputs), follower)
     else:
-        sent = _whole_sent(rec, tr, node, inputs, follower)
+        sent = _whole_sent(rec, tr, node, inputs, follower, behind)
     if sent:
         if stats is not None:
             stats.followed += 1
@@ -200,7 +203,7 @@ def _writes(whole: Record, tensors: list) -> tuple[Any, ...]:
 
 
 def _whole_bound(
-    rec: Record, tr: Any, label: str, tensors: list, written: list, split: tuple
+    rec: Record, tr: Any, label: str, tensors: list, written: list, split: tuple, behind: bool
 ) -> tuple[Replayed, list[Any], Any]:
     """The whole recording's node, not sent yet, with the outputs and gradients bound to
     it; and what sends ``rec`` instead, and binds them to it, if the following stops."""
@@ -216,17 +219,21 @@ def _whole_bound(
     clear_grads(rec)
 
     def stop() -> None:  # the split replay, as it would have gone, and its outputs bound
-        split_inputs, form = split
+        split_inputs, (fp, _read, scalars) = split
+        form = (fp, [r.handle for r in split_inputs], scalars)  # renamed since? (replay_sent)
         body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
         alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-        with trace_mod.replay_in_flight(tr, alone, body, rec.inline_now(), form, split_inputs):
+        with trace_mod.replay_in_flight(tr, alone, body, rec.inline_now(), form, split_inputs,
+                                        ahead=behind):  # fmt: skip
             for t, k in bound:
                 bind(t, Pending(alone, plan.slots[k]))
 
     return node, leaves, stop
 
 
-def _whole_sent(rec: Record, tr: Any, node: Replayed, inputs: list, follower: Follower) -> bool:
+def _whole_sent(
+    rec: Record, tr: Any, node: Replayed, inputs: list, follower: Follower, behind: bool
+) -> bool:
     """Send the whole recording with the steps' floats, if they were all followed."""
     if not follower.finish():
         return False
@@ -237,6 +244,7 @@ def _whole_sent(rec: Record, tr: Any, node: Replayed, inputs: list, follower: Fo
         whole.fill = templates.instantiator(whole.tpl)
     body = templates.filled(whole.tpl, whole.fill, handles, scalars)
     with trace_mod.replay_in_flight(tr, node, body, whole.inline_now(),
-                                    (whole.fingerprint, handles, scalars), inputs):  # fmt: skip
+                                    (whole.fingerprint, handles, scalars), inputs,
+                                    ahead=behind):  # fmt: skip
         pass
     return True

@@ -35,6 +35,9 @@ def replay_sent(
     its result. ``written``: the tensors it writes into; ``ahead``: sent behind the graph
     in flight (Note [replays sent ahead])."""
     inputs, form = sent
+    # the handles as they are now: a landing since they were read (the graph a replay goes
+    # behind, while its steps were followed) may have rebuilt the session and renamed them
+    form = (form[0], [r.handle for r in inputs], form[2])
     body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
     node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
     inline = rec.inline_now()

@@ -71,10 +71,10 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     session = default_session()
     # the inputs' handles: a graph in flight may make them. Where a replay is sent behind
     # the last graph (Note [replays sent ahead]), an input that one makes lands it
-    # (_input). One whose optimizer steps run at each call (followed, or captured after
-    # it) goes as before: everything landed first, its handles read after (a recovery
-    # the landing made renames them)
-    ahead = not optimizers and replays_ahead(session)
+    # (_input), and the handles are read again as it is sent (a landing meanwhile may
+    # have rebuilt the session: replay_sent). One whose optimizer steps are captured after
+    # it goes as before: the step's graph lands it
+    ahead = (not optimizers or bool(rec.plan)) and replays_ahead(session)
     trace_mod.land_all(but_last=ahead)
     inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
@@ -86,7 +86,7 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
         return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
-                        optimizers)  # fmt: skip
+                        optimizers, ahead)  # fmt: skip
     _node, leaves = replay_sent(rec, tr, label, tensors, written, (inputs, form), ahead=ahead)
     clear_grads(rec)
     if optimizers:

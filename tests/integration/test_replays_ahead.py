@@ -78,6 +78,30 @@ def test_a_training_loop_sent_ahead_ends_with_eagers_parameters(remote, behind):
         assert torch.equal(p.detach().cpu(), q.detach())
 
 
+def test_a_default_adam_loop_sent_ahead_ends_with_eagers_parameters(remote, behind, ahead):
+    """Its steps followed (Note [followed steps]), each way (``ahead``: the split replay
+    first, or the whole recording after the following): the call's first graph goes
+    behind the last call's, while its steps are followed, and the loop is eager's, bit
+    for bit."""
+    local = _mlp()
+    model = copy.deepcopy(local).to(remote)
+    local_opt = torch.optim.Adam(local.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen))
+               for _ in range(8)]  # fmt: skip
+    step = djinn.replayable(_sgd_step(model, opt))
+    eager = _sgd_step(local, local_opt)
+    losses = [(step(x.to(remote), y.to(remote)), eager(x, y)) for x, y in batches]
+    stats = step.stats()
+    assert stats["steps_followed"] >= 5 and stats["steps_captured"] == {}, stats
+    assert sum(behind) >= 4
+    for got, want in losses:
+        assert torch.equal(got.cpu(), want)
+    for p, q in zip(model.parameters(), local.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), q.detach())
+
+
 def test_a_replay_reading_what_the_one_in_flight_made_lands_it_first(remote, behind):
     """A recurrence: each call reads the last call's output, which the replay in flight
     makes; it lands that one and replays (no new recording), with eager's numbers."""
