@@ -9,10 +9,11 @@ setting) the next replay goes while the last one runs, and the worker starts it 
 as the last one ends.
 
 Both ways run in one process on one private appliance, with local eager beside them in
-every round: ``training_step.py``'s encoder, SGD with momentum (compared with local
-eager SGD bit for bit) and ``Adam(capturable=True)`` (its two remote loops compared with
-each other bit for bit: PyTorch has no capturable Adam on the CPU), ``--steps`` steady
-steps after 10 warm calls (the recordings among them), per round, ms per step.
+every round: ``training_step.py``'s encoder, SGD with momentum and the default Adam
+(whose steps are followed: Note [followed steps]), each compared with local eager bit for
+bit, and ``Adam(capturable=True)`` (its two remote loops compared with each other bit for
+bit: PyTorch has no capturable Adam on the CPU), ``--steps`` steady steps after 10 warm
+calls (the recordings among them), per round, ms per step.
 ``--worker-threads N`` gives the CPU worker (and local eager) N intra-op threads: below
 the host's cores, the client and the worker each have a core of their own (``auto``, the
 default, sends ahead then, and on a GPU worker).
@@ -98,6 +99,26 @@ def steady(model: torch.nn.Module, batches: list, steps: int, way: str, opt: str
     return {"ms": ms, "params": params, "replays": stats.get("replays")}
 
 
+OPTS = ("sgd", "adam", "capturable")
+LOCAL = ("sgd", "adam")  # optimizers local eager has, to compare with bit for bit
+NAMES = {"sgd": "SGD", "adam": "Adam", "capturable": "capturable Adam"}
+COLUMNS = {o: (["local", "ahead (/ local)", "after (/ local)"] if o in LOCAL
+               else ["ahead", "after"]) for o in OPTS}  # fmt: skip
+
+
+def _cells(ms: dict[str, float]) -> list[str]:
+    """A row's cells: ms per step of each optimizer's ways, over local eager's."""
+    cells = []
+    for opt in OPTS:
+        local = ms[f"{opt} local"] if opt in LOCAL else None
+        if local is not None:
+            cells.append(f"{local:.2f}")
+        for way in WAYS:
+            t = ms[f"{opt} {way}"]
+            cells.append(f"{t:.2f}" + (f" ({t / local:.2f}x)" if local else ""))
+    return cells
+
+
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -119,39 +140,30 @@ def main() -> int:
         using(app.unix),
     ):
         for r in range(args.rounds):
-            got: dict[str, dict] = {"sgd local": steady(model, batches, args.steps, "local", "sgd")}
-            for opt in ("sgd", "capturable"):
+            got: dict[str, dict] = {}
+            for opt in OPTS:
+                if opt in LOCAL:
+                    got[f"{opt} local"] = steady(model, batches, args.steps, "local", opt)
                 # alternate which way goes first, so neither always follows the other
                 for way in WAYS if r % 2 == 0 else WAYS[::-1]:
                     got[f"{opt} {way}"] = steady(model, batches, args.steps, way, opt)
-            for way in WAYS:
-                if not same(got[f"sgd {way}"]["params"], got["sgd local"]["params"]):
-                    print(f"round {r}: SGD {way}: parameters differ from local eager's")
-                    return 1
-            if not same(got["capturable ahead"]["params"], got["capturable after"]["params"]):
-                print(f"round {r}: capturable Adam: ahead and after differ")
-                return 1
+                # each way against local eager, bit for bit; capturable Adam (no CPU
+                # eager to compare with) the two ways against each other
+                ref = got[f"{opt} local" if opt in LOCAL else f"{opt} after"]["params"]
+                for way in WAYS:
+                    if not same(got[f"{opt} {way}"]["params"], ref):
+                        print(f"round {r}: {opt} {way}: parameters differ")
+                        return 1
             runs.append({k: {"ms": v["ms"], "replays": v["replays"]} for k, v in got.items()})
-            local = got["sgd local"]["ms"]
-            rows.append([str(r), f"{local:.2f}",
-                         *(f"{got[f'sgd {w}']['ms']:.2f} ({got[f'sgd {w}']['ms'] / local:.2f}x)"
-                           for w in WAYS),
-                         *(f"{got[f'capturable {w}']['ms']:.2f}" for w in WAYS)])  # fmt: skip
+            rows.append([str(r), *_cells({k: v["ms"] for k, v in got.items()})])
     med = {k: statistics.median(run[k]["ms"] for run in runs) for k in runs[0]}
-    local = med["sgd local"]
-    rows.append(["median", f"{local:.2f}",
-                 *(f"{med[f'sgd {w}']:.2f} ({med[f'sgd {w}'] / local:.2f}x)" for w in WAYS),
-                 *(f"{med[f'capturable {w}']:.2f}" for w in WAYS)])  # fmt: skip
-    print(md_table(
-        ["round", "local eager SGD ms/step", "SGD replayed, ahead (/ local)",
-         "SGD replayed, after (/ local)", "capturable Adam, ahead", "capturable Adam, after"],
-        rows,
-    ))  # fmt: skip
+    rows.append(["median", *_cells(med)])
+    print(md_table(["round", *(f"{NAMES[o]}: {c}" for o in OPTS for c in COLUMNS[o])], rows))
     threads = args.worker_threads or "default"
     replays = {k: v["replays"] for k, v in runs[-1].items() if v["replays"] is not None}
     print(f"\n({args.steps} steady steps a loop, worker threads: {threads}; replays in the "
-          f"last round's loops: {replays}; SGD's parameters equal local eager's in every "
-          f"loop, capturable Adam's equal between the two ways; "
+          f"last round's loops: {replays}; SGD's and Adam's parameters equal local eager's "
+          f"in every loop, capturable Adam's equal between the two ways; "
           f"torch {torch.__version__})")  # fmt: skip
     save_json({"rounds": runs, "medians_ms": med, "args": vars(args)}, args.json)
     return 0
