@@ -25,7 +25,12 @@ are in flight: sending a third lands the first. The rules:
   settle first) must not land the graph behind before the one it rebuilds for, which is
   sent again first (``_land_pending``). A graph whose connection a recovery replaced is
   sent again, renamed for the new worker, after the one before it;
-- a replay whose inputs the graph in flight makes lands it first (``replay_run._input``).
+- a replay whose inputs the graph in flight makes lands it first (``replay_run._input``),
+  and reads its inputs' handles as it is sent (``replay_outputs.replay_sent``): a followed
+  replay (the default Adam's, Note [followed steps]) follows its steps while the last
+  call's graph runs, and a landing meanwhile may rebuild the session;
+- the worker remembers a session's last 16 failed EXECs, however they were answered (the
+  admission queue answers one refused at its deadline itself).
 
 ``auto`` sends ahead where the worker has cores the client does not need: a GPU worker,
 or a CPU worker with fewer threads than this host has cores. On a 2-core host whose
