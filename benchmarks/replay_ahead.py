@@ -24,17 +24,20 @@ default, sends ahead then, and on a GPU worker).
 
 This machine's timings move by tens of percent from minute to minute: judge the ratios
 within a round, and the medians over rounds. On the 2-core VM it was written on
-(2026-11-27, medians of 5 rounds, ms per step):
+(2026-11-27, medians of 5 rounds of 60 steps, ms per step, over local eager):
 
-| worker threads | SGD ahead | SGD after | local eager SGD | capturable Adam ahead / after |
-|---|---|---|---|---|
-| 1 (``--worker-threads 1``) | 13.59 (1.26x) | 15.49 (1.44x) | 10.75 | 16.15 / 19.07 |
-| 2, the host's cores | 18.62 (2.02x) | 23.07 (2.50x) | 9.23 | 25.62 / 30.42 |
+| worker threads | SGD ahead / after | Adam ahead / after | capturable Adam ahead / after |
+|---|---|---|---|
+| 1 (``--worker-threads 1``) | 13.02 (1.16x) / 13.56 (1.21x) | 16.90 (1.28x) / 17.01 (1.29x) | 14.36 / 17.98 |
+| 2, the host's cores | 19.46 (2.25x) / 18.50 (2.14x) | 23.79 (2.31x) / 26.06 (2.53x) | 21.56 / 23.41 |
 
-With one thread ahead was faster in every round for SGD and in 4 of 5 for Adam; with
-two, in 3 of 5 each way, and an earlier run of 6 rounds read 18.03 against 17.72 ms: the
-client's work for the next step then takes a core from the graph that runs. So ``auto``
-sends ahead where the worker leaves the client a core (and on a GPU worker).
+With one thread ahead was faster in 4 of 5 rounds for SGD (the other equal) and in all 5
+for capturable Adam; the default Adam's client, which follows its steps in Python, is
+its bound either way. An earlier run, before the default Adam was sent ahead, read SGD
+13.59 against 15.49 and capturable Adam 16.15 against 19.07. With two threads each way
+won some rounds: the client's work for the next step takes a core from the graph that
+runs. So ``auto`` sends ahead where the worker leaves the client a core (and on a GPU
+worker).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ are in flight: sending a third lands the first. The rules:
 or a CPU worker with fewer threads than this host has cores. On a 2-core host whose
 worker takes both, the client's work for the next step then takes a core from the graph
 that runs, and ``python benchmarks/replay_ahead.py`` measured no steady gain (its
-docstring has the numbers: with one worker thread, 13.6 ms a replayed SGD step ahead
-against 15.5 after, local eager 10.8)."""
+docstring has the numbers: with one worker thread, a replayed capturable-Adam step took
+14.4 ms ahead against 18.0 after, and SGD 13.0 against 13.6 with local eager at 11.2)."""
 
 from __future__ import annotations
 
