@@ -26,10 +26,13 @@ This machine's timings move by tens of percent from minute to minute: judge the 
 within a round, and the medians over rounds. On the 2-core VM it was written on
 (2026-11-27, medians of 5 rounds of 60 steps, ms per step, over local eager):
 
-| worker threads | SGD ahead / after | Adam ahead / after | capturable Adam ahead / after |
+| worker threads | SGD ahead / after | Adam ahead / after | capturable Adam |
 |---|---|---|---|
-| 1 (``--worker-threads 1``) | 13.02 (1.16x) / 13.56 (1.21x) | 16.90 (1.28x) / 17.01 (1.29x) | 14.36 / 17.98 |
-| 2, the host's cores | 19.46 (2.25x) / 18.50 (2.14x) | 23.79 (2.31x) / 26.06 (2.53x) | 21.56 / 23.41 |
+| 1 (`--worker-threads 1`) | 13.02 (1.16x) / 13.56 (1.21x) | 16.90 (1.28x) / 17.01 | 14.36 / 17.98 |
+| 2, the host's cores | 19.46 (2.25x) / 18.50 (2.14x) | 23.79 (2.31x) / 26.06 | 21.56 / 23.41 |
+
+(Adam "after" over local eager: 1.29x with one thread, 2.53x with two; capturable Adam
+ahead / after, with no local eager to compare.)
 
 With one thread ahead was faster in 4 of 5 rounds for SGD (the other equal) and in all 5
 for capturable Adam; the default Adam's client, which follows its steps in Python, is
