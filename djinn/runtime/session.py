@@ -174,6 +174,11 @@ class Session(Puts, Flights, GraphForms):
             self._unsent(body)
         elif isinstance(exc, (WorkerLost, SessionLost)):
             self._unsent(body)
+        else:
+            # the worker answered: it freed what rode along before it ran the request
+            # (a graph sent behind a failed one among them), and the journal must not
+            # rebuild those after a recovery (they stayed on the new worker for good)
+            self._done(body)
 
     def _done(self, body: dict[str, Any]) -> None:
         if (

@@ -228,3 +228,20 @@ def behind_flags(s: Session) -> list[bool]:
     """For the graphs of ``s`` in flight, oldest first, whether each went behind another."""
     flights = [f for f, _ in s._older] + ([s._flight] if s._flight is not None else [])
     return [f.behind is not None for f in flights][1:]
+
+
+def test_what_a_failed_request_freed_is_freed_in_the_journal_too(own_frontend):
+    """The worker frees what rides along with a request before it runs it, so a request
+    that fails (a graph sent behind a failed one among them) freed it too: the lineage
+    journal records it, and a recovery does not rebuild it on the new worker."""
+    import gc
+
+    s = default_session()
+    r = s.put(torch.ones(4))
+    handle = r.handle
+    del r
+    gc.collect()  # its free rides along with the next request
+    with pytest.raises(DjinnError):
+        s.execute([{"op": "aten::no_such_op"}])
+    freed = [e.body for e in s._lineage.entries if e.kind == "free"]
+    assert any(handle in body for body in freed)
