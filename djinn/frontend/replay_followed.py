@@ -151,9 +151,12 @@ def _steps_sent(
     tensors, inputs = called
     raised = None
     try:
-        item = alone.inflight
-        if item is not None:  # the gradients' handles; meanwhile the steps were followed
-            trace_mod.land(item)
+        if alone.inflight is not None:  # the gradients' handles; meanwhile the steps were
+            # followed. Everything up to it lands, in order: it may have gone behind the
+            # last call's steps (Note [replays sent ahead]), whose failure is the one to
+            # raise here, once (landed alone, it failed it quietly, and that one's own
+            # error came later, from whatever next waited: a review)
+            trace_mod.land_all()
     except DjinnError as exc:  # the request failed: raised here, after what follows
         raised = exc
     except BaseException:

@@ -245,3 +245,47 @@ def test_what_a_failed_request_freed_is_freed_in_the_journal_too(own_frontend):
         s.execute([{"op": "aten::no_such_op"}])
     freed = [e.body for e in s._lineage.entries if e.kind == "free"]
     assert any(handle in body for body in freed)
+
+
+def test_a_failed_adam_step_is_raised_once_and_first(remote, behind, ahead, monkeypatch):
+    """Call 5's graph with the default Adam's steps fails on the worker (its first inputs
+    are made to name a tensor of the wrong shape). Each way the steps are followed, the
+    next call or the one after raises that failure, the graph's own error and not "not
+    run". (With the split sent first, the next call's split went behind it: a review saw
+    the chained error first, and the steps' own raised later by an unrelated read.) Later
+    calls raise it from the parameters it poisoned, and unrelated work goes on."""
+    from djinn.frontend import trace as trace_mod
+
+    junk = torch.zeros(3, 7).to(remote)
+    bad = trace_mod.resolved(junk.__dict__["_b"].ref).handle
+    corrupt = {"now": False}
+    real = trace_mod.replay_in_flight
+
+    def sending(tr, node, body, inline, form, inputs, **kw):
+        if corrupt["now"] and (node.label.startswith("the steps of") or not ahead):
+            corrupt["now"] = False
+            form = (form[0], [bad] * 3 + list(form[1][3:]), form[2])
+        return real(tr, node, body, inline, form, inputs, **kw)
+
+    monkeypatch.setattr(trace_mod, "replay_in_flight", sending)
+    model = _mlp().to(remote)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    step = djinn.replayable(_sgd_step(model, opt))
+    raised: list[str | None] = []
+    for i in range(9):
+        x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+        corrupt["now"] = i == 5
+        try:
+            step(x.to(remote), y.to(remote))
+            raised.append(None)
+        except DjinnError as exc:
+            raised.append(str(exc))
+    first = next(i for i, why in enumerate(raised) if why)
+    assert first in (6, 7), raised  # a call later, or two when sent ahead whole
+    assert all(raised[first:]), raised
+    assert not any("not run" in why for why in raised[first:]), raised
+    with pytest.raises(DjinnError) as read:
+        next(model.parameters()).detach().cpu()
+    assert "not run" not in str(read.value)
+    assert torch.equal((torch.ones(2).to(remote) * 3).cpu(), torch.full((2,), 3.0))
