@@ -109,8 +109,7 @@ class Flights:
             body = filled
         else:
             body = {"nodes": nodes, "keep": list(keep), **extra}
-        f = Flight(self, body, segments)
-        f.partial = partial
+        f = Flight(self, body, segments, partial)
         f.form = form if form is not None else form_of(templates.made(body))
         with self._serial():
             # under the lock that sends: settled outside it, another thread's graph could
@@ -287,7 +286,7 @@ class Flight:
                  "partial", "reply_bytes", "result", "rid", "segments", "sent", "session",
                  "started")  # fmt: skip
 
-    def __init__(self, session: Session, body: Any, segments: list) -> None:
+    def __init__(self, session: Session, body: Any, segments: list, partial: bool) -> None:
         self.session = session
         self.body, self.segments = body, segments
         self.sent: dict[str, Any] = body
@@ -297,7 +296,7 @@ class Flight:
         self.rid = 0
         self.started = 0.0
         self.landed = False
-        self.partial = True
+        self.partial = partial  # a failing node ends the run, not the request
         self.channel: Any = None  # the connection it went on
         self.behind: Flight | None = None  # the graph it was sent behind, until it lands
         self.chained = False  # failed because that one did

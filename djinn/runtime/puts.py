@@ -152,11 +152,11 @@ class Puts:
         waiting]); its reply is read by the session's next request."""
         frame = FRAME_BYTES * len(body["tensors"]) + sum(memoryview(g).nbytes for g in segments)
         with self._serial():
-            older = [p for _, puts in self._older for p in puts] + self._puts
-            unread_frames = sum(p.frame for p in older)
+            unread = [p for _, puts in self._older for p in puts] + self._puts
+            unread_frames = sum(p.frame for p in unread)
             flights = [f for f, _ in self._older] + [self._flight]
             replies = sum(f.reply_bytes for f in flights if f is not None) + sum(
-                p.reply_bytes for p in older
+                p.reply_bytes for p in unread
             )
             if unread_frames + frame > UNREAD_MAX and replies > UNREAD_MAX:
                 self._settle()  # both could fill the socket's buffers: read first

@@ -19,6 +19,8 @@ from djinn.frontend.session import default_session
 from djinn.protocol.frames import Kind
 from djinn.runtime.session import Session
 from tests.conftest import wait_for
+from tests.integration.test_followed_steps import _step_of
+from tests.integration.test_replay_in_flight import _mlp
 
 R = "remote_accelerator:0"
 
@@ -40,22 +42,6 @@ def behind(monkeypatch):
     return went
 
 
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
-
-
-def _sgd_step(model, opt):
-    def step(x, y):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
-
-
 def test_a_training_loop_sent_ahead_ends_with_eagers_parameters(remote, behind):
     local = _mlp()
     model = copy.deepcopy(local).to(remote)
@@ -64,8 +50,8 @@ def test_a_training_loop_sent_ahead_ends_with_eagers_parameters(remote, behind):
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen))
                for _ in range(8)]  # fmt: skip
-    step = djinn.replayable(_sgd_step(model, opt))
-    eager = _sgd_step(local, local_opt)
+    step = djinn.replayable(_step_of(model, opt))
+    eager = _step_of(local, local_opt)
     losses = []
     for x, y in batches:
         losses.append((step(x.to(remote), y.to(remote)), eager(x, y)))
@@ -90,8 +76,8 @@ def test_a_default_adam_loop_sent_ahead_ends_with_eagers_parameters(remote, behi
     gen = torch.Generator().manual_seed(4)
     batches = [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen))
                for _ in range(8)]  # fmt: skip
-    step = djinn.replayable(_sgd_step(model, opt))
-    eager = _sgd_step(local, local_opt)
+    step = djinn.replayable(_step_of(model, opt))
+    eager = _step_of(local, local_opt)
     losses = [(step(x.to(remote), y.to(remote)), eager(x, y)) for x, y in batches]
     stats = step.stats()
     assert stats["steps_followed"] >= 5 and stats["steps_captured"] == {}, stats
@@ -271,7 +257,7 @@ def test_a_failed_adam_step_is_raised_once_and_first(remote, behind, ahead, monk
     model = _mlp().to(remote)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(4)
-    step = djinn.replayable(_sgd_step(model, opt))
+    step = djinn.replayable(_step_of(model, opt))
     raised: list[str | None] = []
     for i in range(9):
         x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
