@@ -126,15 +126,17 @@ def poison_writes(node: Node, error: DjinnError) -> None:
 
 
 def _poison(ref: Any, node: Node, error: DjinnError) -> None:
+    # a value keeps the first error it held, as a failed node does: the later one (a
+    # graph sent behind the failed one, "not run") only names it
     if isinstance(ref, RemoteTensor):
-        ref.failed = error
+        ref.failed = ref.failed or error
     elif isinstance(ref, Pending) and ref.node.failed is None and ref.node is not node:
         if ref.node.executed:
             if ref.node.results is None:
                 ref.node.results = [None] * ref.node.nout
             done = ref.node.results[ref.index]
             if done is not None:
-                done.failed = error
+                done.failed = done.failed or error
             else:  # not kept, but a node still to run reads it: it must fail, not read
                 ref.node.results[ref.index] = Failed(error)  # "released" bytes
         else:

@@ -91,12 +91,11 @@ def followed(
     split: tuple[list[RemoteTensor], Any],
     inputs: list[RemoteTensor],
     optimizers: list[Any],
-    behind: bool = False,
+    behind: Any = None,
 ) -> Any:
     """Replay ``rec`` with its steps followed, the split replay sent first or the whole
     recording after (the Note); if the steps part from their plan, they are captured.
-    ``behind``: its first graph goes behind the graph in flight (Note [replays sent
-    ahead])."""
+    ``behind``: the flight its first graph goes behind (Note [replays sent ahead])."""
     from .session import default_session
 
     label, stats = called
@@ -206,7 +205,7 @@ def _writes(whole: Record, tensors: list) -> tuple[Any, ...]:
 
 
 def _whole_bound(
-    rec: Record, tr: Any, label: str, tensors: list, written: list, split: tuple, behind: bool
+    rec: Record, tr: Any, label: str, tensors: list, written: list, split: tuple, behind: Any
 ) -> tuple[Replayed, list[Any], Any]:
     """The whole recording's node, not sent yet, with the outputs and gradients bound to
     it; and what sends ``rec`` instead, and binds them to it, if the following stops."""
@@ -235,7 +234,7 @@ def _whole_bound(
 
 
 def _whole_sent(
-    rec: Record, tr: Any, node: Replayed, inputs: list, follower: Follower, behind: bool
+    rec: Record, tr: Any, node: Replayed, inputs: list, follower: Follower, behind: Any
 ) -> bool:
     """Send the whole recording with the steps' floats, if they were all followed."""
     if not follower.finish():

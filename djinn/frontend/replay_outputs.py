@@ -28,12 +28,12 @@ def replay_sent(
     written: list,
     sent: tuple,
     *,
-    ahead: bool = False,
+    ahead: Any = None,
 ) -> tuple[Replayed, list[Any]]:
     """``rec`` sent as a replay without waiting (Note [asynchronous replays]), with ``sent``
     (its input RemoteTensors, its template form), and bound: its node, and the leaves of
-    its result. ``written``: the tensors it writes into; ``ahead``: sent behind the graph
-    in flight (Note [replays sent ahead])."""
+    its result. ``written``: the tensors it writes into; ``ahead``: the flight it goes
+    behind (Note [replays sent ahead])."""
     inputs, form = sent
     # the handles as they are now: a landing since they were read (the graph a replay goes
     # behind, while its steps were followed) may have rebuilt the session and renamed them

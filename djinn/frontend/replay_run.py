@@ -70,12 +70,12 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
         raise Miss("a .grad it found empty is not")  # the call found it None
     session = default_session()
     # the inputs' handles: a graph in flight may make them. Where a replay is sent behind
-    # the last graph (Note [replays sent ahead]), an input that one makes lands it
-    # (_input), and the handles are read again as it is sent (a landing meanwhile may
-    # have rebuilt the session: replay_sent). One whose optimizer steps are captured after
-    # it goes as before: the step's graph lands it
-    ahead = (not optimizers or bool(rec.plan)) and replays_ahead(session)
-    trace_mod.land_all(but_last=ahead)
+    # the last graph (Note [replays sent ahead]; ``ahead``, its flight), an input that one
+    # makes lands it (_input), and the handles are read again as it is sent (a landing
+    # meanwhile may have rebuilt the session: replay_sent). One whose optimizer steps are
+    # captured after it goes as before: the step's graph lands it
+    ahead = trace_mod.land_all(but_last=(not optimizers or bool(rec.plan))
+                               and replays_ahead(session))  # fmt: skip
     inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
     handles = [r.handle for r in inputs]

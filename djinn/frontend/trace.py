@@ -133,17 +133,15 @@ def _chunk_ops() -> int:
 # at the same ops each time and its parts repeat as cached templates.
 # Why the default (4096) leaves a model's forward whole: cutting lets the worker run one
 # part while the client captures the next, but on a CPU worker sharing the client's cores
-# the overlap loses to the contention and the extra round trips (benchmarks/capture.py,
-# GPT-2 12 layers, 807 ops: one graph 1.46x local; cut every 400 ops 1.55x, 64 ops 1.89x,
-# 16 ops 1.98x).
+# the overlap loses to the contention and extra round trips (benchmarks/capture.py, GPT-2
+# 12 layers, 807 ops: one graph 1.46x local; cut every 400 ops 1.55x, 64 1.89x, 16 1.98x).
 def stream(trace: Trace) -> None:
     """Send what ``trace`` captured so far, without waiting (Note [streamed graphs])."""
     flush(trace, wait=False)
 
 
-_local = threading.local()  # .trace; .observer: the graph a flush sends, while a replayable
-# function records (Note [replayable functions], replayable.py); it may return the graph's
-# template form, which the flush then does not work out again
+_local = threading.local()  # .trace; .observer: the graph a flush sends while a replayable
+# function records (Note [replayable functions]): it may return the graph's template form
 AUTOGRAD_RECORDERS: list[Any] = []  # capture blocks open in any thread (see Trace.add)
 
 
@@ -463,18 +461,18 @@ class Sent:
 
 @contextlib.contextmanager
 def replay_in_flight(trace: Trace, node: Node, body: Filled, inline: list, form: Any,
-                     inputs: list, *, ahead: bool = False) -> Iterator[None]:  # fmt: skip
+                     inputs: list, *, ahead: Any = None) -> Iterator[None]:  # fmt: skip
     """Send ``body`` (not made: Note [bodies made when read], templates.py), a replayed
-    graph whose kept outputs are ``node``'s (Note
-    [asynchronous replays], replay_run.py), without waiting: it lands as a flush sent
-    without waiting does, and fails as a whole (``fail``: its outputs and what it writes
-    hold the error). The block binds the outputs: nothing lands the graph before it ends
-    (the landing then points every output bound in it at its handle). ``inputs``, the
-    RemoteTensors it reads, are held until it lands, as a captured graph's nodes hold
-    theirs: a program that drops a batch it moved in (``x.to(remote)``) as the call returns
-    must not free it from the journal a recovery replays before this graph is sent again
-    (test_recovery's replayed loop, its batches put: the resent replay got NOT_FOUND).
-    ``ahead``: sent behind the graph in flight (Note [replays sent ahead])."""
+    graph whose kept outputs are ``node``'s (Note [asynchronous replays], replay_run.py),
+    without waiting: it lands as a flush sent without waiting does, and fails as a whole
+    (``fail``: its outputs and what it writes hold the error). The block binds the
+    outputs: nothing lands the graph before it ends (the landing then points every output
+    bound in it at its handle). ``inputs``, the RemoteTensors it reads, are held until it
+    lands, as a captured graph's nodes hold theirs: a program that drops a batch it moved
+    in (``x.to(remote)``) as the call returns must not free it from the journal a
+    recovery replays before this graph is sent again (test_recovery's replayed loop, its
+    batches put: the resent replay got NOT_FOUND). ``ahead``: the flight it goes behind
+    (Note [replays sent ahead])."""
     from .session import default_session
 
     item = Sent(trace, [node], [(node, k, []) for k in range(node.nout)], quiet=False)
@@ -495,15 +493,17 @@ def replay_in_flight(trace: Trace, node: Node, body: Filled, inline: list, form:
             alive.extend(cell for w in n.holders[k] if (cell := w()) is not None)
 
 
-def land_all(but_last: bool = False) -> None:
+def land_all(but_last: bool = False) -> Any:
     """Land every flush in flight, in the order sent; ``but_last``: not the last if it
-    fails as a whole, for a replay to go behind (Note [replays sent ahead])."""
+    fails as a whole, for a replay to go behind: its flight (Note [replays sent ahead])."""
     with _INFLIGHT_LOCK:
         items = list(_INFLIGHT)
-    if but_last and items and getattr(items[-1].flight, "partial", True) is False:
-        items.pop()  # a partial one's failure sends its rest again: first
+    # a partial one's failure sends its rest again, which must run before the replay
+    kept = but_last and items and getattr(items[-1].flight, "partial", True) is False
+    last = items.pop().flight if kept else None
     for item in items:
         land(item)
+    return last
 
 
 def land(item: Sent) -> None:

@@ -20,6 +20,10 @@ are in flight: sending a third lands the first. The rules:
   first lands (a call later than before, as CUDA reports a kernel's error at a later
   call); what the replay behind it made and wrote holds the error, and its landing is
   quiet;
+- it goes behind the graph that was in flight when it read its inputs. If another thread
+  landed that one meanwhile (a followed replay follows its steps first) and it failed,
+  there is no request left for ``after`` to name: the client fails it in the same way,
+  unsent;
 - replies are read in the order sent, and a landing takes everything from the slots
   first, putting back what stays in flight: a recovery's journal replay (its requests
   settle first) must not land the graph behind before the one it rebuilds for, which is
@@ -61,6 +65,12 @@ def _template_gone(exc: NotFound) -> bool:
     return "graph template" in exc.message
 
 
+def _not_run(before: DjinnError) -> DjinnError:
+    """The error of a graph sent behind one that failed (Note [replays sent ahead])."""
+    message = f"not run: the graph sent before it failed ({before.code}: {before.message})"
+    return error_from_wire(before.code, message)
+
+
 def _cost(out: dict[str, Any], elapsed: float) -> float:
     """Note [a flight's cost]: what a graph sent without waiting costs the journal (the
     replay it would take after a worker loss, Note [lineage truncation]): how long the
@@ -87,7 +97,7 @@ class Flights:
         partial: bool = True,
         form: Form | None = None,
         filled: templates.Filled | None = None,
-        ahead: bool = False,
+        ahead: Flight | None = None,
     ) -> Flight:
         """Send a graph that fetches nothing and go on: ``Flight.outcome()`` gives what
         ``run_graph`` would have (``partial=False``: what ``execute`` would, a failing
@@ -95,8 +105,10 @@ class Flights:
         first; a worker lost meanwhile is recovered from then, as for any request.
         ``form``: the graph's template form, when the caller knows it (a replay);
         ``filled``: its body, not made yet (Note [bodies made when read]), for ``nodes``
-        and ``keep``. ``ahead``: sent while the graph in flight still runs, if that one
-        fails as a whole (Note [replays sent ahead])."""
+        and ``keep``. ``ahead``: the graph in flight when the caller read its inputs;
+        this one is sent while that one still runs, if it fails as a whole, and is not
+        sent at all if that one landed meanwhile and failed (Note [replays sent
+        ahead])."""
         segments = [memoryview(to_wire(t.detach().cpu())[1].numpy()) for t in inline]
         extra: dict[str, Any] = {"fetch": []}
         if partial:
@@ -120,15 +132,21 @@ class Flights:
             # graph's generation and its "after" stale: a review)
             lineage = self._lineage
             gen = lineage.before_request() if lineage is not None else 0
-            if ahead:
+            if ahead is not None:
                 self._land_pending(keep_last=True)  # at most two graphs in flight
             last = self._flight
-            if ahead and last is not None and self._goes_behind(last):
+            if ahead is not None and last is not None and self._goes_behind(last):
                 self._older.append((last, self._puts))
                 self._flight, self._puts = None, []
                 f.behind = last
             else:
                 self._settle()
+                if ahead is not None and ahead.error is not None:
+                    # it landed meanwhile (another thread read its reply) and failed: no
+                    # "after" can say so now, and this one would run on what it half
+                    # wrote (a review named the window: a loss came back as a number)
+                    f.error, f.chained, f.landed = _not_run(ahead.error), True, True
+                    return f
             if lineage is not None:
                 f.gen = lineage.generation
                 if f.gen != gen:
@@ -219,11 +237,7 @@ class Flights:
                     out, body = self._flight_again(f, exc)
                 else:
                     f.chained = True  # its program was told already: Note [replays sent ahead]
-                    raise error_from_wire(
-                        behind.error.code,
-                        "not run: the graph sent before it failed "
-                        f"({behind.error.code}: {behind.error.message})",
-                    ) from None
+                    raise _not_run(behind.error) from None
             except DjinnError as exc:
                 out, body = self._flight_again(f, exc)
             seconds = _cost(out, time.perf_counter() - f.started)

@@ -275,3 +275,58 @@ def test_a_failed_adam_step_is_raised_once_and_first(remote, behind, ahead, monk
         next(model.parameters()).detach().cpu()
     assert "not run" not in str(read.value)
     assert torch.equal((torch.ones(2).to(remote) * 3).cpu(), torch.full((2,), 3.0))
+
+
+def test_a_graph_landed_failed_by_another_thread_while_steps_are_followed_stops_the_next(
+    remote, behind, monkeypatch
+):
+    """The whole recording goes after its steps are followed (Note [followed steps]),
+    behind the last call's graph. If another thread lands that graph meanwhile and it
+    failed, there is nothing left in flight for the worker to check ``after`` against:
+    the next graph must not run on what the failed one half wrote. It holds the failure
+    ("not run") instead, as it would have from BEHIND_FAILED; before the check at send
+    time (a review named the window) its loss came back as a number."""
+    import threading
+
+    from djinn.frontend import replay_follow, replay_followed
+    from djinn.frontend import trace as trace_mod
+
+    monkeypatch.setattr(replay_followed, "overlapped", lambda session: False)
+    junk = torch.zeros(3, 7).to(remote)
+    bad = trace_mod.resolved(junk.__dict__["_b"].ref).handle
+    state = {"corrupt": False, "land_first": False}
+    real_send, real_finish = trace_mod.replay_in_flight, replay_follow.Follower.finish
+
+    def sending(tr, node, body, inline, form, inputs, **kw):
+        if state["corrupt"]:
+            state["corrupt"] = False
+            form = (form[0], [bad] * 3 + list(form[1][3:]), form[2])
+        return real_send(tr, node, body, inline, form, inputs, **kw)
+
+    def finishing(self):
+        if state["land_first"]:  # another thread lands the last call's graph, now
+            state["land_first"] = False
+            other = threading.Thread(target=trace_mod.land_all)
+            other.start()
+            other.join()
+        return real_finish(self)
+
+    monkeypatch.setattr(trace_mod, "replay_in_flight", sending)
+    monkeypatch.setattr(replay_follow.Follower, "finish", finishing)
+    model = _mlp().to(remote)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    step = djinn.replayable(_step_of(model, opt))
+    losses = []
+    for i in range(6):
+        x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+        state["corrupt"], state["land_first"] = i == 4, i == 5
+        losses.append(step(x.to(remote), y.to(remote)))
+        if i < 4:
+            losses[-1].cpu()  # the loop before the failure ran
+    assert step.stats()["steps_followed"] == 3, step.stats()  # calls 3 to 5
+    with pytest.raises(DjinnError, match="not run: the graph sent before it failed"):
+        losses[5].cpu()
+    with pytest.raises(DjinnError) as read:
+        next(model.parameters()).detach().cpu()
+    assert "not run" not in str(read.value)  # the failed graph's own error
