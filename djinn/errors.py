@@ -137,6 +137,13 @@ class BehindFailed(DjinnError):
     code = "BEHIND_FAILED"
 
 
+class Interrupted(DjinnError):
+    """(Client side) a result never read: the program was interrupted twice while it
+    waited (Note [interrupted waits]); the appliance may have run the request."""
+
+    code = "INTERRUPTED"
+
+
 class Unavailable(DjinnError):
     """The appliance cannot be reached or has no worker ready."""
 

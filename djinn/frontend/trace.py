@@ -24,6 +24,7 @@ from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
+from . import interrupts
 from .failures import (
     Failed,
     depends_on_failure,
@@ -32,7 +33,7 @@ from .failures import (
     is_dependency_error,
     written_args,
 )
-from .nodes import Binding, HostTensor, Node, Pending, Storage
+from .nodes import Binding, HostTensor, Node, Pending, Storage, held, ran
 
 if TYPE_CHECKING:
     from .lazy import LazyTensor
@@ -368,61 +369,27 @@ def flush(
         form = None  # the template's (fingerprint, inputs, scalars), if the observer made it
         if observer is not None:
             form = observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
-        if encoded or fetch_refs or extra:
-            try:
-                kept, fetched, failure = default_session().run_graph(
-                    encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
-                    form=form,
-                )  # fmt: skip
-            except DjinnError as exc:  # the request itself failed: nothing is known to run
-                for n in sent:
-                    fail(n, exc)
-                raise
-        _ran(sent, keep_targets, kept, failure)
-        kept = kept[len(keep_targets) :]
-        for ref, remote in zip(keep, kept, strict=False):
-            _held(ref, remote)
+        with interrupts.deferred():  # a Ctrl-C is raised once it landed (Note [interrupted waits])
+            if encoded or fetch_refs or extra:
+                try:
+                    kept, fetched, failure = default_session().run_graph(
+                        encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
+                        form=form,
+                    )  # fmt: skip
+                except (DjinnError, KeyboardInterrupt) as exc:  # nothing is known to run
+                    why = exc if isinstance(exc, DjinnError) else interrupts.unread()
+                    for n in sent:
+                        fail(n, why)
+                    raise
+            ran(sent, keep_targets, kept, failure)
+            kept = kept[len(keep_targets) :]
+            for ref, remote in zip(keep, kept, strict=False):
+                held(ref, remote)
         if failure is not None:
             fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
         if requested is not None:
             raise requested
         return fetched, kept
-
-
-def _held(ref: Any, remote: Any) -> None:
-    """A requested output that came back is its node's result, as a held one is: nothing
-    holds ``_run_now``'s own outputs yet, and ``resolved`` would call them released (a
-    failure elsewhere in the graph turned an op that ran fine into an INTERNAL error)."""
-    if isinstance(ref, Pending) and isinstance(remote, RemoteTensor) and ref.node.executed:
-        results = ref.node.results
-        if results is not None and ref.node.failed is None and results[ref.index] is None:
-            results[ref.index] = remote
-
-
-def _ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> None:
-    """The nodes the appliance ran are executed; the kept ones now name their handles.
-
-    Note [results before executed]: other threads read a node's ``executed`` and
-    ``results`` without a lock (``resolved``, ``ref_for_node``). A node marked executed
-    before its kept results were in place read as "released before it was read" on a
-    thread that looked in between (a trainer reading its momentum buffers while another
-    thread landed the graph that made them: 2 errors in about 7,400 steps). So each node's
-    results are complete before it is marked executed."""
-    ran = sent if failure is None else sent[: failure["node"]]
-    results = {id(n): [None] * n.nout for n in ran}
-    for (n, k, _alive), remote in zip(keep_targets, kept, strict=False):
-        if remote is not None:
-            results[id(n)][k] = remote
-    for n in ran:
-        n.results = results[id(n)]
-        n.executed = True
-        n.args = n.kwargs = None  # let inputs go
-        n.rng = n.draw = None
-        n.bases = ()
-    for (_n, _k, alive), remote in zip(keep_targets, kept, strict=False):
-        if remote is not None:
-            for cell in alive:
-                cell.ref = remote
 
 
 # -- Note [asynchronous flushes] ------------------------------------------------------------
@@ -543,7 +510,7 @@ def land(item: Sent) -> None:
             return
         assert item.reply is not None
         kept, _fetched, failure = item.reply
-        _ran(item.sent, item.keep_targets, kept, failure)
+        ran(item.sent, item.keep_targets, kept, failure)
         for n in item.sent:
             n.inflight = None
         if failure is None:

@@ -3,6 +3,15 @@
 Requests are serialised by a lock (the heartbeat thread shares the session's channel);
 the lock covers only the socket exchange, so copying a large reply out of the arena never
 holds up a heartbeat.
+
+Note [interrupted waits]: a program interrupted while it waits for a reply (Ctrl-C: a
+KeyboardInterrupt raised from the wait) goes on, as eager PyTorch does after an op it
+interrupted. The reply still comes, in its place in the stream: the request it answers
+stays awaited, and is read (and dropped, if nobody waits for it) before the next one's.
+It used to be forgotten, and the next request read it as its own: "reply to request 7,
+expected 8", and the session was closed. A send interrupted part way closes the
+connection instead: the stream holds part of a frame (a session that recovers is rebuilt
+on a new one; Note [lineage]).
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ class Channel:
         self.closed = False
         self._awaiting: list[tuple[int, Kind, Sink | None]] = []  # sent, reply not read
         self._stash: dict[int, Frame | DjinnError] = {}  # read, not yet asked for
+        self._dropped: set[int] = set()  # awaited by nobody (Note [interrupted waits])
+        self._read_upto = 0  # the last request whose reply was read (in order)
+        self.sent_upto = 0  # the last request sent whole
         self.bytes_sent = 0  # on the socket, both directions: what a call costs on the wire
         self.bytes_received = 0
         # The same bytes by the kind of request they belong to: the heartbeat thread shares
@@ -75,9 +87,17 @@ class Channel:
             if not first:
                 self._drain()
             rid = self._send(kind, body, segments)
-            if first:
-                self._drain()
-            return self._receive(kind, rid, sink)
+            try:
+                if first:
+                    self._drain()
+                return self._receive(kind, rid, sink)
+            except (DjinnError, OSError):
+                raise
+            except BaseException:  # Note [interrupted waits]: its reply is read later
+                if not self.closed and self._read_upto < rid:
+                    self._awaiting.append((rid, kind, None))
+                    self._dropped.add(rid)
+                raise
 
     def send(
         self,
@@ -123,11 +143,20 @@ class Channel:
     def _drain(self, until: int | None = None) -> None:
         """Read the replies of requests sent without waiting (all, or up to ``until``)."""
         while self._awaiting:
-            rid, kind, sink = self._awaiting.pop(0)
-            try:
-                self._stash[rid] = self._receive(kind, rid, sink)
-            except DjinnError as exc:
-                self._stash[rid] = exc
+            rid, kind, sink = self._awaiting[0]
+            got: Frame | DjinnError
+            if rid <= self._read_upto:  # read, then interrupted before it was kept
+                got = ProtocolError(f"the reply to request {rid} was lost to an interrupt")
+            else:
+                try:
+                    got = self._receive(kind, rid, sink)
+                except DjinnError as exc:
+                    got = exc
+            self._awaiting.pop(0)  # not before: an interrupted read leaves it awaited
+            if rid in self._dropped:
+                self._dropped.discard(rid)
+            else:
+                self._stash[rid] = got
             if rid == until:
                 return
 
@@ -137,16 +166,21 @@ class Channel:
         rid = next(self._ids)
         try:
             buffers = encode_frame(kind, rid, body, list(segments))
-            sent = sum(memoryview(b).nbytes for b in buffers)
-            self.bytes_sent += sent
-            self.sent_by_kind[kind] += sent
+        except ProtocolError:
+            self.close()
+            raise
+        sent = sum(memoryview(b).nbytes for b in buffers)
+        self.bytes_sent += sent
+        self.sent_by_kind[kind] += sent
+        try:
             send_buffers(self.sock, buffers)
         except (PeerClosed, OSError) as exc:
             self.close()
             raise self._on_lost(str(exc)) from None
-        except ProtocolError:
+        except BaseException:  # part of a frame may have gone: Note [interrupted waits]
             self.close()
             raise
+        self.sent_upto = rid
         return rid
 
     def _receive(self, kind: Kind, rid: int, sink: Sink | None) -> Frame:
@@ -159,6 +193,7 @@ class Channel:
             frame = None
             while frame is None:
                 frame = self.reader.poll()
+            self._read_upto = rid  # no check for a signal between the two: read, or not
         except (PeerClosed, OSError) as exc:
             self.close()
             raise self._on_lost(str(exc)) from None

@@ -206,7 +206,15 @@ class Flights:
             while pending and not (upto is not None and upto.landed):
                 if keep_last and len(pending) == 1:
                     break
-                self._land_with(*pending.pop(0))
+                f, puts = pending[0]
+                # one at a time, each taken once it landed: an interrupted landing
+                # (Note [interrupted waits], channel.py) leaves the rest in their slots
+                if f is not None and not f.landed:
+                    self._land(f)
+                while puts:
+                    self._land_put(puts[0])
+                    puts.pop(0)
+                pending.pop(0)
         finally:
             if pending:  # nothing is sent under this lock meanwhile: the slots are empty
                 *older, (self._flight, self._puts) = pending
@@ -219,13 +227,10 @@ class Flights:
         recovery replaced is sent again after this one would have run)."""
         return not last.partial and last.error is None and last.channel is self.channel
 
-    def _land_with(self, f: Flight | None, puts: list[Any]) -> None:
-        if f is not None:
-            self._land(f)
-        for p in puts:
-            self._land_put(p)
-
     def _land(self, f: Flight) -> None:
+        """Read ``f``'s reply and keep its result or error. Interrupted (a KeyboardInterrupt
+        from the wait), it stays in flight: its reply is read later (Note [interrupted
+        waits], channel.py)."""
         body = f.body
         try:
             try:
@@ -245,9 +250,8 @@ class Flights:
             f.result = self._finish_exec(body, f.segments, out, seconds, form)
         except DjinnError as exc:
             f.error = copy_of(exc)  # raised where the program waits (Note [raising a kept error])
-        finally:
-            f.behind = None  # landed first: no chain of flights kept alive
-            f.landed = True
+        f.behind = None  # landed first: no chain of flights kept alive
+        f.landed = True
 
     def _flight_reply(self, f: Flight) -> dict[str, Any]:
         if f.error is not None:  # it could not even be sent

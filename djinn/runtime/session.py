@@ -147,10 +147,19 @@ class Session(Puts, Flights, GraphForms):
     ) -> Any:
         self._settle()
         body = self._outgoing(body)
+        sent = self.channel.sent_upto
         try:
             frame = self.channel.call(kind, body, segments, **kw)
         except DjinnError as exc:
             self._not_done(exc, body)
+            raise
+        except BaseException:  # Note [interrupted waits]
+            if self.channel.closed:  # part of it may have gone: a lost request's way
+                self._unsent(body)
+            elif self.channel.sent_upto != sent:  # the worker frees what rode along
+                self._done(body)
+            else:  # it did not go: what rides along goes with the next request
+                self._unsent(body, always=True)
             raise
         self._done(body)
         return frame
@@ -188,14 +197,17 @@ class Session(Puts, Flights, GraphForms):
         ):
             self._lineage.record_frees(body.get("free"), body.get("free_objects"))
 
-    def _unsent(self, body: dict[str, Any]) -> None:
+    def _unsent(self, body: dict[str, Any], always: bool = False) -> None:
         """A recovering session frees, after its recovery, what rode along with a lost
-        request (Note [lineage journal]); the old worker's slabs are not ours any more."""
-        if self._lineage is None:
+        request (Note [lineage journal]); the old worker's slabs are not ours any more.
+        ``always``: a request that did not go, whatever the session (its slabs too)."""
+        if self._lineage is None and not always:
             return
         with self._lists_lock:
             self._pending_free[:0] = body.get("free", [])
             self._pending_free_objects[:0] = body.get("free_objects", [])
+            if always:
+                self._release[:0] = body.get("release", [])
 
     def _call_raw(self, kind: str, body: dict[str, Any], segments: Sequence = ()) -> Any:
         return self._call(Kind[kind], body, segments).body

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from djinn.frontend import trace as trace_mod
-from djinn.frontend.nodes import Node, Pending
+from djinn.frontend.nodes import Node, Pending, ran
 
 EXECUTED = Node.__dict__["executed"]  # the slot's own descriptor
 
@@ -40,6 +40,6 @@ def test_a_node_seen_executed_already_has_its_kept_results():
 
     node = Watched(torch.ops.aten.clone.default, [], {}, trace_mod.Trace(), 1)
     kept = _Kept()
-    trace_mod._ran([node], [(node, 0, [])], [kept], None)
+    ran([node], [(node, 0, [])], [kept], None)
     assert seen == [kept]
     assert trace_mod.resolved(Pending(node, 0)) is kept
