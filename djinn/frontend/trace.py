@@ -385,8 +385,8 @@ def flush(
             kept = kept[len(keep_targets) :]
             for ref, remote in zip(keep, kept, strict=False):
                 held(ref, remote)
-        if failure is not None:
-            fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
+            if failure is not None:
+                fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
         if requested is not None:
             raise requested
         return fetched, kept
@@ -474,7 +474,14 @@ def land_all(but_last: bool = False) -> Any:
 
 
 def land(item: Sent) -> None:
-    """Read ``item``'s reply and make its nodes executed (or failed), once.
+    """Read ``item``'s reply and make its nodes executed (or failed), once; a first
+    Ctrl-C meanwhile is raised after (Note [interrupted waits])."""
+    with interrupts.deferred():
+        _land(item)
+
+
+def _land(item: Sent) -> None:
+    """``land``'s work.
 
     Note [landing in two steps]: the nodes name ``item`` in ``inflight`` until they are
     executed, so a thread that reads one of their outputs meanwhile lands it too and

@@ -4,14 +4,16 @@ Requests are serialised by a lock (the heartbeat thread shares the session's cha
 the lock covers only the socket exchange, so copying a large reply out of the arena never
 holds up a heartbeat.
 
-Note [interrupted waits]: a program interrupted while it waits for a reply (Ctrl-C: a
-KeyboardInterrupt raised from the wait) goes on, as eager PyTorch does after an op it
-interrupted. The reply still comes, in its place in the stream: the request it answers
-stays awaited, and is read (and dropped, if nobody waits for it) before the next one's.
-It used to be forgotten, and the next request read it as its own: "reply to request 7,
-expected 8", and the session was closed. A send interrupted part way closes the
-connection instead: the stream holds part of a frame (a session that recovers is rebuilt
-on a new one; Note [lineage]).
+Note [interrupted waits]: a program interrupted while it sends a request or waits for a
+reply (Ctrl-C: a KeyboardInterrupt raised there) closes the connection. The stream may
+hold part of a frame, either way (a review's SIGINT during a 32 MiB reply lost the bytes
+``recv_into`` had just taken), and the reply still on its way would be read as the next
+request's: "reply to request 7, expected 8", as it was until 2026-11-28. So the next call
+finds the connection gone, as after a lost worker: a recovering session (the default) is
+rebuilt from its journal, the worker frees the old one, and a graph in flight is sent
+again (Note [lineage journal]); with recovery off, its tensors raise SESSION_LOST. Where
+the program waits for a graph's result, the frontend holds the first Ctrl-C until the
+graph landed, so that this is rare (djinn/frontend/interrupts.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import select
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from djinn.errors import DjinnError, ProtocolError, error_from_wire
@@ -53,9 +55,6 @@ class Channel:
         self.closed = False
         self._awaiting: list[tuple[int, Kind, Sink | None]] = []  # sent, reply not read
         self._stash: dict[int, Frame | DjinnError] = {}  # read, not yet asked for
-        self._dropped: set[int] = set()  # awaited by nobody (Note [interrupted waits])
-        self._read_upto = 0  # the last request whose reply was read (in order)
-        self.sent_upto = 0  # the last request sent whole
         self.bytes_sent = 0  # on the socket, both directions: what a call costs on the wire
         self.bytes_received = 0
         # The same bytes by the kind of request they belong to: the heartbeat thread shares
@@ -83,21 +82,13 @@ class Channel:
         after: only for a small request behind small replies (Note [puts sent without
         waiting]), since a worker reads nothing more of a session whose reply it cannot
         write."""
-        with self.lock:
+        with self.lock, self._closed_if_interrupted():
             if not first:
                 self._drain()
             rid = self._send(kind, body, segments)
-            try:
-                if first:
-                    self._drain()
-                return self._receive(kind, rid, sink)
-            except (DjinnError, OSError):
-                raise
-            except BaseException:  # Note [interrupted waits]: its reply is read later
-                if not self.closed and self._read_upto < rid:
-                    self._awaiting.append((rid, kind, None))
-                    self._dropped.add(rid)
-                raise
+            if first:
+                self._drain()
+            return self._receive(kind, rid, sink)
 
     def send(
         self,
@@ -131,7 +122,7 @@ class Channel:
 
     def receive(self, rid: int) -> Frame:
         """The reply to ``send``'s request ``rid`` (its error raised)."""
-        with self.lock:
+        with self.lock, self._closed_if_interrupted():
             self._drain(until=rid)
             got = self._stash.pop(rid, None)
         if got is None:
@@ -143,20 +134,11 @@ class Channel:
     def _drain(self, until: int | None = None) -> None:
         """Read the replies of requests sent without waiting (all, or up to ``until``)."""
         while self._awaiting:
-            rid, kind, sink = self._awaiting[0]
-            got: Frame | DjinnError
-            if rid <= self._read_upto:  # read, then interrupted before it was kept
-                got = ProtocolError(f"the reply to request {rid} was lost to an interrupt")
-            else:
-                try:
-                    got = self._receive(kind, rid, sink)
-                except DjinnError as exc:
-                    got = exc
-            self._awaiting.pop(0)  # not before: an interrupted read leaves it awaited
-            if rid in self._dropped:
-                self._dropped.discard(rid)
-            else:
-                self._stash[rid] = got
+            rid, kind, sink = self._awaiting.pop(0)
+            try:
+                self._stash[rid] = self._receive(kind, rid, sink)
+            except DjinnError as exc:
+                self._stash[rid] = exc
             if rid == until:
                 return
 
@@ -180,7 +162,6 @@ class Channel:
         except BaseException:  # part of a frame may have gone: Note [interrupted waits]
             self.close()
             raise
-        self.sent_upto = rid
         return rid
 
     def _receive(self, kind: Kind, rid: int, sink: Sink | None) -> Frame:
@@ -193,7 +174,6 @@ class Channel:
             frame = None
             while frame is None:
                 frame = self.reader.poll()
-            self._read_upto = rid  # no check for a signal between the two: read, or not
         except (PeerClosed, OSError) as exc:
             self.close()
             raise self._on_lost(str(exc)) from None
@@ -226,6 +206,18 @@ class Channel:
                 raise TimeoutError(f"no reply for {timeout:g} s")
             # readable, or closed: the read says which
         self.spin.waited(time.perf_counter() - t0, kind)
+
+    @contextlib.contextmanager
+    def _closed_if_interrupted(self) -> Iterator[None]:
+        """Note [interrupted waits]: a KeyboardInterrupt in the middle of an exchange
+        leaves the stream unknown (an Exception is the channel's own, or a bug's)."""
+        try:
+            yield
+        except Exception:
+            raise
+        except BaseException:
+            self.close()
+            raise
 
     def call_bytes(self) -> int:
         """Bytes both ways on this channel so far, heartbeats left out."""

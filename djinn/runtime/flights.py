@@ -135,18 +135,19 @@ class Flights:
             if ahead is not None:
                 self._land_pending(keep_last=True)  # at most two graphs in flight
             last = self._flight
-            if ahead is not None and last is not None and self._goes_behind(last):
+            ok = ahead is not None and ahead.error is None
+            if ok and last is not None and self._goes_behind(last):
                 self._older.append((last, self._puts))
                 self._flight, self._puts = None, []
                 f.behind = last
             else:
                 self._settle()
-                if ahead is not None and ahead.error is not None:
-                    # it landed meanwhile (another thread read its reply) and failed: no
-                    # "after" can say so now, and this one would run on what it half
-                    # wrote (a review named the window: a loss came back as a number)
-                    f.error, f.chained, f.landed = _not_run(ahead.error), True, True
-                    return f
+            if ahead is not None and ahead.error is not None:
+                # it landed meanwhile (another thread read its reply) and failed: no
+                # "after" can say so now, and this one would run on what it half wrote
+                # (a review named the window: a loss came back as a number)
+                f.error, f.chained, f.landed = _not_run(ahead.error), True, True
+                return f
             if lineage is not None:
                 f.gen = lineage.generation
                 if f.gen != gen:

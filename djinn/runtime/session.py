@@ -147,19 +147,14 @@ class Session(Puts, Flights, GraphForms):
     ) -> Any:
         self._settle()
         body = self._outgoing(body)
-        sent = self.channel.sent_upto
         try:
             frame = self.channel.call(kind, body, segments, **kw)
         except DjinnError as exc:
             self._not_done(exc, body)
             raise
-        except BaseException:  # Note [interrupted waits]
-            if self.channel.closed:  # part of it may have gone: a lost request's way
-                self._unsent(body)
-            elif self.channel.sent_upto != sent:  # the worker frees what rode along
-                self._done(body)
-            else:  # it did not go: what rides along goes with the next request
-                self._unsent(body, always=True)
+        except BaseException:  # Note [interrupted waits]: the connection closed, as if
+            # lost; or it never went (a wait for the channel's lock): the next one takes it
+            self._unsent(body, always=not self.channel.closed)
             raise
         self._done(body)
         return frame
