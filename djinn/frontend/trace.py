@@ -351,16 +351,16 @@ def flush(
             fetch, keep = [], []
         if not wait and encoded and not fetch_refs and not extra and requested is None:
             item = Sent(trace, sent, keep_targets, quiet)
-            try:
-                item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
-            except DjinnError as exc:
+            with interrupts.deferred():  # sending it may land others (Note [interrupted waits])
+                try:
+                    item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
+                except (DjinnError, KeyboardInterrupt) as exc:
+                    _not_run(sent, exc)
+                    raise
                 for n in sent:
-                    fail(n, exc)
-                raise
-            for n in sent:
-                n.inflight = item
-            with _INFLIGHT_LOCK:
-                _INFLIGHT.append(item)
+                    n.inflight = item
+                with _INFLIGHT_LOCK:
+                    _INFLIGHT.append(item)
             return [], []
         fetched: list[Any] = []
         kept: list[Any] = []
@@ -377,9 +377,7 @@ def flush(
                         form=form,
                     )  # fmt: skip
                 except (DjinnError, KeyboardInterrupt) as exc:  # nothing is known to run
-                    why = exc if isinstance(exc, DjinnError) else interrupts.unread()
-                    for n in sent:
-                        fail(n, why)
+                    _not_run(sent, exc)
                     raise
             ran(sent, keep_targets, kept, failure)
             kept = kept[len(keep_targets) :]
@@ -444,13 +442,13 @@ def replay_in_flight(trace: Trace, node: Node, body: Filled, inline: list, form:
 
     item = Sent(trace, [node], [(node, k, []) for k in range(node.nout)], quiet=False)
     item.inputs = inputs
-    with item.lock:
+    with interrupts.deferred(), item.lock:  # Note [interrupted waits]
         try:
             item.flight = default_session().run_graph_async(
                 (), (), inline, partial=False, form=form, filled=body, ahead=ahead
             )
-        except DjinnError as exc:
-            fail(node, exc)
+        except (DjinnError, KeyboardInterrupt) as exc:
+            _not_run([node], exc)
             raise
         node.inflight = item
         with _INFLIGHT_LOCK:
@@ -471,6 +469,13 @@ def land_all(but_last: bool = False) -> Any:
     for item in items:
         land(item)
     return last
+
+
+def _not_run(sent: list[Node], exc: BaseException) -> None:
+    """The request that sent ``sent`` failed, or a second Ctrl-C left its result unread."""
+    why = interrupts.why(exc)
+    for n in sent:
+        fail(n, why)
 
 
 def land(item: Sent) -> None:

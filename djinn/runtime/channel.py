@@ -82,13 +82,20 @@ class Channel:
         after: only for a small request behind small replies (Note [puts sent without
         waiting]), since a worker reads nothing more of a session whose reply it cannot
         write."""
-        with self.lock, self._closed_if_interrupted():
-            if not first:
-                self._drain()
-            rid = self._send(kind, body, segments)
-            if first:
-                self._drain()
-            return self._receive(kind, rid, sink)
+        sent = False
+        try:
+            with self.lock, self._closed_if_interrupted():
+                if not first:
+                    self._drain()
+                rid = self._send(kind, body, segments)
+                sent = True
+                if first:
+                    self._drain()
+                return self._receive(kind, rid, sink)
+        except BaseException as exc:  # whether it went: Session._call's frees follow it
+            if not isinstance(exc, DjinnError):
+                exc.djinn_sent = sent  # type: ignore[attr-defined]
+            raise
 
     def send(
         self,
@@ -125,6 +132,8 @@ class Channel:
         with self.lock, self._closed_if_interrupted():
             self._drain(until=rid)
             got = self._stash.pop(rid, None)
+        if got is None and self.closed:  # an interrupted read closed it: Note [interrupted waits]
+            raise self._on_lost("connection already closed")
         if got is None:
             raise ProtocolError(f"no reply awaited for request {rid}")
         if isinstance(got, DjinnError):

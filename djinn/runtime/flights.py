@@ -251,7 +251,7 @@ class Flights:
             f.result = self._finish_exec(body, f.segments, out, seconds, form)
         except DjinnError as exc:
             f.error = copy_of(exc)  # raised where the program waits (Note [raising a kept error])
-        f.behind = None  # landed first: no chain of flights kept alive
+        f.behind = f.frame = None  # landed first: no chain of flights kept alive
         f.landed = True
 
     def _flight_reply(self, f: Flight) -> dict[str, Any]:
@@ -268,8 +268,10 @@ class Flights:
             )
             self._not_done(error, f.sent)
             raise error
-        try:
-            frame = self.channel.receive(f.rid)
+        try:  # read once: a landing interrupted after it reads it again from here
+            if f.frame is None:
+                f.frame = self.channel.receive(f.rid)
+            frame = f.frame
         except DjinnError as exc:
             self._not_done(exc, f.sent)
             raise
@@ -301,9 +303,9 @@ REPLY_BYTES = 160  # a handle's share of a reply (a PUT's name or leased slab; a
 class Flight:
     """A graph sent without waiting for its reply (Note [asynchronous flushes])."""
 
-    __slots__ = ("behind", "body", "chained", "channel", "error", "form", "fp", "gen", "landed",
-                 "partial", "reply_bytes", "result", "rid", "segments", "sent", "session",
-                 "started")  # fmt: skip
+    __slots__ = ("behind", "body", "chained", "channel", "error", "form", "fp", "frame", "gen",
+                 "landed", "partial", "reply_bytes", "result", "rid", "segments", "sent",
+                 "session", "started")  # fmt: skip
 
     def __init__(self, session: Session, body: Any, segments: list, partial: bool) -> None:
         self.session = session
@@ -319,6 +321,7 @@ class Flight:
         self.channel: Any = None  # the connection it went on
         self.behind: Flight | None = None  # the graph it was sent behind, until it lands
         self.chained = False  # failed because that one did
+        self.frame: Any = None  # its reply, once read (Note [interrupted waits])
         self.result: tuple[list[Any], list[Any], dict[str, Any] | None] | None = None
         self.error: DjinnError | None = None
         # its reply's size, at most (Note [puts sent without waiting])

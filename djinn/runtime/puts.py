@@ -51,13 +51,14 @@ AHEAD_MAX = 64  # handles a GET may name and still be sent before unread puts' r
 class PutFlight:
     """A PUT sent without waiting for its reply (Note [puts sent without waiting])."""
 
-    __slots__ = ("channel", "frame", "lease", "remotes", "reply_bytes", "rid")
+    __slots__ = ("channel", "frame", "lease", "remotes", "reply", "reply_bytes", "rid")
 
     def __init__(self, channel: Any, lease: Sequence[int], frame: int, tensors: int) -> None:
         self.channel = channel  # the connection it went on: a rebuilt session has another
         self.lease = list(lease)
         self.frame = frame
         self.rid = 0
+        self.reply: dict[str, Any] | None = None  # once read (Note [interrupted waits])
         self.remotes: list[RemoteTensor] = []
         # its reply, at most: a name per tensor and a slab per lease (a review's
         # put_many of 4096 tensors, estimated at 1 KiB, filled the buffers: 30 s stalls)
@@ -179,8 +180,10 @@ class Puts:
     def _land_put(self, p: PutFlight) -> None:
         if p.channel is not self.channel:
             return  # rebuilt since it was sent: the journal's replay put it again
-        try:
-            reply = self.channel.receive(p.rid).body
+        try:  # read once: a landing interrupted after it reads it again from here
+            if p.reply is None:
+                p.reply = self.channel.receive(p.rid).body
+            reply = p.reply
         except DjinnError as exc:
             self._put_failed(p, exc)
             return

@@ -152,9 +152,13 @@ class Session(Puts, Flights, GraphForms):
         except DjinnError as exc:
             self._not_done(exc, body)
             raise
-        except BaseException:  # Note [interrupted waits]: the connection closed, as if
-            # lost; or it never went (a wait for the channel's lock): the next one takes it
-            self._unsent(body, always=not self.channel.closed)
+        except BaseException as exc:  # Note [interrupted waits]
+            if self.channel.closed:  # as if lost
+                self._unsent(body)
+            elif getattr(exc, "djinn_sent", False):  # the worker freed what rode along
+                self._done(body)
+            else:  # it never went (a wait for the channel's lock): the next one takes it
+                self._unsent(body, always=True)
             raise
         self._done(body)
         return frame

@@ -38,8 +38,8 @@ def ctrl_c():
         os.kill(os.getpid(), signal.SIGINT)
 
 
-def receive(self, kind, rid, sink):  # as the program starts to wait for an EXEC's reply
-    if kind == Kind.EXEC and mode != "midframe":
+def receive(self, kind, rid, sink):  # as the program starts to wait for a reply
+    if kind == (Kind.PUT if mode == "put" else Kind.EXEC) and mode != "midframe":
         ctrl_c()
     return real(self, kind, rid, sink)
 
@@ -76,7 +76,15 @@ if mode == "partial":  # a node of the graph fails on the worker; one after it d
     except DjinnError as exc:
         print("bad", exc.code)
     sys.exit(0)
-if mode == "flight":  # the graph is a replay in flight: its landing is interrupted
+if mode == "put":  # a put sent without waiting, landed by a call that holds no Ctrl-C
+    x = a.to(R)
+    left[0] = 1
+    try:
+        torch.remote_accelerator.memory_allocated()
+    except KeyboardInterrupt:  # the connection closed: the put is made again by the rebuild
+        print("interrupted")
+    print("x", torch.equal(x.cpu(), a))
+if mode.startswith("flight"):  # the graph is a replay in flight: its landing is interrupted
     step = djinn.replayable(lambda x, w: torch.tanh(x @ w / 8))
     b = r
     for _ in range(12):
@@ -85,7 +93,7 @@ else:
     b = r
     for _ in range(12):
         b = torch.tanh(b @ r / 8)
-left[0] = 1 if mode in ("once", "flight") else 2
+left[0] = 1 if mode in ("once", "flight") else 0 if mode == "put" else 2
 try:
     b.sum().item()
     print("not interrupted")
@@ -107,10 +115,15 @@ print("recoveries", default_session().recovery_stats().get("recoveries"))
         ("once", ["interrupted", "b True", "next True", "recoveries 0"]),  # b is there
         ("partial", ["interrupted", "c True", "bad EXECUTION_ERROR", ""]),  # a review's
         ("flight", ["interrupted", "b True", "next True", "recoveries 0"]),  # a replay's
+        # twice while a replay lands: it is sent again on the rebuilt session (a review's
+        # PROTOCOL_ERROR "no reply awaited": it had been taken from the awaited list)
+        ("flight2", ["interrupted", "b True", "next True", "recoveries 1"]),
         ("twice", ["interrupted", "b INTERRUPTED", "next True", "recoveries 1"]),
         # the second while the reply's bytes are read: the stream is left closed, never
         # read from the middle of a frame (a review's SIGINT in a 32 MiB reply)
         ("midframe", ["interrupted", "b INTERRUPTED", "next True", "recoveries 1"]),
+        # a review's: the put failed (PROTOCOL_ERROR), and read NOT_FOUND after the rebuild
+        ("put", ["interrupted", "x True", "not interrupted", "b True"]),
     ],
 )
 def test_a_ctrl_c_while_a_result_is_awaited_keeps_the_session(appliance, tmp_path, mode, want):
