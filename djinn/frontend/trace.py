@@ -305,7 +305,9 @@ def flush(
     if trace.follower is not None:  # Note [followed steps]: a read stops the following
         trace.follower.abort("its steps read a value")
     land_all()  # what this graph reads may be what a graph in flight makes
-    with trace.lock:
+    # a first Ctrl-C is raised once the nodes it takes are sent, or landed (Note
+    # [interrupted waits]): encoding them may land another thread's graph (a review)
+    with trace.lock, interrupts.deferred():
         if unless_recording and trace.recording:  # Note [writes another thread captured]
             return [], []
         if add is not None:
@@ -351,16 +353,15 @@ def flush(
             fetch, keep = [], []
         if not wait and encoded and not fetch_refs and not extra and requested is None:
             item = Sent(trace, sent, keep_targets, quiet)
-            with interrupts.deferred():  # sending it may land others (Note [interrupted waits])
-                try:
-                    item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
-                except (DjinnError, KeyboardInterrupt) as exc:
-                    _not_run(sent, exc)
-                    raise
-                for n in sent:
-                    n.inflight = item
-                with _INFLIGHT_LOCK:
-                    _INFLIGHT.append(item)
+            try:
+                item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
+            except (DjinnError, KeyboardInterrupt) as exc:
+                _not_run(sent, exc)
+                raise
+            for n in sent:
+                n.inflight = item
+            with _INFLIGHT_LOCK:
+                _INFLIGHT.append(item)
             return [], []
         fetched: list[Any] = []
         kept: list[Any] = []
@@ -369,22 +370,21 @@ def flush(
         form = None  # the template's (fingerprint, inputs, scalars), if the observer made it
         if observer is not None:
             form = observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
-        with interrupts.deferred():  # a Ctrl-C is raised once it landed (Note [interrupted waits])
-            if encoded or fetch_refs or extra:
-                try:
-                    kept, fetched, failure = default_session().run_graph(
-                        encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
-                        form=form,
-                    )  # fmt: skip
-                except (DjinnError, KeyboardInterrupt) as exc:  # nothing is known to run
-                    _not_run(sent, exc)
-                    raise
-            ran(sent, keep_targets, kept, failure)
-            kept = kept[len(keep_targets) :]
-            for ref, remote in zip(keep, kept, strict=False):
-                held(ref, remote)
-            if failure is not None:
-                fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
+        if encoded or fetch_refs or extra:
+            try:
+                kept, fetched, failure = default_session().run_graph(
+                    encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
+                    form=form,
+                )  # fmt: skip
+            except (DjinnError, KeyboardInterrupt) as exc:  # nothing is known to run
+                _not_run(sent, exc)
+                raise
+        ran(sent, keep_targets, kept, failure)
+        kept = kept[len(keep_targets) :]
+        for ref, remote in zip(keep, kept, strict=False):
+            held(ref, remote)
+        if failure is not None:
+            fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
         if requested is not None:
             raise requested
         return fetched, kept

@@ -22,6 +22,7 @@ import os, signal, sys, threading
 import torch, djinn
 from djinn.errors import DjinnError
 from djinn.protocol.frames import Kind
+from djinn.frontend import trace
 from djinn.runtime import channel
 from djinn.transport import framing
 
@@ -51,8 +52,16 @@ def fill(self, *args):  # right after bytes of a frame were taken from the socke
     return got
 
 
+def encode(self, n):  # as a flush encodes the nodes it took from the trace
+    if mode == "encoding":
+        ctrl_c()
+    return real_node(self, n)
+
+
+real_node = trace._Encoder.node
 channel.Channel._receive = receive
 framing.FrameReader._fill = fill
+trace._Encoder.node = encode
 # as in a program started from a terminal: one started in the background by a shell
 # without job control (a CI runner's) inherits SIGINT ignored, and Python then leaves it so
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -93,7 +102,7 @@ else:
     b = r
     for _ in range(12):
         b = torch.tanh(b @ r / 8)
-left[0] = 1 if mode in ("once", "flight") else 0 if mode == "put" else 2
+left[0] = 1 if mode in ("once", "flight", "encoding") else 0 if mode == "put" else 2
 try:
     b.sum().item()
     print("not interrupted")
@@ -114,6 +123,8 @@ print("recoveries", default_session().recovery_stats().get("recoveries"))
     [
         ("once", ["interrupted", "b True", "next True", "recoveries 0"]),  # b is there
         ("partial", ["interrupted", "c True", "bad EXECUTION_ERROR", ""]),  # a review's
+        # while the flush encodes the nodes it took (it may land another thread's graph)
+        ("encoding", ["interrupted", "b True", "next True", "recoveries 0"]),
         ("flight", ["interrupted", "b True", "next True", "recoveries 0"]),  # a replay's
         # twice while a replay lands: it is sent again on the rebuilt session (a review's
         # PROTOCOL_ERROR "no reply awaited": it had been taken from the awaited list)
