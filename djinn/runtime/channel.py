@@ -25,7 +25,7 @@ import select
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from djinn.errors import DjinnError, ProtocolError, error_from_wire
@@ -83,8 +83,8 @@ class Channel:
         waiting]), since a worker reads nothing more of a session whose reply it cannot
         write."""
         sent = False
-        try:
-            with self.lock, self._closed_if_interrupted():
+        with self.lock:
+            try:
                 if not first:
                     self._drain()
                 rid = self._send(kind, body, segments)
@@ -92,10 +92,9 @@ class Channel:
                 if first:
                     self._drain()
                 return self._receive(kind, rid, sink)
-        except BaseException as exc:  # whether it went: Session._call's frees follow it
-            if not isinstance(exc, DjinnError):
-                exc.djinn_sent = sent  # type: ignore[attr-defined]
-            raise
+            except BaseException as exc:
+                self._cut_short(exc, sent)
+                raise
 
     def send(
         self,
@@ -129,8 +128,12 @@ class Channel:
 
     def receive(self, rid: int) -> Frame:
         """The reply to ``send``'s request ``rid`` (its error raised)."""
-        with self.lock, self._closed_if_interrupted():
-            self._drain(until=rid)
+        with self.lock:
+            try:
+                self._drain(until=rid)
+            except BaseException as exc:
+                self._cut_short(exc, False)
+                raise
             got = self._stash.pop(rid, None)
         if got is None and self.closed:  # an interrupted read closed it: Note [interrupted waits]
             raise self._on_lost("connection already closed")
@@ -216,17 +219,15 @@ class Channel:
             # readable, or closed: the read says which
         self.spin.waited(time.perf_counter() - t0, kind)
 
-    @contextlib.contextmanager
-    def _closed_if_interrupted(self) -> Iterator[None]:
-        """Note [interrupted waits]: a KeyboardInterrupt in the middle of an exchange
-        leaves the stream unknown (an Exception is the channel's own, or a bug's)."""
-        try:
-            yield
-        except Exception:
-            raise
-        except BaseException:
+    def _cut_short(self, exc: BaseException, sent: bool) -> None:
+        """An exchange that raised ``exc`` (under the lock). Note [interrupted waits]: a
+        KeyboardInterrupt leaves the stream unknown, and closes it (an Exception is the
+        channel's own, or a bug's). Whether the request went goes with any exception but
+        the channel's own, for ``Session._call``'s frees."""
+        if not isinstance(exc, Exception):
             self.close()
-            raise
+        if not isinstance(exc, DjinnError):
+            exc.djinn_sent = sent  # type: ignore[attr-defined]
 
     def call_bytes(self) -> int:
         """Bytes both ways on this channel so far, heartbeats left out."""

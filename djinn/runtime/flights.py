@@ -229,9 +229,9 @@ class Flights:
         return not last.partial and last.error is None and last.channel is self.channel
 
     def _land(self, f: Flight) -> None:
-        """Read ``f``'s reply and keep its result or error. Interrupted (a KeyboardInterrupt
-        from the wait), it stays in flight: its reply is read later (Note [interrupted
-        waits], channel.py)."""
+        """Read ``f``'s reply and keep its result or error. Interrupted (a KeyboardInterrupt),
+        it stays in flight: its reply is kept on it if it was read, or the connection
+        closed, and a later landing sends it again (Note [interrupted waits], channel.py)."""
         body = f.body
         try:
             try:
