@@ -165,6 +165,29 @@ def test_the_worker_refuses_a_graph_sent_behind_a_failed_request(remote):
         assert err.value.code == "INVALID_ARGUMENT"
 
 
+def test_a_replay_whose_flight_failed_is_not_sent_behind_another_threads_graph(remote):
+    """The flight a replay was to go behind (``ahead``) landed and failed, and another
+    graph is in flight now (another thread's): the replay is failed unsent with the
+    chained error, not sent behind that other graph to run on what the failed one half
+    wrote (a review of c1cb15c, whose check was made only where it would not go behind)."""
+    from djinn.errors import ExecutionError
+    from djinn.runtime.flights import Flight
+
+    s = default_session()
+    assert torch.equal(torch.ones(2).to(remote).cpu(), torch.ones(2))
+    s._settle()
+    failed = Flight(s, {"nodes": [], "keep": []}, [], partial=False)
+    failed.landed, failed.error = True, ExecutionError("aten::index: out of bounds")
+    other = s.run_graph_async([], [], [], partial=False)  # in flight, fails as a whole
+    assert s._flight is other
+    f = s.run_graph_async([], [], [], partial=False, ahead=failed)
+    assert f.landed and f.rid == 0 and f.behind is None  # never sent
+    with pytest.raises(DjinnError, match=r"not run: the graph sent before it failed \(EXEC"):
+        f.outcome()
+    assert f.chained  # quiet where it lands: the program was told of the first
+    assert other.outcome()[0] == []  # the other graph ran, and landed first
+
+
 @pytest.mark.parametrize("when", ["after both were sent", "before the first was sent"])
 def test_a_worker_lost_with_two_replays_sent_recovers_both_in_order(
     own_frontend, monkeypatch, when
