@@ -40,7 +40,7 @@ from . import failures
 from . import trace as trace_mod
 from .nodes import Pending, Replayed
 from .replay_follow import Follower
-from .replay_outputs import bind_outputs, clear_grads, replay_sent
+from .replay_outputs import bind_outputs, clear_grads, replay_body, replay_sent
 
 if TYPE_CHECKING:
     from .replay_record import Record
@@ -88,13 +88,14 @@ def followed(
     called: tuple[str, Any],
     tensors: list[Any],
     written: list[Any],
-    split: tuple[list[RemoteTensor], Any],
+    split: list[RemoteTensor],
     inputs: list[RemoteTensor],
     optimizers: list[Any],
     behind: Any = None,
 ) -> Any:
     """Replay ``rec`` with its steps followed, the split replay sent first or the whole
     recording after (the Note); if the steps part from their plan, they are captured.
+    ``split``, ``inputs``: the split replay's and the whole recording's input RemoteTensors;
     ``behind``: the flight its first graph goes behind (Note [replays sent ahead])."""
     from .session import default_session
 
@@ -205,7 +206,7 @@ def _writes(whole: Record, tensors: list) -> tuple[Any, ...]:
 
 
 def _whole_bound(
-    rec: Record, tr: Any, label: str, tensors: list, written: list, split: tuple, behind: Any
+    rec: Record, tr: Any, label: str, tensors: list, written: list, split: list, behind: Any
 ) -> tuple[Replayed, list[Any], Any]:
     """The whole recording's node, not sent yet, with the outputs and gradients bound to
     it; and what sends ``rec`` instead, and binds them to it, if the following stops."""
@@ -221,11 +222,9 @@ def _whole_bound(
     clear_grads(rec)
 
     def stop() -> None:  # the split replay, as it would have gone, and its outputs bound
-        split_inputs, (fp, _read, scalars) = split
-        form = (fp, [r.handle for r in split_inputs], scalars)  # renamed since? (replay_sent)
-        body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
+        form, body = replay_body(rec, split)
         alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-        with trace_mod.replay_in_flight(tr, alone, body, rec.inline_now(), form, split_inputs,
+        with trace_mod.replay_in_flight(tr, alone, body, rec.inline_now(), form, split,
                                         ahead=behind):  # fmt: skip
             for t, k in bound:
                 bind(t, Pending(alone, plan.slots[k]))

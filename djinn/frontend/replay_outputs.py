@@ -26,19 +26,15 @@ def replay_sent(
     label: str,
     tensors: list,
     written: list,
-    sent: tuple,
+    inputs: list,
     *,
     ahead: Any = None,
 ) -> tuple[Replayed, list[Any]]:
-    """``rec`` sent as a replay without waiting (Note [asynchronous replays]), with ``sent``
-    (its input RemoteTensors, its template form), and bound: its node, and the leaves of
-    its result. ``written``: the tensors it writes into; ``ahead``: the flight it goes
-    behind (Note [replays sent ahead])."""
-    inputs, form = sent
-    # the handles as they are now: a landing since they were read (the graph a replay goes
-    # behind, while its steps were followed) may have rebuilt the session and renamed them
-    form = (form[0], [r.handle for r in inputs], form[2])
-    body = templates.filled(rec.tpl, rec.fill, form[1], rec.scalars)
+    """``rec`` sent as a replay without waiting (Note [asynchronous replays]) on ``inputs``
+    (RemoteTensors), and bound: its node, and the leaves of its result. ``written``: the
+    tensors it writes into; ``ahead``: the flight it goes behind (Note [replays sent
+    ahead])."""
+    form, body = replay_body(rec, inputs)
     node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
     inline = rec.inline_now()
     with trace_mod.replay_in_flight(tr, node, body, inline, form, inputs, ahead=ahead):
@@ -46,6 +42,15 @@ def replay_sent(
             torch.autograd.graph.increment_version(t)
         leaves = bind_outputs(rec, node, tensors)
     return node, leaves
+
+
+def replay_body(rec: Record, inputs: list) -> tuple[tuple, Any]:
+    """``rec``'s template form and body on ``inputs``' handles as they are as it is sent: a
+    landing since they were read (the graph a replay goes behind, while its steps were
+    followed) may have rebuilt the session and renamed them."""
+    handles = [r.handle for r in inputs]
+    body = templates.filled(rec.tpl, rec.fill, handles, rec.scalars)
+    return (rec.fingerprint, handles, rec.scalars), body
 
 
 def bind_outputs(

@@ -78,16 +78,14 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
                                and replays_ahead(session))  # fmt: skip
     inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
-    handles = [r.handle for r in inputs]
     if rec.fill is None:
         rec.fill = templates.instantiator(rec.tpl)
     written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
-    form = (rec.fingerprint, handles, rec.scalars)
     whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
-        return followed(rec, tr, (label, stats), tensors, written, (inputs, form), whole,
-                        optimizers, ahead)  # fmt: skip
-    _node, leaves = replay_sent(rec, tr, label, tensors, written, (inputs, form), ahead=ahead)
+        return followed(rec, tr, (label, stats), tensors, written, inputs, whole, optimizers,
+                        ahead)  # fmt: skip
+    _node, leaves = replay_sent(rec, tr, label, tensors, written, inputs, ahead=ahead)
     clear_grads(rec)
     if optimizers:
         for opt in optimizers:  # captured as a run of fn would: this step's floats
