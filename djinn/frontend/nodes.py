@@ -127,10 +127,13 @@ class Storage:
     Held by the cells, not the other way: a base cell kept alive by its views would count
     as a holder of its node's output (Note [bindings])."""
 
-    __slots__ = ("writer",)
+    __slots__ = ("writer", "written")
 
     def __init__(self) -> None:
         self.writer: Node | None = None
+        # once anything wrote into it: a value the client kept of it no longer holds
+        # (Note [values the client knows], known.py)
+        self.written = False
 
 
 class HostTensor:
@@ -153,6 +156,14 @@ def held(ref: Any, remote: Any) -> None:
             results[ref.index] = remote
 
 
+# snapshot clones of small integer tensors (an attention mask moved while a trace held
+# ops): the copy and the ``Storage`` mark that their kept handle gets as its known value
+# once sent (Note [values the client knows], known.py)
+KNOWN_CLONES: weakref.WeakKeyDictionary[Node, tuple[torch.Tensor, Storage]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> None:
     """The nodes the appliance ran are executed; the kept ones now name their handles.
 
@@ -173,7 +184,9 @@ def ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> 
         n.args = n.kwargs = None  # let inputs go
         n.rng = n.draw = None
         n.bases = ()
-    for (_n, _k, alive), remote in zip(keep_targets, kept, strict=False):
+    for (n, _k, alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:
+            if KNOWN_CLONES and n in KNOWN_CLONES:
+                remote.known = KNOWN_CLONES.pop(n)
             for cell in alive:
                 cell.ref = remote

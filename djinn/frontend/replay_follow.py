@@ -51,6 +51,8 @@ from djinn.protocol.values import encode_constant
 from djinn.runtime.remote import RemoteTensor
 
 from . import trace as trace_mod
+from . import writes
+from .failures import written_values
 from .lazy import LazyTensor, capture
 from .meta import TensorSpec
 from .nodes import Node, Pending
@@ -325,6 +327,9 @@ class Follower:
             self.abort(f"{func} had other arguments than in the recording")
             return trace_mod.MISSED
         self.floats.extend(floats)
+        for t in written_values(func, args, kwargs):  # Note [values the client knows]
+            if isinstance(t, torch.Tensor):
+                writes.forget_known(t)
         reads = op.reads_outputs
         if reads:  # the arguments that hold outputs made
             args = tuple(self._strip(v) if i in reads else v for i, v in enumerate(args))

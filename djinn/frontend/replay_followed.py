@@ -36,7 +36,7 @@ from djinn.errors import DjinnError
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
-from . import failures
+from . import failures, writes
 from . import trace as trace_mod
 from .nodes import Pending, Replayed
 from .replay_follow import Follower
@@ -217,6 +217,7 @@ def _whole_bound(
                     _writes(whole, tensors))  # fmt: skip
     for t in written:  # the ops before the steps; the steps' own count as they are called
         torch.autograd.graph.increment_version(t)
+        writes.forget_known(t)
     bound: list[tuple[Any, int]] = []
     leaves = bind_outputs(whole, node, tensors, bound)
     clear_grads(rec)

@@ -103,7 +103,11 @@ class Used:
     extension_points.py)."""
 
     def __init__(self, count: Callable[[], int] = lambda: 0) -> None:
-        self.modules: dict[int, torch.nn.Module] = {}
+        # held weakly: a module the call made and let go (the CrossEntropyLoss() a
+        # transformers head makes at each call) is fn's own Python, not state a replay
+        # must find again; it had made every such call record afresh, "a module it used
+        # is gone" (State)
+        self.modules: dict[int, weakref.ref[torch.nn.Module]] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.count = count  # ops the recording captured so far
         self.thread = threading.get_ident()  # the recording's
@@ -119,7 +123,9 @@ class Used:
         self.skipped: str | None = None
 
     def module_ran(self, module: torch.nn.Module) -> None:
-        self.modules.setdefault(id(module), module)
+        ref = self.modules.get(id(module))
+        if ref is None or ref() is not module:  # new, or a dead one's id reused
+            self.modules[id(module)] = weakref.ref(module)
 
     def stepped(self, opt: torch.optim.Optimizer, with_args: bool = False) -> None:
         if self.watch is not None:
@@ -435,7 +441,7 @@ class State:
         """``kept=False``: what the optimizers that stepped keep is left out (their steps
         run at every call: Note [optimizer steps run, not replayed] in replay_steps.py);
         their hyperparameters are not (``fn`` may read them before them)."""
-        self._modules = [weakref.ref(m) for m in used.modules.values()]
+        self._modules = [r for r in used.modules.values() if r() is not None]
         self._optimizers = [weakref.ref(o) for o in used.optimizers.values()]
         self._kept = kept
         self._named = named  # the closure's tensors: alive as long as fn is

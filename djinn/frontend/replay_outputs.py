@@ -40,6 +40,7 @@ def replay_sent(
     with trace_mod.replay_in_flight(tr, node, body, inline, form, inputs, ahead=ahead):
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
+            writes.forget_known(t)
         leaves = bind_outputs(rec, node, tensors)
     return node, leaves
 

@@ -78,6 +78,9 @@ class Record:
     # per random op, in program order: its generator state's place in ``inline`` and how
     # it advanced the generator it draws from (Note [replayed draws])
     draws: list[tuple[int, Any]] = field(default_factory=list, repr=False, compare=False)
+    # the values the call read that the client computed, each checked again before a
+    # replay (Note [values the client knows], known.py)
+    guards: list[Any] = field(default_factory=list, repr=False, compare=False)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
 
@@ -94,6 +97,7 @@ class Record:
             and self.out_spec == other.out_spec
             and len(self.inline) == len(other.inline)
             and self._same_inline(other)
+            and [g.value for g in self.guards] == [g.value for g in other.guards]
         )
 
     def _same_inline(self, other: Record) -> bool:
@@ -291,6 +295,20 @@ def recorded(
         rec.split.clears, rec.split.nones = clears, nones
         rec.split.unwatched = rec.unwatched
     return rec
+
+
+def guarded(guards: list[Any], tensors: list[Any]) -> list[Any]:
+    """The values a recording read that the client computed (``known.Program``), their
+    leaves named by the argument they are (Note [values the client knows]); a Miss if
+    one is a tensor the call was not given, which a replay could not check."""
+    at = {id(t.__dict__["_b"].ref): i for i, t in enumerate(tensors)}
+    for g in guards:
+        for j, (kind, what) in enumerate(g.leaves):
+            if kind == "remote":
+                if id(what) not in at:
+                    raise Miss("it read a value of a tensor it was not given", final=True)
+                g.leaves[j] = ("arg", at[id(what)])
+    return guards
 
 
 def _written(nodes: list[Any]) -> set[str]:

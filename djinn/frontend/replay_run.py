@@ -29,8 +29,8 @@ from djinn.errors import copy_of
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
+from . import known, writes
 from . import trace as trace_mod
-from . import writes
 from .nodes import Pending
 from .replay_followed import followed, replays_ahead
 from .replay_key import Miss, param_at
@@ -54,6 +54,8 @@ def replay(rec: Record, tensors: list[Any], label: str, stats: Any = None) -> An
     tr = trace_mod.current()
     if tr.nodes:
         trace_mod.flush(tr)  # the arguments' own ops run first
+    if rec.guards and known.read_now(rec.guards, tensors, tr) != [g.value for g in rec.guards]:
+        raise Miss("a value it read is not what it was when recorded")  # known.py
     if not rec.state.same():
         raise Miss("a module, optimizer or tensor it uses changed since")
     for (_k, owner, _spec), empty in zip(rec.grads, rec.empty, strict=True):

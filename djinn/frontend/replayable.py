@@ -31,11 +31,13 @@ call that fails a check simply runs ``fn`` as before (``stats()`` counts why):
   global module and optimizer hooks; and whether each ``.grad`` a replay sets was empty
   when the recording began (else a run would add to it); a change records again;
 - a recording is replayable only if ``fn`` read no value (a ``.item()`` or ``.cpu()`` can
-  steer Python), drew no random numbers as many as its inputs' values say (a Poisson
-  sampler; dropout and ``randn`` replay, each replay drawing anew from the local
-  generator: Note [replayed draws]) and used that generator no other way (a seed, a
-  local draw), made no tensor with an autograd history (a replay
-  builds none), captured every op in one graph (its own and its backward pass's),
+  steer Python) but those the client computes from its arguments (an attention mask's
+  ``.all()``), which each replay checks again (Note [values the client knows] in
+  known.py; a key keeps a recording per set of such values), drew no random numbers as
+  many as its inputs' values say (a Poisson sampler; dropout and ``randn`` replay, each
+  replay drawing anew from the local generator: Note [replayed draws]) and used that
+  generator no other way (a seed, a local draw), made no tensor with an autograd history
+  (a replay builds none), captured every op in one graph (its own and its backward pass's),
   returned only tensors it made, views of them, and plain values, and left no other
   tensor it made alive but gradients in ``.grad`` (``self.cache = x``: a replay could
   not set it; a base only its returned views hold is theirs);
@@ -95,10 +97,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import extension_points, replay_follow, seeded
+from . import extension_points, known, replay_follow, seeded
 from . import trace as trace_mod
 from .replay_key import Miss, Used, Watch, key, named_tensors
-from .replay_record import Record, recorded
+from .replay_record import Record, guarded, recorded
 from .replay_run import replay
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
@@ -167,6 +169,8 @@ class Replayable:
                 self._stats.plain[str(why)] += 1
                 return self.fn(*args, **kwargs)
             rec = self._records.get(k)
+            if isinstance(rec, Record) and rec.guards:
+                k, rec = self._by_reads(k, rec, tensors)
             if rec is not None:
                 self._records.move_to_end(k)
             if isinstance(rec, tuple):  # unlike recordings: a pause (MAX_UNLIKE)
@@ -199,6 +203,20 @@ class Replayable:
                     self._misses.pop(k, None)
                     return out
             return self._record(k, args, kwargs, tensors)
+
+    def _by_reads(self, k: Any, rec: Record, tensors: list[Any]) -> tuple[Any, Any]:
+        """Note [values the client knows] (known.py): a key whose recording read values
+        the client computed keeps a recording per set of values read (a batch with
+        padding, one without), each under the key and those values; the first under the
+        key alone."""
+        tr = trace_mod.current()
+        if tr.nodes:
+            trace_mod.flush(tr)  # the arguments' own ops run first
+        now = known.read_now(rec.guards, tensors, tr)
+        if now == [g.value for g in rec.guards]:
+            return k, rec
+        k = (k, "read", tuple(now))
+        return k, self._records.get(k)
 
     def _missed(self, k: Any) -> bool:
         """A replay of ``k`` found what it is checked by changed; whether ``k`` now pauses
@@ -260,6 +278,8 @@ class Replayable:
         chunk, tr.chunk_ops = tr.chunk_ops, 0  # one graph (Note [streamed graphs])
         reads: dict[Any, list[tuple[Any, Any]]] = {}
         tr.reads = reads
+        guards: list[Any] = []  # Note [values the client knows] (known.py)
+        tr.guards = guards
         outer, trace_mod.RECORDING = trace_mod.RECORDING, (threading.get_ident(), tr)
         used = Used(lambda: len(tr.nodes))
         if isinstance(prev, Record):  # what the call changes shows against it
@@ -277,10 +297,14 @@ class Replayable:
             trace_mod.RECORDING = outer
             tr.chunk_ops = chunk
             tr.reads = None
+            tr.guards = None
         try:
             closure = named_tensors(self.fn)
             generator = (entry, seeded.generators())
             rec = recorded(tr, nodes, result, tensors, reads, used, closure, generator)
+            rec.guards = guarded(guards, tensors)
+            if rec.split is not None:
+                rec.split.guards = rec.guards
         except Miss as why:
             self._stats.plain[str(why)] += 1
             if why.final:

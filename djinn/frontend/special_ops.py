@@ -17,7 +17,7 @@ import torch
 from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, inference_views, slicing, ties, writes
+from . import attention, embedding, inference_views, known, slicing, ties, writes
 from .lazy import (
     SPECIAL,
     SPECIAL_TO_CPU,
@@ -32,6 +32,7 @@ from .lazy import (
     streamed,
     upload,
 )
+from .nodes import KNOWN_CLONES
 from .trace import Node, Pending, bind, current
 
 
@@ -82,7 +83,17 @@ def _fetched(func: Any, x: Any, kwargs: dict) -> Any:
 
 
 def _item(func: Any, args: tuple, kwargs: dict) -> Any:
-    return func(fetch(args[0]), *args[1:], **kwargs)
+    x = args[0]
+    trace = current()
+    got = known.evaluate(x, trace) if isinstance(x, LazyTensor) else None
+    if got is None:
+        return func(fetch(x), *args[1:], **kwargs)
+    value, program = got  # Note [values the client knows]
+    out = func(value, *args[1:], **kwargs)
+    if trace.guards is not None:  # a recording: its replays check the value again
+        program.read, program.value = func, out
+        trace.guards.append(program)
+    return out
 
 
 def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -125,6 +136,8 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
         ref = snapshot(src) if trace.reads is not None or trace.nodes else upload(src)
         if isinstance(ref, RemoteTensor) and ref.strides == tuple(dst.stride()):
             bind(dst, ref)  # `.to(remote)` of a large tensor: uploaded once, nothing else
+            if known.exact(src):  # Note [values the client knows]: a mask, token ids
+                known.remember(ref, src, writes.shared_storage(dst))
             return dst
         if isinstance(ref, torch.Tensor) and ref.stride() == dst.stride():
             trace = streamed(current())
@@ -132,6 +145,8 @@ def copy_into(dst: LazyTensor, src: Any, kwargs: dict | None = None) -> LazyTens
             with trace.lock:  # Note [a node and its outputs] (trace.py)
                 trace.add(node)
                 bind(dst, Pending(node, 0))
+            if known.exact(ref):  # Note [values the client knows]: kept once it is sent
+                KNOWN_CLONES[node] = (ref, writes.shared_storage(dst))
             return dst
     return capture(torch.ops.aten.copy_.default, (dst, src), kwargs)
 

@@ -67,6 +67,9 @@ class Trace:
         self.reads: dict[str, Any] | None = None
         self.follower: Any = None  # a replay following its steps (replay_follow.py)
         self.recording = 0  # a replayable call recording here, until its graph is sent
+        # while it records: the values it read that the client computed (known.Program),
+        # which its replays check again (Note [values the client knows], known.py)
+        self.guards: list[Any] | None = None
 
     def read(self, name: Any, x: torch.Tensor) -> None:
         """Note [replayable functions]: a tensor a recording read, under its handle (a CPU

@@ -93,12 +93,31 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
             continue
         if type(cell.ref) is RemoteTensor:
             cell.ref.writer = node
+            cell.ref.known = None  # Note [values the client knows] (known.py)
         if cell.storage is not None:
             cell.storage.writer = node
+            cell.storage.written = True
         base = None if optimizer else t._base
         if base is not None:
             ref = base.__dict__["_b"].ref
             bases.append(ref)
             if type(ref) is RemoteTensor:
                 ref.writer = node
+                ref.known = None
     node.bases = tuple(bases)
+
+
+def forget_known(t: Any) -> None:
+    """A write into ``t`` that no captured op records (a replay's, a followed step's):
+    a value the client kept of it, or of a tensor it is a view of, no longer holds (Note
+    [values the client knows], known.py)."""
+    cell = t.__dict__.get("_b")
+    if cell is None:
+        return
+    if type(cell.ref) is RemoteTensor:
+        cell.ref.known = None
+    if cell.storage is not None:
+        cell.storage.written = True
+    base = t._base
+    if base is not None and type(base.__dict__["_b"].ref) is RemoteTensor:
+        base.__dict__["_b"].ref.known = None

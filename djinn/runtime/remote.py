@@ -26,6 +26,7 @@ class RemoteTensor:
         "dtype",
         "failed",
         "handle",
+        "known",
         "session",
         "shape",
         "strides",
@@ -50,6 +51,9 @@ class RemoteTensor:
         # another thread sends its trace first (Note [writes another thread captured],
         # frontend/writes.py)
         self.writer: Any = None
+        # a copy of its value the client keeps, and the mark of writes into the tensor and
+        # its views (Note [values the client knows], frontend/known.py)
+        self.known: Any = None
         self._finalizer = weakref.finalize(self, session._free_later, handle)
         rec = getattr(session, "_lineage", None)
         if rec is not None:

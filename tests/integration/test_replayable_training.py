@@ -316,3 +316,38 @@ def test_a_new_optimizer_whose_scheduler_steps_inside_the_call_is_watched(remote
     assert got_opt.param_groups[0]["lr"] == want_opt.param_groups[0]["lr"]
     for p, q in zip(got.parameters(), want.parameters(), strict=True):
         assert torch.equal(p.detach().cpu(), q.detach())
+
+
+class _HeadWithItsLoss(torch.nn.Module):
+    """As a transformers classification head does: a loss module made at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        return torch.nn.CrossEntropyLoss()(self.lin(x), y)
+
+
+def test_a_module_the_call_makes_and_drops_does_not_stop_replays(remote):
+    local = _HeadWithItsLoss()
+    model = _moved(local, remote)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (local, model)]
+
+    def step(m, opt, x, y):
+        loss = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    run = djinn.replayable(lambda x, y: step(model, opts[1], x, y))
+    for _ in range(6):
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        want = step(local, opts[0], x, y)
+        assert torch.equal(run(x.to(remote), y.to(remote)).cpu(), want)
+    # before: "a module, optimizer or tensor it uses changed since" at every call
+    assert run.stats()["replays"] == 4, run.stats()
+    for a, b in zip(local.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())

@@ -1,0 +1,192 @@
+"""Note [values the client knows] (djinn/frontend/known.py): a value read of a small integer
+tensor made from uploads the client keeps a copy of is computed on the client, with
+eager's value; inside ``djinn.replayable`` it becomes a check each replay makes again, so
+a model whose Python branches on its attention mask replays."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import djinn
+from djinn.frontend import trace
+from djinn.frontend.session import default_session
+from djinn.protocol.frames import Kind
+
+
+def _execs() -> int:
+    return default_session().channel.sent_by_kind[Kind.EXEC]
+
+
+def _bert():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64,
+    )  # fmt: skip
+    return BertModel(cfg).eval()
+
+
+def test_bert_given_an_attention_mask_replays_padded_and_unpadded_batches_with_eagers_bits(
+    remote,
+):
+    local = _bert()
+    # moved in training mode so it stays on the graph path, then eval
+    model = copy.deepcopy(local).train().to(remote).eval()
+    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[1, 7:] = 0
+    full = torch.ones(2, 12, dtype=torch.long)
+    with torch.no_grad():
+        for step in range(12):
+            ids = torch.randint(0, 100, (2, 12))
+            mask = full if step % 3 == 2 else padded
+            want = local(input_ids=ids, attention_mask=mask).last_hidden_state
+            got = encode(ids.to(remote), mask.to(remote)).cpu()
+            assert torch.equal(got, want), step
+    stats = encode.stats()
+    # each kind of batch records twice (`after`), then replays: 8 padded calls, 4 full
+    assert stats["replays"] == 8, stats
+    assert stats["recordings"] == 4, stats
+    assert stats["plain"] == {}, stats
+    assert stats["keys"] == 2, stats
+
+
+def test_a_read_of_an_uploaded_masks_value_sends_nothing(remote):
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rmask = mask.to(remote)
+    trace.flush(trace.current())  # the put's reply: nothing else is waited for below
+    before = _execs()
+    x = torch.randn(2, 3).to(remote) * 2  # a pending op: a flush would send it
+    assert bool(rmask[:, -2:].bool().all()) is False
+    assert int((rmask == 0).sum()) == 1
+    assert rmask.sum().item() == 5
+    assert _execs() == before, "a read of a known value waited for a graph"
+    assert torch.equal(x.cpu() / 2, x.cpu() / 2)  # the pending op still runs
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda t: t.fill_(1), id="in place"),
+        pytest.param(lambda t: t[1].fill_(1), id="through a view"),
+        pytest.param(lambda t: t.view(-1)[5:].zero_().add_(1), id="through a view of a view"),
+        pytest.param(lambda t: t.copy_(torch.ones(2, 3, dtype=torch.long)), id="copied into"),
+    ],
+)
+@pytest.mark.parametrize("inference", [False, True], ids=["", "inference mode"])
+def test_a_value_the_client_kept_is_dropped_by_a_write(remote, write, inference):
+    with torch.inference_mode(inference):  # its tensors have no _base nor version
+        mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        rmask = mask.to(remote)
+        assert bool(rmask.all()) is False  # known, and read from the copy
+        write(rmask)
+        write(mask)
+        assert bool(rmask.all()) is bool(mask.all())
+        trace.flush(trace.current())
+        assert bool(rmask.all()) is bool(mask.all())  # once the write ran too
+        assert torch.equal(rmask.cpu(), mask)
+
+
+def test_a_replay_that_writes_into_its_argument_drops_the_value_kept(remote):
+    def add_one(t):
+        t.add_(1)
+
+    bump = djinn.replayable(add_one)
+    for step in range(5):  # two recordings, then replays
+        counts = torch.full((4,), step)
+        rcounts = counts.to(remote)  # known: uploaded from a CPU tensor
+        bump(rcounts)
+        assert int(rcounts.sum()) == 4 * (step + 1), step
+    assert bump.stats()["replays"] == 3, bump.stats()
+
+
+def test_a_mask_moved_while_the_trace_holds_ops_is_known_once_sent(remote):
+    local = _bert()
+    model = copy.deepcopy(local).train().to(remote).eval()
+    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[0, 6:] = 0
+    with torch.no_grad():
+        for step in range(5):
+            ids = torch.randint(0, 100, (1, 8))
+            pending = encode(ids.to(remote), mask.to(remote)).sum()  # left in the trace
+            rmask = mask.to(remote)  # moved inline in the pending graph
+            assert trace.current().nodes, "the mask was expected to go inside a graph"
+            got = encode(ids.to(remote), rmask)
+            want = local(input_ids=ids, attention_mask=mask).last_hidden_state
+            assert torch.equal(got.cpu(), want), step
+            assert torch.allclose(pending.cpu(), want.sum())
+    assert encode.stats()["plain"] == {}, encode.stats()
+    assert encode.stats()["replays"] >= 6, encode.stats()
+
+
+def test_a_value_read_of_a_tensor_the_call_was_not_given_runs_it_as_it_is(remote):
+    flags = torch.tensor([1, 1, 0]).to(remote)  # read by name, not passed
+
+    def fn(x):
+        return x * 2 if bool(flags.all()) else x * 3
+
+    f = djinn.replayable(fn)
+    x = torch.randn(3)
+    for _ in range(4):
+        assert torch.equal(f(x.to(remote)).cpu(), x * 3)
+    assert f.stats()["replays"] == 0
+    assert f.stats()["plain"] == {"it read a value of a tensor it was not given": 4}, f.stats()
+
+
+def test_reads_that_the_client_cannot_compute_wait_for_the_appliance(remote):
+    ints = torch.tensor([3, 1, 2, 1]).to(remote)
+    floats = torch.tensor([0.5, 1.5]).to(remote)
+    reads = [
+        lambda: int(ints.argsort(stable=True)[0]) == 1,  # a sort: ties may order otherwise
+        lambda: float(floats.sum()) == 2.0,  # floating point
+        lambda: bool((ints * 1.5 > 2).any()),  # a float on the way
+    ]
+    for read in reads:
+        trace.flush(trace.current())
+        before = _execs()
+        assert read()
+        assert _execs() > before, "a read the client cannot compute was not sent"
+
+
+def test_bert_fine_tuned_with_padded_batches_replays_with_eagers_parameters(remote):
+    """Its head makes a loss module at each call, and its mask helper reads the mask."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64, num_labels=2,
+    )  # fmt: skip
+    local = BertForSequenceClassification(cfg).train()  # dropout on: replayed draws
+    model = copy.deepcopy(local).to(remote)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (local, model)]
+
+    def step(m, opt, ids, mask, labels):
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    run = djinn.replayable(lambda *batch: step(model, opts[1], *batch))
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[3, 4:] = 0
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        ids = torch.randint(0, 100, (4, 12), generator=gen)
+        labels = torch.randint(0, 2, (4,), generator=gen)
+        state = torch.random.get_rng_state()
+        want = step(local, opts[0], ids, mask, labels)
+        torch.random.set_rng_state(state)  # the same dropout draws
+        got = run(ids.to(remote), mask.to(remote), labels.to(remote))
+        assert torch.equal(got.cpu(), want)
+    assert run.stats()["replays"] == 4, run.stats()
+    for a, b in zip(local.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())
