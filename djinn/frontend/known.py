@@ -18,8 +18,8 @@ the mask was uploaded from a CPU tensor a moment before. So:
   the copies, when every value on the way is integer or bool and small, and every op is
   an ``aten`` op that writes into nothing and draws no random numbers (``evaluate``).
   Integer and bool kernels give the same bits on every device, so the value is the one
-  the appliance would give. A trace holding a write not sent yet is not looked into: a
-  write through a view would change a value on the way.
+  the appliance would give. Not where a write not sent yet goes into a value on the way
+  or a view of one (``_written_on_the_way``).
 - Inside a recording, such a read becomes a *guard*: the ops from the call's arguments
   (and constants) to the value, and the value. Before each replay the guards run again
   on the new arguments' copies; a different value, or an argument whose value the client
@@ -35,7 +35,7 @@ import torch
 
 from djinn.runtime.remote import RemoteTensor
 
-from .failures import written_args
+from .failures import written_args, written_values
 from .nodes import HostTensor, Pending
 
 KNOWN_MAX = 1 << 16  # elements of a tensor kept or computed on the client
@@ -257,6 +257,30 @@ class _Walk:
         return step, outs
 
 
+def _written_on_the_way(walk: _Walk, nodes: list[Any]) -> bool:
+    """Whether a node of ``nodes`` writes into a value the walk used, or into a view of
+    one (``arange``'s ``out=`` into the tensor it makes does not count)."""
+    used = set(walk.ran) | {id(obj) for kind, obj in walk.program.leaves if kind == "remote"}
+    for n in nodes:
+        if not written_args(n.op):
+            continue
+        for ref in [*written_values(n.op, n.args or (), n.kwargs or {}), *n.bases]:
+            while True:  # the written value, and what it is a view of
+                if type(ref) is RemoteTensor:
+                    if id(ref) in used:
+                        return True
+                    break
+                if type(ref) is not Pending:
+                    break
+                if id(ref.node) in used:
+                    return True
+                made = ref.node
+                if not (getattr(made.op, "is_view", False) and made.args):
+                    break
+                ref = made.args[0]
+    return False
+
+
 def evaluate(x: Any, trace: Any) -> tuple[torch.Tensor, Program] | None:
     """``x``'s value computed on the client, and the program that computed it; None
     where it cannot be (Note [values the client knows])."""
@@ -269,7 +293,7 @@ def evaluate(x: Any, trace: Any) -> tuple[torch.Tensor, Program] | None:
             marker, value = walk.ref(cell.ref)
         except Unknown:
             return None
-        if walk.ran and any(written_args(n.op) for n in trace.nodes):
+        if walk.ran and _written_on_the_way(walk, trace.nodes):
             return None  # a write not sent may change a value on the way
     if not isinstance(value, torch.Tensor):
         return None

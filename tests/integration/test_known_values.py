@@ -190,3 +190,39 @@ def test_bert_fine_tuned_with_padded_batches_replays_with_eagers_parameters(remo
     assert run.stats()["replays"] == 4, run.stats()
     for a, b in zip(local.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda b: b[0].fill_(False), id="through a view"),
+        pytest.param(lambda b: b.view(-1)[:2].zero_(), id="through a view of a view"),
+        pytest.param(lambda b: b.logical_not_(), id="in place"),
+    ],
+)
+def test_a_write_not_sent_into_a_value_on_the_way_is_seen(remote, write):
+    mask = torch.ones(2, 3, dtype=torch.long)
+    on_the_way = mask.to(remote).bool()  # not sent: computed on the client if read
+    local = mask.bool()
+    write(on_the_way)
+    write(local)
+    assert bool(on_the_way.all()) is bool(local.all()) is False
+    assert int(on_the_way.sum()) == int(local.sum())
+
+
+def test_gpt2_given_a_left_padded_mask_replays_with_eagers_bits(remote):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    local = GPT2LMHeadModel(cfg).eval()
+    model = copy.deepcopy(local).train().to(remote).eval()
+    logits = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).logits)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0  # left padding, as generation pads
+    with torch.no_grad():
+        for _ in range(5):
+            ids = torch.randint(0, 100, (2, 12))
+            want = local(input_ids=ids, attention_mask=mask).logits
+            assert torch.equal(logits(ids.to(remote), mask.to(remote)).cpu(), want)
+    assert logits.stats()["replays"] == 3, logits.stats()
