@@ -19,24 +19,33 @@ the mask was uploaded from a CPU tensor a moment before. So:
   an ``aten`` op that writes into nothing and draws no random numbers (``evaluate``).
   Integer and bool kernels give the same bits on every device, so the value is the one
   the appliance would give. Not where a write not sent yet goes into a value on the way
-  or a view of one (``_written_on_the_way``).
+  or a view of one (``_written_on_the_way``), nor where an op would make a tensor too
+  large (known from its spec before it runs). Outside a recording, the ops captured so
+  far are still sent where the read was, without waiting: the graphs are cut where they
+  were (an int read and used in the ops after it, in one graph, made a template per
+  value, each run op by op).
 - Inside a recording, such a read becomes a *guard*: the ops from the call's arguments
   (and constants) to the value, and the value. Before each replay the guards run again
   on the new arguments' copies; a different value, or an argument whose value the client
-  does not know, records the call again (``Program.check``). A read that cannot be
-  evaluated so waits for the appliance as before, and the call runs as it is.
+  does not know, records the call again (``read_now``), or replays the recording kept for
+  the values read now (a key keeps one per set of values, at most
+  ``replayable.MAX_READ_SETS`` besides its first; past that, a call whose values are new
+  runs as it is). A read that cannot be evaluated so waits for the appliance as before,
+  and the call runs as it is.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from djinn.runtime.remote import RemoteTensor
 
-from .failures import written_args, written_values
+from .failures import written_args
 from .nodes import HostTensor, Pending
+from .writes import written_roots
 
 KNOWN_MAX = 1 << 16  # elements of a tensor kept or computed on the client
 NODES_MAX = 64  # ops run on the client for one read
@@ -240,6 +249,10 @@ class _Walk:
             or len(self.ran) >= NODES_MAX
         ):
             raise Unknown
+        for spec in node.specs or ():  # what it would make, before making it
+            shape = getattr(spec, "shape", None)
+            if shape is not None and (spec.dtype not in _EXACT or math.prod(shape) > KNOWN_MAX):
+                raise Unknown
         args = [self.ref(a) for a in node.args]
         kwargs = {k: self.ref(v) for k, v in node.kwargs.items()}
         try:
@@ -262,22 +275,11 @@ def _written_on_the_way(walk: _Walk, nodes: list[Any]) -> bool:
     one (``arange``'s ``out=`` into the tensor it makes does not count)."""
     used = set(walk.ran) | {id(obj) for kind, obj in walk.program.leaves if kind == "remote"}
     for n in nodes:
-        if not written_args(n.op):
+        if not n.bases and not written_args(n.op):
             continue
-        for ref in [*written_values(n.op, n.args or (), n.kwargs or {}), *n.bases]:
-            while True:  # the written value, and what it is a view of
-                if type(ref) is RemoteTensor:
-                    if id(ref) in used:
-                        return True
-                    break
-                if type(ref) is not Pending:
-                    break
-                if id(ref.node) in used:
-                    return True
-                made = ref.node
-                if not (getattr(made.op, "is_view", False) and made.args):
-                    break
-                ref = made.args[0]
+        for ref in written_roots(n):
+            if id(ref.node if type(ref) is Pending else ref) in used:
+                return True
     return False
 
 

@@ -18,7 +18,6 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import replay_follow, seeded
 from . import trace as trace_mod
-from .failures import written_values
 from .nodes import Pending
 from .replay_key import PLAIN, Miss, State, Used
 from .replay_run import same_bytes
@@ -32,6 +31,7 @@ from .replay_steps import (
     steps_find_their_gradients,
     steps_read_gradients,
 )
+from .writes import written_roots
 
 
 @dataclass
@@ -81,6 +81,9 @@ class Record:
     # the values the call read that the client computed, each checked again before a
     # replay (Note [values the client knows], known.py)
     guards: list[Any] = field(default_factory=list, repr=False, compare=False)
+    # the keys of the recordings of the same call with other values read (its first only;
+    # replayable.MAX_READ_SETS)
+    read_sets: set[Any] = field(default_factory=set, repr=False, compare=False)
     same: int = 1  # recordings in a row that gave this record
     unlike: int = 0  # recordings in a row unlike the one before
 
@@ -312,9 +315,10 @@ def guarded(guards: list[Any], tensors: list[Any]) -> list[Any]:
 
 
 def _written(nodes: list[Any]) -> set[str]:
-    """The handles ``nodes`` write into."""
-    return {v.handle for n in nodes for v in written_values(n.op, n.args, n.kwargs)
-            if isinstance(v, RemoteTensor)}  # fmt: skip
+    """The handles ``nodes`` write into, through a view of one too (``state[0] += 1``:
+    its replays bumped no version and left a value the client kept of the argument
+    stale, a review found: the next call's guard read the old value)."""
+    return {v.handle for n in nodes for v in written_roots(n) if type(v) is RemoteTensor}
 
 
 def _record_of(

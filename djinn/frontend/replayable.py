@@ -117,6 +117,11 @@ PAUSE_CALLS = 16  # calls run as they are before such a key records again (a war
 # A replay that finds its state changed records, and the recording is compared with the
 # one before as any is (it replays from the next call when they match).
 MAX_MISSES = 2
+# Note [values the client knows] (known.py): sets of values read a key records besides its
+# first; a read whose value changes at every call (a count of padded tokens) then runs as
+# it is rather than recording at every call (a review: 2x a plain call's time)
+MAX_READ_SETS = 3
+VARIED = "the values it reads change from call to call"
 MAX_PAUSE = 256
 
 
@@ -171,6 +176,9 @@ class Replayable:
             rec = self._records.get(k)
             if isinstance(rec, Record) and rec.guards:
                 k, rec = self._by_reads(k, rec, tensors)
+                if rec is VARIED:
+                    self._stats.plain[VARIED] += 1
+                    return self.fn(*args, **kwargs)
             if rec is not None:
                 self._records.move_to_end(k)
             if isinstance(rec, tuple):  # unlike recordings: a pause (MAX_UNLIKE)
@@ -215,8 +223,13 @@ class Replayable:
         now = known.read_now(rec.guards, tensors, tr)
         if now == [g.value for g in rec.guards]:
             return k, rec
-        k = (k, "read", tuple(now))
-        return k, self._records.get(k)
+        sub = (k, "read", tuple(now))
+        got = self._records.get(sub)
+        if got is None:
+            if sub not in rec.read_sets and len(rec.read_sets) >= MAX_READ_SETS:
+                return sub, VARIED
+            rec.read_sets.add(sub)
+        return sub, got
 
     def _missed(self, k: Any) -> bool:
         """A replay of ``k`` found what it is checked by changed; whether ``k`` now pauses
@@ -356,6 +369,9 @@ class Replayable:
     def _store(self, k: Any, rec: Record, empty: dict[int, bool]) -> None:
         """Keep a recording, with whether each gradient it sets was None as it began."""
         rec.empty = [empty.get(id(t)) for _k, t, _spec in rec.grads]
+        old = self._records.get(k)
+        if isinstance(old, Record):  # recorded again: the other values it read still count
+            rec.read_sets = old.read_sets
         self._keep(k, rec)
 
     def _keep(self, k: Any, rec: Record | str | tuple) -> None:

@@ -37,7 +37,7 @@ import torch
 from djinn.runtime.remote import RemoteTensor
 
 from .failures import written_args, written_values
-from .nodes import Node, Storage
+from .nodes import Node, Pending, Storage
 from .trace import Trace, flush
 
 
@@ -105,6 +105,23 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
                 ref.writer = node
                 ref.known = None
     node.bases = tuple(bases)
+
+
+def written_roots(node: Node) -> list[Any]:
+    """The handles and pending values ``node`` writes into, each with every value it is a
+    view of, along the view ops that made it from another (``bases`` misses a view's
+    base where autograd keeps none: an inference tensor's views)."""
+    out: list[Any] = []
+    writes = written_args(node.op)
+    direct = written_values(node.op, node.args or (), node.kwargs or {}) if writes else []
+    for ref in [*direct, *node.bases]:
+        while isinstance(ref, (RemoteTensor, Pending)):
+            out.append(ref)
+            made = ref.node if isinstance(ref, Pending) else None
+            if made is None or not (getattr(made.op, "is_view", False) and made.args):
+                break
+            ref = made.args[0]
+    return out
 
 
 def forget_known(t: Any) -> None:
