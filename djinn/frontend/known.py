@@ -20,10 +20,12 @@ the mask was uploaded from a CPU tensor a moment before. So:
   Integer and bool kernels give the same bits on every device, so the value is the one
   the appliance would give. Not where a write not sent yet goes into a value on the way
   or a view of one (``_written_on_the_way``), nor where an op would make a tensor too
-  large (known from its spec before it runs). Outside a recording, the ops captured so
-  far are still sent where the read was, without waiting: the graphs are cut where they
-  were (an int read and used in the ops after it, in one graph, made a template per
-  value, each run op by op).
+  large (known from its spec before it runs). Outside a recording, where ops the client
+  could not compute wait to be sent, they are sent where the read was and waited for, as
+  the read did before: the graphs are cut where they were (an int read and used in the
+  ops after it, in one graph, made a template per value, each run op by op), and an
+  error of those ops is the read's (a singular ``inv``'s check; sent without waiting, a
+  review found it raised later, on another thread that landed it, or never).
 - Inside a recording, such a read becomes a *guard*: the ops from the call's arguments
   (and constants) to the value, and the value. Before each replay the guards run again
   on the new arguments' copies; a different value, or an argument whose value the client
@@ -301,3 +303,16 @@ def evaluate(x: Any, trace: Any) -> tuple[torch.Tensor, Program] | None:
         return None
     walk.program.out = marker
     return value, walk.program
+
+
+def computable(trace: Any) -> bool:
+    """Whether the client could compute every op ``trace`` holds not sent yet: only the
+    ops of reads it computed, which need not go now (Note [values the client knows])."""
+    with trace.lock:
+        walk = _Walk(trace)
+        try:
+            for node in trace.nodes:
+                walk.node(node)
+        except Unknown:
+            return False
+    return True

@@ -93,12 +93,9 @@ def _item(func: Any, args: tuple, kwargs: dict) -> Any:
     if trace.guards is not None:  # a recording: its replays check the value again
         program.read, program.value = func, out
         trace.guards.append(program)
-    elif trace.nodes:
-        # sent as a read would have sent it, but not waited for: a graph cut where the
-        # read was keeps its template when the value goes into the ops after it (an int
-        # that changes every call made one graph of both a template per value, each run
-        # op by op: a plain BERT call reading a token count, 31-33 ms against 23-29)
-        flush(trace, wait=False)
+    elif trace.nodes and not known.computable(trace):
+        # sent and waited for as the read did before (Note [values the client knows])
+        flush(trace)
     return out
 
 

@@ -56,29 +56,34 @@ def test_bert_given_an_attention_mask_replays_padded_and_unpadded_batches_with_e
     assert stats["keys"] == 2, stats
 
 
-def test_a_read_of_an_uploaded_masks_value_waits_for_nothing(remote, monkeypatch):
-    from djinn.runtime.channel import Channel
-
+def test_a_read_of_an_uploaded_masks_value_sends_nothing_of_its_own(remote):
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     rmask = mask.to(remote)
-    x = torch.randn(2, 3)
     trace.flush(trace.current())  # the put's reply: nothing else is waited for below
-    waits = []
-    call = Channel.call
-
-    def counted(channel, kind, *rest, **kw):
-        if kind != Kind.HEARTBEAT:  # the heartbeat thread's, whenever it beats
-            waits.append(kind)
-        return call(channel, kind, *rest, **kw)
-
-    monkeypatch.setattr(Channel, "call", counted)
-    y = x.to(remote) * 2  # pending: sent where the reads are (as before), not waited for
+    before = _execs()
     assert bool(rmask[:, -2:].bool().all()) is False
     assert int((rmask == 0).sum()) == 1
     assert rmask.sum().item() == 5
-    assert waits == [], f"a read of a known value waited for {waits}"
-    monkeypatch.undo()
+    assert _execs() == before, "a read of a known value sent a graph"
+    # ops the client cannot compute go where the read is, and are waited for, as before
+    x = torch.randn(2, 3)
+    y = x.to(remote) * 2
+    assert bool((rmask == 1).any()) is True
+    assert not trace.current().nodes
+    assert _execs() > before
     assert torch.equal(y.cpu(), x * 2)
+
+
+def test_an_error_of_the_ops_before_a_read_is_the_reads_as_before(remote):
+    """A review's case: sent without waiting, a singular inv's check raised later, on
+    another thread that landed it, or never."""
+    from djinn.errors import DjinnError
+
+    counts = torch.tensor([1, 2, 3]).to(remote)
+    torch.linalg.inv(torch.zeros(2, 2).to(remote))  # eager raises here
+    with pytest.raises(DjinnError, match="_linalg_check_errors"):
+        int(counts.sum())
+    assert torch.equal((counts * 2).cpu(), torch.tensor([2, 4, 6]))
 
 
 @pytest.mark.parametrize(
