@@ -62,11 +62,13 @@ _EXACT = {
 _CPU = torch.device("cpu")
 # The ops run on the client: those whose integer results are the same on every device.
 # Not a sort, top-k, unique or arg-reduction (ties may come out in another order on
-# another device), nor ``empty`` (its values are whatever the memory held).
+# another device), nor ``empty`` (its values are whatever the memory held), nor
+# ``as_strided`` (it reads the storage, which a copy on the client need not lay out as
+# the appliance's does).
 _OPS = frozenset(
     {
         # views and copies
-        "alias", "as_strided", "clone", "contiguous", "expand", "flatten", "flip",
+        "alias", "clone", "contiguous", "expand", "flatten", "flip",
         "lift_fresh", "lift_fresh_copy", "narrow", "permute", "repeat", "reshape",
         "roll", "select", "slice", "split", "split_with_sizes", "squeeze", "t",
         "transpose", "unbind", "unflatten", "unsqueeze", "view", "_reshape_alias",
