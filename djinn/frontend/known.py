@@ -99,10 +99,10 @@ def exact(t: torch.Tensor) -> bool:
 
 
 def remember(remote: RemoteTensor, value: torch.Tensor, storage: Any) -> None:
-    """``remote`` was uploaded from ``value``: keep a copy (Note [values the client
-    knows]); ``storage``, the mark the tensor bound to it shares with its views."""
-    if exact(value) and value.device.type == "cpu" and not value.is_complex():
-        remote.known = (value.detach().clone(), storage)
+    """``remote`` was uploaded from ``value``, a CPU tensor the caller found ``exact``:
+    keep a copy (Note [values the client knows]); ``storage``, the mark the tensor bound
+    to it shares with its views."""
+    remote.known = (value.detach().clone(), storage)
 
 
 def known_value(remote: RemoteTensor) -> torch.Tensor | None:
@@ -197,14 +197,12 @@ class _Walk:
         self.program = Program()
         self.ran: dict[int, tuple[int, Any]] = {}  # id(node) -> (step, its outputs)
         self.leaf_at: dict[int, int] = {}  # id(leaf object) -> leaf index
-        self.leaf_values: list[torch.Tensor] = []
 
     def leaf(self, kind: str, obj: Any, value: torch.Tensor) -> tuple[Any, Any]:
         at = self.leaf_at.get(id(obj))
         if at is None:
             at = self.leaf_at[id(obj)] = len(self.program.leaves)
             self.program.leaves.append((kind, obj))
-            self.leaf_values.append(value)
         return _Leaf(at), value
 
     def ref(self, ref: Any) -> tuple[Any, Any]:

@@ -174,8 +174,9 @@ class Replayable:
                 self._stats.plain[str(why)] += 1
                 return self.fn(*args, **kwargs)
             rec = self._records.get(k)
+            checked = False  # its guards found true on these arguments (_by_reads)
             if isinstance(rec, Record) and rec.guards:
-                k, rec = self._by_reads(k, rec, tensors)
+                k, rec, checked = self._by_reads(k, rec, tensors)
                 if rec is VARIED:
                     self._stats.plain[VARIED] += 1
                     return self.fn(*args, **kwargs)
@@ -193,7 +194,7 @@ class Replayable:
                 return self.fn(*args, **kwargs)
             if rec is not None and rec.same >= self.after and not rec.unwatched:
                 try:
-                    out = replay(rec, tensors, self._label, self._stats)
+                    out = replay(rec, tensors, self._label, self._stats, checked=checked)
                 except Miss as why:
                     self._stats.plain[str(why)] += 1
                     if rec.state.now() is None or any(w() is None for w in rec.steps):
@@ -212,24 +213,25 @@ class Replayable:
                     return out
             return self._record(k, args, kwargs, tensors)
 
-    def _by_reads(self, k: Any, rec: Record, tensors: list[Any]) -> tuple[Any, Any]:
+    def _by_reads(self, k: Any, rec: Record, tensors: list[Any]) -> tuple[Any, Any, bool]:
         """Note [values the client knows] (known.py): a key whose recording read values
         the client computed keeps a recording per set of values read (a batch with
         padding, one without), each under the key and those values; the first under the
-        key alone."""
+        key alone. The key and recording for ``tensors``, and whether its guards were
+        found true (a replay need not run them again)."""
         tr = trace_mod.current()
         if tr.nodes:
             trace_mod.flush(tr)  # the arguments' own ops run first
         now = known.read_now(rec.guards, tensors, tr)
         if now == [g.value for g in rec.guards]:
-            return k, rec
+            return k, rec, True
         sub = (k, "read", tuple(now))
         got = self._records.get(sub)
         if got is None:
             if sub not in rec.read_sets and len(rec.read_sets) >= MAX_READ_SETS:
-                return sub, VARIED
+                return sub, VARIED, False
             rec.read_sets.add(sub)
-        return sub, got
+        return sub, got, False
 
     def _missed(self, k: Any) -> bool:
         """A replay of ``k`` found what it is checked by changed; whether ``k`` now pauses
