@@ -62,6 +62,7 @@ from . import (
     attention,
     autocast,
     device_module,
+    dynamo_skip,
     factories,
     hook_errors,
     hooks,
@@ -378,6 +379,8 @@ META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
 RECORDING_HOOKS = Attachment("recording_hooks", _attach_recording_hooks, _detach_hooks)
+# Note [dynamo skips djinn] (dynamo_skip.py)
+DYNAMO_SKIP = Attachment("dynamo_skip", dynamo_skip.attach, dynamo_skip.detach)
 ALL = (
     BACKEND,
     KERNELS,
@@ -388,8 +391,16 @@ ALL = (
     CUDA_QUERIES,
     META_PARAMETERS,
     RECORDING_HOOKS,
+    DYNAMO_SKIP,
 )
-_DEVICE = (BACKEND, KERNELS, SERIALIZATION, FOREACH_TYPES, BACKWARD_HOOKS)  # `import djinn`
+_DEVICE = (  # `import djinn`
+    BACKEND,
+    KERNELS,
+    SERIALIZATION,
+    FOREACH_TYPES,
+    BACKWARD_HOOKS,
+    DYNAMO_SKIP,
+)
 _registered = False
 
 

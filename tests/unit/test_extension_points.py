@@ -105,3 +105,26 @@ def test_meta_parameters_are_scoped_to_the_building_thread():
         """
     )
     assert out == "meta cpu cpu"
+
+
+def test_dynamo_skips_djinns_files_whether_it_is_imported_before_or_after():
+    """Note [dynamo skips djinn]: without paying dynamo's import in `import djinn`."""
+    for dynamo_first in (False, True):
+        out = _run(
+            f"""
+            import sys
+            import torch
+            if {dynamo_first}:
+                import torch._dynamo
+            import djinn
+            import djinn.frontend.extension_points as ep
+            print("loaded" if "torch._dynamo" in sys.modules else "not-loaded")
+            import torch._dynamo.trace_rules as rules
+            print(rules.check_file(ep.__file__).skipped)
+            print(any(type(f).__name__ == "_WhenLoaded" for f in sys.meta_path))
+            ep.unregister()
+            print(rules.check_file(ep.__file__).skipped)
+            """
+        )
+        loaded = "loaded" if dynamo_first else "not-loaded"
+        assert out.split() == [loaded, "True", "False", "False"], out
