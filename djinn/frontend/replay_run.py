@@ -45,6 +45,15 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
+def flush_arguments(tr: Any, tensors: list[Any]) -> None:
+    """Send what ``tr`` holds (the call's arguments' own ops run first), keeping on the
+    arguments' new handles the values the client could compute of them (``known.carried``:
+    a slice of an uploaded mask), which the call's reads and a replay's checks use."""
+    carried = known.carried(tensors, tr)
+    trace_mod.flush(tr)
+    known.keep_carried(carried)
+
+
 def replay(
     rec: Record, tensors: list[Any], label: str, stats: Any = None, *, checked: bool = False
 ) -> Any:
@@ -56,7 +65,7 @@ def replay(
 
     tr = trace_mod.current()
     if tr.nodes:
-        trace_mod.flush(tr)  # the arguments' own ops run first
+        flush_arguments(tr, tensors)
     if (
         not checked
         and rec.guards

@@ -101,7 +101,7 @@ from . import extension_points, known, replay_follow, seeded
 from . import trace as trace_mod
 from .replay_key import Miss, Used, Watch, key, named_tensors
 from .replay_record import Record, guarded, recorded
-from .replay_run import replay
+from .replay_run import flush_arguments, replay
 
 MAX_KEYS = 16  # recordings kept per function, the least recently used let go
 # recordings in a row unlike the one before after which a key stops recording: its graph
@@ -221,7 +221,7 @@ class Replayable:
         found true (a replay need not run them again)."""
         tr = trace_mod.current()
         if tr.nodes:
-            trace_mod.flush(tr)  # the arguments' own ops run first
+            flush_arguments(tr, tensors)
         now = known.read_now(rec.guards, tensors, tr)
         if now == [g.value for g in rec.guards]:
             return k, rec, True
@@ -276,7 +276,7 @@ class Replayable:
             else {}
         )
         tr = trace_mod.current()
-        trace_mod.flush(tr)  # what came before runs first: the graph holds fn's ops only
+        flush_arguments(tr, tensors)  # what came before runs first: the graph holds fn's only
         with tr.lock:  # until its graph is sent (Note [writes another thread captured])
             tr.recording += 1
         try:

@@ -277,3 +277,45 @@ def test_a_value_read_that_changes_at_every_call_stops_recording(remote):
     stats = f.stats()
     assert stats["recordings"] == 1 + MAX_READ_SETS, stats
     assert stats["plain"] == {VARIED: 12 - 1 - MAX_READ_SETS}, stats
+
+
+@pytest.mark.parametrize(
+    "derive",
+    [
+        pytest.param(lambda m, r: m.to(r)[:, :10], id="a slice of an upload"),
+        pytest.param(lambda m, r: m[:, :10].bool().to(r).long(), id="cast after the upload"),
+        pytest.param(
+            lambda m, r: (m[:, :10].to(r) > 0).to(torch.long), id="compared after the upload"
+        ),
+    ],
+)
+def test_a_mask_derived_from_an_upload_outside_the_call_replays(remote, derive):
+    """The first review of stop 46's variants: the flush before a recording (or before a
+    replay's checks) sent the ops that made the argument, and its handle had no copy, so
+    the model's mask read ran the call as it is at every call."""
+    local = _bert()
+    model = copy.deepcopy(local).train().to(remote).eval()
+    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        for step in range(6):
+            ids = torch.randint(0, 100, (2, 10))
+            want = local(input_ids=ids, attention_mask=mask[:, :10]).last_hidden_state
+            got = encode(ids.to(remote), derive(mask, remote)).cpu()
+            assert torch.equal(got, want), step
+    stats = encode.stats()
+    assert stats["plain"] == {}, stats
+    assert stats["replays"] == 4, stats
+
+
+def test_a_derived_mask_written_before_the_call_is_not_taken_for_its_upload(remote):
+    f = djinn.replayable(lambda x, m: x * 2 if bool(m.all()) else x * 3)
+    x = torch.randn(3)
+    for step in range(6):
+        m = torch.ones(3, dtype=torch.long).to(remote)[:2]
+        if step % 2:
+            m[0] = 0  # pending, into the value the call is given
+        want = x * 3 if step % 2 else x * 2
+        assert torch.equal(f(x.to(remote), m).cpu(), want), step
+    assert f.stats()["replays"] > 0, f.stats()
