@@ -13,51 +13,77 @@ package is in dynamo's skip list (``trace_rules.SKIP_DIRS``, as numpy's is), and
 runs its frames as plain Python.
 
 Importing dynamo costs about 2 s, which ``import djinn`` must not pay: if it is not
-loaded yet, a finder on ``sys.meta_path`` waits for its ``trace_rules`` module, adds
-the skip once that module has run, and takes itself out.
+loaded yet, a finder on ``sys.meta_path`` waits for its ``trace_rules`` module and hands
+it back with a loader of its own, which runs the usual one and then adds the skip. The
+finder stays in the list, spent, until ``detach``: taking it out from inside
+``find_spec`` could make another thread's import, looping over the list, miss the finder
+after it. The usual loader is wrapped, not patched: zipimport's and frozen applications'
+loaders serve many modules with one object, and a review's patched one ran the skip on
+every dynamo module after ``trace_rules`` (dynamo could no longer be imported). A
+failure to add the skip (a torch whose ``trace_rules`` changed) never fails the import.
+``importlib.reload`` of ``trace_rules`` drops the skip (it rebuilds ``SKIP_DIRS``).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import sys
 from typing import Any
+
+log = logging.getLogger("djinn.frontend")
 
 _RULES = "torch._dynamo.trace_rules"
 
 
 def _skip(rules: Any) -> str | None:
     """Add Djinn's package to ``rules``' skip list; the directory added, to take out."""
-    before = list(rules.SKIP_DIRS)
-    rules.add("djinn")
-    added = [d for d in rules.SKIP_DIRS if d not in before]
+    try:
+        before = list(rules.SKIP_DIRS)
+        rules.add("djinn")
+        added = [d for d in rules.SKIP_DIRS if d not in before]
+    except Exception:  # dynamo compiles Djinn's frames then, as before
+        log.debug("djinn: could not add the package to dynamo's skip list", exc_info=True)
+        return None
     return added[0] if added else None
 
 
+class _ThenSkip(importlib.abc.Loader):
+    """``trace_rules``' usual loader, then the skip; anything else is the usual one's."""
+
+    def __init__(self, loader: Any, finder: _WhenLoaded) -> None:
+        self._loader = loader
+        self._finder = finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        self._finder.added = _skip(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename...
+        return getattr(self._loader, name)
+
+
 class _WhenLoaded(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands ``trace_rules`` to the usual finders, and adds the
-    skip once the module has run."""
+    """Finds nothing itself: hands ``trace_rules`` to the usual finders, with a loader
+    that adds the skip once the module has run; spent after that."""
 
     def __init__(self) -> None:
         self.added: str | None = None
+        self.spent = False
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _RULES:
+        if name != _RULES or self.spent:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)  # once; and the lookup below must not find us
+        self.spent = True  # and the lookup below must not come back here
         spec = importlib.util.find_spec(name)
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            self.added = _skip(module)
-
-        loader.exec_module = exec_module  # this spec's own loader object
+        spec.loader = _ThenSkip(loader, self)
         return spec
 
 
@@ -76,7 +102,6 @@ def detach(state: Any) -> None:
     if isinstance(state, _WhenLoaded):
         if state in sys.meta_path:
             sys.meta_path.remove(state)
-            return
         rules, added = sys.modules.get(_RULES), state.added
     else:
         rules, added = state

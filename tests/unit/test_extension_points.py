@@ -121,10 +121,50 @@ def test_dynamo_skips_djinns_files_whether_it_is_imported_before_or_after():
             print("loaded" if "torch._dynamo" in sys.modules else "not-loaded")
             import torch._dynamo.trace_rules as rules
             print(rules.check_file(ep.__file__).skipped)
-            print(any(type(f).__name__ == "_WhenLoaded" for f in sys.meta_path))
             ep.unregister()
             print(rules.check_file(ep.__file__).skipped)
+            print(any(type(f).__name__ == "_WhenLoaded" for f in sys.meta_path))
             """
         )
         loaded = "loaded" if dynamo_first else "not-loaded"
         assert out.split() == [loaded, "True", "False", "False"], out
+
+
+def test_dynamo_still_imports_when_one_loader_serves_all_its_modules():
+    """A review's case: zipimport's and frozen applications' loaders serve many modules
+    with one object; the skip patched onto it ran on every dynamo module after
+    trace_rules, and dynamo could not be imported."""
+    out = _run(
+        """
+        import importlib.abc, importlib.machinery, importlib.util, sys
+        import torch
+        import djinn
+
+        class Shared(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path, target=None):
+                if not name.startswith("torch._dynamo"):
+                    return None
+                spec = importlib.machinery.PathFinder.find_spec(name, path)
+                if spec is None or type(spec.loader) is not importlib.machinery.SourceFileLoader:
+                    return None
+                return importlib.util.spec_from_file_location(
+                    name, spec.origin, loader=self,
+                    submodule_search_locations=spec.submodule_search_locations,
+                )
+
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                with open(module.__spec__.origin) as f:
+                    code = compile(f.read(), module.__spec__.origin, "exec")
+                exec(code, module.__dict__)
+
+        sys.meta_path.insert(1, Shared())
+        import torch._dynamo.trace_rules as rules
+        import djinn.frontend.extension_points as ep
+        print(torch.compile(lambda x: x * 2 + 1)(torch.ones(2)).tolist())
+        print(rules.check_file(ep.__file__).skipped)
+        """
+    )
+    assert out.split("\n") == ["[3.0, 3.0]", "True"], out
