@@ -47,7 +47,7 @@ from djinn.runtime.remote import RemoteTensor
 
 from .failures import written_args
 from .nodes import HostTensor, Pending
-from .writes import shared_storage, written_roots
+from .writes import WRITES, shared_storage, written_roots
 
 KNOWN_MAX = 1 << 16  # elements of a tensor kept or computed on the client
 NODES_MAX = 64  # ops run on the client for one read
@@ -305,12 +305,14 @@ def evaluate(x: Any, trace: Any) -> tuple[torch.Tensor, Program] | None:
     return value, walk.program
 
 
-def carried(tensors: list[Any], trace: Any) -> list[tuple[Any, torch.Tensor]]:
+def carried(tensors: list[Any], trace: Any) -> tuple[int, list[tuple[Any, torch.Tensor]]]:
     """The values of a call's arguments made by ops of ``trace`` not sent yet that the
     client can compute (a slice or a cast of an uploaded mask, made before the call), for
     ``keep_carried`` once the flush before a recording or a replay's checks has sent those
     ops: without a copy on the handle, the call's read of it could not be computed, and
-    the call ran as it is at every call (a review's variants of stop 46's BERT)."""
+    the call ran as it is at every call (a review's variants of stop 46's BERT). With
+    them, the count of writes so far (``writes.WRITES``)."""
+    writes = WRITES[0]
     out = []
     for t in tensors:
         cell = t.__dict__.get("_b")
@@ -318,13 +320,19 @@ def carried(tensors: list[Any], trace: Any) -> list[tuple[Any, torch.Tensor]]:
             got = evaluate(t, trace)
             if got is not None:
                 out.append((t, got[0]))
-    return out
+    return writes, out
 
 
-def keep_carried(pairs: list[tuple[Any, torch.Tensor]]) -> None:
-    """Each value ``carried`` computed, kept on its tensor's handle now that it has one.
-    A write into it or its storage since (a thread's, in between) marked the storage,
-    and ``known_value`` then drops it."""
+def keep_carried(carried: tuple[int, list[tuple[Any, torch.Tensor]]]) -> None:
+    """Each value ``carried`` computed, kept on its tensor's handle now that it has one;
+    none if any write was captured (or a replay's forgotten) on any thread since. Another
+    thread's write into an upload the value was computed from, sent between ``carried``
+    and the flush, made the appliance's value differ from the client's, and a copy (a
+    cast) shares no storage mark with that upload to show it: a review's replay then
+    took the wrong branch at every call."""
+    writes, pairs = carried
+    if WRITES[0] != writes:
+        return
     for t, value in pairs:
         ref = t.__dict__["_b"].ref
         if type(ref) is RemoteTensor and ref.known is None and ref.failed is None:

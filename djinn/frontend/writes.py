@@ -72,6 +72,11 @@ def shared_storage(x: Any) -> Storage | None:
     return cell.storage
 
 
+# writes recorded or forgotten so far, on any thread: a value the client computed before
+# a flush is kept after it only if none came in between (known.carried, a review's race)
+WRITES = [0]
+
+
 def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     """What captured ``node`` (``func``) writes into, in one walk of its written values:
     ``node.bases``, the values of the bases of the views it writes into, as they are now
@@ -83,6 +88,7 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     them."""
     if not written_args(func):
         return
+    WRITES[0] += 1
     optimizer = func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
     bases: list[Any] = []
     for t in written_values(func, args, kwargs):
@@ -128,6 +134,7 @@ def forget_known(t: Any) -> None:
     """A write into ``t`` that no captured op records (a replay's, a followed step's):
     a value the client kept of it, or of a tensor it is a view of, no longer holds (Note
     [values the client knows], known.py)."""
+    WRITES[0] += 1
     cell = t.__dict__.get("_b")
     if cell is None:
         return

@@ -319,3 +319,43 @@ def test_a_derived_mask_written_before_the_call_is_not_taken_for_its_upload(remo
         want = x * 3 if step % 2 else x * 2
         assert torch.equal(f(x.to(remote), m).cpu(), want), step
     assert f.stats()["replays"] > 0, f.stats()
+
+
+def test_a_write_by_another_thread_before_the_flush_is_not_lost(remote, monkeypatch):
+    """A review's race: the value of an argument made from an upload (``u.long()``) was
+    computed before the flush that sends it; another thread's write into the upload, sent
+    in between, changed what the appliance computed, and the copy (a cast shares no
+    storage mark with the upload) kept the old value: the replays took the wrong branch."""
+    import threading
+
+    u = torch.ones(4, dtype=torch.int32).to(remote)
+    flush, main, hit = trace.flush, threading.get_ident(), []
+
+    def write_between(tr, *args, **kwargs):
+        if threading.get_ident() == main and armed and not hit:
+            hit.append(1)
+
+            def other():
+                u[0] = 0
+                u.cpu()  # sent now
+
+            worker = threading.Thread(target=other)
+            worker.start()
+            worker.join()
+        return flush(tr, *args, **kwargs)
+
+    monkeypatch.setattr(trace, "flush", write_between)
+    f = djinn.replayable(lambda x, m: x + m.sum() if bool(m.all()) else x - 100)
+    x = torch.zeros(2)
+    armed = False
+    rx = x.to(remote)
+    flush(trace.current())
+    t = u.long()  # pending: the call's flush sends it
+    armed = True
+    got = f(rx, t).cpu().tolist()
+    assert hit == [1], "the other thread did not write in the window"
+    assert got == [-100.0, -100.0]
+    assert t.cpu().tolist() == [0, 1, 1, 1]
+    assert bool(t.all()) is False and t.sum().item() == 3
+    for _ in range(3):
+        assert f(x.to(remote), t).cpu().tolist() == [-100.0, -100.0]
