@@ -291,14 +291,18 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         trace.follower.abort("its steps read a value")  # Note [followed steps]
     cell = x.__dict__["_b"]
     storage = cell.storage  # a view, or viewed: a write into any of them counts
-    if storage is not None and storage.writer is not None:
-        writes.writes_sent(storage, trace)
+    if storage is not None:
+        writes.mark_read(storage, trace)  # Note [reads another thread captured]
+        if storage.writer is not None:
+            writes.writes_sent(storage, trace)
     ref = cell.ref
     kind = type(ref)
     # the common cases first, without the checks below (an optimizer step's lists make
     # them most of a capture): a live handle no other thread has a write into pending,
     # or an output of this trace's node not yet sent
     if kind is RemoteTensor:
+        if ref.reader is not trace:
+            writes.mark_read(ref, trace)
         writer = ref.writer
         if ref.failed is None and (writer is None or writer.trace is trace):
             return ref

@@ -127,10 +127,13 @@ class Storage:
     Held by the cells, not the other way: a base cell kept alive by its views would count
     as a holder of its node's output (Note [bindings])."""
 
-    __slots__ = ("writer", "written")
+    __slots__ = ("reader", "writer", "written")
 
     def __init__(self) -> None:
         self.writer: Node | None = None
+        # the trace that last captured an op taking any of them (Note [reads another
+        # thread captured], writes.py)
+        self.reader: Any = None
         # once anything wrote into it: a value the client kept of it no longer holds
         # (Note [values the client knows], known.py)
         self.written = False

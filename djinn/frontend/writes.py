@@ -61,6 +61,36 @@ def writes_sent(ref: RemoteTensor | Storage, trace: Trace) -> None:
         flush(node.trace, wait=False, unless_recording=True)
 
 
+def mark_read(obj: RemoteTensor | Storage, trace: Trace) -> None:
+    """``trace`` captured an op taking ``obj``, a handle or a ``Storage`` views share
+    (Note [reads another thread captured]). Other readers whose ops may still be pending
+    stay with it: the write's own thread reads the tensor too (``u[0] = 0`` takes ``u``
+    in its ``select``) before it writes."""
+    old = obj.reader
+    if old is None or old is trace:
+        obj.reader = trace
+        return
+    keep = tuple(t for t in (old if type(old) is tuple else (old,)) if t is not trace and t.nodes)
+    obj.reader = (*keep, trace) if keep else trace
+
+
+def readers_sent(reader: Any, trace: Trace) -> None:
+    """Note [reads another thread captured]: an op another thread captured that takes a
+    tensor and is not sent yet must run before a write into the tensor captured now, on
+    ``trace``, as it ran before it in eager. Without this, the write's thread sent it
+    first at its next read, and the other thread's ``u.long()``, captured before
+    ``u[0] = 0``, came back with the write in it (a review). So the traces of the ops
+    that took it (``reader``: one, or a tuple, ``mark_read``) are sent first, as
+    ``writes_sent`` sends a write's trace before another thread's read. Not while a
+    replayable call records there: a write racing a call that has not returned may land
+    inside it, as in eager."""
+    if reader is None or reader is trace:
+        return
+    for t in reader if type(reader) is tuple else (reader,):
+        if t is not trace and t.nodes:
+            flush(t, wait=False, unless_recording=True)
+
+
 def shared_storage(x: Any) -> Storage | None:
     """The ``Storage`` ``x`` shares with the views made of it (made now if none is yet);
     None for a tensor with no cell."""
@@ -98,9 +128,11 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
         if cell is None:
             continue
         if type(cell.ref) is RemoteTensor:
+            readers_sent(cell.ref.reader, node.trace)
             cell.ref.writer = node
             cell.ref.known = None  # Note [values the client knows] (known.py)
         if cell.storage is not None:
+            readers_sent(cell.storage.reader, node.trace)
             cell.storage.writer = node
             cell.storage.written = True
         base = None if optimizer else t._base
@@ -108,6 +140,7 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
             ref = base.__dict__["_b"].ref
             bases.append(ref)
             if type(ref) is RemoteTensor:
+                readers_sent(ref.reader, node.trace)
                 ref.writer = node
                 ref.known = None
     node.bases = tuple(bases)

@@ -27,6 +27,7 @@ class RemoteTensor:
         "failed",
         "handle",
         "known",
+        "reader",
         "session",
         "shape",
         "strides",
@@ -51,6 +52,10 @@ class RemoteTensor:
         # another thread sends its trace first (Note [writes another thread captured],
         # frontend/writes.py)
         self.writer: Any = None
+        # the trace of the thread that last captured an op taking this tensor: a write on
+        # another thread sends that trace first (Note [reads another thread captured],
+        # frontend/writes.py)
+        self.reader: Any = None
         # a copy of its value the client keeps, and the mark of writes into the tensor and
         # its views (Note [values the client knows], frontend/known.py)
         self.known: Any = None

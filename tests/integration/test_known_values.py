@@ -324,8 +324,11 @@ def test_a_derived_mask_written_before_the_call_is_not_taken_for_its_upload(remo
 def test_a_write_by_another_thread_before_the_flush_is_not_lost(remote, monkeypatch):
     """A review's race: the value of an argument made from an upload (``u.long()``) was
     computed before the flush that sends it; another thread's write into the upload, sent
-    in between, changed what the appliance computed, and the copy (a cast shares no
-    storage mark with the upload) kept the old value: the replays took the wrong branch."""
+    in between, went first, so the appliance's value had the write in it and the
+    client's copy (a cast shares no storage mark with the upload) did not: the replays
+    took the wrong branch. Now the write sends the op captured before it first (Note
+    [reads another thread captured]), as eager ran it, and a value computed before any
+    write since is not kept."""
     import threading
 
     u = torch.ones(4, dtype=torch.int32).to(remote)
@@ -354,8 +357,9 @@ def test_a_write_by_another_thread_before_the_flush_is_not_lost(remote, monkeypa
     armed = True
     got = f(rx, t).cpu().tolist()
     assert hit == [1], "the other thread did not write in the window"
-    assert got == [-100.0, -100.0]
-    assert t.cpu().tolist() == [0, 1, 1, 1]
-    assert bool(t.all()) is False and t.sum().item() == 3
+    assert t.cpu().tolist() == [1, 1, 1, 1]  # eager's: captured before the write
+    assert got == [4.0, 4.0]
+    assert bool(t.all()) is True and t.sum().item() == 4
+    assert u.cpu().tolist() == [0, 1, 1, 1]
     for _ in range(3):
-        assert f(x.to(remote), t).cpu().tolist() == [-100.0, -100.0]
+        assert f(x.to(remote), t).cpu().tolist() == [4.0, 4.0]

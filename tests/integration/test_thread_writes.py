@@ -195,3 +195,35 @@ def test_a_view_a_replay_returns_shares_its_arguments_storage(remote):
         _on_thread(lambda out=out: out.add_(1.0))
         assert torch.equal(base.cpu()[1], torch.full((4,), 2.0 * i + 2)), i
     assert row.stats()["replays"] == 3, row.stats()
+
+
+WRITES_ON_ANOTHER_THREAD = {
+    "into a view": lambda u: u[0].fill_(0),
+    "in place": lambda u: u.mul_(0),
+    "copied into": lambda u: u.copy_(torch.zeros(4)),
+    "into a base's view": lambda u: u.view(2, 2)[0].zero_(),
+}
+
+
+def test_an_op_captured_before_another_threads_write_reads_the_value_before_it(remote):
+    """Note [reads another thread captured] (writes.py), a review's case: ``t = u + 1``
+    pending on this thread, then another thread writes ``u`` and reads; the write went
+    first, and ``t`` came back with it in. Eager's ``t`` is from before the write."""
+    for name, write in WRITES_ON_ANOTHER_THREAD.items():
+        u = torch.ones(4).to(remote)
+        view = u[1:]
+        t = u + 1  # pending in this thread's trace
+        s = view * 3  # and one taking a view of it
+        seen: list = []
+        _on_thread(lambda: (write(u), seen.append(u.cpu())))  # noqa: B023
+        assert torch.equal(t.cpu(), torch.full((4,), 2.0)), name
+        assert torch.equal(s.cpu(), torch.full((3,), 3.0)), name
+        assert seen[0].sum() < 4, name  # the write itself went
+
+
+def test_a_write_captured_after_another_threads_write_lands_last(remote):
+    """Two threads write the same tensor: the pending one captured first runs first."""
+    u = torch.zeros(3).to(remote)
+    u.fill_(1.0)  # pending here
+    _on_thread(lambda: (u.fill_(2.0), u.cpu()))
+    assert torch.equal(u.cpu(), torch.full((3,), 2.0))
