@@ -31,13 +31,19 @@ def _bert():
     return BertModel(cfg).eval()
 
 
+def _replayable_bert(remote):
+    """A BERT and its copy on ``remote`` (moved in training mode so it stays on the graph
+    path, then eval), whose last hidden state is a replayable function of ids and mask."""
+    local = _bert()
+    model = copy.deepcopy(local).train().to(remote).eval()
+    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    return local, encode
+
+
 def test_bert_given_an_attention_mask_replays_padded_and_unpadded_batches_with_eagers_bits(
     remote,
 ):
-    local = _bert()
-    # moved in training mode so it stays on the graph path, then eval
-    model = copy.deepcopy(local).train().to(remote).eval()
-    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    local, encode = _replayable_bert(remote)
     padded = torch.ones(2, 12, dtype=torch.long)
     padded[1, 7:] = 0
     full = torch.ones(2, 12, dtype=torch.long)
@@ -123,9 +129,7 @@ def test_a_replay_that_writes_into_its_argument_drops_the_value_kept(remote):
 
 
 def test_a_mask_moved_while_the_trace_holds_ops_is_known_once_sent(remote):
-    local = _bert()
-    model = copy.deepcopy(local).train().to(remote).eval()
-    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    local, encode = _replayable_bert(remote)
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[0, 6:] = 0
     with torch.no_grad():
@@ -293,9 +297,7 @@ def test_a_mask_derived_from_an_upload_outside_the_call_replays(remote, derive):
     """The first review of stop 46's variants: the flush before a recording (or before a
     replay's checks) sent the ops that made the argument, and its handle had no copy, so
     the model's mask read ran the call as it is at every call."""
-    local = _bert()
-    model = copy.deepcopy(local).train().to(remote).eval()
-    encode = djinn.replayable(lambda i, a: model(input_ids=i, attention_mask=a).last_hidden_state)
+    local, encode = _replayable_bert(remote)
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 7:] = 0
     with torch.no_grad():
