@@ -3,7 +3,10 @@ them and what it would have written into hold its error."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
+
+import torch
 
 from djinn.errors import DjinnError, ExecutionError, copy_of
 from djinn.runtime.remote import RemoteTensor
@@ -141,3 +144,32 @@ def _poison(ref: Any, node: Node, error: DjinnError) -> None:
                 ref.node.results[ref.index] = Failed(error)  # "released" bytes
         else:
             fail(ref.node, error)
+
+
+# Note [failures raised on their thread]: a graph sent without waiting lands on whichever
+# thread reads or flushes next (Note [asynchronous flushes]), and another thread's read
+# or write sends a thread's graph (Note [writes another thread captured], [reads another
+# thread captured]). A failure was raised where it landed: a thread that wrote a tensor
+# another thread's pending ops read raised that thread's singular `linalg.inv`, and the
+# thread that called it read nan without an error (a review). So a graph's failure is
+# raised only on the thread whose trace it was (its owner), when it lands it. Landed
+# elsewhere, what failed holds the error, and the owner's reads of it raise (Note [failed
+# values]); but an op whose only effect is to raise (a check: `_linalg_check_errors`) has
+# nothing to read, so its error is kept for the owner's next flush (``keep``), where its
+# own landing would have raised it. (Keeping every failure raised it again, long after,
+# where the owner had already read it from the values: the next test, in the suite.)
+# Inside a backward pass it is raised where it lands, as before: the pass runs on
+# autograd's thread for the thread that called backward(), which raises it, and reads
+# that thread's forward; an engine thread's own trace has no owner. A thread that ends
+# without another flush never raises a kept error, as a thread that died of it in eager
+# raised it nowhere else.
+def raise_on_owner(trace: Any, error: DjinnError, keep: bool) -> None:
+    """Raise ``error``, a failure of a graph of ``trace``, here if this thread owns the
+    trace or runs a backward pass; else keep it for the owner's next flush if ``keep``."""
+    owner = trace.owner
+    if owner is None or owner == threading.get_ident():
+        raise copy_of(error)
+    if torch._C._current_graph_task_id() != -1:
+        raise copy_of(error)
+    if keep:
+        trace.failures.append(error)

@@ -308,7 +308,12 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
             return ref
     elif kind is Pending:
         node = ref.node
-        if node.trace is trace and not node.executed and node.failed is None:
+        if (
+            node.trace is trace
+            and not node.executed
+            and node.failed is None
+            and node.inflight is None
+        ):
             return ref
     if isinstance(ref, failures.Failed):
         raise copy_of(ref.error)
@@ -330,7 +335,9 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         ref = x._ref
     elif isinstance(ref, RemoteTensor):
         writes.writes_sent(ref, trace)  # Note [writes another thread captured]
-    return trace_mod.resolved(ref)
+    out = trace_mod.resolved(ref)
+    writes.mark_taken(x, out, trace)  # Note [reads another thread captured]
+    return out
 
 
 def snapshot(t: torch.Tensor) -> Any:
@@ -443,7 +450,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         rng = None
         if seeded.SEEDED in func.tags:  # Note [seeded ops]
             rng, _draw = seeded.advance_generator(func, args, kwargs, fetch)
-        return _run_now(func, trace, ref_args, ref_kwargs, rng)
+        return _run_now(func, trace, ref_args, ref_kwargs, rng, args, kwargs)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     if func in norm_stats.OPS:
         spec = meta_mod.cpu_statistics(func, spec, args, kwargs)
@@ -521,24 +528,24 @@ def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
     return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
 
 
-def _run_now(
-    func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict, rng: Any = None
-) -> Any:
+def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict, rng: Any,
+             args: tuple, kwargs: dict) -> Any:  # fmt: skip
     """Ops whose output shape depends on values (nonzero, unique...), that return Python
     values (equal) or that have no meta kernel (``_sample_dirichlet``: a random op, with
     the generator state ``rng`` it runs with, Note [seeded ops]): run the trace up to and
-    including them, keep the tensor outputs."""
+    including them, keep the tensor outputs. What they write is recorded as a captured
+    op's is (``SGD(fused=True)``'s step: a review found another thread's pending read
+    taking the stepped value)."""
     returns = [str(r.type) for r in func._schema.returns]
     if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
         raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
-    if not returns:  # writes only (the fused optimizers' steps): nothing to wait for
-        node = Node(func, ref_args, ref_kwargs, trace, 0)
-        node.module = hooks.module_path()
-        node.rng = rng
-        trace.add(node)
-        return None
     node = Node(func, ref_args, ref_kwargs, trace, len(returns), multi=len(returns) > 1)
     node.rng = rng
+    writes.record_writes(node, func, args, kwargs)  # Note [writes another thread captured]
+    if not returns:  # writes only (the fused optimizers' steps): nothing to wait for
+        node.module = hooks.module_path()
+        trace.add(node)
+        return None
     tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
     refs = [Pending(node, i) for i in range(node.nout)]
     values = flush(

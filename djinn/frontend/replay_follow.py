@@ -329,6 +329,7 @@ class Follower:
         self.floats.extend(floats)
         for t in written_values(func, args, kwargs):  # Note [values the client knows]
             if isinstance(t, torch.Tensor):
+                writes.readers_sent_into(t, trace_mod.current())  # Note [reads another...]
                 writes.forget_known(t)
         reads = op.reads_outputs
         if reads:  # the arguments that hold outputs made

@@ -90,6 +90,9 @@ def replay(
         raise Miss("an optimizer it steps is gone")
     if any(getattr(param_at(w), "_grad", None) is not None for w in rec.nones):
         raise Miss("a .grad it found empty is not")  # the call found it None
+    written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
+    for t in written:  # Note [reads another thread captured]: other threads' reads first
+        writes.readers_sent_into(t, tr)
     session = default_session()
     # the inputs' handles: a graph in flight may make them. Where a replay is sent behind
     # the last graph (Note [replays sent ahead]; ``ahead``, its flight), an input that one
@@ -102,7 +105,6 @@ def replay(
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
     if rec.fill is None:
         rec.fill = templates.instantiator(rec.tpl)
-    written = [tensors[what] if kind == "arg" else what for kind, what in rec.written]
     whole = _whole_inputs(rec, tensors, session) if optimizers and rec.plan else None
     if whole is not None:
         return followed(rec, tr, (label, stats), tensors, written, inputs, whole, optimizers,

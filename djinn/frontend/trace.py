@@ -31,6 +31,7 @@ from .failures import (
     fail,
     failed_error,
     is_dependency_error,
+    raise_on_owner,
     written_args,
 )
 from .nodes import Binding, HostTensor, Node, Pending, Storage, held, ran
@@ -70,6 +71,15 @@ class Trace:
         # while it records: the values it read that the client computed (known.Program),
         # which its replays check again (Note [values the client knows], known.py)
         self.guards: list[Any] | None = None
+        # Note [failures raised on their thread]: whose ops these are (None: an autograd
+        # engine thread's, whose failures are raised where they land), and the failures
+        # another thread landed for it, raised at its next flush
+        task = torch._C._current_graph_task_id()
+        self.owner: int | None = threading.get_ident() if task == -1 else None
+        self.failures: list[DjinnError] = []
+        # its nodes are taken and not sent yet: a writer elsewhere waits for them (Note
+        # [reads another thread captured], writes.readers_sent)
+        self.sending = False
 
     def read(self, name: Any, x: torch.Tensor) -> None:
         """Note [replayable functions]: a tensor a recording read, under its handle (a CPU
@@ -303,11 +313,14 @@ def flush(
     refuses, fails alone, with everything computed from it (and what it would have
     written into); every independent node runs, in program order. If a requested ref is
     among the failed, its error is raised once the others ran."""
-    from .session import default_session
-
     if trace.follower is not None:  # Note [followed steps]: a read stops the following
         trace.follower.abort("its steps read a value")
     land_all()  # what this graph reads may be what a graph in flight makes
+    if trace.failures and not quiet and trace.owner == threading.get_ident():
+        error = trace.failures.pop(0)  # Note [failures raised on their thread]
+        if add is not None:
+            fail(add, error)  # not run, as in eager: the error came first
+        raise copy_of(error)
     # a first Ctrl-C is raised once the nodes it takes are sent, or landed (Note
     # [interrupted waits]): encoding them may land another thread's graph (a review)
     with trace.lock, interrupts.deferred():
@@ -318,79 +331,92 @@ def flush(
         nodes, trace.nodes = trace.nodes, []
         if not nodes and not fetch and not keep:
             return [], []
-        enc = _Encoder([], default_session())
-        encoded: list[dict[str, Any]] = []
-        sent: list[Node] = []
-        for n in nodes:
-            if n.failed is not None:
-                continue  # failed while waiting (it wrote into what a failed op produced)
-            mark = len(enc.inline)
-            try:
-                item = enc.node(n)
-            except DjinnError as exc:
-                enc.rollback(mark)  # the failed node's inline tensors are not sent
-                fail(n, exc if is_dependency_error(exc) else failed_error(n.name, exc))
-                continue
-            enc.index[id(n)] = len(encoded)
-            encoded.append(item)
-            sent.append(n)
-        keep_refs, keep_targets = [], []
-        for i, n in enumerate(sent):
-            for k in range(n.nout):
-                alive = [
-                    cell
-                    for w in n.holders[k]
-                    if (cell := w()) is not None
-                    and isinstance(cell.ref, Pending)
-                    and cell.ref.node is n
-                ]
-                if alive:
-                    keep_refs.append({"$v": i, "i": k} if n.multi else {"$v": i})
-                    keep_targets.append((n, k, alive))
-        requested: Exception | None = None
+        trace.sending = True
         try:
-            fetch_refs = [enc.ref(r) for r in fetch]
-            extra = [enc.ref(r) for r in keep]
+            return _send(trace, nodes, fetch, keep, wait, quiet)
+        finally:
+            trace.sending = False
+
+
+def _send(
+    trace: Trace, nodes: list[Node], fetch: list[Any], keep: list[Any], wait: bool, quiet: bool
+) -> tuple[list[Any], list[RemoteTensor]]:
+    """``flush``'s work once it took ``trace``'s nodes, under its lock."""
+    from .session import default_session
+
+    enc = _Encoder([], default_session())
+    encoded: list[dict[str, Any]] = []
+    sent: list[Node] = []
+    for n in nodes:
+        if n.failed is not None:
+            continue  # failed while waiting (it wrote into what a failed op produced)
+        mark = len(enc.inline)
+        try:
+            item = enc.node(n)
         except DjinnError as exc:
-            requested, fetch_refs, extra = exc, [], []
-            fetch, keep = [], []
-        if not wait and encoded and not fetch_refs and not extra and requested is None:
-            item = Sent(trace, sent, keep_targets, quiet)
-            try:
-                item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
-            except (DjinnError, KeyboardInterrupt) as exc:
-                _not_run(sent, exc)
-                raise
-            for n in sent:
-                n.inflight = item
-            with _INFLIGHT_LOCK:
-                _INFLIGHT.append(item)
-            return [], []
-        fetched: list[Any] = []
-        kept: list[Any] = []
-        failure = None
-        observer = getattr(_local, "observer", None)  # Note [replayable functions]
-        form = None  # the template's (fingerprint, inputs, scalars), if the observer made it
-        if observer is not None:
-            form = observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
-        if encoded or fetch_refs or extra:
-            try:
-                kept, fetched, failure = default_session().run_graph(
-                    encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
-                    form=form,
-                )  # fmt: skip
-            except (DjinnError, KeyboardInterrupt) as exc:  # nothing is known to run
-                _not_run(sent, exc)
-                raise
-        ran(sent, keep_targets, kept, failure)
-        kept = kept[len(keep_targets) :]
-        for ref, remote in zip(keep, kept, strict=False):
-            held(ref, remote)
-        if failure is not None:
-            fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
-        if requested is not None:
-            raise requested
-        return fetched, kept
+            enc.rollback(mark)  # the failed node's inline tensors are not sent
+            fail(n, exc if is_dependency_error(exc) else failed_error(n.name, exc))
+            continue
+        enc.index[id(n)] = len(encoded)
+        encoded.append(item)
+        sent.append(n)
+    keep_refs, keep_targets = [], []
+    for i, n in enumerate(sent):
+        for k in range(n.nout):
+            alive = [
+                cell
+                for w in n.holders[k]
+                if (cell := w()) is not None
+                and isinstance(cell.ref, Pending)
+                and cell.ref.node is n
+            ]
+            if alive:
+                keep_refs.append({"$v": i, "i": k} if n.multi else {"$v": i})
+                keep_targets.append((n, k, alive))
+    requested: Exception | None = None
+    try:
+        fetch_refs = [enc.ref(r) for r in fetch]
+        extra = [enc.ref(r) for r in keep]
+    except DjinnError as exc:
+        requested, fetch_refs, extra = exc, [], []
+        fetch, keep = [], []
+    if not wait and encoded and not fetch_refs and not extra and requested is None:
+        item = Sent(trace, sent, keep_targets, quiet)
+        try:
+            item.flight = default_session().run_graph_async(encoded, keep_refs, enc.inline)
+        except (DjinnError, KeyboardInterrupt) as exc:
+            _not_run(sent, exc)
+            raise
+        for n in sent:
+            n.inflight = item
+        with _INFLIGHT_LOCK:
+            _INFLIGHT.append(item)
+        return [], []
+    fetched: list[Any] = []
+    kept: list[Any] = []
+    failure = None
+    observer = getattr(_local, "observer", None)  # Note [replayable functions]
+    form = None  # the template's (fingerprint, inputs, scalars), if the observer made it
+    if observer is not None:
+        form = observer(encoded, keep_refs + extra, fetch_refs, enc.inline, keep_targets)
+    if encoded or fetch_refs or extra:
+        try:
+            kept, fetched, failure = default_session().run_graph(
+                encoded, keep=keep_refs + extra, fetch=fetch_refs, inline=enc.inline,
+                form=form,
+            )  # fmt: skip
+        except (DjinnError, KeyboardInterrupt) as exc:  # nothing is known to run
+            _not_run(sent, exc)
+            raise
+    ran(sent, keep_targets, kept, failure)
+    kept = kept[len(keep_targets) :]
+    for ref, remote in zip(keep, kept, strict=False):
+        held(ref, remote)
+    if failure is not None:
+        fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
+    if requested is not None:
+        raise requested
+    return fetched, kept
 
 
 # -- Note [asynchronous flushes] ------------------------------------------------------------
@@ -414,7 +440,7 @@ class Sent:
     """A flush sent without waiting for its reply."""
 
     __slots__ = ("error", "flight", "inputs", "keep_targets", "landed", "lock", "quiet", "reply",
-                 "sent", "thread", "trace")  # fmt: skip
+                 "sent", "trace")  # fmt: skip
 
     def __init__(self, trace: Trace, sent: list[Node], keep_targets: list, quiet: bool) -> None:
         self.trace, self.sent, self.keep_targets, self.quiet = trace, sent, keep_targets, quiet
@@ -424,7 +450,6 @@ class Sent:
         self.reply: tuple[list[Any], list[Any], Any] | None = None  # (kept, fetched, failure)
         self.error: DjinnError | None = None  # or why the request failed as a whole
         self.inputs: list[Any] = []  # a replay's input values, held until it lands
-        self.thread = threading.get_ident()  # where its failure is raised as it lands
 
 
 @contextlib.contextmanager
@@ -516,12 +541,9 @@ def _land(item: Sent) -> None:
             for n in item.sent:
                 fail(n, item.error)
                 n.inflight = None
-            # raised on the thread that sent it; another lands it for an unrelated read,
-            # which eager would answer (its outputs and writes hold the error either way);
             # not if it failed as the one before it did (Note [replays sent ahead])
-            quiet = item.quiet or getattr(item.flight, "chained", False)
-            if not quiet and item.thread == threading.get_ident():
-                raise copy_of(item.error)
+            if not (item.quiet or getattr(item.flight, "chained", False)):
+                raise_on_owner(item.trace, item.error, keep=False)
             return
         assert item.reply is not None
         kept, _fetched, failure = item.reply
@@ -532,9 +554,9 @@ def _land(item: Sent) -> None:
             return
         try:
             _after_failure(item.trace, item.sent, failure, [], [], [], [])
-        except DjinnError:
+        except DjinnError as exc:
             if not item.quiet:
-                raise
+                raise_on_owner(item.trace, exc, keep=True)
 
 
 def _after_failure(

@@ -72,8 +72,24 @@ def mark_read(obj: RemoteTensor | Storage, trace: Trace) -> None:
         return
     if type(old) is tuple and old[-1] is trace:
         return  # two threads reading one tensor: not rebuilt at each op (0.8 µs)
-    keep = tuple(t for t in (old if type(old) is tuple else (old,)) if t is not trace and t.nodes)
+    keep = tuple(
+        t
+        for t in (old if type(old) is tuple else (old,))
+        if t is not trace and (t.nodes or t.sending)
+    )
     obj.reader = (*keep, trace) if keep else trace
+
+
+def mark_taken(x: Any, ref: Any, trace: Trace) -> None:
+    """``mark_read`` for what ``ref_for_node`` found past its common cases: a handle
+    another thread's value became, or a value still pending on another thread, or in
+    flight (a review: a write elsewhere overtook such a read, ``[1, 1, 1, 1]`` where eager
+    gives ``[2, 2, 2, 2]``). A pending value has no handle to mark yet: its tensor's
+    ``Storage`` is marked, which stays with the cell once the handle is bound to it."""
+    if type(ref) is RemoteTensor:
+        mark_read(ref, trace)
+    elif type(ref) is Pending and (ref.node.trace is not trace or ref.node.inflight is not None):
+        mark_read(shared_storage(x), trace)
 
 
 def readers_sent(reader: Any, trace: Trace) -> None:
@@ -85,12 +101,36 @@ def readers_sent(reader: Any, trace: Trace) -> None:
     that took it (``reader``: one, or a tuple, ``mark_read``) are sent first, as
     ``writes_sent`` sends a write's trace before another thread's read. Not while a
     replayable call records there: a write racing a call that has not returned may land
-    inside it, as in eager."""
+    inside it, as in eager. A reader that took its nodes and is sending them (``sending``)
+    is waited for: its lock is held until they are sent (a review found a write going
+    first in that window, forced).
+
+    Every route a write takes names what it writes first (a second review found four
+    that did not, each a wrong number): a captured op (``record_writes``), one run at once
+    (``lazy._run_now``: ``SGD(fused=True)``'s step), a replay's writes and a followed
+    step's (``readers_sent_into``). And every route a read takes is marked: a handle, a
+    value pending on another thread or in flight (``mark_taken``), and the ``Storage`` a
+    tensor's first view makes, which starts with the tensor's readers."""
     if reader is None or reader is trace:
         return
     for t in reader if type(reader) is tuple else (reader,):
-        if t is not trace and t.nodes:
+        if t is not trace and (t.nodes or t.sending):
             flush(t, wait=False, unless_recording=True)
+
+
+def readers_sent_into(t: Any, trace: Trace) -> None:
+    """``readers_sent`` for a write no captured op records (a replay's): the traces of
+    other threads' pending ops taking ``t``, a view of it, or its base go first."""
+    cell = t.__dict__.get("_b")
+    if cell is None:
+        return
+    if type(cell.ref) is RemoteTensor:
+        readers_sent(cell.ref.reader, trace)
+    if cell.storage is not None:
+        readers_sent(cell.storage.reader, trace)
+    base = t._base
+    if base is not None and type(base.__dict__["_b"].ref) is RemoteTensor:
+        readers_sent(base.__dict__["_b"].ref.reader, trace)
 
 
 def shared_storage(x: Any) -> Storage | None:
@@ -101,6 +141,9 @@ def shared_storage(x: Any) -> Storage | None:
         return None
     if cell.storage is None:
         cell.storage = Storage()
+        if type(cell.ref) is RemoteTensor:  # who read it before it had views (an inference
+            # tensor's view has no _base: a write through it looks at this mark alone)
+            cell.storage.reader = cell.ref.reader
     return cell.storage
 
 
