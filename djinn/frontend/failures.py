@@ -6,8 +6,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
-
 from djinn.errors import DjinnError, ExecutionError, copy_of
 from djinn.runtime.remote import RemoteTensor
 
@@ -158,18 +156,16 @@ def _poison(ref: Any, node: Node, error: DjinnError) -> None:
 # nothing to read, so its error is kept for the owner's next flush (``keep``), where its
 # own landing would have raised it. (Keeping every failure raised it again, long after,
 # where the owner had already read it from the values: the next test, in the suite.)
-# Inside a backward pass it is raised where it lands, as before: the pass runs on
-# autograd's thread for the thread that called backward(), which raises it, and reads
-# that thread's forward; an engine thread's own trace has no owner. A thread that ends
-# without another flush never raises a kept error, as a thread that died of it in eager
-# raised it nowhere else.
+# An autograd engine thread's own trace has no owner: what its backward pass sent is
+# raised where it lands (backward() raises it at its end). Another thread's graph landed
+# by a backward pass is kept for that thread (a review: main's backward raised thread B's
+# singular inv, and B never saw it). A thread that ends without another flush never
+# raises a kept error, as a thread that died of it in eager raised it nowhere else.
 def raise_on_owner(trace: Any, error: DjinnError, keep: bool) -> None:
     """Raise ``error``, a failure of a graph of ``trace``, here if this thread owns the
-    trace or runs a backward pass; else keep it for the owner's next flush if ``keep``."""
+    trace (or no thread does); else keep it for the owner's next flush if ``keep``."""
     owner = trace.owner
     if owner is None or owner == threading.get_ident():
-        raise copy_of(error)
-    if torch._C._current_graph_task_id() != -1:
         raise copy_of(error)
     if keep:
         trace.failures.append(error)

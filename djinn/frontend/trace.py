@@ -74,8 +74,12 @@ class Trace:
         # Note [failures raised on their thread]: whose ops these are (None: an autograd
         # engine thread's, whose failures are raised where they land), and the failures
         # another thread landed for it, raised at its next flush
-        task = torch._C._current_graph_task_id()
-        self.owner: int | None = threading.get_ident() if task == -1 else None
+        # an autograd engine device thread (one Python did not start) in a backward pass;
+        # not a thread whose first remote op ran in a CPU backward on it (a hook: a review)
+        engine = torch._C._current_graph_task_id() != -1 and isinstance(
+            threading.current_thread(), threading._DummyThread
+        )
+        self.owner: int | None = None if engine else threading.get_ident()
         self.failures: list[DjinnError] = []
         # its nodes are taken and not sent yet: a writer elsewhere waits for them (Note
         # [reads another thread captured], writes.readers_sent)
@@ -326,16 +330,19 @@ def flush(
     with trace.lock, interrupts.deferred():
         if unless_recording and trace.recording:  # Note [writes another thread captured]
             return [], []
-        if add is not None:
-            trace.add(add)
-        nodes, trace.nodes = trace.nodes, []
-        if not nodes and not fetch and not keep:
-            return [], []
-        trace.sending = True
+        # set before the nodes are taken, and put back as it was: a flush nested in this
+        # one (_after_failure's, as a graph of this trace lands) must not clear it while
+        # this one still holds nodes (a review)
+        was, trace.sending = trace.sending, True
         try:
+            if add is not None:
+                trace.add(add)
+            nodes, trace.nodes = trace.nodes, []
+            if not nodes and not fetch and not keep:
+                return [], []
             return _send(trace, nodes, fetch, keep, wait, quiet)
         finally:
-            trace.sending = False
+            trace.sending = was
 
 
 def _send(

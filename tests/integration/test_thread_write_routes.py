@@ -10,6 +10,7 @@ CPU; the expected values below are eager's."""
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 
 import pytest
@@ -229,3 +230,102 @@ def test_a_failure_sent_by_another_threads_read_is_raised_on_the_thread_that_cap
     assert torch.equal(seen[0], torch.full((4,), 2.0))
     with pytest.raises(ExecutionError, match=r"linalg\.inv"):
         u.cpu()
+
+
+def test_a_backward_pass_keeps_another_threads_failure_for_that_thread(remote):
+    """B has ``t = u + 1`` and a singular ``inv`` pending; this thread writes ``u`` (which
+    sends B's graph) and runs backward(), which lands it. backward() raised B's error, and
+    B read ``t`` without one; eager raises in B, and this thread's backward works."""
+    u = torch.ones(4).to(remote)
+    z = torch.zeros(3, 3).to(remote)
+    w = torch.ones(4).to(remote).requires_grad_()
+    u.cpu(), z.cpu(), w.detach().cpu()
+    ready, done = threading.Event(), threading.Event()
+    seen: list = []
+
+    def b() -> None:
+        t = u + 1
+        torch.linalg.inv(z)
+        ready.set()
+        done.wait(60)
+        for _ in range(2):
+            try:
+                seen.append(t.cpu())
+            except ExecutionError as exc:
+                seen.append(exc)
+
+    th = threading.Thread(target=b)
+    th.start()
+    ready.wait(60)
+    u.mul_(0)
+    (w * 2).sum().backward()
+    done.set()
+    th.join(60)
+    assert torch.equal(w.grad.cpu(), torch.full((4,), 2.0))
+    assert isinstance(seen[0], ExecutionError) and "linalg.inv" in str(seen[0]), seen
+    assert torch.equal(seen[1], torch.full((4,), 2.0))
+
+
+def test_a_thread_whose_first_remote_op_ran_in_a_cpu_backward_owns_its_trace(remote):
+    """A gradient hook in a CPU backward pass moves the gradient to the remote device: the
+    thread's trace was made inside a backward pass and owned by no thread, so its
+    failures were raised wherever they landed (another thread's write raised them)."""
+    seen: list = []
+
+    def c() -> None:
+        a = torch.ones(3, requires_grad=True)
+        moved: list = []
+        a.register_hook(lambda g: moved.append(g.to(remote) * 1))  # returns None
+        (a * 2).sum().backward()  # on the CPU: runs on this thread
+        u, z = torch.ones(4).to(remote), torch.zeros(3, 3).to(remote)
+        u.cpu(), z.cpu()
+        t = u + 1
+        torch.linalg.inv(z)
+        seen.extend(_on_thread(lambda: (u.mul_(0), u.cpu())[1]))
+        try:
+            t.cpu()
+        except ExecutionError as exc:
+            seen.append(exc)
+
+    assert _on_thread(c) == [None], seen
+    assert torch.equal(seen[0], torch.zeros(4)), seen
+    assert isinstance(seen[1], ExecutionError) and "linalg.inv" in str(seen[1]), seen
+
+
+def test_a_write_waits_for_a_reader_about_to_take_its_nodes(remote):
+    """The window opens before the flush takes the nodes: a writer looking between the
+    two saw neither nodes nor ``sending`` and went first (forced by a line trace that
+    pauses this thread's flush right after it took them)."""
+    u = torch.ones(4).to(remote)
+    u.cpu()
+    code = trace.flush.__code__
+    with open(code.co_filename) as f:
+        line = next(i for i, text in enumerate(f, 1) if "if not nodes and not fetch" in text)
+    in_window, done = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def b() -> None:
+        in_window.wait(30)
+        threading.Timer(0.5, done.set).start()  # B blocks in its write if it waits
+        u.mul_(0)
+        seen["u"] = u.cpu()
+        done.set()
+
+    th = threading.Thread(target=b)
+    th.start()
+    t = u + 1
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and not in_window.is_set():
+            in_window.set()
+            done.wait(3)
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    try:
+        got = t.cpu()
+    finally:
+        sys.settrace(None)
+    th.join(30)
+    assert torch.equal(got, torch.full((4,), 2.0))
+    assert torch.equal(seen["u"], torch.zeros(4))
