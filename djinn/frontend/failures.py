@@ -87,6 +87,15 @@ def depends_on_failure(node: Node) -> bool:
     return failed(node.args) or failed(node.kwargs)
 
 
+def checked_nodes(check: Node) -> tuple[Node, ...]:
+    """The nodes whose outputs ``check`` (an op that only raises: ``_linalg_check_errors``
+    after ``linalg_inv_ex``) checks, if it writes nothing: in eager the op they make
+    together failed as a whole (Note [values a failed graph dropped], trace.py)."""
+    if written_args(check.op) or check.args is None:
+        return ()
+    return tuple({id(x.node): x.node for x in check.args if isinstance(x, Pending)}.values())
+
+
 def is_dependency_error(exc: DjinnError) -> bool:
     """Whether ``exc`` is the failure of one of a node's inputs (passed on as is)."""
     return getattr(exc, "_djinn_failed_value", False)

@@ -27,6 +27,7 @@ from djinn.runtime.remote import RemoteTensor
 from . import interrupts
 from .failures import (
     Failed,
+    checked_nodes,
     depends_on_failure,
     fail,
     failed_error,
@@ -587,7 +588,18 @@ def _after_failure(
     error._djinn_failed_value = True  # type: ignore[attr-defined]
     rest = sent[failure["node"] :]
     raise_now = error if rest[0].nout == 0 else None
+    checked = checked_nodes(rest[0]) if raise_now is not None else ()
     fail(rest[0], error)
+    # Note [values a failed graph dropped]: what ran before the failure and was not kept
+    # is gone; a node still to run that reads it fails with the error (it read "released
+    # before it was read", INTERNAL: a review). A failed check's op failed as a whole, as
+    # in eager (`linalg.inv` raises, its result never made): its kept outputs hold it too
+    for n in sent[: failure["node"]]:
+        for i, value in enumerate(n.results or ()):
+            if value is None:
+                n.results[i] = Failed(error)
+            elif n in checked:
+                value.failed = value.failed or error
     again = []
     for n in rest[1:]:
         if depends_on_failure(n):

@@ -124,6 +124,44 @@ def test_an_appliance_error_names_the_failing_op_and_spares_the_rest(remote):
     assert fine.cpu().tolist() == [10.0, 11.0, 12.0, 13.0]
 
 
+def test_work_after_a_failure_that_reads_a_value_the_failed_graph_dropped_raises_its_error(
+    remote,
+):
+    """Note [values a failed graph dropped] (trace.py): ``t`` is made, the index fails,
+    then ``t + 1`` is captured and ``t`` dropped. The run stopped at the failure, and
+    ``t``, held by nothing, was gone: ``c`` read INTERNAL "its value was released before
+    it was read" (a review). It now holds the failure's typed error."""
+    x = torch.ones(4).to(R)
+    x.cpu()
+    t = x * 2
+    bad = x[torch.tensor([10]).to(R)]
+    c = t + 1
+    del t
+    for _ in range(2):
+        with pytest.raises(DjinnError) as err:
+            c.cpu()
+        assert err.value.code == "EXECUTION_ERROR" and "index" in err.value.message
+    with pytest.raises(DjinnError, match="index"):
+        bad.cpu()
+    assert (x + 1).cpu().tolist() == [2.0] * 4
+
+
+def test_a_failed_check_fails_what_it_checks_as_eager_fails_the_op(remote):
+    """``linalg.inv`` is ``linalg_inv_ex`` and a check that raises: a singular matrix
+    fails the op in eager, and its result is never made. A value computed from the
+    inverse read INTERNAL "released" (the review's case), and the inverse read nan."""
+    s = torch.tensor([0.0, 1.0, 2.0]).to(R)
+    s.cpu()
+    inv = torch.linalg.inv(torch.diag(s))
+    r = inv.diagonal().clone()
+    fine = s * 3
+    for value in (r, r, inv):
+        with pytest.raises(DjinnError) as err:
+            value.cpu()
+        assert err.value.code == "EXECUTION_ERROR" and "singular" in err.value.message
+    assert fine.cpu().tolist() == [0.0, 3.0, 6.0]
+
+
 def test_a_write_that_depended_on_a_failure_poisons_its_target(remote):
     """``w.add_(bad)`` cannot run: reading ``w`` must raise, never return the old bytes."""
     w = torch.zeros(4).to(R)
