@@ -30,6 +30,7 @@ recorded gets the ``Storage`` of the argument it is a view of, or the recorded o
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -140,11 +141,19 @@ def shared_storage(x: Any) -> Storage | None:
     if cell is None:
         return None
     if cell.storage is None:
-        cell.storage = Storage()
-        if type(cell.ref) is RemoteTensor:  # who read it before it had views (an inference
-            # tensor's view has no _base: a write through it looks at this mark alone)
-            cell.storage.reader = cell.ref.reader
+        # made once, whole, before another thread can see it: two threads making one each
+        # at once lost the marks put on the one overwritten (a review, not reproduced)
+        with _MAKING:
+            if cell.storage is None:
+                storage = Storage()
+                if type(cell.ref) is RemoteTensor:  # who read it before it had views (an
+                    # inference tensor's view has no _base: a write looks at this mark alone)
+                    storage.reader = cell.ref.reader
+                cell.storage = storage
     return cell.storage
+
+
+_MAKING = threading.Lock()
 
 
 # writes recorded or forgotten so far, on any thread: a value the client computed before
