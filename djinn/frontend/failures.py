@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
+
 from djinn.errors import DjinnError, ExecutionError, copy_of
 from djinn.runtime.remote import RemoteTensor
 
@@ -88,12 +90,17 @@ def depends_on_failure(node: Node) -> bool:
 
 
 def checked_nodes(check: Node) -> tuple[Node, ...]:
-    """The nodes whose outputs ``check`` (an op that only raises: ``_linalg_check_errors``
-    after ``linalg_inv_ex``) checks, if it writes nothing: in eager the op they make
-    together failed as a whole (Note [values a failed graph dropped], trace.py)."""
-    if written_args(check.op) or check.args is None:
+    """The nodes whose outputs ``check`` checks, if it is ``_linalg_check_errors``: the
+    second half of a linalg op that raises (``linalg.inv`` is ``linalg_inv_ex`` and this
+    check). In eager that op failed as a whole and its result was never made (Note
+    [values a failed graph dropped], trace.py). Not other ops that only raise
+    (``_assert_async(cond)``): the ``cond`` eager hands back stays readable."""
+    if check.op is not _CHECK or check.args is None:
         return ()
     return tuple({id(x.node): x.node for x in check.args if isinstance(x, Pending)}.values())
+
+
+_CHECK = torch.ops.aten._linalg_check_errors.default
 
 
 def is_dependency_error(exc: DjinnError) -> bool:
