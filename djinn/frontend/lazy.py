@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import UnsupportedOp, copy_of
+from djinn.errors import UnsupportedOp
 from djinn.protocol import norm_stats
 from djinn.runtime.remote import RemoteTensor
 
@@ -316,7 +316,7 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
         ):
             return ref
     if isinstance(ref, failures.Failed):
-        raise copy_of(ref.error)
+        raise trace_mod.reported(ref.error)
     if isinstance(ref, Uninit):
         node = Node(
             torch.ops.aten.empty_strided.default,

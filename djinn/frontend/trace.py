@@ -192,24 +192,38 @@ def bind(lazy: LazyTensor, ref: Any, storage: Storage | None = None) -> None:
         ref.node.holders[ref.index].append(weakref.ref(cell))
 
 
+def reported(error: BaseException) -> BaseException:
+    """The copy of ``error``, a failure a value holds, to raise on this thread; the same
+    failure kept for this thread (Note [failures raised on their thread]) is not raised
+    again at its next flush: the read raised it (a review: a thread read its singular
+    inverse, then its next read of an unrelated value raised the error a second time)."""
+    trace = getattr(_local, "trace", None)
+    origin = getattr(error, "_djinn_origin", None)
+    if trace is not None and trace.failures and origin is not None:
+        trace.failures[:] = [
+            e for e in trace.failures if getattr(e, "_djinn_origin", 0) is not origin
+        ]
+    return copy_of(error)
+
+
 def resolved(ref: Any) -> Any:
     """A pending ref whose node already ran elsewhere becomes its kept handle; a failed
     value raises its error (Note [failed values])."""
     if isinstance(ref, Failed):
-        raise copy_of(ref.error)
+        raise reported(ref.error)
     if isinstance(ref, RemoteTensor) and ref.failed is not None:
-        raise copy_of(ref.failed)
+        raise reported(ref.failed)
     if isinstance(ref, Pending) and ref.node.failed is not None:
-        raise copy_of(ref.node.failed)
+        raise reported(ref.node.failed)
     if isinstance(ref, Pending) and ref.node.executed:
         results = ref.node.results or []
         value = results[ref.index] if ref.index < len(results) else None
         if value is None:
             if ref.node.failed is not None:  # failed on another thread since the check above
-                raise copy_of(ref.node.failed)
+                raise reported(ref.node.failed)
             raise DjinnError(f"{ref.node.name}: its value was released before it was read")
         if value.failed is not None:
-            raise copy_of(value.failed)
+            raise reported(value.failed)
         return value
     return ref
 
@@ -586,24 +600,35 @@ def _after_failure(
 
     error = error_from_wire(str(failure.get("code")), str(failure.get("message")))
     error._djinn_failed_value = True  # type: ignore[attr-defined]
+    error._djinn_origin = object()  # type: ignore[attr-defined]  # its copies', too: reported
     rest = sent[failure["node"] :]
     raise_now = error if rest[0].nout == 0 else None
     checked = checked_nodes(rest[0]) if raise_now is not None else ()
     fail(rest[0], error)
-    # Note [values a failed graph dropped]: what ran before the failure and was not kept
-    # is gone; a node still to run that reads it fails with the error (it read "released
-    # before it was read", INTERNAL: a review). A failed check's op failed as a whole, as
-    # in eager (`linalg.inv` raises, its result never made): its kept outputs hold it too
+    # Note [values a failed graph dropped]: the run stopped at the failure, and what ran
+    # before it that nothing held is gone (dropped after what was its last use in the
+    # graph). A node still to run that reads one read INTERNAL "released before it was
+    # read" (a review); it now fails with an error that says so, naming the failure. It
+    # would compute in eager (an error caught by a `try` there is only seen here when the
+    # graph runs): keeping such values at the failure is the appliance's to do, not done.
+    # A failed check's op failed as a whole, as in eager (`linalg.inv` raises, its result
+    # never made): its kept outputs hold the error too.
+    dropped = error_from_wire(
+        str(failure.get("code")),
+        f"it reads a value computed before a failed op in the same graph, dropped with the "
+        f"graph's run: {error.message}",
+    )
+    dropped._djinn_failed_value = True  # type: ignore[attr-defined]
     for n in sent[: failure["node"]]:
         for i, value in enumerate(n.results or ()):
             if value is None:
-                n.results[i] = Failed(error)
+                n.results[i] = Failed(dropped)
             elif n in checked:
                 value.failed = value.failed or error
     again = []
     for n in rest[1:]:
         if depends_on_failure(n):
-            fail(n, error)
+            fail(n, error if _reads_failed(n) else failed_error(n.name, dropped))
         else:
             again.append(n)
     trace.nodes = again + trace.nodes
@@ -621,3 +646,15 @@ def _after_failure(
     if raise_now is not None:
         raise copy_of(raise_now)
     return fetched, kept
+
+
+def _reads_failed(node: Node) -> bool:
+    """Whether ``node`` reads a value that failed, rather than only values a failed graph
+    dropped (Note [values a failed graph dropped])."""
+    for x in [*(node.args or ()), *(node.kwargs or {}).values()]:
+        for v in x if type(x) in (list, tuple) else (x,):
+            if isinstance(v, Pending) and v.node.failed is not None:
+                return True
+            if isinstance(v, RemoteTensor) and v.failed is not None:
+                return True
+    return False

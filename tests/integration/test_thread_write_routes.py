@@ -329,3 +329,37 @@ def test_a_write_waits_for_a_reader_about_to_take_its_nodes(remote):
     th.join(30)
     assert torch.equal(got, torch.full((4,), 2.0))
     assert torch.equal(seen["u"], torch.zeros(4))
+
+
+def test_a_kept_failure_read_from_its_value_is_not_raised_again(remote):
+    """B has a singular ``inv`` and ``c = b * 3`` pending; this thread reads ``c``, which
+    sends and lands B's graph: the check's error is kept for B, and B's inverse holds it
+    too. B read the inverse (raised), and its next, unrelated read raised the same error
+    a second time (a review); eager raises it once."""
+    a = torch.zeros(2, 2).to(remote)
+    b = torch.arange(3.0).to(remote)
+    a.cpu(), b.cpu()
+    box: dict = {}
+    ready, done = threading.Event(), threading.Event()
+    seen: list = []
+
+    def thread_b() -> None:
+        box["inv"] = torch.linalg.inv(a)
+        box["c"] = b * 3
+        ready.set()
+        done.wait(60)
+        for read in (lambda: box["inv"].cpu(), lambda: box["c"].cpu(), lambda: (b + 10).cpu()):
+            try:
+                seen.append(read())
+            except ExecutionError as exc:
+                seen.append(exc)
+
+    th = threading.Thread(target=thread_b)
+    th.start()
+    ready.wait(60)
+    assert torch.equal(box["c"].cpu(), torch.tensor([0.0, 3.0, 6.0]))  # lands B's graph
+    done.set()
+    th.join(60)
+    assert isinstance(seen[0], ExecutionError) and "linalg.inv" in str(seen[0]), seen
+    assert torch.equal(seen[1], torch.tensor([0.0, 3.0, 6.0])), seen
+    assert torch.equal(seen[2], torch.tensor([10.0, 11.0, 12.0])), seen
