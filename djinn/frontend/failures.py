@@ -93,7 +93,7 @@ def checked_nodes(check: Node) -> tuple[Node, ...]:
     """The nodes whose outputs ``check`` checks, if it is ``_linalg_check_errors``: the
     second half of a linalg op that raises (``linalg.inv`` is ``linalg_inv_ex`` and this
     check). In eager that op failed as a whole and its result was never made (Note
-    [values a failed graph dropped], trace.py). Not other ops that only raise
+    [values a failed graph dropped], partial.py). Not other ops that only raise
     (``_assert_async(cond)``): the ``cond`` eager hands back stays readable."""
     if check.op is not _CHECK or check.args is None:
         return ()

@@ -127,7 +127,7 @@ def test_an_appliance_error_names_the_failing_op_and_spares_the_rest(remote):
 def test_work_after_a_failure_that_reads_a_value_the_failed_graph_dropped_raises_its_error(
     remote,
 ):
-    """Note [values a failed graph dropped] (trace.py): ``t`` is made, the index fails,
+    """Note [values a failed graph dropped] (partial.py): ``t`` is made, the index fails,
     then ``t + 1`` is captured and ``t`` dropped. The run stopped at the failure, and
     ``t``, held by nothing, was gone: ``c`` read INTERNAL "its value was released before
     it was read" (a review). It now holds a typed error that says so and names the

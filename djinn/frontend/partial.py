@@ -1,0 +1,101 @@
+"""What a graph the appliance ran up to a failed node leaves on the client (the
+appliance's Note [partial graphs]): the failed node and what depends on it fail, the
+independent rest is sent again, and Note [values a failed graph dropped]."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from djinn.errors import copy_of
+from djinn.runtime.remote import RemoteTensor
+
+from .failures import (
+    Failed,
+    checked_nodes,
+    depends_on_failure,
+    fail,
+    failed_error,
+    written_args,
+)
+from .nodes import Node, Pending
+
+
+def after_failure(
+    trace: Any,
+    sent: list[Node],
+    failure: dict[str, Any],
+    fetch: list[Any],
+    keep: list[Any],
+    fetched: list[Any],
+    kept: list[Any],
+) -> tuple[list[Any], list[Any]]:
+    """The appliance ran ``sent`` up to the failed node (its Note [partial graphs]): fail
+    that node and what depends on it, put the independent rest back in front of the
+    trace, and run it with the requested values that did not run yet, or that a write
+    still to run could change. A failed op whose only effect was to raise (a check such
+    as ``_linalg_check_errors``) raises here, as it would have in eager PyTorch."""
+    from djinn.errors import error_from_wire
+    from djinn.runtime.session import NOT_RUN
+
+    from .trace import flush, resolved  # trace.py sends the graphs this module is called on
+
+    error = error_from_wire(str(failure.get("code")), str(failure.get("message")))
+    error._djinn_failed_value = True  # type: ignore[attr-defined]
+    error._djinn_origin = object()  # type: ignore[attr-defined]  # its copies', too: reported
+    rest = sent[failure["node"] :]
+    raise_now = error if rest[0].nout == 0 else None
+    checked = checked_nodes(rest[0]) if raise_now is not None else ()
+    fail(rest[0], error)
+    # Note [values a failed graph dropped]: the run stopped at the failure, and what ran
+    # before it that nothing held is gone (dropped after what was its last use in the
+    # graph). A node still to run that reads one read INTERNAL "released before it was
+    # read" (a review); it now fails with an error that says so, naming the failure. It
+    # would compute in eager (an error caught by a `try` there is only seen here when the
+    # graph runs): keeping such values at the failure is the appliance's to do, not done.
+    # A failed check's op failed as a whole, as in eager (`linalg.inv` raises, its result
+    # never made): its kept outputs hold the error too.
+    dropped = error_from_wire(
+        str(failure.get("code")),
+        f"it reads a value computed before a failed op in the same graph, dropped with the "
+        f"graph's run: {error.message}",
+    )
+    dropped._djinn_failed_value = True  # type: ignore[attr-defined]
+    for n in sent[: failure["node"]]:
+        for i, value in enumerate(n.results or ()):
+            if value is None:
+                n.results[i] = Failed(dropped)
+            elif n in checked:
+                value.failed = value.failed or error
+    again = []
+    for n in rest[1:]:
+        if depends_on_failure(n):
+            fail(n, error if _reads_failed(n) else failed_error(n.name, dropped))
+        else:
+            again.append(n)
+    trace.nodes = again + trace.nodes
+    writes = any(written_args(n.op) for n in again)
+    redo_f = [j for j, v in enumerate(fetched) if v is NOT_RUN or writes]
+    redo_k = [j for j, v in enumerate(kept) if v is None or writes]
+    more_f, more_k = flush(trace, [fetch[j] for j in redo_f], [keep[j] for j in redo_k])
+    fetched, kept = list(fetched), list(kept)
+    for j, v in zip(redo_f, more_f, strict=True):
+        fetched[j] = v
+    for j, v in zip(redo_k, more_k, strict=True):
+        kept[j] = v
+    for ref in (*fetch, *keep):
+        resolved(ref)  # a requested value an op failed to write into raises
+    if raise_now is not None:
+        raise copy_of(raise_now)
+    return fetched, kept
+
+
+def _reads_failed(node: Node) -> bool:
+    """Whether ``node`` reads a value that failed, rather than only values a failed graph
+    dropped (Note [values a failed graph dropped])."""
+    for x in [*(node.args or ()), *(node.kwargs or {}).values()]:
+        for v in x if type(x) in (list, tuple) else (x,):
+            if isinstance(v, Pending) and v.node.failed is not None:
+                return True
+            if isinstance(v, RemoteTensor) and v.failed is not None:
+                return True
+    return False
