@@ -448,9 +448,10 @@ def _send(
 # a synchronous flush would) when a graph that reads it is encoded, or before any flush
 # or request. Until then at most one EXEC is in flight per session: every other request
 # of the session reads its reply first, so the appliance and the journal see the same
-# order. Errors: a request that fails as a whole fails its nodes and is raised where it
-# lands (before the next flush of any thread, or by backward() for the graphs its pass
-# sent); a failure at the end of backward stays quiet, as before (the gradients hold it).
+# order. Errors: a request that fails as a whole fails its nodes and is raised on the
+# thread that owns the trace when it lands there (Note [failures raised on their thread],
+# failures.py; by backward() for the graphs its pass sent); a failure at the end of
+# backward stays quiet (the gradients hold it), but for a check's, which nothing holds.
 _INFLIGHT: list[Sent] = []
 _INFLIGHT_LOCK = threading.Lock()
 
@@ -573,6 +574,7 @@ def _land(item: Sent) -> None:
             return
         try:
             partial.after_failure(item.trace, item.sent, failure, [], [], [], [])
-        except DjinnError as exc:
-            if not item.quiet:
-                raise_on_owner(item.trace, exc, keep=True)
+        except DjinnError as exc:  # a check's (an op that only raises): not quiet, as no
+            # value holds it (a custom backward's singular inv: backward() and every read
+            # after it went on without the error, a review)
+            raise_on_owner(item.trace, exc, keep=True)

@@ -374,3 +374,29 @@ def test_unread_gradients_do_not_leak_handles(remote):
         y.item()
         held.append(session.memory_allocated())
     assert held[-1] == held[1], held  # steady after the first step
+
+
+def test_a_check_that_fails_in_a_custom_backward_is_raised(remote):
+    """A custom ``backward()`` meets a singular ``linalg.inv`` whose result no gradient
+    uses: eager's backward() raises. The graph the backward pass sent at its end fails
+    quietly (the gradients hold what failed), and a check holds nothing: backward() and
+    every read after it went on without the error (a review). It is raised at the next
+    read, once. (The gradient, computed after the check from a value the failed graph
+    dropped, holds an error too: Note [values a failed graph dropped].)"""
+    s = torch.zeros(2, 2).to(R)
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            torch.linalg.inv(s)
+            return g * 2
+
+    w = torch.ones(3).to(R).requires_grad_()
+    Twice.apply(w).sum().backward()
+    with pytest.raises(DjinnError, match="singular"):
+        (w.detach() + 1).cpu()  # the next read, of anything
+    assert (w.detach() + 1).cpu().tolist() == [2.0, 2.0, 2.0]  # raised once: reads go on
