@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from djinn.errors import copy_of
 from djinn.runtime.remote import RemoteTensor
 
 from .failures import (
@@ -15,29 +14,17 @@ from .failures import (
     depends_on_failure,
     fail,
     failed_error,
-    written_args,
 )
 from .nodes import Node, Pending
 
 
-def after_failure(
-    trace: Any,
-    sent: list[Node],
-    failure: dict[str, Any],
-    fetch: list[Any],
-    keep: list[Any],
-    fetched: list[Any],
-    kept: list[Any],
-) -> tuple[list[Any], list[Any]]:
+def settle(sent: list[Node], failure: dict[str, Any]) -> tuple[list[Node], Any]:
     """The appliance ran ``sent`` up to the failed node (its Note [partial graphs]): fail
-    that node and what depends on it, put the independent rest back in front of the
-    trace, and run it with the requested values that did not run yet, or that a write
-    still to run could change. A failed op whose only effect was to raise (a check such
-    as ``_linalg_check_errors``) raises here, as it would have in eager PyTorch."""
+    that node and what depends on it. Returns the independent rest, for the trace to send
+    again (``trace._after_failure``), and the error to raise once it ran if the failed op's
+    only effect was to raise (a check such as ``_linalg_check_errors``), as it would have
+    in eager PyTorch; else None."""
     from djinn.errors import error_from_wire
-    from djinn.runtime.session import NOT_RUN
-
-    from .trace import flush, resolved  # trace.py sends the graphs this module is called on
 
     error = error_from_wire(str(failure.get("code")), str(failure.get("message")))
     error._djinn_failed_value = True  # type: ignore[attr-defined]
@@ -72,21 +59,7 @@ def after_failure(
             fail(n, error if _reads_failed(n) else failed_error(n.name, dropped))
         else:
             again.append(n)
-    trace.nodes = again + trace.nodes
-    writes = any(written_args(n.op) for n in again)
-    redo_f = [j for j, v in enumerate(fetched) if v is NOT_RUN or writes]
-    redo_k = [j for j, v in enumerate(kept) if v is None or writes]
-    more_f, more_k = flush(trace, [fetch[j] for j in redo_f], [keep[j] for j in redo_k])
-    fetched, kept = list(fetched), list(kept)
-    for j, v in zip(redo_f, more_f, strict=True):
-        fetched[j] = v
-    for j, v in zip(redo_k, more_k, strict=True):
-        kept[j] = v
-    for ref in (*fetch, *keep):
-        resolved(ref)  # a requested value an op failed to write into raises
-    if raise_now is not None:
-        raise copy_of(raise_now)
-    return fetched, kept
+    return again, raise_now
 
 
 def _reads_failed(node: Node) -> bool:

@@ -31,6 +31,7 @@ from .failures import (
     failed_error,
     is_dependency_error,
     raise_on_owner,
+    written_args,
 )
 from .nodes import Binding, HostTensor, Node, Pending, Storage, held, ran
 
@@ -343,7 +344,7 @@ def flush(
         if unless_recording and trace.recording:  # Note [writes another thread captured]
             return [], []
         # set before the nodes are taken, and put back as it was: a flush nested in this
-        # one (partial.after_failure's, as a graph of this trace lands) must not clear it while
+        # one (_after_failure's, as a graph of this trace lands) must not clear it while
         # this one still holds nodes (a review)
         was, trace.sending = trace.sending, True
         try:
@@ -432,7 +433,7 @@ def _send(
     for ref, remote in zip(keep, kept, strict=False):
         held(ref, remote)
     if failure is not None:
-        fetched, kept = partial.after_failure(trace, sent, failure, fetch, keep, fetched, kept)
+        fetched, kept = _after_failure(trace, sent, failure, fetch, keep, fetched, kept)
     if requested is not None:
         raise requested
     return fetched, kept
@@ -573,8 +574,41 @@ def _land(item: Sent) -> None:
         if failure is None:
             return
         try:
-            partial.after_failure(item.trace, item.sent, failure, [], [], [], [])
+            _after_failure(item.trace, item.sent, failure, [], [], [], [])
         except DjinnError as exc:  # a check's (an op that only raises): not quiet, as no
             # value holds it (a custom backward's singular inv: backward() and every read
             # after it went on without the error, a review)
             raise_on_owner(item.trace, exc, keep=True)
+
+
+def _after_failure(
+    trace: Trace,
+    sent: list[Node],
+    failure: dict[str, Any],
+    fetch: list[Any],
+    keep: list[Any],
+    fetched: list[Any],
+    kept: list[Any],
+) -> tuple[list[Any], list[Any]]:
+    """The appliance ran ``sent`` up to the failed node: what failed fails
+    (``partial.settle``), the independent rest goes back in front of the trace and runs,
+    with the requested values that did not run yet, or that a write still to run could
+    change; then a failed check raises."""
+    from djinn.runtime.session import NOT_RUN
+
+    again, raise_now = partial.settle(sent, failure)
+    trace.nodes = again + trace.nodes
+    writes = any(written_args(n.op) for n in again)
+    redo_f = [j for j, v in enumerate(fetched) if v is NOT_RUN or writes]
+    redo_k = [j for j, v in enumerate(kept) if v is None or writes]
+    more_f, more_k = flush(trace, [fetch[j] for j in redo_f], [keep[j] for j in redo_k])
+    fetched, kept = list(fetched), list(kept)
+    for j, v in zip(redo_f, more_f, strict=True):
+        fetched[j] = v
+    for j, v in zip(redo_k, more_k, strict=True):
+        kept[j] = v
+    for ref in (*fetch, *keep):
+        resolved(ref)  # a requested value an op failed to write into raises
+    if raise_now is not None:
+        raise copy_of(raise_now)
+    return fetched, kept
