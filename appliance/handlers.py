@@ -259,6 +259,7 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
                 f"{exc.message} (not queued: the graph wrote in place)"
             ) from None
         raise
+    held = _hold_for_rest(w, s, run)
     body, segments = export(w, s, [v for v in fetch if isinstance(v, torch.Tensor)])
     values = [
         None
@@ -276,7 +277,24 @@ def exec_steps(w: Worker, s: WorkerSession, frame: Frame) -> Generator[None, Non
     if run.failed is not None:
         node, exc = run.failed
         body["failed"] = {"node": node, "code": exc.code, "message": exc.message}
+        if held:
+            body["failed"]["held"] = held
     return body, segments
+
+
+def _hold_for_rest(w: Worker, s: WorkerSession, run: GraphRun) -> list[dict[str, Any]]:
+    """Handles of the values the rest of a failed graph reads (Note [values the rest
+    reads] in executor/graph.py). One the session cannot hold (its quota) holds none:
+    the rest then fails on the client, saying it read a value the run dropped."""
+    held: list[dict[str, Any]] = []
+    try:
+        for ref, value in run.held_for_rest():
+            held.append({"ref": ref, "handle": w.store.keep(s, value), **describe(value)})
+    except DjinnError:
+        for item in held:
+            w.store.drop(s, item["handle"])
+        return []
+    return held
 
 
 def _template_run(

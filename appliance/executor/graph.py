@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -342,6 +342,43 @@ class GraphRun:
                 out.setdefault(reader, []).append(produced)
         return out
 
+    def held_for_rest(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        """After a partial failure, the values made before the failed node that a node
+        after it reads, and that are not kept already: (reference, tensor) pairs.
+
+        Note [values the rest reads]: the client runs the independent rest of a failed
+        graph again (Note [partial graphs]). A value that only such a node read was held
+        by nothing on the client, so it was not kept, and it went with the run: the rest
+        could not compute, where eager (whose ``try`` caught the failure at once) does.
+        So the reply names these too, as handles the client binds before it sends the
+        rest (djinn/frontend/partial.py), and lets go once the rest ran."""
+        if self.failed is None:
+            return []
+        at = self.failed[0]
+        kept = {(r["$v"], r.get("i")) for r in self.keep if "$v" in r}
+        out: list[tuple[dict[str, Any], torch.Tensor]] = []
+        seen: set[tuple[Any, Any]] = set()
+        for node in self._source_nodes()[at + 1 :]:
+            if not isinstance(node, dict):
+                continue
+            for ref in _value_refs([node.get("args"), node.get("kwargs")], 0):
+                key = (ref["$v"], ref.get("i"))
+                if key in seen or key in kept or not (type(key[0]) is int and key[0] < at):
+                    continue
+                seen.add(key)
+                clean = {"$v": key[0]} if "i" not in ref else {"$v": key[0], "i": key[1]}
+                try:
+                    value = self._ref(clean, -1)
+                except InvalidArgument:  # released, or not an output of that node
+                    continue
+                if isinstance(value, torch.Tensor):
+                    out.append((clean, value))
+        return out
+
+    def _source_nodes(self) -> list[Any]:
+        """The request's nodes as the client sent them (a plan's keep their template's)."""
+        return self.nodes
+
     def _ref(self, ref: dict[str, Any], at: int) -> Any:
         if "$h" in ref:
             handle = ref["$h"]
@@ -380,6 +417,21 @@ class GraphRun:
         if found:
             return value
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
+
+
+def _value_refs(x: Any, depth: int) -> Iterator[dict[str, Any]]:
+    """The references to earlier nodes' values in a node's arguments."""
+    if depth > MAX_DEPTH:
+        return
+    if isinstance(x, dict):
+        if "$v" in x:
+            yield x
+        else:
+            for v in x.values():
+                yield from _value_refs(v, depth + 1)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _value_refs(v, depth + 1)
 
 
 def has_extra_checks(op: Any, device: torch.device) -> bool:

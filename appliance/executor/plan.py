@@ -168,6 +168,9 @@ class PlanRun(GraphRun):
     def _last_uses(self) -> dict[int, list[int]]:
         return dict(self.plan.last_use)
 
+    def _source_nodes(self) -> list[Any]:
+        return self.plan.source_nodes
+
     def _node(self, i: int, node: Any, last_use: dict[int, list[int]]) -> None:
         if node.rng is not None:
             self._seed(node.rng)
@@ -220,7 +223,10 @@ class CompiledRun(PlanRun):
         finally:
             self.stack.release(plan.peak)
             self.wrote = plan.first_write <= self._reached
-        self.values = {n: values[n] for n in plan.pinned}
+        if self.failed is None:
+            self.values = {n: values[n] for n in plan.pinned}
+        else:  # Note [values the rest reads] (graph.py): what is still live, too
+            self.values = {n: v for n, v in enumerate(values) if v is not None}
         return [self._result(r) for r in self.keep], [self._result(r) for r in self.fetch]
 
     # -- called by the compiled function -------------------------------------------------

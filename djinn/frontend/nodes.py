@@ -181,6 +181,10 @@ def ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> 
     for (n, k, _alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:
             results[id(n)][k] = remote
+    # what the rest of a failed graph reads, nothing else held (the appliance's Note
+    # [values the rest reads]): it runs again reading these, and they go with its nodes
+    for ref, remote in failure.get("held", ()) if failure is not None else ():
+        results[id(sent[ref["$v"]])][ref.get("i", 0)] = remote
     for n in ran:
         n.results = results[id(n)]
         n.executed = True

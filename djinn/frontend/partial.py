@@ -34,13 +34,13 @@ def settle(sent: list[Node], failure: dict[str, Any]) -> tuple[list[Node], Any]:
     checked = checked_nodes(rest[0]) if raise_now is not None else ()
     fail(rest[0], error)
     # Note [values a failed graph dropped]: the run stopped at the failure, and what ran
-    # before it that nothing held is gone (dropped after what was its last use in the
-    # graph). A node still to run that reads one read INTERNAL "released before it was
-    # read" (a review); it now fails with an error that says so, naming the failure. It
-    # would compute in eager (an error caught by a `try` there is only seen here when the
-    # graph runs): keeping such values at the failure is the appliance's to do, not done.
-    # A failed check's op failed as a whole, as in eager (`linalg.inv` raises, its result
-    # never made): its kept outputs hold the error too.
+    # before it that nothing held is gone. What a node still to run reads came back as a
+    # handle (the appliance's Note [values the rest reads]; ``nodes.ran`` bound it), so
+    # the rest computes, as in eager, where a `try` caught the error at once. A value
+    # still missing here (a session over its quota got none) fails the nodes that read
+    # it with an error that says so, naming the failure: they read INTERNAL "released
+    # before it was read" before (a review). A failed check's op failed as a whole, as
+    # in eager (`linalg.inv` raises, its result never made): its outputs hold the error.
     dropped = error_from_wire(
         str(failure.get("code")),
         f"it reads a value computed before a failed op in the same graph, dropped with the "

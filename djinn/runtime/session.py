@@ -461,18 +461,31 @@ class Session(Puts, Flights, GraphForms):
         form: tuple[str, list[str], list[float]] | None = None,
     ) -> tuple[list[Any], list[Any], dict[str, Any] | None]:
         """An EXEC's reply as (kept, fetched, failure), recorded in the journal; ``form``
-        when the body's template is known (Note [journal facts of a template])."""
+        when the body's template is known (Note [journal facts of a template]).
+
+        A failure's ``held`` values (the appliance's Note [values the rest reads]) come
+        back as ``(reference, RemoteTensor)`` pairs, and the journal records them as if
+        ``keep`` had named them: a replay of the graph then keeps them as such."""
+        failure = out.get("failed")
+        held = failure.get("held") if isinstance(failure, dict) else None
+        if held:
+            body = {**body, "keep": [*body.get("keep", []), *(h["ref"] for h in held)]}
+            out = {**out, "kept": [*out["kept"], *held]}
+            form = None  # another keep list: the template's facts do not apply
         kept = [None if k is None else RemoteTensor(self, k["handle"], k) for k in out["kept"]]
         if self._lineage is not None:
             entry = lineage.Lineage.graph_entry(body, segments, out)
             entry.seconds = seconds
             self._lineage.record_graph(entry, kept, form)
+        if held:
+            kept, bound = kept[: -len(held)], kept[-len(held) :]
+            failure = {**failure, "held": [(h["ref"], r) for h, r in zip(held, bound, strict=True)]}
         tensors = iter(out["tensors"])
         fetched = [
             NOT_RUN if isinstance(v, dict) else next(tensors) if v is None else v
             for v in out["values"]
         ]
-        return kept, fetched, out.get("failed")
+        return kept, fetched, failure
 
     def _exec_body(
         self, body: dict[str, Any], segments: list, form: tuple | None = None

@@ -90,3 +90,31 @@ def test_a_tenants_sessions_together_are_held_to_the_tenant_host_quota(fresh_app
         with pytest.raises(QuotaExceeded, match="tenant_host_max"):
             b.put(torch.ones(MIB))  # 4 MiB more for the same tenant
         assert torch.equal(kept.cpu(), torch.ones(MIB))
+
+
+def test_a_partial_failure_holds_what_the_rest_reads_within_the_quota_only(fresh_appliance):
+    """The appliance's Note [values the rest reads]: a graph that fails part way keeps,
+    for the nodes after the failure, the values they read; a session that cannot hold one
+    more within its quota gets none kept, the failure reported as before (its client then
+    fails that work saying it read a dropped value), and nothing is left charged."""
+    app = fresh_appliance(session_device_max="2MiB", inline_max_bytes="4MiB")
+    nodes = [
+        {"op": "aten::mul.Tensor", "args": [None, 2.0]},
+        {"op": "aten::index.Tensor", "args": [None, [None]]},
+        {"op": "aten::add.Tensor", "args": [{"$v": 0}, 1.0]},
+    ]
+    with app.connect("tcp") as client, client.session() as s:
+        bad = s.put(torch.tensor([10**6]))
+        for n, held in ((4, 1), (MIB // 8 * 3, 0)):  # 16 bytes; 1.5 MiB, twice over 2 MiB
+            x = s.put(torch.ones(n))
+            nodes[0]["args"][0] = nodes[1]["args"][0] = x.ref()
+            nodes[1]["args"][1][0] = bad.ref()
+            kept, _, failure = s.run_graph(nodes, keep=[{"$v": 2}])
+            assert failure["node"] == 1 and kept == [None]
+            assert len(failure.get("held", [])) == held
+            if held:
+                ref, t = failure["held"][0]
+                assert ref == {"$v": 0} and torch.equal(t.cpu(), torch.full((n,), 2.0))
+            del x
+        # nothing the refused hold made stays charged: 1.5 MiB fits again
+        assert s.put(torch.ones(MIB // 8 * 3)).cpu().sum().item() == MIB // 8 * 3

@@ -4,6 +4,7 @@ a typed error naming the fault; never a wrong answer."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -452,3 +453,35 @@ def test_a_warm_standby_holds_the_model_and_takes_over_after_a_kill(fresh_applia
         assert stats["recoveries"] == 1 and s.worker == standby
     finally:
         session.reset()
+
+
+def test_a_value_computed_after_a_caught_failure_is_rebuilt_after_a_kill(recovering, monkeypatch):
+    """The appliance's Note [values the rest reads]: the rest of a failed graph reads
+    values the failure's reply held for it, and the journal records them as kept by that
+    graph. A kill after it rebuilds the result of the rest from them (its replay runs the
+    failed graph again, to the same failure, and keeps the same values). The journal is
+    never cut here, so the recovery replays both graphs."""
+    from djinn.frontend import session
+    from djinn.frontend.session import default_session
+
+    monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", "3600")
+    session.reset()
+
+    def f(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        t = x * 2
+        m = torch.max(x.reshape(2, 2), dim=1)
+        with contextlib.suppress(IndexError):  # eager raises here; Djinn when it runs
+            x[idx]
+        return t + m.values.sum() + m.indices.sum()
+
+    base = torch.tensor([1.0, 5.0, 3.0, 2.0])
+    expected = f(base, torch.tensor([10]))  # eager: the index raised, and was caught
+    x = base.to(R)
+    x.cpu()
+    out = f(x, torch.tensor([10]).to(R))
+    assert (x + 1).cpu().tolist() == (base + 1).tolist()  # both graphs ran; out unread
+    _kill_worker(recovering, default_session())
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal((out * 2).cpu(), expected * 2)
+    stats = default_session().recovery_stats()
+    assert stats["recoveries"] == 1 and stats["checkpoints"] == 0

@@ -518,3 +518,34 @@ def test_an_in_place_foreach_step_is_planned_and_gives_the_interpreters_bits(run
     got, _ = planned(step(0.02), fresh(), stack, plans, runner=runner)
     for a, b in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
         assert torch.equal(a, b)
+
+
+@RUNNERS
+def test_a_planned_partial_failure_holds_what_the_rest_reads(runner):
+    """Note [values the rest reads] (graph.py): a run that fails part way names the
+    values made before the failed node that a node after it reads, and that nothing kept:
+    planned and compiled runs as the interpreted one does. ``t`` (node 0) is read after
+    the failure; ``u`` (node 1) is read before it only, and is gone."""
+    body = body_of(
+        [
+            {"op": "aten::mul.Tensor", "args": [{"$h": "x"}, 2.0]},
+            {"op": "aten::neg.default", "args": [{"$h": "x"}]},
+            {"op": "aten::add.Tensor", "args": [{"$v": 1}, 1.0]},
+            {"op": "aten::index.Tensor", "args": [{"$h": "x"}, [{"$h": "i"}]]},
+            {"op": "aten::add.Tensor", "args": [{"$v": 0}, 1.0]},
+        ],
+        keep=[{"$v": 2}, {"$v": 4}],
+        partial=True,
+    )
+    x = torch.arange(4.0)
+    plans = GraphPlans(after=1)
+    interpreted(body, Session(x=x, i=torch.tensor([1])), stack_of(), plans)
+    bad = Session(x=x, i=torch.tensor([9]))
+    _, _, run = interpreted(body, bad, stack_of())
+    (keep, _), planned_run = planned(body, bad, stack_of(), plans, runner=runner)
+    for r in (run, planned_run):
+        assert r.failed[0] == 3 and r.failed[1].code == "EXECUTION_ERROR"
+        held = r.held_for_rest()
+        assert [ref for ref, _ in held] == [{"$v": 0}]
+        assert torch.equal(held[0][1], x * 2)
+    assert torch.equal(keep[0], -x + 1) and keep[1] is None
