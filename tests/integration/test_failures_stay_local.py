@@ -9,7 +9,6 @@ on the failed op raises a typed error naming the op when it is used. An error in
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import threading
@@ -150,34 +149,20 @@ def test_a_caught_failure_in_a_function_leaves_its_other_work_computing(applianc
     whose result reads values made before it: a tuple output (``max``) among them. All
     compute; the handles held for the rest go once it ran (the session holds as many
     handles after as before)."""
-    from djinn.frontend import trace
     from djinn.frontend.session import default_session
+    from tests.caught_failures import caught_index, session_handles
     from tests.conftest import wait_for
 
-    def f(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        t = x * 2
-        m = torch.max(x.reshape(2, 2), dim=1)
-        with contextlib.suppress(IndexError):  # eager raises here; Djinn when it runs
-            x[idx]
-        return t + m.values.sum() + m.indices.sum()
-
     s = default_session()
-
-    def handles() -> int:
-        trace.land_all()
-        gc.collect()
-        s.memory_allocated()  # a request: what was let go is freed with the next one
-        return next(r for r in appliance.stats()["sessions"] if r["id"] == s.id)["handles"]
-
     base = torch.tensor([1.0, 5.0, 3.0, 2.0])
-    expected = f(base, torch.tensor([10])).tolist()  # eager: the index raised, and caught
+    expected = caught_index(base, torch.tensor([10])).tolist()  # eager: raised, and caught
     x = base.to(R)
     x.cpu()
-    before = handles()
-    out = f(x, torch.tensor([10]).to(R))
+    before = session_handles(appliance, s)
+    out = caught_index(x, torch.tensor([10]).to(R))
     assert out.cpu().tolist() == expected
     del out
-    assert wait_for(lambda: handles() == before)  # the stats document lags a little
+    assert wait_for(lambda: session_handles(appliance, s) == before)
 
 
 def test_a_failed_check_fails_what_it_checks_as_eager_fails_the_op(remote):

@@ -454,18 +454,15 @@ def test_a_loop_whose_forward_failed_lets_its_handles_go_once_dropped(ahead, app
     failed values had gathered every reader's frames, the loop's model and optimizer
     among their locals, in a cycle through tensors C++ holds, which Python's collector
     never freed: 12 handles stayed on the appliance for good."""
-    import gc
 
     from djinn.errors import DjinnError
+    from tests.caught_failures import session_handles
     from tests.conftest import wait_for
 
     s = default_session()
 
     def handles() -> int:
-        trace.land_all()
-        gc.collect()
-        s.memory_allocated()  # a request: what was let go is freed with the next one
-        return next(r for r in appliance.stats()["sessions"] if r["id"] == s.id)["handles"]
+        return session_handles(appliance, s)
 
     before = handles()
 

@@ -4,7 +4,6 @@ a typed error naming the fault; never a wrong answer."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import signal
@@ -463,22 +462,16 @@ def test_a_value_computed_after_a_caught_failure_is_rebuilt_after_a_kill(recover
     never cut here, so the recovery replays both graphs."""
     from djinn.frontend import session
     from djinn.frontend.session import default_session
+    from tests.caught_failures import caught_index
 
     monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", "3600")
     session.reset()
 
-    def f(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        t = x * 2
-        m = torch.max(x.reshape(2, 2), dim=1)
-        with contextlib.suppress(IndexError):  # eager raises here; Djinn when it runs
-            x[idx]
-        return t + m.values.sum() + m.indices.sum()
-
     base = torch.tensor([1.0, 5.0, 3.0, 2.0])
-    expected = f(base, torch.tensor([10]))  # eager: the index raised, and was caught
+    expected = caught_index(base, torch.tensor([10]))  # eager: the index raised, and was caught
     x = base.to(R)
     x.cpu()
-    out = f(x, torch.tensor([10]).to(R))
+    out = caught_index(x, torch.tensor([10]).to(R))
     assert (x + 1).cpu().tolist() == (base + 1).tolist()  # both graphs ran; out unread
     _kill_worker(recovering, default_session())
     assert torch.equal(out.cpu(), expected)
