@@ -152,7 +152,9 @@ def _poison(ref: Any, node: Node, error: DjinnError) -> None:
             if ref.node.results is None:
                 ref.node.results = [None] * ref.node.nout
             done = ref.node.results[ref.index]
-            if done is not None:
+            if isinstance(done, Failed):
+                pass  # it holds its first error already (a value a failed graph dropped)
+            elif done is not None:
                 done.failed = done.failed or error
             else:  # not kept, but a node still to run reads it: it must fail, not read
                 ref.node.results[ref.index] = Failed(error)  # "released" bytes

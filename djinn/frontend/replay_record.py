@@ -271,6 +271,11 @@ def recorded(
         raise Miss("its graph was not sent")
     encoded, keep, fetch, inline, targets = graph
     del graph
+    if any(n.failed is not None for n in nodes):
+        # an op failed when the graph ran (the appliance's Note [partial graphs]): the
+        # rest ran again, as eager's `try` in ``fn`` would have it, which a replay, one
+        # graph that fails as a whole, cannot do
+        raise Miss("an op failed when its graph ran")
     if fetch or len(keep) != len(targets):
         raise Miss("its graph fetched or kept more than it returns")
     parts = (outs, out_spec, tensors, reads, owners, stores, draws)

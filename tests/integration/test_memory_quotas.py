@@ -118,3 +118,78 @@ def test_a_partial_failure_holds_what_the_rest_reads_within_the_quota_only(fresh
             del x
         # nothing the refused hold made stays charged: 1.5 MiB fits again
         assert s.put(torch.ones(MIB // 8 * 3)).cpu().sum().item() == MIB // 8 * 3
+
+
+def test_work_after_a_failure_the_quota_left_unheld_fails_alone(fresh_appliance):
+    """Over its quota, a session gets nothing held for the rest of a failed graph: work
+    that reads such a value, and writes into it first, fails saying it read a dropped
+    value; independent work computes. The write's poisoning of the dropped value raised
+    AttributeError (a ``Failed`` has no ``failed`` setter), and the thread's next graph
+    failed INTERNAL "captured in another trace that was not run" (a review)."""
+    import contextlib
+
+    from djinn.errors import DjinnError
+    from tests.conftest import frontend_at
+
+    app = fresh_appliance(session_device_max="2MiB", inline_max_bytes="4MiB")
+    with frontend_at(app.unix):
+        x = torch.ones(MIB // 8 * 3).to("remote_accelerator:0")  # 1.5 MiB
+        x.cpu()
+        t = x * 2  # 1.5 MiB more: cannot be held for the rest
+        with contextlib.suppress(IndexError):
+            x[torch.tensor([10**6]).to("remote_accelerator:0")]
+        t.add_(1)
+        r = t * 3
+        del t
+        y = x[:4] + 1
+        with pytest.raises(DjinnError, match="dropped"):
+            r.cpu()
+        assert y.cpu().tolist() == [2.0] * 4
+        assert (x[:4] + 1).cpu().tolist() == [2.0] * 4
+
+
+def test_a_recovery_frees_what_a_replayed_failure_holds_that_nothing_reads(
+    fresh_appliance, monkeypatch
+):
+    """The failed graph held nothing for its rest (the session was at its quota); after a
+    kill, its replay runs with room (a put nothing uses any more is not put again), so
+    the worker held a value, and nobody freed it: a handle and its bytes stayed charged,
+    and the next put failed QUOTA_EXCEEDED (a review)."""
+    import contextlib
+    import os
+    import signal
+
+    from djinn.errors import DjinnError
+    from djinn.frontend.session import default_session
+    from tests.caught_failures import session_handles
+    from tests.conftest import frontend_at, wait_for
+
+    R = "remote_accelerator:0"
+    app = fresh_appliance(
+        restart_backoff_max=1.0, session_device_max="2MiB", inline_max_bytes="4MiB"
+    )
+    monkeypatch.setenv("DJINN_RECOVERY_CHECKPOINT_SECONDS", "3600")  # never cut: replayed
+    with frontend_at(app.unix):
+        big = torch.ones(MIB // 4).to(R)  # 1 MiB, dropped before the kill
+        big.cpu()
+        x = torch.ones(int(0.6 * MIB) // 4).to(R)
+        x.cpu()
+        t = x * 2
+        k = x[:4] * 3
+        with contextlib.suppress(IndexError):
+            x[torch.tensor([10**6]).to(R)]
+        r = t + 1
+        del t
+        with pytest.raises(DjinnError, match="dropped"):
+            r.cpu()
+        del r, big
+        s = default_session()
+        assert wait_for(lambda: session_handles(app, s) == 2)  # x and k
+        pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == s.worker)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
+        assert k.cpu().tolist() == [3.0] * 4  # rebuilt: its graph replayed
+        assert s.recovery_stats()["recoveries"] == 1 and s.recovery_stats()["checkpoints"] == 0
+        assert wait_for(lambda: session_handles(app, s) == 2)
+        y = torch.ones(MIB // 4).to(R)  # 0.6 MiB + 1 MiB fits in 2 MiB
+        assert y.cpu().sum().item() == MIB // 4

@@ -265,6 +265,29 @@ def test_a_failing_replay_raises_and_the_next_call_works(remote):
     assert fwd.stats()["replays"] >= 2
 
 
+def test_a_call_whose_caught_failure_ran_as_captured_is_not_recorded(remote):
+    """A call whose op failed ran as captured: its rest ran again and computed, as
+    eager's ``try`` in the function has it (the appliance's Note [values the rest
+    reads]). Recorded, it made replays of the next such calls, each failing as a whole
+    (a review): its index error raised where eager computes. Only calls that did not
+    fail are recorded (docs/concepts.md says what a replay of a failing op does)."""
+    from tests.caught_failures import caught_index
+
+    fwd = djinn.replayable(caught_index)
+    base = torch.tensor([1.0, 5.0, 3.0, 2.0])
+    x = base.to(remote)
+    for _ in range(4):
+        want = caught_index(base, torch.tensor([10]))
+        assert torch.equal(fwd(x, torch.tensor([10]).to(remote)).cpu(), want)
+    stats = fwd.stats()
+    assert stats["replays"] == stats["recordings"] == 0
+    assert stats["plain"] == {"an op failed when its graph ran": 4}
+    for _ in range(4):  # calls that do not fail record, then replay
+        want = caught_index(base, torch.tensor([1]))
+        assert torch.equal(fwd(x, torch.tensor([1]).to(remote)).cpu(), want)
+    assert fwd.stats()["replays"] >= 1
+
+
 def test_a_failed_replay_landed_by_another_threads_unrelated_read_is_not_raised_there(remote):
     """A replay fails as a whole where it lands (Note [asynchronous replays]); another
     thread whose unrelated read lands it gets its value, as in eager, and the replay's
