@@ -28,7 +28,6 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
     order: dict[str, int] = {}  # where each put came in the journal
     out: list[Entry] = []
     cached: dict[str, bool] = {}
-    unread: list[str] = []  # handles the replies named that nothing will read
     entries = lin.entries
     live = lin._live()
     objects = lin._objects()
@@ -147,9 +146,11 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
             reply = s._exec_body({**body, "fetch": []}, e.data)
             # the appliance's Note [values the rest reads]: what the rest of a failed graph
             # read is in the recorded keep when it was held then; held only now (more room
-            # than then), nothing reads it: freed with what the program dropped
-            failed = reply.get("failed")
-            unread += [h["handle"] for h in (failed or {}).get("held", ())]
+            # than then), nothing reads it: freed at once, before what follows is replayed
+            # against the session's quota (a review: a later put was refused)
+            unread = [h["handle"] for h in (reply.get("failed") or {}).get("held", ())]
+            if unread:
+                s._call_raw("HEARTBEAT", {"free": unread})
             handles = [None if k is None else k["handle"] for k in reply.get("kept", [])]
             for old, new in zip(e.out, handles, strict=False):
                 if old is not None and new is not None:
@@ -177,8 +178,8 @@ def replay(lin: Lineage) -> tuple[dict[str, str], list[Entry]]:
         dropped = [mapping.pop(h) for h in s._pending_free if h in mapping]
         gone = [mapping.pop(o) for o in s._pending_free_objects if o in mapping]
         s._pending_free, s._pending_free_objects, s._release = [], [], []
-    if dropped or gone or unread:  # the journal never knew the unread ones
-        s._call_raw("HEARTBEAT", {"free": dropped + unread, "free_objects": gone})
+    if dropped or gone:
+        s._call_raw("HEARTBEAT", {"free": dropped, "free_objects": gone})
         out.append(Entry("free", dropped, nbytes=32 * len(dropped)))
         out.append(Entry("free_objects", gone, nbytes=32 * len(gone)))
     return mapping, out

@@ -154,7 +154,8 @@ def test_a_recovery_frees_what_a_replayed_failure_holds_that_nothing_reads(
     """The failed graph held nothing for its rest (the session was at its quota); after a
     kill, its replay runs with room (a put nothing uses any more is not put again), so
     the worker held a value, and nobody freed it: a handle and its bytes stayed charged,
-    and the next put failed QUOTA_EXCEEDED (a review)."""
+    and the next put failed QUOTA_EXCEEDED (a review). Freed only at the replay's end,
+    it took the room of a put replayed after it, which then failed (the second review)."""
     import contextlib
     import os
     import signal
@@ -185,11 +186,13 @@ def test_a_recovery_frees_what_a_replayed_failure_holds_that_nothing_reads(
         del r, big
         s = default_session()
         assert wait_for(lambda: session_handles(app, s) == 2)  # x and k
+        z = torch.full((MIB // 4,), 7.0).to(R)  # 1 MiB put after it: 0.6 + 1 MiB fit
+        z.cpu()
         pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == s.worker)
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
         assert k.cpu().tolist() == [3.0] * 4  # rebuilt: its graph replayed
+        # the held value went at once: it took the room z's put needs as it was replayed
+        assert z.cpu().sum().item() == 7.0 * (MIB // 4)
         assert s.recovery_stats()["recoveries"] == 1 and s.recovery_stats()["checkpoints"] == 0
-        assert wait_for(lambda: session_handles(app, s) == 2)
-        y = torch.ones(MIB // 4).to(R)  # 0.6 MiB + 1 MiB fits in 2 MiB
-        assert y.cpu().sum().item() == MIB // 4
+        assert wait_for(lambda: session_handles(app, s) == 3)  # x, k and z
