@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 import torch
 
@@ -28,3 +29,17 @@ def session_handles(appliance, session) -> int:
     gc.collect()
     session.memory_allocated()  # a request: what was let go is freed with the next one
     return next(r for r in appliance.stats()["sessions"] if r["id"] == session.id)["handles"]
+
+
+def settled_handles(appliance, session, apart: float = 0.3) -> tuple[int]:
+    """``session_handles`` once two readings ``apart`` seconds apart agree: a count to
+    compare with later is not one the lagging stats document has not caught up with
+    (a count taken too early failed a CI rehearsal). As a 1-tuple, for ``wait_for``."""
+    from tests.conftest import wait_for
+
+    def agreed() -> tuple[int] | None:
+        first = session_handles(appliance, session)
+        time.sleep(apart)
+        return (first,) if session_handles(appliance, session) == first else None
+
+    return wait_for(agreed, timeout=30)

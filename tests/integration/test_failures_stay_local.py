@@ -150,7 +150,7 @@ def test_a_caught_failure_in_a_function_leaves_its_other_work_computing(applianc
     compute; the handles held for the rest go once it ran (the session holds as many
     handles after as before)."""
     from djinn.frontend.session import default_session
-    from tests.caught_failures import caught_index, session_handles
+    from tests.caught_failures import caught_index, session_handles, settled_handles
     from tests.conftest import wait_for
 
     s = default_session()
@@ -158,11 +158,12 @@ def test_a_caught_failure_in_a_function_leaves_its_other_work_computing(applianc
     expected = caught_index(base, torch.tensor([10])).tolist()  # eager: raised, and caught
     x = base.to(R)
     x.cpu()
-    before = session_handles(appliance, s)
+    (before,) = settled_handles(appliance, s)
     out = caught_index(x, torch.tensor([10]).to(R))
     assert out.cpu().tolist() == expected
     del out
-    assert wait_for(lambda: session_handles(appliance, s) == before)
+    # at most as many: garbage of earlier tests in this shared session may go meanwhile
+    assert wait_for(lambda: session_handles(appliance, s) <= before)
 
 
 def test_a_failed_check_fails_what_it_checks_as_eager_fails_the_op(remote):
