@@ -26,11 +26,17 @@ FIRST_BACKOFF_S = 0.5
 # the spinning threads took its core each time the worker paused between ops or graphs:
 # on 2 cores a 20-step training loop (benchmarks/training_step.py) took 0.83 s with the
 # runtime's own wait, 0.58 s with a thousand rounds, 0.57 s sleeping at once. Sleeping at
-# once costs a wake-up per parallel region instead, and a kernel-bound GPT-2 forward ran
-# 134 ms against 128 (the runtime's own) and 119 (a thousand rounds): "brief" is the
-# default. (Stop 41's alternated capture.py runs did not reproduce the forward's part:
-# its replay over local eager read 1.055 and 1.036 brief, 1.043 and 1.022 with the
-# runtime's own; the training loop still favoured brief, 0.51 s against 0.62.)
+# once costs a wake-up per parallel region instead: "brief" is the default.
+# What brief costs (stop 50, a faster 2-core VM, nothing else running): a kernel-bound
+# forward whose client waits idle pays a wake-up at each region. A replayed GPT-2
+# forward (12 layers, 64 tokens) ran 1.02-1.03x local eager with the runtime's own wait,
+# 1.06-1.08x at 30,000 rounds, 1.09-1.13x brief; captured, 1.10x against 1.17-1.18x.
+# What it saves, the same hour: the captured 20-step loop 5-20% (its replays alike), and
+# four of the suite's integration files (training, parity, streamed graphs: appliances
+# and clients sharing the 2 cores) ran in 18-19 s brief against 27-30 s with the
+# runtime's own wait. A host whose worker has its cores to itself can set "inherit".
+# (Stop 41's alternated capture.py runs read the forward's replay over local eager 1.055
+# and 1.036 brief, 1.043 and 1.022 with the runtime's own.)
 # It changes when threads wait, never how an op's work is split among them, so
 # the results are the same bits. The runtime reads these variables once, when it loads.
 _WAITS = {
