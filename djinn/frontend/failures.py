@@ -95,12 +95,12 @@ def checked_nodes(check: Node) -> tuple[Node, ...]:
     check). In eager that op failed as a whole and its result was never made (Note
     [values a failed graph dropped], partial.py). Not other ops that only raise
     (``_assert_async(cond)``): the ``cond`` eager hands back stays readable."""
-    if check.op is not _CHECK or check.args is None:
+    if check.op is not CHECK or check.args is None:
         return ()
     return tuple({id(x.node): x.node for x in check.args if isinstance(x, Pending)}.values())
 
 
-_CHECK = torch.ops.aten._linalg_check_errors.default
+CHECK = torch.ops.aten._linalg_check_errors.default
 
 
 def is_dependency_error(exc: DjinnError) -> bool:

@@ -397,16 +397,19 @@ def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
             )
 
 
-def streamed(trace: trace_mod.Trace) -> trace_mod.Trace:
+def streamed(trace: trace_mod.Trace, func: Any = None) -> trace_mod.Trace:
     """``trace``, its ops sent first if it holds a part's worth (Note [streamed graphs]);
-    called before an op is captured, when every earlier op's outputs are bound."""
-    if trace.chunk_ops and len(trace.nodes) >= trace.chunk_ops:
+    called before ``func`` is captured, when every earlier op's outputs are bound. Never
+    before a check: it fails what it checks only while that is still a node of its own
+    graph (``failures.checked_nodes``); sent apart, a singular ``linalg.inv`` read nan
+    after its error, where eager never made it."""
+    if trace.chunk_ops and len(trace.nodes) >= trace.chunk_ops and func is not failures.CHECK:
         trace_mod.stream(trace)
     return trace
 
 
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
-    trace = streamed(current())
+    trace = streamed(current(), func)
     if trace.follower is not None:  # Note [followed steps]
         out = trace.follower.op(func, args, kwargs)
         if out is not trace_mod.MISSED:

@@ -166,18 +166,29 @@ def test_a_caught_failure_in_a_function_leaves_its_other_work_computing(applianc
     assert wait_for(lambda: session_handles(appliance, s) <= before)
 
 
-def test_a_failed_check_fails_what_it_checks_as_eager_fails_the_op(remote):
+@pytest.mark.parametrize("chunk_ops", [None, 1, 2])
+def test_a_failed_check_fails_what_it_checks_as_eager_fails_the_op(remote, monkeypatch, chunk_ops):
     """``linalg.inv`` is ``linalg_inv_ex`` and a check that raises: a singular matrix
     fails the op in eager, and its result is never made. A value computed from the
-    inverse read INTERNAL "released" (the review's case), and the inverse read nan."""
+    inverse read INTERNAL "released" (the review's case), and the inverse read nan. With
+    graphs streamed every op or two (Note [streamed graphs]) the check was sent apart from
+    ``linalg_inv_ex`` (chunk_ops=1): its error was raised once, and then the inverse read
+    nan, and what was computed from it too."""
+    from djinn.frontend import trace
+
+    if chunk_ops is not None:
+        monkeypatch.setattr(trace.current(), "chunk_ops", chunk_ops)
     s = torch.tensor([0.0, 1.0, 2.0]).to(R)
     s.cpu()
     inv = torch.linalg.inv(torch.diag(s))
-    r = inv.diagonal().clone()
+    # streamed, the check's graph lands while later ops are captured, and its error is
+    # raised at whichever comes next (Note [failures raised on their thread]): each use
+    # below is captured and read in one go, and each must raise
+    uses = [lambda: inv.diagonal().clone().cpu(), lambda: inv.cpu(), lambda: (inv * 2).cpu()]
     fine = s * 3
-    for value in (r, r, inv):
+    for use in uses + uses:
         with pytest.raises(DjinnError) as err:
-            value.cpu()
+            use()
         assert err.value.code == "EXECUTION_ERROR" and "singular" in err.value.message
     assert fine.cpu().tolist() == [0.0, 3.0, 6.0]
 
