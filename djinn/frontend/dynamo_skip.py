@@ -30,6 +30,7 @@ import importlib.abc
 import importlib.util
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("djinn.frontend")
@@ -49,10 +50,11 @@ def _skip(rules: Any) -> str | None:
     return added[0] if added else None
 
 
-class _ThenSkip(importlib.abc.Loader):
-    """``trace_rules``' usual loader, then the skip; anything else is the usual one's."""
+class _Then(importlib.abc.Loader):
+    """A module's usual loader, then the finder's action on the module; anything else is
+    the usual one's."""
 
-    def __init__(self, loader: Any, finder: _WhenLoaded) -> None:
+    def __init__(self, loader: Any, finder: WhenLoaded) -> None:
         self._loader = loader
         self._finder = finder
 
@@ -61,50 +63,64 @@ class _ThenSkip(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        self._finder.added = _skip(module)
+        self._finder.added = self._finder.action(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename...
         return getattr(self._loader, name)
 
 
-class _WhenLoaded(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands ``trace_rules`` to the usual finders, with a loader
-    that adds the skip once the module has run; spent after that."""
+class WhenLoaded(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands module ``name`` to the usual finders, with a loader
+    that runs ``action`` on it once it has run (what it returns is ``added``); spent
+    after that. Also what inductor_remote.py waits for inductor with."""
 
-    def __init__(self) -> None:
-        self.added: str | None = None
+    def __init__(self, name: str, action: Callable[[Any], Any]) -> None:
+        self.name = name
+        self.action = action
+        self.added: Any = None
         self.spent = False
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _RULES or self.spent:
+        if name != self.name or self.spent:
             return None
         self.spent = True  # and the lookup below must not come back here
         spec = importlib.util.find_spec(name)
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        spec.loader = _ThenSkip(loader, self)
+        spec.loader = _Then(loader, self)
         return spec
 
 
-def attach() -> Any:
-    """Skip Djinn's files in dynamo, now or once dynamo is imported."""
-    rules = sys.modules.get(_RULES)
-    if rules is not None:
-        return (rules, _skip(rules))
-    finder = _WhenLoaded()
+def when_loaded(name: str, action: Callable[[Any], Any]) -> Any:
+    """``action(module)`` now if module ``name`` is loaded (its result, with the module),
+    else a ``WhenLoaded`` finder, first on ``sys.meta_path``, that runs it on import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return (module, action(module))
+    finder = WhenLoaded(name, action)
     sys.meta_path.insert(0, finder)
     return finder
 
 
-def detach(state: Any) -> None:
-    """Undo ``attach``: the finder taken out, or the directory out of the skip list."""
-    if isinstance(state, _WhenLoaded):
+def forget(state: Any) -> tuple[Any, Any]:
+    """Undo ``when_loaded``'s finder (taken out if still waiting); the module, if it was
+    loaded, and what the action returned."""
+    if isinstance(state, WhenLoaded):
         if state in sys.meta_path:
             sys.meta_path.remove(state)
-        rules, added = sys.modules.get(_RULES), state.added
-    else:
-        rules, added = state
+        return sys.modules.get(state.name), state.added
+    return state
+
+
+def attach() -> Any:
+    """Skip Djinn's files in dynamo, now or once dynamo is imported."""
+    return when_loaded(_RULES, _skip)
+
+
+def detach(state: Any) -> None:
+    """Undo ``attach``: the finder taken out, or the directory out of the skip list."""
+    rules, added = forget(state)
     if rules is not None and added is not None and added in rules.SKIP_DIRS:
         rules.SKIP_DIRS.remove(added)
         rules._recompile_re()

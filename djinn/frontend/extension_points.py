@@ -23,6 +23,11 @@ PyTorch is as it was). Which holder, and so which scope, each one has:
 | RECORDING_HOOKS | global module-forward and optimizer-step hooks   | a ``replayable``      |
 |                 | (what a recording used: Note [replayable         | recording             |
 |                 | functions])                                      |                       |
+| DYNAMO_SKIP     | Djinn's files in dynamo's skip list (Note        | ``import djinn``      |
+|                 | [dynamo skips djinn])                            |                       |
+| COMPILE_REMOTE  | inductor's ``compile_fx`` and dynamo's           | ``import djinn``      |
+|                 | ``clone_input`` wrapped for remote values (Note  |                       |
+|                 | [torch.compile and remote values])               |                       |
 
 Note [python backend]: ``rename_privateuse1_backend`` alone makes the device string
 legal, but a tensor subclass on that device *aborts the process* (a C++ error, no
@@ -61,6 +66,7 @@ from . import (
     affine_grid,
     attention,
     autocast,
+    compile_remote,
     device_module,
     dynamo_skip,
     factories,
@@ -381,6 +387,8 @@ META_PARAMETERS = Attachment(
 RECORDING_HOOKS = Attachment("recording_hooks", _attach_recording_hooks, _detach_hooks)
 # Note [dynamo skips djinn] (dynamo_skip.py)
 DYNAMO_SKIP = Attachment("dynamo_skip", dynamo_skip.attach, dynamo_skip.detach)
+# Note [torch.compile and remote values] (compile_remote.py)
+COMPILE_REMOTE = Attachment("compile_remote", compile_remote.attach, compile_remote.detach)
 ALL = (
     BACKEND,
     KERNELS,
@@ -392,6 +400,7 @@ ALL = (
     META_PARAMETERS,
     RECORDING_HOOKS,
     DYNAMO_SKIP,
+    COMPILE_REMOTE,
 )
 _DEVICE = (  # `import djinn`
     BACKEND,
@@ -400,6 +409,7 @@ _DEVICE = (  # `import djinn`
     FOREACH_TYPES,
     BACKWARD_HOOKS,
     DYNAMO_SKIP,
+    COMPILE_REMOTE,
 )
 _registered = False
 

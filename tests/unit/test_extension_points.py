@@ -123,7 +123,7 @@ def test_dynamo_skips_djinns_files_whether_it_is_imported_before_or_after():
             print(rules.check_file(ep.__file__).skipped)
             ep.unregister()
             print(rules.check_file(ep.__file__).skipped)
-            print(any(type(f).__name__ == "_WhenLoaded" for f in sys.meta_path))
+            print(any(type(f).__name__ == "WhenLoaded" for f in sys.meta_path))
             """
         )
         loaded = "loaded" if dynamo_first else "not-loaded"
@@ -160,7 +160,9 @@ def test_dynamo_still_imports_when_one_loader_serves_all_its_modules():
                     code = compile(f.read(), module.__spec__.origin, "exec")
                 exec(code, module.__dict__)
 
-        sys.meta_path.insert(1, Shared())
+        # after Djinn's finders (they wait for modules and hand them to those after)
+        ours = [i for i, f in enumerate(sys.meta_path) if type(f).__name__ == "WhenLoaded"]
+        sys.meta_path.insert(max(ours) + 1, Shared())
         import torch._dynamo.trace_rules as rules
         import djinn.frontend.extension_points as ep
         print(torch.compile(lambda x: x * 2 + 1)(torch.ones(2)).tolist())
@@ -168,3 +170,32 @@ def test_dynamo_still_imports_when_one_loader_serves_all_its_modules():
         """
     )
     assert out.split("\n") == ["[3.0, 3.0]", "True"], out
+
+
+def test_compile_wrappers_go_on_whenever_dynamo_is_imported_and_come_off():
+    """Note [torch.compile and remote values]: inductor's compile_fx and dynamo's
+    clone_input (and the copy the builder imported by name) are wrapped, whether dynamo
+    and inductor were imported before djinn or after, without importing either in
+    `import djinn`; unregister puts PyTorch's own back."""
+    for first in (False, True):
+        out = _run(
+            f"""
+            import sys
+            import torch
+            if {first}:
+                import torch._inductor.compile_fx
+            import djinn
+            import djinn.frontend.extension_points as ep
+            print("loaded" if "torch._inductor.compile_fx" in sys.modules else "not-loaded")
+            import torch._inductor.compile_fx as cfx
+            import torch._dynamo.utils as du
+            import torch._dynamo.variables.builder as b
+            originals = (cfx.compile_fx.djinn_original, du.clone_input.djinn_original)
+            print(b.clone_input is du.clone_input)
+            ep.unregister()
+            print(cfx.compile_fx is originals[0], du.clone_input is originals[1])
+            print(b.clone_input is originals[1])
+            """
+        )
+        loaded = "loaded" if first else "not-loaded"
+        assert out.split() == [loaded, "True", "True", "True", "True"], out
