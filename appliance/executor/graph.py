@@ -317,24 +317,11 @@ class GraphRun:
 
     def _find_last_uses(self) -> dict[int, list[int]]:
         last: dict[int, int] = {}
-
-        def visit(x: Any, reader: int, depth: int = 0) -> None:
-            if depth > MAX_DEPTH:
-                raise InvalidArgument(f"node {reader}: arguments nested too deeply")
-            if isinstance(x, dict):
-                if "$v" in x and isinstance(x["$v"], int):
-                    last[x["$v"]] = reader
-                else:
-                    for v in x.values():
-                        visit(v, reader, depth + 1)
-            elif isinstance(x, list):
-                for v in x:
-                    visit(v, reader, depth + 1)
-
         for i, node in enumerate(self.nodes):
             if isinstance(node, dict):
-                visit(node.get("args"), i)
-                visit(node.get("kwargs"), i)
+                for part in (node.get("args"), node.get("kwargs")):
+                    for ref in _value_refs(part, 0, reader=i):
+                        last[ref["$v"]] = i
         pinned = {r["$v"] for r in self.keep + self.fetch if "$v" in r}
         out: dict[int, list[int]] = {}
         for produced, reader in last.items():
@@ -361,6 +348,8 @@ class GraphRun:
         for node in self._source_nodes()[at + 1 :]:
             if not isinstance(node, dict):
                 continue
+            # the lenient walk (Note [walking value references]): it stops where the strict
+            # one would raise, which it can reach here (see the Note)
             for ref in _value_refs([node.get("args"), node.get("kwargs")], 0):
                 key = (ref["$v"], ref.get("i"))
                 if key in seen or key in kept or not (type(key[0]) is int and key[0] < at):
@@ -419,19 +408,38 @@ class GraphRun:
         return {k: self._decode(v, at, depth + 1) for k, v in x.items()}
 
 
-def _value_refs(x: Any, depth: int) -> Iterator[dict[str, Any]]:
-    """The references to earlier nodes' values in a node's arguments."""
+def _value_refs(x: Any, depth: int, reader: int | None = None) -> Iterator[dict[str, Any]]:
+    """The references to earlier nodes' values (``{"$v": n}`` objects) in node arguments.
+
+    Note [walking value references]: the one walk of ``_find_last_uses`` and of
+    ``held_for_rest``. They differ only where arguments are malformed, and each keeps its
+    own answer there:
+
+    - Given ``reader`` (the node whose arguments ``x`` are), the walk is strict, as
+      ``_find_last_uses`` validates a request before any op runs: nesting past MAX_DEPTH
+      is INVALID_ARGUMENT naming the node, and only a ``"$v"`` that is an int makes a
+      reference (an object with another ``"$v"`` is looked into like any object).
+    - Without it (``held_for_rest``), nesting past MAX_DEPTH is looked no deeper into,
+      and every object with a ``"$v"`` is yielded, not looked into (the caller skips
+      those that are not an int). This walk does not rely on the strict one having
+      passed: it walks ``[args, kwargs]``, one level deeper than the strict walk counts,
+      and a plan's run walks its template's nodes, where each float is a ``{"$s": k}``
+      object one level deeper still; so it can pass MAX_DEPTH where the strict walk did
+      not, and raising there would lose every value the rest reads, not the deep ones.
+    """
     if depth > MAX_DEPTH:
-        return
+        if reader is None:
+            return
+        raise InvalidArgument(f"node {reader}: arguments nested too deeply")
     if isinstance(x, dict):
-        if "$v" in x:
+        if "$v" in x and (reader is None or isinstance(x["$v"], int)):
             yield x
         else:
             for v in x.values():
-                yield from _value_refs(v, depth + 1)
+                yield from _value_refs(v, depth + 1, reader)
     elif isinstance(x, list):
         for v in x:
-            yield from _value_refs(v, depth + 1)
+            yield from _value_refs(v, depth + 1, reader)
 
 
 def has_extra_checks(op: Any, device: torch.device) -> bool:

@@ -193,3 +193,51 @@ def test_a_templates_last_uses_are_worked_out_once(monkeypatch):
         assert stack.used == 0  # intermediates released as the plan says, every time
     assert found == ["fp", None]
     assert all(torch.equal(r, -(HANDLES["a"] + HANDLES["b"]) * 2) for r in results)
+
+
+def _nested(x, levels):
+    for _ in range(levels):
+        x = [x]
+    return x
+
+
+def test_arguments_nested_too_deeply_refuse_the_request_before_any_op_runs():
+    """The walk for last uses refuses arguments nested past MAX_DEPTH, naming the node,
+    before node 0 runs: in a partial graph too, whose node 0 would fail as its own."""
+    from djinn.protocol.graph import MAX_DEPTH
+
+    missing = {"op": "aten::neg.default", "args": [{"$h": "missing"}]}  # NOT_FOUND, partial
+    for deep in (_nested({"$v": 0}, MAX_DEPTH + 1), _nested(1, MAX_DEPTH + 1)):
+        stack = DeviceVMU(1 << 30)["stack"]
+        nodes = [missing, {"op": "aten::neg.default", "args": deep}]
+        g = GraphRun({"nodes": nodes, "fetch": [], "partial": True}, _lookup, [],
+                     torch.device("cpu"), stack)  # fmt: skip
+        with pytest.raises(InvalidArgument, match="node 1: arguments nested too deeply"):
+            g.run()
+        assert g.failed is None and stack.used == 0
+    g = GraphRun({"nodes": [missing, {"op": "aten::neg.default", "args": []}]}, _lookup, [],
+                 torch.device("cpu"), DeviceVMU(1 << 30)["stack"])  # fmt: skip
+    g.nodes[1]["args"] = _nested({"$v": 0}, MAX_DEPTH)  # the deepest a reference may be
+    g.nodes[1]["kwargs"] = {"k": _nested({"$v": 0}, MAX_DEPTH - 1)}
+    assert g._find_last_uses() == {1: [0]}
+
+
+def test_what_the_rest_reads_is_found_beside_nesting_the_request_was_let_through_with():
+    """Note [walking value references]: the walk for the values the rest of a failed graph
+    reads looks no deeper than MAX_DEPTH where it cannot use what it would find, rather
+    than failing: a node nested as deep as the request may be still names its other
+    references."""
+    from djinn.protocol.graph import MAX_DEPTH
+
+    nodes = [
+        {"op": "aten::neg.default", "args": [{"$h": "a"}]},
+        {"op": "aten::neg.default", "args": [{"$h": "missing"}]},  # fails: the rest is node 2
+        {"op": "aten::add.Tensor", "args": [{"$v": 0}, _nested({"$v": 0}, MAX_DEPTH - 1)]},
+    ]
+    g = GraphRun({"nodes": nodes, "fetch": [], "partial": True}, _lookup, [],
+                 torch.device("cpu"), DeviceVMU(1 << 30)["stack"])  # fmt: skip
+    g.run()
+    assert g.failed[0] == 1
+    held = g.held_for_rest()
+    assert [ref for ref, _ in held] == [{"$v": 0}]
+    assert torch.equal(held[0][1], -HANDLES["a"])
