@@ -397,19 +397,29 @@ def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
             )
 
 
-def streamed(trace: trace_mod.Trace, func: Any = None) -> trace_mod.Trace:
+def streamed(trace: trace_mod.Trace, func: Any = None, args: tuple = ()) -> trace_mod.Trace:
     """``trace``, its ops sent first if it holds a part's worth (Note [streamed graphs]);
     called before ``func`` is captured, when every earlier op's outputs are bound. Never
-    before a check: it fails what it checks only while that is still a node of its own
-    graph (``failures.checked_nodes``); sent apart, a singular ``linalg.inv`` read nan
-    after its error, where eager never made it."""
-    if trace.chunk_ops and len(trace.nodes) >= trace.chunk_ops and func is not failures.CHECK:
+    between a linalg op and its check right after it: the check fails what it checks
+    only while that is a node of its own graph (``failures.checked_nodes``); sent apart,
+    a singular ``linalg.inv`` read nan after its error, where eager never made it."""
+    full = trace.chunk_ops and len(trace.nodes) >= trace.chunk_ops
+    if full and (func is not failures.CHECK or not _reads_last_node(trace, args)):
         trace_mod.stream(trace)
     return trace
 
 
+def _reads_last_node(trace: trace_mod.Trace, args: tuple) -> bool:
+    last = trace.nodes[-1]
+    for x in args:
+        ref = x.__dict__["_b"].ref if type(x) is LazyTensor else None
+        if isinstance(ref, Pending) and ref.node is last:
+            return True
+    return False
+
+
 def capture(func: Any, args: tuple, kwargs: dict) -> Any:
-    trace = streamed(current(), func)
+    trace = streamed(current(), func, args)
     if trace.follower is not None:  # Note [followed steps]
         out = trace.follower.op(func, args, kwargs)
         if out is not trace_mod.MISSED:

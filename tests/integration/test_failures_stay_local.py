@@ -193,6 +193,24 @@ def test_a_failed_check_fails_what_it_checks_as_eager_fails_the_op(remote, monke
     assert fine.cpu().tolist() == [0.0, 3.0, 6.0]
 
 
+def test_checks_of_values_already_sent_are_streamed_as_any_op(remote, monkeypatch):
+    """A check is kept with the op right before it that it checks, and only then: a loop
+    of checks of a value already on the appliance (a review's case, where every check
+    was kept back) is sent every `chunk_ops` ops, as any other."""
+    from djinn.frontend import trace
+
+    tr = trace.current()
+    monkeypatch.setattr(tr, "chunk_ops", 2)
+    info = torch.zeros((), dtype=torch.int32).to(R)
+    info.cpu()
+    held = []
+    for _ in range(20):
+        torch.ops.aten._linalg_check_errors(info, "linalg.inv", is_matrix=True)
+        held.append(len(tr.nodes))
+    assert max(held) <= 2, held
+    assert (info + 1).cpu().item() == 1
+
+
 def test_a_write_that_depended_on_a_failure_poisons_its_target(remote):
     """``w.add_(bad)`` cannot run: reading ``w`` must raise, never return the old bytes."""
     w = torch.zeros(4).to(R)
