@@ -299,8 +299,9 @@ class Session(Puts, Flights, Execs, GraphForms):
 
     def get(self, remote: RemoteTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Fetch a remote tensor's value. With ``out`` (a CPU tensor of the same shape and
-        dtype) the bytes land in it, skipping a fresh allocation (Note [fresh pages]); if an
-        ``out=`` op on the appliance has resized the tensor since, InvalidArgument."""
+        dtype) the bytes land in it, skipping a fresh allocation, whose pages are faulted
+        in as the bytes are written (``benchmarks/transport.py``'s alloc+memcpy column); if
+        an ``out=`` op on the appliance has resized the tensor since, InvalidArgument."""
         return self.get_many([remote], None if out is None else [out])[0]
 
     def get_many(
