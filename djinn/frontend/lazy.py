@@ -24,6 +24,7 @@ from . import (
     failures,
     hook_errors,
     hooks,
+    immediate,
     inference_views,
     seeded,
     tensor_copy,
@@ -35,6 +36,7 @@ from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
 from .failures import written_args, written_values
+from .immediate import _run_now, fetch, run_locally
 from .meta import META, TensorSpec, spec_of
 from .trace import Node, Pending, bind, current, flush
 
@@ -541,70 +543,6 @@ def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
     return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
 
 
-def _run_now(func: Any, trace: trace_mod.Trace, ref_args: list, ref_kwargs: dict, rng: Any,
-             args: tuple, kwargs: dict) -> Any:  # fmt: skip
-    """Ops whose output shape depends on values (nonzero, unique...), that return Python
-    values (equal) or that have no meta kernel (``_sample_dirichlet``: a random op, with
-    the generator state ``rng`` it runs with, Note [seeded ops]): run the trace up to and
-    including them, keep the tensor outputs. What they write is recorded as a captured
-    op's is (``SGD(fused=True)``'s step: a review found another thread's pending read
-    taking the stepped value)."""
-    returns = [str(r.type) for r in func._schema.returns]
-    if any(r not in ("Tensor", "bool", "int", "float", "Scalar") for r in returns):
-        raise UnsupportedOp(f"{func}: returns {returns}, which cannot be computed remotely yet")
-    node = Node(func, ref_args, ref_kwargs, trace, len(returns), multi=len(returns) > 1)
-    node.rng = rng
-    writes.record_writes(node, func, args, kwargs)  # Note [writes another thread captured]
-    if not returns:  # writes only (the fused optimizers' steps): nothing to wait for
-        node.module = hooks.module_path()
-        trace.add(node)
-        return None
-    tensor_idx = [i for i, r in enumerate(returns) if r == "Tensor"]
-    refs = [Pending(node, i) for i in range(node.nout)]
-    values = flush(
-        trace,
-        fetch=[r for i, r in enumerate(refs) if i not in tensor_idx],
-        keep=[refs[i] for i in tensor_idx],
-        add=node,  # Note [a node and its outputs] (trace.py)
-    )
-    fetched, kept = values
-    out: list[Any] = []
-    fi = iter(fetched)
-    ki = iter(kept)
-    for i in range(len(returns)):
-        if i in tensor_idx:
-            remote: RemoteTensor = next(ki)
-            spec = TensorSpec(remote.dtype, tuple(remote.shape), remote.strides, 0, None)
-            out.append(LazyTensor(spec, remote))
-        else:
-            value = next(fi)
-            out.append(value.item() if isinstance(value, torch.Tensor) else value)
-    return out[0] if len(out) == 1 else tuple(out)
-
-
-# -- materialisation -------------------------------------------------------------------------
-def fetch(t: LazyTensor) -> torch.Tensor:
-    """The value of ``t`` as a CPU tensor (runs everything this thread captured so far)."""
-    trace = current()
-    ref = ref_for_node(t, trace)
-    value = flush(trace, fetch=[ref])[0][0]
-    return value
-
-
-def run_locally(func: Any, args: tuple, kwargs: dict) -> Any:
-    """An op whose result lives on the CPU (``.cpu()``, ``.to("cpu")``): read the remote
-    inputs, then run it locally."""
-
-    def local(x: Any) -> Any:
-        if isinstance(x, LazyTensor):
-            return fetch(x)
-        if type(x) in (list, tuple):
-            return type(x)(local(v) for v in x)
-        return x
-
-    return func(*[local(v) for v in args], **{k: local(v) for k, v in kwargs.items()})
-
-
 # filled by special_ops: the ops capture does not record as they come, and those of them
 # whose result lives on the CPU
 SPECIAL: dict[Any, Any] = {}
@@ -618,3 +556,6 @@ def take_as_special(kernels: dict[str, Any]) -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         SPECIAL[op] = lambda func, args, kwargs, k=kernel: k(*args, **kwargs)
+
+
+immediate.attach(LazyTensor, ref_for_node)

@@ -18,15 +18,14 @@ from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
 from . import attention, embedding, inference_views, known, slicing, ties, writes
+from .immediate import fetch, run_locally
 from .lazy import (
     SPECIAL,
     SPECIAL_TO_CPU,
     LazyTensor,
     Uninit,
     capture,
-    fetch,
     ref_for_node,
-    run_locally,
     snapshot,
     spec_of,
     streamed,

@@ -106,7 +106,7 @@ class Trace:
     # trainer thread and a thread reading ``.grad``). So whoever adds a node holds the
     # trace's lock, which a flush takes, until the node's outputs are bound; nothing in
     # between may wait for another trace (``flush`` of another trace, a fetch). An op run
-    # at once (``lazy._run_now``: a value-dependent shape, a Python result) joins the trace
+    # at once (``immediate._run_now``: a value-dependent shape, a Python result) joins the trace
     # inside the flush that runs it (``flush(add=...)``), after that flush has landed what
     # is in flight, which takes other traces' locks.
     def add(self, node: Node) -> None:

@@ -108,7 +108,7 @@ def readers_sent(reader: Any, trace: Trace) -> None:
 
     Every route a write takes names what it writes first (a second review found four
     that did not, each a wrong number): a captured op (``record_writes``), one run at once
-    (``lazy._run_now``: ``SGD(fused=True)``'s step), a replay's writes and a followed
+    (``immediate._run_now``: ``SGD(fused=True)``'s step), a replay's writes and a followed
     step's (``readers_sent_into``). And every route a read takes is marked: a handle, a
     value pending on another thread or in flight (``mark_taken``), and the ``Storage`` a
     tensor's first view makes, which starts with the tensor's readers."""

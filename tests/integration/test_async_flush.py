@@ -260,7 +260,7 @@ def test_a_graph_read_late_costs_the_journal_what_it_ran(frontend):
     ("op", "then"),
     [
         (torch.ops.aten.add.Tensor, lambda a: a + 1),
-        # a data-dependent op joins the trace and flushes it at once (lazy._run_now)
+        # a data-dependent op joins the trace and flushes it at once (immediate._run_now)
         (torch.ops.aten.nonzero.default, torch.nonzero),
     ],
     ids=["captured", "run now"],
