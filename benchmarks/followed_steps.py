@@ -83,9 +83,9 @@ def steady(model: torch.nn.Module, batches: list, steps: int, way: str) -> dict:
     for i in range(WARM):
         run(*data[i % len(data)])
     if device != "cpu":
-        from djinn.frontend import trace
+        from djinn.frontend import inflight
 
-        trace.land_all()
+        inflight.land_all()
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         run(*data[i % len(data)])

@@ -93,9 +93,9 @@ def steady(model: torch.nn.Module, batches: list, steps: int, way: str, opt: str
     for i in range(WARM):
         run(*data[i % len(data)])
     if device != "cpu":
-        from djinn.frontend import trace
+        from djinn.frontend import inflight
 
-        trace.land_all()
+        inflight.land_all()
     t0 = time.perf_counter()
     for i in range(steps):
         run(*data[i % len(data)])

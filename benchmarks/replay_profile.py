@@ -77,13 +77,13 @@ class PutGet:
 
 def run_for(run: Any, data: list, seconds: float) -> int:
     """Replayed steps for ``seconds``, every one landed at the end; how many."""
-    from djinn.frontend import trace
+    from djinn.frontend import inflight
 
     n, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         run(*data[n % len(data)])
         n += 1
-    trace.land_all()
+    inflight.land_all()
     return n
 
 

@@ -23,9 +23,9 @@ def caught_index(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def session_handles(appliance, session) -> int:
     """The handles ``session`` holds on ``appliance``, once every graph in flight landed
     and what the program let go was freed (the stats document lags: poll it)."""
-    from djinn.frontend import trace
+    from djinn.frontend import inflight
 
-    trace.land_all()
+    inflight.land_all()
     gc.collect()
     session.memory_allocated()  # a request: what was let go is freed with the next one
     return next(r for r in appliance.stats()["sessions"] if r["id"] == session.id)["handles"]

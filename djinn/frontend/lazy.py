@@ -333,7 +333,7 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
             bind(x, ref)
     elif isinstance(ref, Pending) and not ref.node.executed and ref.node.trace is not trace:
         if ref.node.inflight is None:  # captured by another thread: send it now, and go on
-            flush(ref.node.trace, wait=False)  # Note [asynchronous flushes] (trace.py)
+            flush(ref.node.trace, wait=False)  # Note [asynchronous flushes] (inflight.py)
         ref = x._ref
     elif isinstance(ref, RemoteTensor):
         writes.writes_sent(ref, trace)  # Note [writes another thread captured]

@@ -13,7 +13,8 @@ from djinn.errors import DjinnError
 from djinn.runtime.remote import RemoteTensor
 
 if TYPE_CHECKING:
-    from .trace import Sent, Trace
+    from .inflight import Sent
+    from .trace import Trace
 
 
 class Node:

@@ -36,7 +36,7 @@ from djinn.errors import DjinnError
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
-from . import failures, writes
+from . import failures, inflight, writes
 from . import trace as trace_mod
 from .nodes import Pending, Replayed
 from .replay_follow import Follower
@@ -156,7 +156,7 @@ def _steps_sent(
             # last call's steps (Note [replays sent ahead]), whose failure is the one to
             # raise here, once (landed alone, it failed it quietly, and that one's own
             # error came later, from whatever next waited: a review)
-            trace_mod.land_all()
+            inflight.land_all()
     except DjinnError as exc:  # the request failed: raised here, after what follows
         raised = exc
     except BaseException:
@@ -183,7 +183,7 @@ def _steps_sent(
     handles = [r.handle for r in ins]
     scalars = follower.floats
     body = templates.filled(steps.tpl, steps.fill, handles, scalars)
-    with trace_mod.replay_in_flight(tr, node, body, [], (steps.fp, handles, scalars), ins):
+    with inflight.replay_in_flight(tr, node, body, [], (steps.fp, handles, scalars), ins):
         pass
     return True
 
@@ -225,8 +225,8 @@ def _whole_bound(
     def stop() -> None:  # the split replay, as it would have gone, and its outputs bound
         form, body = replay_body(rec, split)
         alone = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
-        with trace_mod.replay_in_flight(tr, alone, body, rec.inline_now(), form, split,
-                                        ahead=behind):  # fmt: skip
+        with inflight.replay_in_flight(tr, alone, body, rec.inline_now(), form, split,
+                                       ahead=behind):  # fmt: skip
             for t, k in bound:
                 bind(t, Pending(alone, plan.slots[k]))
 
@@ -245,8 +245,8 @@ def _whole_sent(
     if whole.fill is None:
         whole.fill = templates.instantiator(whole.tpl)
     body = templates.filled(whole.tpl, whole.fill, handles, scalars)
-    with trace_mod.replay_in_flight(tr, node, body, whole.inline_now(),
-                                    (whole.fingerprint, handles, scalars), inputs,
-                                    ahead=behind):  # fmt: skip
+    with inflight.replay_in_flight(tr, node, body, whole.inline_now(),
+                                   (whole.fingerprint, handles, scalars), inputs,
+                                   ahead=behind):  # fmt: skip
         pass
     return True

@@ -10,8 +10,7 @@ import torch
 
 from djinn.protocol import templates
 
-from . import trace as trace_mod
-from . import writes
+from . import inflight, writes
 from .meta import TensorSpec
 from .nodes import Pending, Replayed
 from .replay_key import param_at
@@ -37,7 +36,7 @@ def replay_sent(
     form, body = replay_body(rec, inputs)
     node = Replayed(f"a replay of {label}", tr, body.keep, tuple(t._ref for t in written))
     inline = rec.inline_now()
-    with trace_mod.replay_in_flight(tr, node, body, inline, form, inputs, ahead=ahead):
+    with inflight.replay_in_flight(tr, node, body, inline, form, inputs, ahead=ahead):
         for t in written:  # as eager's in-place ops count (autograd checks them)
             torch.autograd.graph.increment_version(t)
             writes.forget_known(t)

@@ -3,7 +3,7 @@ replay makes first, the template sent with the inputs' handles as they are now, 
 outputs and gradients it leaves, as a run of the function would.
 
 Note [asynchronous replays]: a replay sends its graph and returns, as a flush nobody
-waits on does (Note [asynchronous flushes], trace.py): its outputs and the gradients it
+waits on does (Note [asynchronous flushes], inflight.py): its outputs and the gradients it
 puts in ``.grad`` are pending outputs of one ``Replayed`` node, which become the kept
 handles when the reply lands (before the next flush or request of any thread, or when a
 graph that reads them is encoded). It waited for its reply until 2026-11-26, so the worker
@@ -29,7 +29,7 @@ from djinn.errors import copy_of
 from djinn.protocol import templates
 from djinn.runtime.remote import RemoteTensor
 
-from . import known, writes
+from . import inflight, known, writes
 from . import trace as trace_mod
 from .nodes import Pending
 from .replay_followed import followed, replays_ahead
@@ -99,7 +99,7 @@ def replay(
     # makes lands it (_input), and the handles are read again as it is sent (a landing
     # meanwhile may have rebuilt the session: replay_sent). One whose optimizer steps are
     # captured after it goes as before: the step's graph lands it
-    ahead = trace_mod.land_all(but_last=(not optimizers or bool(rec.plan))
+    ahead = inflight.land_all(but_last=(not optimizers or bool(rec.plan))
                                and replays_ahead(session))  # fmt: skip
     inputs = [_input(kind, src, h, tensors, session) for (kind, src), h in
               zip(rec.sources, rec.handles, strict=True)]  # fmt: skip
@@ -142,7 +142,7 @@ def _input(kind: str, src: Any, recorded: str, tensors: list[Any], session: Any)
     ref = None if cell is None else trace_mod.resolved(cell.ref)
     item = ref.node.inflight if isinstance(ref, Pending) else None
     if item is not None:
-        trace_mod.land(item)  # made by the graph a replay goes behind
+        inflight.land(item)  # made by the graph a replay goes behind
         ref = trace_mod.resolved(cell.ref)
     if not isinstance(ref, RemoteTensor) or ref.session is not session:
         raise Miss("an input is not a remote tensor of this session")

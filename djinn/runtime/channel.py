@@ -104,7 +104,7 @@ class Channel:
         sink: Sink | None = None,
     ) -> int:
         """Send a request without waiting for its reply (Note [asynchronous flushes] in
-        djinn/frontend/trace.py); its id, for ``receive``. Replies come in the order of
+        djinn/frontend/inflight.py); its id, for ``receive``. Replies come in the order of
         the requests: a ``call`` made meanwhile reads this one's first and keeps it."""
         with self.lock:
             rid = self._send(kind, body, segments)

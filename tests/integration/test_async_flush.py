@@ -1,4 +1,4 @@
-"""Note [asynchronous flushes] (djinn/frontend/trace.py): a graph one thread reads from
+"""Note [asynchronous flushes] (djinn/frontend/inflight.py): a graph one thread reads from
 another's capture is sent without waiting, the session's next request reads its reply
 first, and its failures land where a synchronous flush would have put them."""
 

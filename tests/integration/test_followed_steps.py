@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import djinn
-from djinn.frontend import trace
+from djinn.frontend import inflight
 from djinn.frontend.session import default_session
 from djinn.runtime import flights
 from tests.integration.test_replayable_training import _batches, _encoder, _moved
@@ -130,7 +130,7 @@ def test_a_default_adam_step_is_followed_into_a_template_of_its_own(ahead, remot
     sent.clear()
     for x, y in _batches(remote, 3):
         run(x, y)
-    trace.land_all()
+    inflight.land_all()
     fps = [form[0] for form in sent if form is not None]
     a_step = 2 if ahead else 1
     assert len(sent) == len(fps) == 3 * a_step, sent

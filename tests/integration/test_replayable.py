@@ -11,7 +11,7 @@ import torch
 
 import djinn
 from djinn.errors import DjinnError
-from djinn.frontend import trace
+from djinn.frontend import inflight, trace
 from djinn.frontend.session import default_session
 from djinn.protocol.frames import Kind
 
@@ -301,7 +301,7 @@ def test_a_failed_replay_landed_by_another_threads_unrelated_read_is_not_raised_
     for _ in range(3):
         fwd(torch.tensor([0, 5, 2]).to(remote)).cpu()
     bad = torch.tensor([0, 9, 2]).to(remote)
-    trace.land_all()  # the put of ``bad``
+    inflight.land_all()  # the put of ``bad``
     out = fwd(bad)  # sent, not landed
     got: list = []
 

@@ -75,7 +75,7 @@ def test_a_replays_body_is_made_only_where_it_is_read(remote, monkeypatch):
     fingerprint and its journal entry by its template's facts, so after the first replay
     of a template no replay's body is made; a cut made now walks the journal without
     making them either, and the loop keeps local eager's bits."""
-    from djinn.frontend import trace
+    from djinn.frontend import inflight
     from djinn.frontend.session import default_session
     from djinn.protocol import templates
 
@@ -89,7 +89,7 @@ def test_a_replays_body_is_made_only_where_it_is_read(remote, monkeypatch):
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     want, _ = _train(local, sgd, _batches("cpu", 12), replay=False)
     got, run = _train(model, sgd, _batches(remote, 12), replay=True)
-    trace.land_all()
+    inflight.land_all()
     assert run.stats()["replays"] == 9, run.stats()
     assert sum(made) <= 1, made  # the first replay of the template: its journal facts
     lineage = default_session()._lineage

@@ -265,12 +265,13 @@ def test_a_failed_adam_step_is_raised_once_and_first(remote, behind, ahead, monk
     run". (With the split sent first, the next call's split went behind it: a review saw
     the chained error first, and the steps' own raised later by an unrelated read.) Later
     calls raise it from the parameters it poisoned, and unrelated work goes on."""
+    from djinn.frontend import inflight
     from djinn.frontend import trace as trace_mod
 
     junk = torch.zeros(3, 7).to(remote)
     bad = trace_mod.resolved(junk.__dict__["_b"].ref).handle
     corrupt = {"now": False}
-    real = trace_mod.replay_in_flight
+    real = inflight.replay_in_flight
 
     def sending(tr, node, body, inline, form, inputs, **kw):
         if corrupt["now"] and (node.label.startswith("the steps of") or not ahead):
@@ -278,7 +279,7 @@ def test_a_failed_adam_step_is_raised_once_and_first(remote, behind, ahead, monk
             form = (form[0], [bad] * 3 + list(form[1][3:]), form[2])
         return real(tr, node, body, inline, form, inputs, **kw)
 
-    monkeypatch.setattr(trace_mod, "replay_in_flight", sending)
+    monkeypatch.setattr(inflight, "replay_in_flight", sending)
     model = _mlp().to(remote)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(4)
@@ -313,14 +314,14 @@ def test_a_graph_landed_failed_by_another_thread_while_steps_are_followed_stops_
     time (a review named the window) its loss came back as a number."""
     import threading
 
-    from djinn.frontend import replay_follow, replay_followed
+    from djinn.frontend import inflight, replay_follow, replay_followed
     from djinn.frontend import trace as trace_mod
 
     monkeypatch.setattr(replay_followed, "overlapped", lambda session: False)
     junk = torch.zeros(3, 7).to(remote)
     bad = trace_mod.resolved(junk.__dict__["_b"].ref).handle
     state = {"corrupt": False, "land_first": False}
-    real_send, real_finish = trace_mod.replay_in_flight, replay_follow.Follower.finish
+    real_send, real_finish = inflight.replay_in_flight, replay_follow.Follower.finish
 
     def sending(tr, node, body, inline, form, inputs, **kw):
         if state["corrupt"]:
@@ -331,12 +332,12 @@ def test_a_graph_landed_failed_by_another_thread_while_steps_are_followed_stops_
     def finishing(self):
         if state["land_first"]:  # another thread lands the last call's graph, now
             state["land_first"] = False
-            other = threading.Thread(target=trace_mod.land_all)
+            other = threading.Thread(target=inflight.land_all)
             other.start()
             other.join()
         return real_finish(self)
 
-    monkeypatch.setattr(trace_mod, "replay_in_flight", sending)
+    monkeypatch.setattr(inflight, "replay_in_flight", sending)
     monkeypatch.setattr(replay_follow.Follower, "finish", finishing)
     model = _mlp().to(remote)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
