@@ -21,7 +21,7 @@ raised at its first call:
 
 Both wrappers leave every other value to PyTorch's own code. Neither module is imported
 by ``import djinn`` (seconds each): the wrappers go on when they are imported
-(``dynamo_skip.when_loaded``), and a torch whose functions moved is left as it is.
+(``when_loaded``), and a torch whose functions moved is left as it is.
 ``torch.compile`` then runs such a model with local eager's numbers (the test compares a
 GPT-2's logits); what it gains is on the local side only.
 """
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from . import dynamo_skip
 from .device import DEVICE_TYPE
+from .on_import import forget, when_loaded
 
 log = logging.getLogger("djinn.frontend")
 
@@ -125,16 +125,16 @@ def _wrap_clone_input(utils: Any) -> Any:
 def attach() -> Any:
     """Wrap both, now or once each module is imported."""
     return (
-        dynamo_skip.when_loaded(_COMPILE_FX, lambda m: _wrap(m, "compile_fx", compile_fx_for)),
-        dynamo_skip.when_loaded(_DYNAMO_UTILS, _wrap_clone_input),
+        when_loaded(_COMPILE_FX, lambda m: _wrap(m, "compile_fx", compile_fx_for)),
+        when_loaded(_DYNAMO_UTILS, _wrap_clone_input),
     )
 
 
 def detach(state: Any) -> None:
     """Undo ``attach``: the finders taken out, or PyTorch's own functions put back."""
     compile_fx, clone_input = state
-    module, original = dynamo_skip.forget(compile_fx)
+    module, original = forget(compile_fx)
     _unwrap(module, "compile_fx", original)
-    module, original = dynamo_skip.forget(clone_input)
+    module, original = forget(clone_input)
     _unwrap(module, "clone_input", original)
     _unwrap(sys.modules.get(_BUILDER), "clone_input", original)

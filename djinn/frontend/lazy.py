@@ -414,7 +414,7 @@ def streamed(trace: trace_mod.Trace, func: Any = None, args: tuple = ()) -> trac
 def _reads_last_node(trace: trace_mod.Trace, args: tuple) -> bool:
     last = trace.nodes[-1]
     for x in args:
-        ref = x.__dict__["_b"].ref if type(x) is LazyTensor else None
+        ref = x._ref if type(x) is LazyTensor else None
         if isinstance(ref, Pending) and ref.node is last:
             return True
     return False
