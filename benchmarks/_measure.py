@@ -88,6 +88,7 @@ def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[s
             raise AssertionError("tiny round trip returned different values")
         put_ns: list[int] = []
         get_ns: list[int] = []
+        served = worker_time(client)
         gc.collect()
         for _ in range(iterations):
             t0 = clock()
@@ -98,6 +99,7 @@ def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[s
             put_ns.append(t1 - t0)
             get_ns.append(t2 - t1)
             del r  # its free rides along with the next request, as in real use
+        served = worker_time(client, since=served)
         # the put the frontend's `x.to(remote)` makes: not waited for, its reply read by
         # the get (Note [puts sent without waiting])
         unwaited_ns: list[int] = []
@@ -110,17 +112,63 @@ def tiny_djinn(client: Client, iterations: int, warmup: int) -> dict[str, dict[s
         beat_ns: list[int] = []
         for _ in range(warmup):
             s._call(Kind.HEARTBEAT)
+        beats = worker_time(client)
         for _ in range(iterations):
             t0 = clock()
             s._call(Kind.HEARTBEAT)
             beat_ns.append(clock() - t0)
+        beats = worker_time(client, since=beats)
     return {
         "roundtrip": latency([p + g for p, g in zip(put_ns, get_ns, strict=True)]),
         "put": latency(put_ns),
         "get": latency(get_ns),
         "unwaited": latency(unwaited_ns),
         "heartbeat": latency(beat_ns),
+        "served_us": {
+            "PUT": served.get("PUT"),
+            "GET": served.get("GET"),
+            "HEARTBEAT": beats.get("HEARTBEAT"),
+        },
     }
+
+
+# -- the appliance's own share ------------------------------------------------------------------
+STATS_SETTLE_S = 1.2  # a worker pushes its stats at least once a second (worker_stats.py)
+
+
+def worker_time(client: Client, since: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The appliance's workers' own time per request kind, from dispatch to reply sent (the
+    stats document's request accounting): running totals ``{kind: (count, seconds)}``, or
+    with ``since`` (an earlier call's totals) the mean µs of each kind answered between
+    the two, ``{kind: mean_us}``. What a client measured beyond it is the client's own
+    Python and the transport. Workers push their stats at most once a second when idle,
+    so this reads until two reads ``STATS_SETTLE_S`` apart agree."""
+    import time
+
+    def read() -> dict[str, tuple[int, float]]:
+        totals: dict[str, tuple[int, float]] = {}
+        for e in client.stats().get("requests", []):
+            if e.get("worker") == "supervisor" or e.get("outcome") != "ok":
+                continue
+            count, secs = totals.get(e["kind"], (0, 0.0))
+            totals[e["kind"]] = (count + int(e["count"]), secs + float(e["sum_s"]))
+        return totals
+
+    now = read()
+    for _ in range(5):
+        time.sleep(STATS_SETTLE_S)
+        again = read()
+        if again == now:
+            break
+        now = again
+    if since is None:
+        return now
+    means: dict[str, float] = {}
+    for kind, (count, secs) in now.items():
+        c0, s0 = since.get(kind, (0, 0.0))
+        if count > c0:
+            means[kind] = round((secs - s0) / (count - c0) * 1e6, 2)
+    return means
 
 
 # -- bulk ---------------------------------------------------------------------------------------
@@ -236,16 +284,29 @@ def back_to_back(nbytes: int, quick: bool, sessions: dict[str, Session]) -> dict
     for transport, s in sessions.items():
         for wait in (True, False):  # False: the put `x.to(remote)` makes
             times = []
+            put_ns: list[int] = []
+            get_ns: list[int] = []
             for i in range(count + 10):
+                if i == 10 and wait:
+                    served = worker_time(s.client)
                 t0 = clock()
                 r = s.put(src, wait=wait)
+                t1 = clock()
                 r.cpu(out=out)
-                took = seconds_since(t0)
+                t2 = clock()
                 r.free()
                 del r
                 if i >= 10:  # warm-up
-                    times.append(took)
+                    times.append((t2 - t0) / 1e9)
+                    put_ns.append(t1 - t0)
+                    get_ns.append(t2 - t1)
             got[transport if wait else f"{transport} unwaited"] = rate(2 * nbytes, times)
+            if wait:  # where a request's time goes: the worker's share of each
+                got[f"{transport} split"] = {
+                    "put": latency(put_ns),
+                    "get": latency(get_ns),
+                    "served_us": worker_time(s.client, since=served),
+                }
     copies = []
     for _ in range(count):
         t0 = clock()

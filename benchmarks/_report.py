@@ -159,6 +159,8 @@ def render(doc: dict[str, Any]) -> str:
                 )
         out.append(md_table(["size", "path", "put+get", "memcpy", "/ memcpy"], rows))
     out.append("")
+    out.append(split_table(doc))
+    out.append("")
     out.append(
         "Rounds are interleaved: every path and ceiling is timed once per round. "
         "memcpy = dst.copy_(src) into a warm buffer (the result a get just produced); "
@@ -174,6 +176,46 @@ def render(doc: dict[str, Any]) -> str:
         mark = {True: "met", False: "MISSED", None: "ref"}[check["met"]]
         out.append(f"- [{mark}] {check['target']}: {check['measured']}")
     return "\n".join(out)
+
+
+def split_table(doc: dict[str, Any]) -> str:
+    """Where a request's time goes: what the client measured (mean µs) beside the worker's
+    own time for the same requests, from dispatch to reply sent (the stats document's
+    request accounting); the rest is the client's Python, its copies and the transport."""
+    rows = []
+
+    def row(what: str, transport: str, measured: float, served: float | None) -> None:
+        rest = "" if served is None else f"{measured - served:.1f}"
+        share = "" if served is None else f"{served / measured:.0%}"
+        worker = "" if served is None else f"{served:.1f}"
+        rows.append([what, transport, f"{measured:.1f}", worker, rest, share])
+
+    for transport in TRANSPORTS:
+        d = doc["tiny"]["djinn"][transport]
+        served = d.get("served_us") or {}
+        row("tiny PUT", transport, d["put"]["mean_us"], served.get("PUT"))
+        row("tiny GET", transport, d["get"]["mean_us"], served.get("GET"))
+        row("HEARTBEAT", transport, d["heartbeat"]["mean_us"], served.get("HEARTBEAT"))
+    for item in doc["bulk"]:
+        for transport in TRANSPORTS:
+            split = item.get("back_to_back", {}).get(f"{transport} split")
+            if split is None:
+                continue
+            size = fmt_bytes(item["bytes"])
+            served = split.get("served_us") or {}
+            row(f"{size} PUT, back to back", transport, split["put"]["mean_us"], served.get("PUT"))
+            row(f"{size} GET (out=), back to back", transport, split["get"]["mean_us"],
+                served.get("GET"))  # fmt: skip
+    headers = ["request", "path", "client µs", "worker µs", "client + transport µs", "worker share"]
+    return "\n".join(
+        [
+            "Where a request's time goes (means): the worker's own time from dispatch to "
+            "reply sent, from the appliance's stats; the rest is the client's Python, its "
+            "arena copies and the transport.",
+            "",
+            md_table(headers, rows),
+        ]
+    )
 
 
 def gbps(r: dict[str, float]) -> str:

@@ -13,7 +13,12 @@ directory), then measures, each beside the ceiling it should be judged against
   (``sendall`` / ``recv_into`` between two processes) of the same byte count, in rounds
   that interleave every path (each request after other work); and, up to 8 MiB, put +
   get back to back in a loop, beside memcpy timed the same way (a request after other
-  work pays the cold cost of its Python on a VM: ``_measure.back_to_back``).
+  work pays the cold cost of its Python on a VM: ``_measure.back_to_back``);
+- where a request's time goes: for the tiny PUT, GET and HEARTBEAT and the back-to-back
+  PUT and GET, the client's mean beside the worker's own time for the same requests
+  (dispatch to reply sent, read from the appliance's stats document:
+  ``_measure.worker_time``); the rest is the client's Python, its arena copies and the
+  transport.
 
 Prints markdown tables to stdout and writes a JSON document (``--json``). The pieces live
 beside this file: ``_appliance.py`` (the private ``djinn serve``), ``_peers.py`` (the
