@@ -121,4 +121,4 @@ def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return meta_mod.meta_tensor(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    return meta_mod.meta_tensor(*meta_mod.spec_tuple(t))

@@ -17,6 +17,7 @@ so no torch function needs replacing: importing Djinn leaves local PyTorch untou
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -73,7 +74,8 @@ def to_copy(
     local = (
         x if same else torch.ops.aten._to_copy.default(x, dtype=dtype, memory_format=memory_format)
     )
-    spec = lazy.spec_of(local)
+    # a copy resolves the conjugate and negative bits, as local eager's does
+    spec = dataclasses.replace(lazy.spec_of(local), bits=0)
     dst = lazy.LazyTensor(spec, lazy.Uninit(spec))
     out = special_ops.copy_into(dst, local)
     ties.converted(at, x)

@@ -82,6 +82,8 @@ class LazyTensor(torch.Tensor):
             dispatch_sizes_strides_policy="sizes" if dynamic else None,
         )
         t._dyn = spec if dynamic else None
+        if spec.bits:  # Note [conjugate and negative views] (meta.py)
+            meta_mod.set_bits(t, spec.bits)
         bind(t, ref)
         return t
 
@@ -219,7 +221,9 @@ class _Args:
         if isinstance(x, LazyTensor):
             self.flat.append(x)
             if self.key is not None:
-                self.key.append(("L", x.dtype, x.shape, x.stride(), x.storage_offset()))
+                self.key.append(
+                    ("L", x.dtype, x.shape, x.stride(), x.storage_offset(), x.is_conj(), x.is_neg())
+                )
             trace = self.trace
             ref = ref_for_node(x, trace)
             if trace.reads is not None or trace.recorders:
@@ -268,6 +272,8 @@ class _Args:
         flat, key, trace = self.flat, self.key, self.trace
         flat.extend(xs)
         if key is not None:
+            # no conjugate or negative bits here (Note [conjugate and negative views]): a
+            # list op's outputs never have them, and its meta inputs do (spec_tuple)
             key.append(("(", len(xs)))
             key.extend([("L", x.dtype, x.shape, x.stride(), x.storage_offset()) for x in xs])
         refs = [ref_for_node(x, trace) for x in xs]
@@ -538,9 +544,10 @@ def _output(s: TensorSpec, flat: list[Any], node: Node, i: int) -> Any:
         if isinstance(target, LazyTensor):
             if (tuple(target.shape), tuple(target.stride())) == (s.shape, s.stride):
                 return target  # in-place op or out=: the same tensor, mutated remotely
-            target._dyn = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None)
+            target._dyn = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None, s.bits)
             return target  # Note [resizable outputs] (_check_alias refused the rest)
-    return LazyTensor(TensorSpec(s.dtype, s.shape, s.stride, s.offset, None), Pending(node, i))
+    spec = TensorSpec(s.dtype, s.shape, s.stride, s.offset, None, s.bits)
+    return LazyTensor(spec, Pending(node, i))
 
 
 # filled by special_ops: the ops capture does not record as they come, and those of them

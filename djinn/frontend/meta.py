@@ -27,6 +27,33 @@ class TensorSpec:
     stride: tuple[int, ...]
     offset: int
     alias: int | None  # index of the flattened input this output *is* (in-place / out=)
+    bits: int = 0  # CONJ | NEG: Note [conjugate and negative views]
+
+
+# Note [conjugate and negative views]: ``z.conj()`` of a complex tensor is a view with
+# PyTorch's conjugate bit set, not a copy, and composite code reads that bit: ``z.imag``
+# of a conjugated view takes ``_conj`` back off, then ``view_as_real``, then a negative
+# view (``_neg_view``, the negative bit). A remote tensor's wrapper without the bits took
+# the other branch, and the appliance, whose tensor had the bit, refused: ``z.conj().imag``
+# and ``.real`` raised "view_as_real doesn't work on unresolved conjugated tensors", and
+# ``resolve_conj()`` did nothing. So an output's spec carries both bits from its meta
+# output, the wrapper is made with them, the meta inputs an op is inferred on have them,
+# and they are part of the meta cache's key.
+CONJ, NEG = 1, 2
+
+
+def bits_of(t: torch.Tensor) -> int:
+    """``t``'s conjugate and negative bits (Note [conjugate and negative views])."""
+    return (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+
+
+def set_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``t`` with the conjugate and negative bits of ``bits`` set, in place."""
+    if bits & CONJ:
+        torch._C._set_conj(t, True)
+    if bits & NEG:
+        torch._C._set_neg(t, True)
+    return t
 
 
 class DataDependent(Exception):
@@ -73,12 +100,13 @@ def _foreach(func: Any) -> bool:
     return name.startswith("_foreach_")
 
 
-def meta_tensor(dtype: torch.dtype, shape, stride, offset: int) -> torch.Tensor:
+def meta_tensor(dtype: torch.dtype, shape, stride, offset: int, bits: int = 0) -> torch.Tensor:
     extent = offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n) + 1
     if any(n == 0 for n in shape):
         extent = offset
     base = torch.empty(max(extent, 0), dtype=dtype, device=META)
-    return base.as_strided(shape, stride, offset)
+    view = base.as_strided(shape, stride, offset)
+    return set_bits(view, bits) if bits else view
 
 
 def infer(func: Any, key: Any, build_meta_args) -> Any:
@@ -114,7 +142,12 @@ def _spec(out: Any, flat_inputs: list[torch.Tensor]) -> Any:
         if out.device.type != "meta":
             raise UnsupportedOp(f"op produced a {out.device.type} tensor from meta inputs")
         return TensorSpec(
-            out.dtype, tuple(out.shape), tuple(out.stride()), out.storage_offset(), alias
+            out.dtype,
+            tuple(out.shape),
+            tuple(out.stride()),
+            out.storage_offset(),
+            alias,
+            bits_of(out),
         )
     if isinstance(out, (tuple, list)):
         return (
@@ -134,11 +167,14 @@ def cache_size() -> int:
 
 
 def spec_of(t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), None)
+    return TensorSpec(
+        t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), None, bits_of(t)
+    )
 
 
 def spec_tuple(t: torch.Tensor) -> tuple:
-    return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    """What ``meta_tensor`` takes to make ``t``'s meta twin."""
+    return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), bits_of(t)
 
 
 def cpu_statistics(func: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
@@ -152,7 +188,7 @@ def cpu_statistics(func: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
     out = list(spec)
     for i in norm_stats.STATISTICS:
         s = out[i]
-        out[i] = TensorSpec(dtype, s.shape, s.stride, s.offset, s.alias)
+        out[i] = TensorSpec(dtype, s.shape, s.stride, s.offset, s.alias, s.bits)
     return type(spec)(out)
 
 

@@ -35,7 +35,7 @@ def size_query(func: Any, args: tuple, kwargs: dict) -> Any:
         return spec.offset
     if func is _aten.dim.default:
         return len(spec.shape)
-    m = meta_mod.meta_tensor(spec.dtype, spec.shape, spec.stride, spec.offset)
+    m = meta_mod.meta_tensor(spec.dtype, spec.shape, spec.stride, spec.offset, spec.bits)
     return func(m, *args[1:], **kwargs)  # is_contiguous and friends: ask a meta twin
 
 
