@@ -5,7 +5,9 @@ Note [affine grid backward]: ``affine_grid_generator_backward`` is composite. It
 an in-place change of a tensor's shape, which the remote device refuses (a wrapper's sizes
 are fixed). So the remote device runs the same body with ``unsqueeze``, its out-of-place
 form: the same ops on the same values, the gradient bit-exact with local eager. It is
-registered on the autograd key, above the composite's own body.
+registered on the autograd key, above the composite's own body. (Since Note [shapes
+changed in place] the remote device runs ``unsqueeze_`` too; this body, tested bit-exact,
+stays.)
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, inference_views, known, slicing, ties, writes
+from . import attention, embedding, inference_views, inplace_views, known, slicing, ties, writes
 from .immediate import fetch, run_locally
 from .lazy import (
     SPECIAL,
@@ -175,6 +175,7 @@ SPECIAL.update(
         torch.ops.aten.detach.default: _detach,
         torch.ops.aten.copy_.default: _copy,
         **dict.fromkeys(slicing.OPS, _slice),
+        **dict.fromkeys(inplace_views.OPS, inplace_views.reshape_in_place),
         embedding.OP: _embedding_backward,
     }
 )

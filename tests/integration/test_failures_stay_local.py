@@ -325,10 +325,10 @@ def test_an_error_inside_backward_is_a_python_exception(remote):
 
 
 class _RefusedWriteInBackward(torch.autograd.Function):
-    """A backward that writes ``unsqueeze_`` (refused: a remote tensor's sizes are fixed),
-    then copies the tensor into a fresh ``empty`` buffer: the copy's operands are ones meta
-    inference refuses. (affine_grid's backward did this; it now runs without the
-    ``unsqueeze_``, Note [affine grid backward].)"""
+    """A backward that resizes a tensor in place (``resize_``, refused: a remote tensor's
+    sizes are fixed), then copies it into a fresh ``empty`` buffer: the copy's operands are
+    ones meta inference refuses. (affine_grid's backward did this with ``unsqueeze_``,
+    which now runs: Note [shapes changed in place], Note [affine grid backward].)"""
 
     @staticmethod
     def forward(ctx, x):
@@ -337,7 +337,7 @@ class _RefusedWriteInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         points = torch.linspace(-1, 1, 4, device=grad.device)
-        points.unsqueeze_(-1)
+        points.resize_(4, 1)
         buffer = torch.empty(4, 5, device=grad.device)
         buffer.copy_(points)
         return grad * buffer
@@ -346,11 +346,11 @@ class _RefusedWriteInBackward(torch.autograd.Function):
 def test_a_failure_in_backward_that_meta_cannot_shape_is_a_python_exception(remote):
     """Shaping such a failure raised inside backward and aborted the process (found by a
     module sweep). And the failure must reach the gradient (Note [failed writes in
-    backward]): it stayed in the wrapper ``unsqueeze_`` returned, the buffer stayed
+    backward]): it stayed in the wrapper ``resize_`` returned, the buffer stayed
     ``empty``, and the gradient read back uninitialised memory without an error."""
     x = torch.randn(4, 5, device=R, requires_grad=True)
     _RefusedWriteInBackward.apply(x).sum().backward()
-    with pytest.raises(DjinnError, match="unsqueeze_"):
+    with pytest.raises(DjinnError, match="resize_"):
         x.grad.cpu()
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
