@@ -1,7 +1,7 @@
 """Conformance of the capture frontend against PyTorch's OpInfo database.
 
 For every op in ``op_db`` that supports a dtype on the CPU (float32, float16, bfloat16,
-int64, bool), run its sample inputs through LazyTensor on a real appliance and compare
+int64, bool, complex64), run its sample inputs through LazyTensor on a real appliance and compare
 with local eager (same seed, so random ops are comparable too). An op passes when all its
 samples match. Failures are classified:
 
@@ -17,7 +17,7 @@ An op is *skipped* only when eager refuses every sample in a process that never 
 djinn: ``opinfo_reference.py`` works that out in a subprocess first (issue 8 §4) and this
 run tries exactly the samples it accepted, in the same order, checked by fingerprint.
 
-    python benchmarks/opinfo_coverage.py [--dtypes float32,float16,bfloat16,int64,bool]
+    python benchmarks/opinfo_coverage.py [--dtypes float32,float16,bfloat16,int64,bool,complex64]
         [--address unix:///...] [--ops a,b] [--limit N] [--max-samples N]
         [--reference PATH] [--json PATH]
 

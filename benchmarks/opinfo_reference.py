@@ -48,6 +48,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
     "bool": torch.bool,
+    "complex64": torch.complex64,
 }
 SAMPLE_SEED = 0  # seeds sample generation (Note [deterministic samples])
 OP_SEED = 1234  # seeds every eager and remote call, so random ops are comparable
