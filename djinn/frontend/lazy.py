@@ -20,6 +20,7 @@ from djinn.runtime.remote import RemoteTensor
 
 from . import (
     backward_errors,
+    custom_ops,
     engine_started,
     failures,
     hook_errors,
@@ -381,6 +382,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return special(func, args, kwargs)
     if uncaptured.composite(func):
         return func.decompose(*args, **kwargs)
+    own_body = custom_ops.body(func)
+    if own_body is not None:  # Note [custom ops]
+        return own_body(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
         if trace_mod.FOLLOWING:
