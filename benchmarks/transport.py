@@ -17,8 +17,9 @@ directory), then measures, each beside the ceiling it should be judged against
 - where a request's time goes: for the tiny PUT, GET and HEARTBEAT and the back-to-back
   PUT and GET, the client's mean beside the worker's own time for the same requests
   (dispatch to reply sent, read from the appliance's stats document:
-  ``_measure.worker_time``); the rest is the client's Python, its arena copies and the
-  transport.
+  ``_measure.worker_time``), in loops of their own after the timed ones (reading the
+  stats pauses, and a loop after a pause runs in another state); the rest is the client's
+  Python, its arena copies and the transport.
 
 Prints markdown tables to stdout and writes a JSON document (``--json``). The pieces live
 beside this file: ``_appliance.py`` (the private ``djinn serve``), ``_peers.py`` (the
