@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,11 +135,7 @@ def split_tiny(client: Client, s: Session, t: torch.Tensor, iterations: int) -> 
     p50s above, and are reported with the worker's they were measured beside."""
     from djinn.protocol.frames import Kind
 
-    before = worker_time(client)
-    put_ns: list[int] = []
-    get_ns: list[int] = []
-    beat_ns: list[int] = []
-    for _ in range(iterations):
+    def step() -> tuple[int, ...]:
         t0 = clock()
         r = s.put(t)
         t1 = clock()
@@ -147,16 +143,22 @@ def split_tiny(client: Client, s: Session, t: torch.Tensor, iterations: int) -> 
         t2 = clock()
         del r
         s._call(Kind.HEARTBEAT)
-        t3 = clock()
-        put_ns.append(t1 - t0)
-        get_ns.append(t2 - t1)
-        beat_ns.append(t3 - t2)
-    return {
-        "put": latency(put_ns),
-        "get": latency(get_ns),
-        "heartbeat": latency(beat_ns),
-        "served_us": worker_time(client, since=before),
-    }
+        return t1 - t0, t2 - t1, clock() - t2
+
+    return split(client, iterations, step, ("put", "get", "heartbeat"))
+
+
+def split(
+    client: Client, iterations: int, step: Callable[[], tuple[int, ...]], names: Sequence[str]
+) -> dict[str, Any]:
+    """``step()`` ``iterations`` times, each returning the ns of its requests in turn: their
+    latencies by ``names``, and the worker's mean µs by request kind over the same loop
+    (``served_us``)."""
+    before = worker_time(client)
+    samples = [step() for _ in range(iterations)]
+    out: dict[str, Any] = {n: latency([x[k] for x in samples]) for k, n in enumerate(names)}
+    out["served_us"] = worker_time(client, since=before)
+    return out
 
 
 # -- the appliance's own share ------------------------------------------------------------------
@@ -322,24 +324,17 @@ def back_to_back(nbytes: int, quick: bool, sessions: dict[str, Session]) -> dict
                     times.append(took)
             got[transport if wait else f"{transport} unwaited"] = rate(2 * nbytes, times)
     for transport, s in sessions.items():  # after every timed loop (split_tiny says why)
-        before = worker_time(s.client)
-        put_ns: list[int] = []
-        get_ns: list[int] = []
-        for _ in range(count):
+
+        def step(s: Session = s) -> tuple[int, ...]:
             t0 = clock()
             r = s.put(src)
             t1 = clock()
             r.cpu(out=out)
             t2 = clock()
             r.free()
-            del r
-            put_ns.append(t1 - t0)
-            get_ns.append(t2 - t1)
-        got[f"{transport} split"] = {
-            "put": latency(put_ns),
-            "get": latency(get_ns),
-            "served_us": worker_time(s.client, since=before),
-        }
+            return t1 - t0, t2 - t1
+
+        got[f"{transport} split"] = split(s.client, count, step, ("put", "get"))
     copies = []
     for _ in range(count):
         t0 = clock()
