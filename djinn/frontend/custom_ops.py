@@ -27,27 +27,44 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from djinn.errors import UnsupportedOp
+
 _NATIVE = ("aten::", "prims::")
 _TORCH_OWN = ("torch_nn::", "torch::", "_c10d_functional::", "inductor::", "higher_order::")
 _bodies: dict[Any, Callable[..., Any] | None] = {}
 
 
-def body(func: Any) -> Callable[..., Any] | None:
-    """The device-independent Python body of custom op ``func``, or None."""
-    try:
-        return _bodies[func]
-    except KeyError:
-        pass
-    found = None
-    schema = getattr(func, "_schema", None)
-    if schema is not None and not schema.name.startswith(_NATIVE + _TORCH_OWN):
-        from torch._library.custom_ops import _maybe_get_opdef
+def _refused(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("never called: body() raises for it")  # pragma: no cover
 
-        try:
-            opdef = _maybe_get_opdef(func)
-        except Exception:  # not an op of torch.library's: refused as before
-            opdef = None
-        if opdef is not None:
-            found = getattr(opdef, "_backend_fns", {}).get(None)
-    _bodies[func] = found
+
+def body(func: Any) -> Callable[..., Any] | None:
+    """The device-independent Python body of custom op ``func``; None for an ``aten`` or
+    ``prims`` op. Any other op raises UNSUPPORTED_OP at once, before meta inference (an
+    op without a fake kernel raised PyTorch's untyped RuntimeError there)."""
+    found = _bodies.get(func, _refused)
+    if found is _refused:
+        found = _bodies[func] = _find(func)
+    if found is _refused:
+        name = func._schema.name
+        raise UnsupportedOp(
+            f"{name}: not an op the remote device runs (a torch.library.custom_op runs "
+            "there when its body serves every device: Note [custom ops])"
+        )
     return found
+
+
+def _find(func: Any) -> Callable[..., Any] | None:
+    schema = getattr(func, "_schema", None)
+    if schema is None or schema.name.startswith(_NATIVE):
+        return None
+    if schema.name.startswith(_TORCH_OWN):
+        return _refused
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    try:
+        opdef = _maybe_get_opdef(func)
+    except Exception:  # not an op of torch.library's
+        opdef = None
+    fn = getattr(opdef, "_backend_fns", {}).get(None) if opdef is not None else None
+    return fn if fn is not None else _refused

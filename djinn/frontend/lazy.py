@@ -382,14 +382,14 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return special(func, args, kwargs)
     if uncaptured.composite(func):
         return func.decompose(*args, **kwargs)
-    own_body = custom_ops.body(func)
-    if own_body is not None:  # Note [custom ops]
-        return own_body(*args, **kwargs)
     kw_device = kwargs.get("device")
     if isinstance(kw_device, torch.device) and kw_device.type == "cpu":
         if trace_mod.FOLLOWING:
             trace_mod.stop_following(f"its steps called {func}, which is not followed")
         return SPECIAL_TO_CPU.get(func, run_locally)(func, args, kwargs)
+    own_body = custom_ops.body(func)  # raises for an op the appliance cannot run
+    if own_body is not None:  # Note [custom ops]
+        return own_body(*args, **kwargs)
     if written_args(func):
         _refuse_local_targets(func, args, kwargs)
     return capture(func, args, kwargs)

@@ -53,6 +53,11 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("djinn_test::cpu_triple", mutates_args=(), device_types="cpu")
+def cpu_triple(x: torch.Tensor) -> torch.Tensor:  # no fake kernel either
+    return x * 3
+
+
 def _x() -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
 
@@ -74,4 +79,6 @@ def test_a_custom_op_for_every_device_runs_its_body_with_its_own_gradient(remote
 def test_a_custom_op_for_named_devices_only_is_refused_typed(remote):
     with pytest.raises(DjinnError, match="djinn_test::cpu_double"):
         cpu_double(_x().to(R)).cpu()
+    with pytest.raises(DjinnError, match="djinn_test::cpu_triple"):  # was an untyped error
+        cpu_triple(_x().to(R))
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]  # the session goes on
