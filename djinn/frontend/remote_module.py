@@ -62,8 +62,11 @@ class RemoteObject:
 
 def wants_model_path(module: torch.nn.Module) -> bool:
     """Inference-mode transformers models take the model path; everything else (training,
-    plain nn.Modules) keeps the graph path."""
+    plain nn.Modules, a model with hooks, which the appliance would not run) keeps the
+    graph path."""
     if module.training or getattr(module, "_djinn", None) is not None:
+        return False
+    if _hooked(module):
         return False
     config = getattr(module, "config", None)
     return hasattr(config, "to_dict") and any(
@@ -187,6 +190,91 @@ class _RemoteBinding:
         self.session = session
         self.device = device
         self.info = info
+        self.modules: tuple = ()  # Note [a registered model changed]
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.weights: tuple = ()  # taken at the first call
+
+
+# Note [a registered model changed]: a model on the model path runs on the appliance as
+# it was registered when it moved; its local copy keeps only meta tensors. What the program
+# did to the local module afterwards was silently ignored, and the numbers were the
+# registered model's: ``wpe.weight.zero_()`` or ``load_state_dict(other)`` (both write
+# into meta tensors, no-ops), ``.half()``, a submodule replaced (a 7-way ``lm_head`` still
+# gave 100 logits), a forward hook that changes an output, ``.train()`` (no dropout, no
+# autograd). So the module's structure, training flags and parameters (each one's
+# identity, version counter and dtype) are recorded when it is registered, and every call
+# compares them, and looks for hooks, first: a change refuses the call (UNSUPPORTED_OP,
+# saying what changed) rather than run the stale model. A model that has hooks when it
+# moves takes the graph path, which runs them. The move itself replaces every parameter
+# (a new meta Parameter, its version counter at 0), so the parameters' identities are
+# taken at the first call, which requires each version still 0 and each dtype the one
+# registered. A model built weightless on this side (``djinn.from_pretrained``) is
+# recorded as it is at its first call.
+def _modules_of(module: torch.nn.Module) -> tuple:
+    return tuple((name, id(m), m.training) for name, m in module.named_modules())
+
+
+def _weights_of(module: torch.nn.Module) -> tuple:
+    return tuple(
+        (name, id(p), p._version, p.dtype)
+        for name, p in module.named_parameters(remove_duplicate=False)
+    )
+
+
+def _dtypes_of(module: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    def cast(t: torch.Tensor) -> torch.dtype:  # what Module.to(dtype) leaves
+        return dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+
+    return {name: cast(p) for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    from torch.nn.modules import module as module_mod
+
+    global_hooks = any(
+        getattr(module_mod, f"_global{h}", None)
+        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    )
+    return global_hooks or any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
+
+
+def _changed(module: torch.nn.Module, binding: _RemoteBinding) -> str | None:
+    """What changed in ``module`` since it was registered, or None (Note [a registered
+    model changed])."""
+    modules = _modules_of(module)
+    if not binding.modules:  # a model built weightless (djinn.from_pretrained): as first called
+        binding.modules = modules
+    if modules != binding.modules:
+        was = {name: (ident, training) for name, ident, training in binding.modules}
+        for name, ident, training in modules:
+            if name not in was or was[name][0] != ident:
+                return f"its submodule {name or 'itself'!r} was added or replaced"
+            if was[name][1] != training:
+                return f"{name or 'it'} was put in {'training' if training else 'eval'} mode"
+        return "a submodule was removed"
+    weights = _weights_of(module)
+    if not binding.weights and binding.dtypes:  # the first call: as the move left them
+        was = {name: (ident, 0, binding.dtypes.get(name)) for name, ident, _, _ in weights}
+        binding.weights = tuple((n, *was[n]) for n, *_ in weights)
+    elif not binding.weights:  # built weightless: its own initialisation wrote its meta tensors
+        binding.weights = weights
+    if weights != binding.weights:
+        was_w = {name: rest for name, *rest in binding.weights}
+        for name, ident, version, dtype in weights:
+            before = was_w.get(name)
+            if before is None or before[0] != ident:
+                return f"its parameter {name!r} was added or replaced"
+            if before[1] != version:
+                return f"its parameter {name!r} was written in place (load_state_dict, an edit)"
+            if before[2] != dtype:
+                return f"its parameter {name!r} became {dtype} (.half(), .to(dtype))"
+        return "a parameter was removed"
+    if _hooked(module):
+        return "hooks were added, which the appliance does not run"
+    return None
 
 
 class RemoteModelMixin:
@@ -231,8 +319,11 @@ def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | No
 
     session = default_session()
     info = register(module, session, dtype)
-    module._djinn = _RemoteBinding(info["fingerprint"], session, device, info)
+    binding = _RemoteBinding(info["fingerprint"], session, device, info)
+    binding.dtypes = _dtypes_of(module, dtype)  # Note [a registered model changed]
+    module._djinn = binding
     module.__class__ = _remote_class(type(module))
+    binding.modules = _modules_of(module)
 
 
 # -- calls --------------------------------------------------------------------------------
@@ -326,6 +417,14 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
 
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
+    what = _changed(module, binding)
+    if what is not None:
+        raise UnsupportedOp(
+            f"{type(module).__name__} runs on the appliance as it was registered when it "
+            f"moved (the model path); since then, {what}. Make such changes before the "
+            "move, or move it in training mode (model.train().to(...)) to run it op by op "
+            "on the graph path, which follows them (Note [a registered model changed])"
+        )
     inline: list[torch.Tensor] = []
     body = {
         "fingerprint": binding.fingerprint,
