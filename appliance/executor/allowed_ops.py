@@ -27,11 +27,17 @@ ran after each group. ``view_as_real`` (``.real``, ``.imag``, rotary embeddings)
 with a 60-second fuzz of the two and ``view_as_complex`` alone (42,779 nodes) and a
 150-second run over every op (30,270 nodes), no findings; ``tril_indices`` and
 ``triu_indices`` (factories whose output size the meta kernel gives, so the stack is asked
-first) with a 60-second fuzz of the two (17,272 nodes).
+first) with a 60-second fuzz of the two (17,272 nodes); the shifts (``__lshift__``,
+``__rshift__``, ``__ilshift__``, ``__irshift__``) and ``logspace`` with a 60-second fuzz of
+them (26,855 nodes), no findings.
 """
 
 RECORDED = frozenset(
     {
+        "aten::__ilshift__.Scalar",
+        "aten::__irshift__.Scalar",
+        "aten::__lshift__.Scalar",
+        "aten::__rshift__.Scalar",
         "aten::_adaptive_avg_pool2d.default",
         "aten::_adaptive_avg_pool3d.default",
         "aten::_batch_norm_with_update.default",
@@ -316,6 +322,7 @@ RECORDED = frozenset(
         "aten::logaddexp.default",
         "aten::logaddexp2.default",
         "aten::logcumsumexp.default",
+        "aten::logspace.default",
         "aten::logical_and.default",
         "aten::logical_not.default",
         "aten::logical_not_.default",
