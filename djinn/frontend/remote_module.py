@@ -193,6 +193,7 @@ class _RemoteBinding:
         self.modules: tuple = ()  # Note [a registered model changed]
         self.dtypes: dict[str, torch.dtype] = {}
         self.weights: tuple = ()  # taken at the first call
+        self.seen: list = []  # _glance's answer when nothing had changed
 
 
 # Note [a registered model changed]: a model on the model path runs on the appliance as
@@ -231,19 +232,52 @@ def _dtypes_of(module: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _hooked(module: torch.nn.Module) -> bool:
+def _global_hooks() -> bool:
     from torch.nn.modules import module as module_mod
 
-    global_hooks = any(
-        getattr(module_mod, f"_global{h}", None)
-        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    )
-    return global_hooks or any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
+    return any(getattr(module_mod, f"_global{h}", None) for h in _HOOKS)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return _global_hooks() or any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
+
+
+def _glance(module: torch.nn.Module) -> list:
+    """One walk over ``module``: each submodule's identity, training flag and hooks, and
+    each of its own parameters' identity, version and dtype. Compared with its value at
+    the last call that found nothing changed, it spares a call the named walks below
+    (GPT-2 small: 315 µs of them a call)."""
+    out: list = []
+    add = out.append
+    todo = [module]
+    while todo:  # not named_modules(): its names cost more than the rest
+        m = todo.pop()
+        add(id(m))
+        add(m.training)
+        add(bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
+        add(bool(m._backward_pre_hooks))
+        for p in m._parameters.values():
+            if p is not None:
+                add(id(p))
+                add(p._version)
+                add(p.dtype)
+        todo.extend(c for c in m._modules.values() if c is not None)
+    return out
 
 
 def _changed(module: torch.nn.Module, binding: _RemoteBinding) -> str | None:
     """What changed in ``module`` since it was registered, or None (Note [a registered
     model changed])."""
+    seen = _glance(module)
+    if seen == binding.seen and not _global_hooks():
+        return None
+    what = _what_changed(module, binding)
+    if what is None:
+        binding.seen = seen
+    return what
+
+
+def _what_changed(module: torch.nn.Module, binding: _RemoteBinding) -> str | None:
     modules = _modules_of(module)
     if not binding.modules:  # a model built weightless (djinn.from_pretrained): as first called
         binding.modules = modules
