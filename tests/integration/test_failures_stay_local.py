@@ -265,12 +265,12 @@ def test_a_refused_write_into_a_dropped_temporary_fails_its_readers_with_its_err
     (INTERNAL) instead of the refusal."""
     p = torch.ones(3, dtype=torch.int64, device=R)
     s = torch.tensor([4, 8, 16]).to(R).clone()
-    s >>= 1  # __irshift__: not an op the appliance runs
+    s.resize_as_(s)  # not an op the appliance runs (__irshift__ was, until it joined)
     p.add_(s)
     del s
     with pytest.raises(DjinnError) as err:
         p.cpu()
-    assert err.value.code == "UNSUPPORTED_OP" and "irshift" in err.value.message
+    assert err.value.code == "UNSUPPORTED_OP" and "resize_as_" in err.value.message
     assert (torch.ones(2, device=R) * 3).cpu().tolist() == [3.0, 3.0]
 
 
@@ -280,7 +280,7 @@ def test_a_capture_block_with_such_a_failure_still_builds_its_graph(remote):
     with djinn.capture() as cap:
         p = torch.ones(3, dtype=torch.int64, device=R)
         s = torch.tensor([4, 8, 16]).to(R).clone()
-        s >>= 1
+        s.resize_as_(s)
         p.add_(s)
         del s
         with pytest.raises(DjinnError):
