@@ -59,6 +59,19 @@ class RemoteObject:
     def __repr__(self) -> str:
         return f"RemoteObject({self.cls.rsplit('.', 1)[-1]}, id={self.oid[:8]}…)"
 
+    def __getattr__(self, name: str) -> Any:
+        # only for names it lacks (its slots are found first): a decode loop asking a
+        # kept cache for ``get_seq_length()`` met "'RemoteObject' object has no attribute"
+        if name.startswith("__"):
+            raise AttributeError(name)  # the protocols copy and pickle probe for
+        kind = self.cls.rsplit(".", 1)[-1]
+        raise AttributeError(
+            f"{kind}.{name}: this {kind} stays on the appliance (a RemoteObject) and runs "
+            "no method here; pass it back to the model (past_key_values=...), or keep "
+            "what you need of it yourself (the length of a KV cache is the number of "
+            "tokens the model has been given)"
+        )
+
 
 def wants_model_path(module: torch.nn.Module) -> bool:
     """Inference-mode transformers models take the model path; everything else (training,

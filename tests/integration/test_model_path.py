@@ -42,6 +42,11 @@ def test_gpt2_registers_and_runs_by_fingerprint_with_eager_parity():
     out = model(ids, use_cache=True)
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     assert isinstance(out.logits, LazyTensor) and isinstance(out.past_key_values, RemoteObject)
+    # the kept cache runs no method here, and says so (a review's decode loop asked it for
+    # get_seq_length() and met "'RemoteObject' object has no attribute")
+    with pytest.raises(AttributeError, match=r"DynamicCache\.get_seq_length: this DynamicCache"):
+        out.past_key_values.get_seq_length()
+    assert not hasattr(out.past_key_values, "__deepcopy__")
     with torch.no_grad():
         ref = local(ids, use_cache=True)
     assert (out.logits.cpu() - ref.logits).abs().max().item() <= 1e-5
