@@ -31,21 +31,19 @@ from djinn.errors import UnsupportedOp
 
 _NATIVE = ("aten::", "prims::")
 _TORCH_OWN = ("torch_nn::", "torch::", "_c10d_functional::", "inductor::", "higher_order::")
-_bodies: dict[Any, Callable[..., Any] | None] = {}
-
-
-def _refused(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("never called: body() raises for it")  # pragma: no cover
+_MISSING = object()
+_REFUSED = object()
+_bodies: dict[Any, Any] = {}  # op -> its body, None (aten, prims) or _REFUSED
 
 
 def body(func: Any) -> Callable[..., Any] | None:
     """The device-independent Python body of custom op ``func``; None for an ``aten`` or
     ``prims`` op. Any other op raises UNSUPPORTED_OP at once, before meta inference (an
     op without a fake kernel raised PyTorch's untyped RuntimeError there)."""
-    found = _bodies.get(func, _refused)
-    if found is _refused:
+    found = _bodies.get(func, _MISSING)
+    if found is _MISSING:
         found = _bodies[func] = _find(func)
-    if found is _refused:
+    if found is _REFUSED:
         name = func._schema.name
         raise UnsupportedOp(
             f"{name}: not an op the remote device runs (a torch.library.custom_op runs "
@@ -54,12 +52,12 @@ def body(func: Any) -> Callable[..., Any] | None:
     return found
 
 
-def _find(func: Any) -> Callable[..., Any] | None:
+def _find(func: Any) -> Any:
     schema = getattr(func, "_schema", None)
     if schema is None or schema.name.startswith(_NATIVE):
         return None
     if schema.name.startswith(_TORCH_OWN):
-        return _refused
+        return _REFUSED
     from torch._library.custom_ops import _maybe_get_opdef
 
     try:
@@ -67,4 +65,4 @@ def _find(func: Any) -> Callable[..., Any] | None:
     except Exception:  # not an op of torch.library's
         opdef = None
     fn = getattr(opdef, "_backend_fns", {}).get(None) if opdef is not None else None
-    return fn if fn is not None else _refused
+    return fn if fn is not None else _REFUSED

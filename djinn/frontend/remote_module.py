@@ -304,8 +304,7 @@ def _what_changed(module: torch.nn.Module, binding: _RemoteBinding) -> str | Non
         return "a submodule was removed"
     weights = _weights_of(module)
     if not binding.weights and binding.dtypes:  # the first call: as the move left them
-        was = {name: (ident, 0, binding.dtypes.get(name)) for name, ident, _, _ in weights}
-        binding.weights = tuple((n, *was[n]) for n, *_ in weights)
+        binding.weights = tuple((n, ident, 0, binding.dtypes.get(n)) for n, ident, _, _ in weights)
     elif not binding.weights:  # built weightless: its own initialisation wrote its meta tensors
         binding.weights = weights
     if weights != binding.weights:
