@@ -212,7 +212,10 @@ def _no_strings(x: Any) -> None:
 def _check_generate(kwargs: dict[str, Any]) -> None:
     extra = sorted(set(kwargs) - GENERATE_KWARGS)
     if extra:
-        raise UnsupportedOp(f"generate() arguments not accepted: {', '.join(extra)}")
+        raise UnsupportedOp(
+            f"generate() arguments not accepted: {', '.join(extra)} (passed, or set in "
+            "the model's generation_config: Note [generation settings])"
+        )
     for key, cap in (
         ("max_new_tokens", MAX_NEW_TOKENS),
         ("max_length", MAX_NEW_TOKENS * 2),
@@ -252,14 +255,34 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         s.phase = hints["phase"][:32]
     # Make the call's working set resident and keep it so (issue 9 §2): the model and
     # the KV caches it was given are pinned, and swapped back in if they were out.
+    generator = _client_generator(w, body, frame.segments)
     try:  # a prepare that fails must unpin too, or others cannot evict what it pinned
         w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
-        reply = _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
+        if generator is None:
+            reply = _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
+        else:
+            with generator:  # Note [a sampled model call]
+                reply = _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
+            reply[0]["generator"] = len(reply[1])
+            reply[1].append(generator.left)
     finally:
         w.memory.finish(s)
     if body.get("echo_ids") is True and method == "forward":
         _echo_ids(reply[0], args, kwargs)
     return reply
+
+
+def _client_generator(w: Worker, body: dict[str, Any], segments: list) -> Any:
+    """The client's generator state the call draws from, if it sent one (a payload
+    segment named by ``generator``: Note [a sampled model call])."""
+    from .call_generator import ClientGenerator
+
+    k = body.get("generator")
+    if k is None:
+        return None
+    if type(k) is not int or not 0 <= k < len(segments):
+        raise InvalidArgument(f"no payload segment {k!r} for the generator state")
+    return ClientGenerator(w.device.torch_device, segments[k])
 
 
 # Note [echoed ids]: a decode step's ids are usually a handle (the argmax of the last

@@ -32,6 +32,7 @@ from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
+from . import seeded
 from .device import is_remote
 
 log = logging.getLogger("djinn.frontend.model")
@@ -461,6 +462,28 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
         _local.tracing = False
 
 
+# Note [generation settings]: the appliance builds a registered model from its config, so
+# its generation_config is the one transformers derives from that config; the client's
+# may say otherwise: set by the program (``model.generation_config.do_sample = True``) or
+# read from a ``generation_config.json``. Run with the appliance's, a model meant to
+# sample decoded greedily, with no error. So every ``generate()`` sends the settings
+# where the client's generation_config differs from the config's own as arguments (what
+# the call passes wins, as in transformers); one the appliance does not take for
+# ``generate()`` is refused, typed, naming it, rather than left out.
+def _generation_settings(module: torch.nn.Module) -> dict[str, Any]:
+    mine, config = getattr(module, "generation_config", None), getattr(module, "config", None)
+    if mine is None or config is None:
+        return {}
+    from transformers import GenerationConfig
+
+    base = GenerationConfig.from_model_config(config).to_dict()
+    return {
+        k: v
+        for k, v in mine.to_dict().items()
+        if not k.startswith("_") and k != "transformers_version" and base.get(k) != v
+    }
+
+
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
     what = _changed(module, binding)
@@ -471,6 +494,8 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
             "move, or move it in training mode (model.train().to(...)) to run it op by op "
             "on the graph path, which follows them (Note [a registered model changed])"
         )
+    if method == "generate":
+        kwargs = {**_generation_settings(module), **kwargs}
     inline: list[torch.Tensor] = []
     body = {
         "fingerprint": binding.fingerprint,
@@ -485,5 +510,10 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     from djinn.protocol.tensors import to_wire
 
     segments = [memoryview(to_wire(t)[1].numpy()) for t in inline]
+    if method == "generate":  # it may sample: Note [a sampled model call]
+        body["generator"] = len(segments)
+        segments.append(seeded.call_generator(binding.session))
     reply = binding.session.call_model(body, segments)
+    if "generator" in reply:
+        seeded.after_call(reply["generator"])
     return _decode(reply["out"], binding.session)

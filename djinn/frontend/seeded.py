@@ -430,6 +430,24 @@ def _elements(x: Any) -> int:
     return 0
 
 
+def call_generator(session: Any) -> bytes:
+    """The generator state a model call on ``session``'s worker draws from, as eager's
+    call would (Note [a sampled model call] in appliance/call_generator.py): the CPU
+    generator's for a CPU worker, the device generator's seed and offset for a GPU's."""
+    if str(session.device).partition(":")[0] in ("", "cpu"):
+        return torch.get_rng_state().numpy().tobytes()
+    return DEVICE_GENERATOR.state().numpy().tobytes()
+
+
+def after_call(state: bytes) -> None:
+    """Take the generator state a model call left (``call_generator``'s kind)."""
+    tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    if len(state) == DEVICE_STATE_BYTES:
+        DEVICE_GENERATOR.set_state(tensor)
+    else:
+        torch.set_rng_state(tensor)
+
+
 def generators() -> tuple[torch.Tensor, torch.Tensor]:
     """The states of both generators a random op may advance (a recording checks them)."""
     return torch.get_rng_state(), DEVICE_GENERATOR.state()

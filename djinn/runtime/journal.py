@@ -102,9 +102,11 @@ def pair_ids(old: Any, new: Any, mapping: dict[str, str]) -> None:
 
 def sampled(body: dict[str, Any]) -> bool:
     """A model call whose result the appliance's own generator decides (sampling): its
-    replay would not give the same values."""
+    replay would not give the same values. One that carries the client's generator state
+    (Note [a sampled model call], appliance/call_generator.py) draws the same numbers
+    again from it."""
     kwargs = body.get("kwargs") or {}
-    return bool(kwargs.get("do_sample"))
+    return bool(kwargs.get("do_sample")) and "generator" not in body
 
 
 _VIEWS: dict[str, tuple[tuple[bool, ...], frozenset[int]]] = {}  # _aliases

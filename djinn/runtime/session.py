@@ -22,6 +22,7 @@ import torch
 
 from djinn.errors import (
     DjinnError,
+    ProtocolError,
     SessionEnded,
     SessionExpired,
     SessionLost,
@@ -272,13 +273,15 @@ class Session(Puts, Flights, Execs, GraphForms):
         return reply
 
     def call_model(self, body: dict[str, Any], segments: Sequence = ()) -> dict[str, Any]:
-        """Call a registered model (CALL); ``segments`` carry the inline tensors."""
+        """Call a registered model (CALL); ``segments`` carry the inline tensors (and the
+        generator state a ``generate()`` draws from: the reply's ``generator`` is then
+        the state it left, as bytes; Note [a sampled model call])."""
         if self._lineage is None:
-            return self._call(Kind.CALL, body, segments).body
+            return _call_reply(self._call(Kind.CALL, body, segments))
         repeat = not lineage.sampled(body)
         if self._lineage.policy.kv_prefill:  # Note [echoed ids]
             body = kv_replay.ask_echo(body)
-        attempt = lambda b: self._call(Kind.CALL, b, segments).body  # noqa: E731
+        attempt = lambda b: _call_reply(self._call(Kind.CALL, b, segments))  # noqa: E731
         reply, sent = self._lineage.run_body(attempt, body, repeat)
         entry = lineage.Lineage.call_entry(sent, list(segments), reply)
         entry.seconds = self._lineage.took()
@@ -429,3 +432,13 @@ class Session(Puts, Flights, Execs, GraphForms):
 
     def __repr__(self) -> str:
         return f"Session(id={self.id}, worker={self.worker}, device={self.device!r})"
+
+
+def _call_reply(frame: Frame) -> dict[str, Any]:
+    """A CALL's reply body, its ``generator`` segment read into bytes."""
+    k = frame.body.get("generator")
+    if k is None:
+        return frame.body
+    if type(k) is not int or not 0 <= k < len(frame.segments):
+        raise ProtocolError(f"a CALL reply names no payload segment {k!r} for its generator")
+    return {**frame.body, "generator": bytes(frame.segments[k])}

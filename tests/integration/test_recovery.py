@@ -478,3 +478,45 @@ def test_a_value_computed_after_a_caught_failure_is_rebuilt_after_a_kill(recover
     assert torch.equal((out * 2).cpu(), expected * 2)
     stats = default_session().recovery_stats()
     assert stats["recoveries"] == 1 and stats["checkpoints"] == 0
+
+
+def test_sampled_generate_is_replayed_with_the_same_tokens(recovering):
+    """Note [a sampled model call]: a sampling generate() carries the client's generator
+    state, so the journal may send it again, and its tokens are the same (before: the
+    interrupted call raised WorkerLost, "not sent again", and a kept output RecoveryFailed).
+    """
+    from djinn.frontend.session import default_session
+
+    model = _gpt2()
+    ids = torch.tensor([[5, 6, 7]])
+    kw = {"max_new_tokens": 300, "do_sample": True, "pad_token_id": 0}
+    torch.manual_seed(3)
+    clean = model.generate(ids, **kw).tolist()
+    after_clean = torch.rand(2)
+    session = default_session()
+
+    def killer() -> None:  # kill the worker while it runs generate()
+        wait_for(
+            lambda: any(
+                (w.get("busy") or {}).get("kind") == "CALL" for w in recovering.stats()["workers"]
+            ),
+            timeout=30,
+            interval=0.01,
+        )
+        _kill_worker(recovering, session)
+
+    torch.manual_seed(3)
+    t = threading.Thread(target=killer)
+    t.start()
+    interrupted = model.generate(ids, **kw).tolist()
+    t.join()
+    assert interrupted == clean
+    assert torch.equal(torch.rand(2), after_clean)
+    assert session.recovery_stats()["recoveries"] == 1
+    # a sampled output still held on the appliance when its worker dies is rebuilt
+    torch.manual_seed(4)
+    kept = model.generate(ids, max_new_tokens=8, do_sample=True, pad_token_id=0)
+    _kill_worker(recovering, session)
+    torch.manual_seed(4)
+    assert (kept + 0).tolist() == model.generate(ids, **{**kw, "max_new_tokens": 8}).tolist()
+    assert session.recovery_stats()["recoveries"] == 2
