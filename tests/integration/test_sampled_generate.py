@@ -99,5 +99,5 @@ def test_generation_config_settings_reach_the_appliance_or_are_refused_by_name()
     got = model.generate(IDS, max_new_tokens=6, pad_token_id=0, repetition_penalty=1.0)
     assert got.cpu().tolist() == plain.tolist()
     model.generation_config.max_time = 30.0  # not a setting the appliance takes
-    with pytest.raises(UnsupportedOp, match="not accepted: max_time .*generation_config"):
+    with pytest.raises(UnsupportedOp, match=r"not accepted: max_time .*generation_config"):
         model.generate(IDS, max_new_tokens=2, pad_token_id=0)
