@@ -4,7 +4,8 @@
 kernels are registered) before capturing it: reading a value (``.item()``), ``detach`` (an
 alias, nothing to run), ``copy_`` (an upload when a fresh allocation takes a CPU tensor
 whole), attention reached whole (Note [fused attention]), slices to the end (Note [slices to
-the end]) and the embedding's gradient (Note [embedding backward]); and a move to the CPU,
+the end]), the embedding's gradient (Note [embedding backward]) and an embedding bag's
+forward and gradient (Note [embedding bags]); and a move to the CPU,
 where a module's tied parameter stays one (Note [tied parameters]).
 """
 
@@ -17,7 +18,17 @@ import torch
 from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
-from . import attention, embedding, inference_views, inplace_views, known, slicing, ties, writes
+from . import (
+    attention,
+    embedding,
+    embedding_bag,
+    inference_views,
+    inplace_views,
+    known,
+    slicing,
+    ties,
+    writes,
+)
 from .immediate import fetch, run_locally
 from .lazy import (
     SPECIAL,
@@ -167,6 +178,10 @@ def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     return embedding.dense_backward(*args, **kwargs)  # Note [embedding backward]
 
 
+def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
+    return embedding_bag.HANDLERS[func](*args, **kwargs)  # Note [embedding bags]
+
+
 SPECIAL.update(
     {
         torch.ops.aten.scaled_dot_product_attention.default: _attention,
@@ -177,6 +192,7 @@ SPECIAL.update(
         **dict.fromkeys(slicing.OPS, _slice),
         **dict.fromkeys(inplace_views.OPS, inplace_views.reshape_in_place),
         embedding.OP: _embedding_backward,
+        **dict.fromkeys(embedding_bag.HANDLERS, _embedding_bag),
     }
 )
 SPECIAL_TO_CPU[torch.ops.aten._to_copy.default] = _to_cpu
