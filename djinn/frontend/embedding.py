@@ -16,13 +16,37 @@ Indices equal to ``padding_idx`` add a zero row, which leaves that row zero as t
 kernel's skip does. With ``scale_grad_by_freq`` each row is scaled by 1 / its index's
 count before it is added; the kernel multiplies inside the add (one rounding fewer), so
 that case is within a rounding of eager, not equal to it.
+
+Note [sparse embeddings]: ``nn.Embedding(sparse=True)`` gives a sparse gradient, and sparse
+tensors cannot live on the appliance. Found during ``backward()``, the refusal could only
+be held in the gradient (Note [errors in backward]), whose wrapper is dense: the first
+read raised it, but ``SparseAdam`` asks the layout first and raised its own misleading
+"does not support dense gradients". So the forward refuses it, typed, where its gradient
+would be made: a weight that requires grad, with grad enabled. Without one (inference, a
+frozen table) the forward runs as any embedding.
 """
 
 from __future__ import annotations
 
 import torch
 
+from djinn.errors import UnsupportedOp
+
 OP = torch.ops.aten.embedding_dense_backward.default
+FORWARD = torch.ops.aten.embedding.default
+
+
+def refuse_sparse_gradient(args: tuple, kwargs: dict) -> None:
+    """Raise UNSUPPORTED_OP for an ``embedding`` whose gradient would be sparse (Note
+    [sparse embeddings])."""
+    sparse = args[4] if len(args) > 4 else kwargs.get("sparse", False)
+    weight = args[0] if args else kwargs.get("weight")
+    if sparse and torch.is_grad_enabled() and getattr(weight, "requires_grad", False):
+        raise UnsupportedOp(
+            "nn.Embedding(sparse=True) makes a sparse gradient, and sparse tensors cannot "
+            "live on the appliance; use sparse=False (and torch.optim.Adam rather than "
+            "SparseAdam), or run it under torch.no_grad() (Note [sparse embeddings])"
+        )
 
 
 def dense_backward(

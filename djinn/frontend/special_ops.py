@@ -178,6 +178,11 @@ def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     return embedding.dense_backward(*args, **kwargs)  # Note [embedding backward]
 
 
+def _embedding(func: Any, args: tuple, kwargs: dict) -> Any:
+    embedding.refuse_sparse_gradient(args, kwargs)  # Note [sparse embeddings]
+    return capture(func, args, kwargs)
+
+
 def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
     return embedding_bag.HANDLERS[func](*args, **kwargs)  # Note [embedding bags]
 
@@ -192,6 +197,7 @@ SPECIAL.update(
         **dict.fromkeys(slicing.OPS, _slice),
         **dict.fromkeys(inplace_views.OPS, inplace_views.reshape_in_place),
         embedding.OP: _embedding_backward,
+        embedding.FORWARD: _embedding,
         **dict.fromkeys(embedding_bag.HANDLERS, _embedding_bag),
     }
 )

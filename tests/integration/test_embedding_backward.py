@@ -106,3 +106,22 @@ def test_gpt2_trains_on_the_graph_path_with_local_eagers_numbers(remote):
 
     for got, want in zip(step(R), step("cpu"), strict=True):
         assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_a_sparse_gradient_is_refused_at_the_forward_typed(remote):
+    """Note [sparse embeddings]: before, backward() finished and SparseAdam raised its own
+    "does not support dense gradients" on the wrapper that held the refusal."""
+    from djinn.errors import UnsupportedOp
+
+    torch.manual_seed(0)
+    local = torch.nn.Embedding(10, 3, sparse=True)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb.load_state_dict(local.state_dict())
+    emb = emb.to(R)
+    ids = torch.tensor([1, 2, 2])
+    with pytest.raises(UnsupportedOp, match=r"sparse=True.*Note \[sparse embeddings\]"):
+        emb(ids.to(R))
+    with torch.no_grad():  # no gradient to make: it runs, as a frozen table does
+        assert torch.equal(emb(ids.to(R)).cpu(), local(ids))
+    emb.weight.requires_grad_(False)
+    assert torch.equal(emb(ids.to(R)).cpu(), local(ids).detach())
