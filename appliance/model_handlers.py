@@ -340,6 +340,9 @@ def _run_call(
             call_checks.check(entry.module, f"{entry.name}.{method}", args, kwargs)
         with torch.no_grad():
             out = fn(*args, **kwargs)
+    except ExecutionError:  # a check's own (call_checks): already says what and where
+        _crop(lengths)
+        raise
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
         _crop(lengths)
         raise ExecutionError(f"{entry.name}.{method}: {type(exc).__name__}: {exc}") from None

@@ -123,8 +123,12 @@ class UnsupportedOp(DjinnError):
     code = "UNSUPPORTED_OP"
 
 
-class ExecutionError(DjinnError):
-    """An op raised while executing on the appliance (the message carries PyTorch's)."""
+class ExecutionError(DjinnError, RuntimeError):
+    """An op raised while executing on the appliance (the message carries PyTorch's).
+
+    Also a ``RuntimeError``, what PyTorch raises for the same op locally: a program that
+    catches eager's error (``except RuntimeError``) catches it here too, where it comes
+    at the read rather than at the call (ops run lazily)."""
 
     code = "EXECUTION_ERROR"
 

@@ -446,3 +446,23 @@ def test_a_check_that_fails_in_a_custom_backward_is_raised(remote):
     with pytest.raises(DjinnError, match="singular"):
         (w.detach() + 1).cpu()  # the next read, of anything
     assert (w.detach() + 1).cpu().tolist() == [2.0, 2.0, 2.0]  # raised once: reads go on
+
+
+def test_an_error_the_appliance_raises_is_caught_as_eagers_runtime_error(remote):
+    """PyTorch's meta kernels do not check all that its CPU kernels do (``sub`` of a bool,
+    a write into an input it overlaps), so such errors come at the read, from the
+    appliance: an ExecutionError, which is also the RuntimeError eager raises at the call
+    (before, ``except RuntimeError`` let it through)."""
+    from djinn.errors import ExecutionError
+
+    for bad in (lambda x: x - True, lambda x: x[2:].sub_(x[:4])):
+        with pytest.raises(RuntimeError) as eager:
+            bad(torch.arange(6))
+        try:
+            bad(torch.arange(6).to(R)).cpu()
+        except RuntimeError as exc:
+            assert isinstance(exc, ExecutionError)
+            assert str(eager.value)[:40] in str(exc)
+        else:
+            raise AssertionError("no error")
+    assert (torch.arange(6).to(R) - 1).cpu().tolist() == [-1, 0, 1, 2, 3, 4]
