@@ -35,7 +35,7 @@ from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
 from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import DeviceShort, Segment
-from . import index_bounds, metacheck, opargs, opchecks, oppolicy, threads
+from . import index_bounds, metacheck, opargs, opchecks, oppolicy, threads, value_sizes
 
 _OP_CACHE: dict[str, Any] = {}
 # what a kernel raises for arguments it refuses: reported as EXECUTION_ERROR naming the op
@@ -208,9 +208,13 @@ class GraphRun:
         bytes the op allocates and its meta output ((-1, None) when the op has no meta
         kernel)."""
         try:
-            self._extra_checks(op, opargs.bind(op, args, kwargs, self.device))
+            named = opargs.bind(op, args, kwargs, self.device)
+            self._extra_checks(op, named)
             need, meta = metacheck.checked_run(op, args, kwargs)  # Note [meta signatures]
         except metacheck.NoMetaKernel:
+            by_value = value_sizes.output_bytes(op, named)  # Note [sizes by value]
+            if by_value is not None:
+                self._make_room(op, by_value, i)
             return -1, None
         except (InvalidArgument, ExecutionError) as exc:
             raise type(exc)(f"node {i}: {exc.message}") from None

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import InvalidArgument
+from djinn.errors import ExecutionError, InvalidArgument
 from djinn.protocol import flash_attention
 
 Check = Callable[[str, dict[str, Any]], None]
@@ -227,6 +227,36 @@ def _class_targets(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: a target is out of bounds for {classes} classes")
 
 
+def _repeats(op: str, a: dict[str, Any]) -> None:
+    """``repeat_interleave``'s CPU kernel writes index ``i`` over ``cumsum(repeats)[i] -
+    repeats[i]`` up to ``cumsum(repeats)[i]`` of an output of ``output_size`` elements
+    when given, checking neither: an ``output_size`` below the sum was a write past the
+    output, one above it left worker memory unwritten in the result, and repeats whose
+    running sum wraps int64 wrote anywhere. So no repeat is negative, and an
+    ``output_size`` is the sum, computed where it cannot wrap (Note [sizes by value]
+    bounds the sum itself), and so is an ``out=`` tensor's size: the kernel resizes it,
+    and with no meta kernel nothing charges the growth."""
+    repeats, size = a.get("repeats"), a.get("output_size")
+    if not isinstance(repeats, torch.Tensor) or repeats.dim() != 1 or not repeats.numel():
+        return  # an int's repeats (self_int) need no check; the kernel refuses the rest
+    if repeats.is_floating_point() or repeats.is_complex() or repeats.dtype == torch.bool:
+        return
+    low, top = (int(v) for v in torch.aminmax(repeats))
+    if low < 0:
+        raise ExecutionError(f"{op}: repeats can not be negative")
+    out = a.get("out")
+    if size is None and out is None:
+        return
+    if top * repeats.numel() >= 1 << 62:  # a sum that could wrap: no memory holds it
+        raise InvalidArgument(f"{op}: the repeats add up past 2**62")
+    total = int(repeats.sum())
+    if size is not None and size != total:
+        raise InvalidArgument(f"{op}: output_size {size} is not the sum of repeats, {total}")
+    # an out= tensor the kernel would resize: grown where no meta run could charge it
+    if out is not None and (not isinstance(out, torch.Tensor) or out.numel() != total):
+        raise InvalidArgument(f"{op}: out must have the sum of repeats' elements, {total}")
+
+
 def _flash_cpu(op: str, a: dict[str, Any]) -> None:
     """The CPU flash-attention kernel checks none of the shapes it indexes by: the rule
     the frontend captures it by (djinn/protocol/flash_attention.py)."""
@@ -349,6 +379,7 @@ CHECKS: dict[str, Check] = {
     "aten::_ctc_loss": _ctc,
     "aten::_ctc_loss_backward": _ctc,
     "aten::segment_reduce": _segments,
+    "aten::repeat_interleave": _repeats,
     "aten::nll_loss_forward": _class_targets,
     "aten::nll_loss_backward": _class_targets,
     "aten::nll_loss2d_forward": _class_targets,

@@ -243,7 +243,84 @@ CASES.append(  # the meta check ran it on the CPU, for real (found by the op fuz
         "RESOURCE_EXHAUSTED",
     )
 )
+# Note [sizes by value]: outputs as long as a value of the input (found before allowing
+# bincount and repeat_interleave: the CPU kernels trust the values they size by)
+BIG = torch.tensor([2**63 - 1])  # bincount's max + 1 wrapped: a write past minlength
+HUGE = torch.tensor([2**40])  # 8 TiB allocated before anything was charged
+WRAPS = torch.tensor([2**62, 2**62, 2**62, 2**62, 1])  # a running sum that wraps int64
+CASES += [
+    (
+        "bincount, a wrapping max",
+        "aten::bincount.default",
+        [_t(0, BIG)],
+        [BIG],
+        "RESOURCE_EXHAUSTED",
+    ),
+    ("bincount, 8 TiB", "aten::bincount.default", [_t(0, HUGE)], [HUGE], "RESOURCE_EXHAUSTED"),
+    (
+        "bincount, minlength 2**50",
+        "aten::bincount.default",
+        [_t(0, torch.tensor([1])), None, 2**50],
+        [torch.tensor([1])],
+        "RESOURCE_EXHAUSTED",
+    ),
+    (
+        "repeat_interleave, 8 TiB",
+        "aten::repeat_interleave.Tensor",
+        [_t(0, HUGE)],
+        [HUGE],
+        "RESOURCE_EXHAUSTED",
+    ),
+    (
+        "repeat_interleave, a wrapping sum",
+        "aten::repeat_interleave.Tensor",
+        [_t(0, WRAPS)],
+        [WRAPS],
+        "RESOURCE_EXHAUSTED",
+    ),
+    (
+        "repeat_interleave, output_size below the sum",
+        "aten::repeat_interleave.Tensor",
+        [_t(0, torch.tensor([3, 3]))],
+        [torch.tensor([3, 3])],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "repeat_interleave, output_size above the sum",
+        "aten::repeat_interleave.self_Tensor",
+        [_t(0, torch.ones(2)), _t(1, torch.tensor([3, 3]))],
+        [torch.ones(2), torch.tensor([3, 3])],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "repeat_interleave, a wrapping sum given as output_size",
+        "aten::repeat_interleave.Tensor",
+        [_t(0, WRAPS)],
+        [WRAPS],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "repeat_interleave, an out= tensor the kernel would grow",
+        "aten::repeat_interleave.Tensor_out",
+        [_t(0, torch.tensor([3, 3]))],
+        [torch.tensor([3, 3]), torch.zeros(1, dtype=torch.long)],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "repeat_interleave, a negative repeat",
+        "aten::repeat_interleave.Tensor",
+        [_t(0, torch.tensor([-2, 5]))],
+        [torch.tensor([-2, 5])],
+        "EXECUTION_ERROR",
+    ),
+]
 KWARGS = {
+    "repeat_interleave, output_size below the sum": {"output_size": 2},
+    "repeat_interleave, output_size above the sum": {"output_size": 60_000},
+    "repeat_interleave, a wrapping sum given as output_size": {"output_size": 1},
+    "repeat_interleave, an out= tensor the kernel would grow": {
+        "out": _t(1, torch.zeros(1, dtype=torch.long))
+    },
     "segment reduce, offsets past the data": {"offsets": _t(1, torch.tensor([0, 10**6]))},
     "16 GiB randperm, device None": {"dtype": {"$dtype": "float64"}, "device": None},
     "dtype as a bare enum value": {"dtype": 2147483647},
