@@ -86,6 +86,34 @@ def test_every_materialisation_trigger_matches_eager(read):
         assert got == want
 
 
+def test_repr_says_what_eager_says_of_an_accelerators_tensor():
+    """The device first among the suffixes, as for a CUDA tensor, and the autograd part
+    (before: no ``grad_fn=`` / ``requires_grad=True``, no ``Parameter containing:``)."""
+    leaf = torch.ones(2, requires_grad=True)
+    cases = [
+        (lambda d: leaf.to(d) * 2, "tensor([2., 2.]{}, grad_fn=<MulBackward0>)"),
+        (
+            lambda d: torch.ones(2, device=d, requires_grad=True),
+            "tensor([1., 1.]{}, requires_grad=True)",
+        ),
+        (
+            lambda d: torch.ones(2, dtype=torch.float16, device=d, requires_grad=True).sum(),
+            "tensor(2.{}, dtype=torch.float16, grad_fn=<SumBackward0>)",
+        ),
+        (
+            lambda d: torch.ones(2, 0, dtype=torch.int32, device=d),
+            "tensor([]{}, size=(2, 0), dtype=torch.int32)",
+        ),
+        (lambda d: torch.ones(0, device=d), "tensor([]{})"),
+    ]
+    for make, text in cases:
+        assert repr(make("cpu")) == text.format("")
+        assert repr(make(R)) == text.format(", device='remote_accelerator:0'")
+    bias = torch.nn.Linear(2, 1).to(R).bias
+    assert repr(bias).startswith("Parameter containing:\ntensor([")
+    assert repr(bias).endswith(", device='remote_accelerator:0', requires_grad=True)")
+
+
 def test_data_dependent_shapes_come_back_right():
     x = torch.tensor([0.0, 2.0, 0.0, 3.0], device=R)
     nz = torch.nonzero(x)
