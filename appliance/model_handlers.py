@@ -376,7 +376,26 @@ def _run_call(
         raise
     # the tokens that built the caches it left, to rebuild them (Note [kv recompute])
     w.memory.kv.note_call(s, entry.fingerprint, method, args, kwargs, out, seconds)
-    return {"out": skeleton}, []
+    reply: dict[str, Any] = {"out": skeleton}
+    sizes = _object_lengths(s, [c for c, _ in lengths] + [c for c, _ in _cache_lengths(out)])
+    if sizes:
+        reply["lengths"] = sizes
+    return reply, []
+
+
+# Note [cache lengths]: a program's decode loop asks its KV cache how long it is
+# (``past_key_values.get_seq_length()``, to number the next positions); the cache stays
+# here and the client holds a RemoteObject for it. So every model call says how long each
+# cache it was given or returned is now, by id, and the client's RemoteObject answers
+# ``get_seq_length()`` from that: what the cache says, with no request of its own. Only
+# model calls grow or crop a cache the client names.
+def _object_lengths(s: WorkerSession, caches: list[Any]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for cache in caches:
+        oid = s.object_ids.get(id(cache))
+        if oid is not None and s.objects.get(oid) is cache:
+            sizes[oid] = int(cache.get_seq_length())
+    return sizes
 
 
 # Note [calls run once]: a model call grows the KV caches it is given in place, before its

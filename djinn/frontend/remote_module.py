@@ -44,11 +44,19 @@ _local = threading.local()
 class RemoteObject:
     """An object that lives in a session on the appliance (a KV cache...)."""
 
-    __slots__ = ("__weakref__", "_finalizer", "cls", "oid", "session")
+    __slots__ = ("__weakref__", "_finalizer", "cls", "oid", "seq_length", "session")
 
     def __init__(self, session: Any, oid: str, cls: str) -> None:
         self.session, self.oid, self.cls = session, oid, cls
+        self.seq_length: int | None = None  # a KV cache's, as the last call left it
         self._finalizer = weakref.finalize(self, session._free_object_later, oid)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """A KV cache's length, as the last model call that grew it said (Note [cache
+        lengths] in appliance/model_handlers.py): no request is made."""
+        if self.seq_length is None or layer_idx != 0:
+            return self.__getattr__("get_seq_length")
+        return self.seq_length
 
     def rebind(self, oid: str) -> None:
         """Refer to ``oid``, this object's twin rebuilt after its worker was lost
@@ -516,4 +524,18 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     reply = binding.session.call_model(body, segments)
     if "generator" in reply:
         seeded.after_call(reply["generator"])
-    return _decode(reply["out"], binding.session)
+    out = _decode(reply["out"], binding.session)
+    _note_lengths(binding.session, reply.get("lengths"))
+    return out
+
+
+def _note_lengths(session: Any, lengths: Any) -> None:
+    """The cache lengths a call reported (Note [cache lengths]), on their RemoteObjects."""
+    if not isinstance(lengths, dict) or not lengths:
+        return
+    with session.objects_lock:
+        known = session.__dict__.get("_remote_objects") or {}
+        for oid, n in lengths.items():
+            obj = known.get(oid)
+            if obj is not None and type(n) is int:
+                obj.seq_length = n

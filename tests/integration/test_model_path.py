@@ -43,9 +43,13 @@ def test_gpt2_registers_and_runs_by_fingerprint_with_eager_parity():
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     assert isinstance(out.logits, LazyTensor) and isinstance(out.past_key_values, RemoteObject)
     # the kept cache runs no method here, and says so (a review's decode loop asked it for
-    # get_seq_length() and met "'RemoteObject' object has no attribute")
+    # get_seq_length() and met "'RemoteObject' object has no attribute"), but its length
+    # is known: each call says it (Note [cache lengths])
+    assert out.past_key_values.get_seq_length() == 5
     with pytest.raises(AttributeError, match=r"DynamicCache\.get_seq_length: this DynamicCache"):
-        out.past_key_values.get_seq_length()
+        out.past_key_values.get_seq_length(1)
+    with pytest.raises(AttributeError, match=r"DynamicCache\.crop: this DynamicCache"):
+        out.past_key_values.crop(2)
     assert not hasattr(out.past_key_values, "__deepcopy__")
     with torch.no_grad():
         ref = local(ids, use_cache=True)
@@ -62,12 +66,20 @@ def test_gpt2_registers_and_runs_by_fingerprint_with_eager_parity():
             ref_step = local(ref_nxt, past_key_values=ref_past, use_cache=True)
         assert (step.logits.cpu() - ref_step.logits).abs().max().item() <= 1e-5
         assert step.past_key_values.oid == past.oid  # updated in place on the appliance
+        assert past.get_seq_length() == ref_step.past_key_values.get_seq_length()
         nxt, past = step.logits[:, -1].argmax(-1, keepdim=True), step.past_key_values
         ref_nxt, ref_past = (
             ref_step.logits[:, -1].argmax(-1, keepdim=True),
             ref_step.past_key_values,
         )
         assert torch.equal(nxt.cpu(), ref_nxt)
+    # a generate() given the cache grows it in place and returns only tokens: its length
+    # comes with the call too
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    got = model.generate(prompt, past_key_values=past, max_new_tokens=3, pad_token_id=0)
+    want = local.generate(prompt, past_key_values=ref_past, max_new_tokens=3, pad_token_id=0)
+    assert got.cpu().tolist() == want.tolist()
+    assert past.get_seq_length() == ref_past.get_seq_length() == 12
 
 
 def test_greedy_generate_runs_on_the_appliance_and_matches_local():
