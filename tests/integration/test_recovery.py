@@ -291,6 +291,16 @@ def test_a_kill_mid_decode_rebuilds_the_cache_from_its_tokens(recovering, monkey
         assert "prefill" not in kinds and stats["replayed"][-1] >= 8
 
 
+def _kill_during_a_call(app, session) -> None:
+    """Kill ``session``'s worker once the stats show it running a CALL (a generate())."""
+    wait_for(
+        lambda: any((w.get("busy") or {}).get("kind") == "CALL" for w in app.stats()["workers"]),
+        timeout=30,
+        interval=0.01,
+    )
+    _kill_worker(app, session)
+
+
 def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recovering):
     from djinn.frontend.session import default_session
 
@@ -300,17 +310,7 @@ def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recoverin
     clean = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
     session = default_session()
 
-    def killer() -> None:  # kill the worker while it runs generate()
-        wait_for(
-            lambda: any(
-                (w.get("busy") or {}).get("kind") == "CALL" for w in recovering.stats()["workers"]
-            ),
-            timeout=30,
-            interval=0.01,
-        )
-        _kill_worker(recovering, session)
-
-    t = threading.Thread(target=killer)
+    t = threading.Thread(target=_kill_during_a_call, args=(recovering, session))
     t.start()
     interrupted = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
     t.join()
@@ -495,18 +495,8 @@ def test_sampled_generate_is_replayed_with_the_same_tokens(recovering):
     after_clean = torch.rand(2)
     session = default_session()
 
-    def killer() -> None:  # kill the worker while it runs generate()
-        wait_for(
-            lambda: any(
-                (w.get("busy") or {}).get("kind") == "CALL" for w in recovering.stats()["workers"]
-            ),
-            timeout=30,
-            interval=0.01,
-        )
-        _kill_worker(recovering, session)
-
     torch.manual_seed(3)
-    t = threading.Thread(target=killer)
+    t = threading.Thread(target=_kill_during_a_call, args=(recovering, session))
     t.start()
     interrupted = model.generate(ids, **kw).tolist()
     t.join()
