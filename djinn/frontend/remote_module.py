@@ -21,6 +21,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -216,6 +217,7 @@ class _RemoteBinding:
         self.dtypes: dict[str, torch.dtype] = {}
         self.weights: tuple = ()  # taken at the first call
         self.seen: list = []  # _glance's answer when nothing had changed
+        self.told_no_grad = False  # Note [no autograd on the model path]
 
 
 # Note [a registered model changed]: a model on the model path runs on the appliance as
@@ -526,7 +528,30 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
         seeded.after_call(reply["generator"])
     out = _decode(reply["out"], binding.session)
     _note_lengths(binding.session, reply.get("lengths"))
+    if method == "forward" and torch.is_grad_enabled() and not binding.told_no_grad:
+        _say_no_grad(module, binding)
     return out
+
+
+# Note [no autograd on the model path]: the model path runs a registered model for
+# inference; its outputs carry no autograd. Eager's, from an eval-mode model called with
+# gradients on and parameters that require them (fine-tuning with dropout off, a saliency
+# map), have a ``grad_fn``, and ``backward()`` here raised only PyTorch's "element 0 of
+# tensors does not require grad". Refusing such calls would refuse every inference call
+# made without ``torch.no_grad()``, so the first one warns, once per model, saying why and
+# what to do.
+def _say_no_grad(module: torch.nn.Module, binding: _RemoteBinding) -> None:
+    binding.told_no_grad = True
+    if any(p.requires_grad for p in module.parameters()):
+        warnings.warn(
+            f"{type(module).__name__} runs on the appliance's model path (it moved in eval "
+            "mode): its outputs carry no autograd, unlike eager's with gradients enabled. "
+            "Run inference under torch.no_grad() to say so; to train it or take gradients "
+            "through it, move it in training mode (model.train().to(...)) and call "
+            "model.eval() after the move to turn dropout off (Note [no autograd on the "
+            "model path])",
+            stacklevel=4,
+        )
 
 
 def _note_lengths(session: Any, lengths: Any) -> None:

@@ -58,6 +58,8 @@ class EmbeddedAppliance:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stdout is not None:  # its readiness pipe (a ResourceWarning at exit)
+            self.proc.stdout.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

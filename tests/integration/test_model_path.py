@@ -420,3 +420,33 @@ def test_a_refused_registration_leaves_the_model_local_and_usable(monkeypatch):
     with torch.no_grad():
         assert torch.equal(model(torch.tensor([[1, 2, 3]])).logits, want)
     assert model.to(R)._djinn.info["fingerprint"]  # and the next try goes through
+
+
+def test_a_call_with_gradients_on_warns_once_that_outputs_carry_no_autograd():
+    """Note [no autograd on the model path]: before, backward() met only PyTorch's
+    "element 0 of tensors does not require grad"; the warning's advice (move it in
+    training mode, then eval()) gives eager's gradients."""
+    import warnings
+
+    local = _gpt2()
+    model = copy.deepcopy(local).to(R)
+    ids = torch.tensor([[1, 2, 3]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model(ids)
+        assert caught == []  # inference said so: nothing to warn of
+        out = model(ids, labels=ids)
+        model(ids, labels=ids)
+    said = [w for w in caught if "carry no autograd" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+    assert not out.loss.requires_grad
+    graph = copy.deepcopy(local).train().to(R)
+    graph.eval()
+    loss = graph(ids, labels=ids).loss
+    loss.backward()
+    want = local(ids, labels=ids).loss
+    want.backward()
+    assert loss.item() == want.item() == out.loss.item()
+    for a, b in zip(graph.parameters(), local.parameters(), strict=True):
+        assert torch.equal(a.grad.cpu(), b.grad)
