@@ -100,14 +100,15 @@ def start_appliance(tmp: Path, serve_args: tuple[str, ...] = (), **settings) -> 
     # worker aborting, as the hook tests' old code did) left its appliances running, and
     # the next run on the machine hung with them
     serve = ["serve", "--parent-pid", str(os.getpid()), "--config", str(cfg), *serve_args]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "djinn.cli.main", *serve],
-        stdout=subprocess.PIPE,
-        stderr=err.open("w"),
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    with err.open("w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "djinn.cli.main", *serve],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
     deadline = time.monotonic() + READY_TIMEOUT_S
     line = ""
     while time.monotonic() < deadline:

@@ -390,7 +390,8 @@ def upload(t: torch.Tensor) -> Any:
 
     t = t.detach()
     small = t.numel() * t.element_size() <= SMALL_UPLOAD
-    return default_session().put(t.clone() if small else t, wait=False)
+    with torch._C._DisableFuncTorch():  # Note [buffers under torch.func] (trace.py)
+        return default_session().put(t.clone() if small else t, wait=False)
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:

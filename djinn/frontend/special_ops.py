@@ -178,6 +178,14 @@ def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     return embedding.dense_backward(*args, **kwargs)  # Note [embedding backward]
 
 
+def _zero_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``_efficientzerotensor`` (forward-mode AD's zero tangents: ``torch.func.hessian``,
+    ``jacfwd``) as ``zeros`` of its size: a zero tensor is an optimisation of PyTorch's
+    that skips work on known zeros, with zeros' values; the appliance makes no such
+    tensors (the op was UNSUPPORTED_OP)."""
+    return torch.ops.aten.zeros.default(*args, **kwargs)
+
+
 def _embedding(func: Any, args: tuple, kwargs: dict) -> Any:
     embedding.refuse_sparse_gradient(args, kwargs)  # Note [sparse embeddings]
     return capture(func, args, kwargs)
@@ -198,6 +206,7 @@ SPECIAL.update(
         **dict.fromkeys(inplace_views.OPS, inplace_views.reshape_in_place),
         embedding.OP: _embedding_backward,
         embedding.FORWARD: _embedding,
+        torch.ops.aten._efficientzerotensor.default: _zero_tensor,
         **dict.fromkeys(embedding_bag.HANDLERS, _embedding_bag),
     }
 )

@@ -306,7 +306,38 @@ def _elsewhere(ref: RemoteTensor) -> DjinnError:
     return SessionLost(f"this tensor was held by session {old.id}, which is gone ({why})")
 
 
+# Note [buffers under torch.func]: inside a ``torch.func`` transform (``jacfwd``,
+# ``vmap``, ``hessian``) every tensor a factory makes is functorch's, with no storage, the
+# client's own buffers too: a flush that cut the journal there (Note [lineage truncation])
+# read its reply into such a buffer, raised "Cannot access data pointer of Tensor that
+# doesn't have storage" halfway through a frame, and lost the session (a review,
+# ``hessian`` of a remote function). The client's plumbing is no part of what the
+# program differentiates or maps, so a flush runs, and makes its buffers, with functorch
+# off.
 def flush(
+    trace: Trace,
+    fetch: list[Any] = (),
+    keep: list[Any] = (),
+    *,
+    wait: bool = True,
+    quiet: bool = False,
+    add: Node | None = None,
+    unless_recording: bool = False,
+) -> tuple[list[Any], list[RemoteTensor]]:
+    """``_flush`` with functorch's transforms off (Note [buffers under torch.func])."""
+    with torch._C._DisableFuncTorch():
+        return _flush(
+            trace,
+            fetch,
+            keep,
+            wait=wait,
+            quiet=quiet,
+            add=add,
+            unless_recording=unless_recording,
+        )
+
+
+def _flush(
     trace: Trace,
     fetch: list[Any] = (),
     keep: list[Any] = (),
