@@ -72,6 +72,7 @@ from . import (
     factories,
     hook_errors,
     hooks,
+    one_hot,
     pinned,
     recurrent,
     serialization,
@@ -146,7 +147,8 @@ def _attach_kernels() -> list[torch.library.Library]:
         "AutogradPrivateUse1",
     )
     # Note [recurrent layers], Note [transformer fast path], Note [affine grid backward]
-    for module in (recurrent, transformer_fastpath, affine_grid):
+    # and Note [one-hot layout]
+    for module in (recurrent, transformer_fastpath, affine_grid, one_hot):
         for name, kernel in module.KERNELS.items():
             lib.impl(name, kernel, "AutogradPrivateUse1")
     for name in uncaptured.KERNELS_OVER_FORMULAS:  # Note [kernels over formulas]
