@@ -10,6 +10,7 @@ the model's constructor makes them, then uploaded.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -112,6 +113,7 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     torch.nn.Module.to(model, "meta")
     info = {"fingerprint": fp, "uploaded": False, "loaded_on_appliance": loaded, **reply}
     model._djinn = remote_module._RemoteBinding(fp, session, device, info)
+    model._djinn.config = copy.deepcopy(remote_module.config_snapshot(model))
     model.__class__ = remote_module._remote_class(type(model))
     return model
 

@@ -15,6 +15,7 @@ tensors as LazyTensors bound to handles, other objects (a ``DynamicCache``) as
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
@@ -40,6 +41,7 @@ log = logging.getLogger("djinn.frontend.model")
 UPLOAD_CHUNK = 256 << 20  # bytes per put while uploading weights (progress granularity)
 PROGRESS_MIN = 256 << 20  # show upload progress for models at least this big
 _local = threading.local()
+_MISSING = object()
 
 
 class RemoteObject:
@@ -218,6 +220,7 @@ class _RemoteBinding:
         self.weights: tuple = ()  # taken at the first call
         self.seen: list = []  # _glance's answer when nothing had changed
         self.told_no_grad = False  # Note [no autograd on the model path]
+        self.config: dict[str, Any] | None = None  # as registered
 
 
 # Note [a registered model changed]: a model on the model path runs on the appliance as
@@ -254,6 +257,38 @@ def _dtypes_of(module: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, 
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# transformers' own recorders, which it installs the first time a call asks for attentions
+# or hidden states and leaves in place (in eager too); they change no output. djinn.analyze
+# runs the local module with the call's arguments, so they appeared there, and every
+# later call was refused ("hooks were added": a review)
+_OWN_HOOKS = "transformers.utils.output_capturing"
+# config attributes transformers sets itself, or that only say where a config came from
+_CONFIG_VOLATILE = frozenset(
+    {
+        "_attn_implementation_internal",
+        "_experts_implementation_internal",
+        "_name_or_path",
+        "_commit_hash",
+        "_post_init_done",
+        "transformers_version",
+    }
+)
+
+
+def config_snapshot(module: torch.nn.Module) -> dict[str, Any]:
+    """What of ``module.config`` a call compares with the registered one."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return {}
+    return {k: v for k, v in vars(config).items() if k not in _CONFIG_VOLATILE}
+
+
+def _user_hooks(m: torch.nn.Module) -> bool:
+    return any(
+        getattr(h, "__module__", None) != _OWN_HOOKS
+        for name in _HOOKS
+        for h in getattr(m, name, {}).values()
+    )
 
 
 def _global_hooks() -> bool:
@@ -263,7 +298,7 @@ def _global_hooks() -> bool:
 
 
 def _hooked(module: torch.nn.Module) -> bool:
-    return _global_hooks() or any(getattr(m, h, None) for m in module.modules() for h in _HOOKS)
+    return _global_hooks() or any(_user_hooks(m) for m in module.modules())
 
 
 def _glance(module: torch.nn.Module) -> list:
@@ -278,8 +313,8 @@ def _glance(module: torch.nn.Module) -> list:
         m = todo.pop()
         add(id(m))
         add(m.training)
-        add(bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
-        add(bool(m._backward_pre_hooks))
+        hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+        add(bool(hooked or m._backward_pre_hooks) and _user_hooks(m))
         for p in m._parameters.values():
             if p is not None:
                 add(id(p))
@@ -293,7 +328,8 @@ def _changed(module: torch.nn.Module, binding: _RemoteBinding) -> str | None:
     """What changed in ``module`` since it was registered, or None (Note [a registered
     model changed])."""
     seen = _glance(module)
-    if seen == binding.seen and not _global_hooks():
+    same_config = binding.config is None or config_snapshot(module) == binding.config
+    if seen == binding.seen and same_config and not _global_hooks():
         return None
     what = _what_changed(module, binding)
     if what is None:
@@ -331,6 +367,15 @@ def _what_changed(module: torch.nn.Module, binding: _RemoteBinding) -> str | Non
         return "a parameter was removed"
     if _hooked(module):
         return "hooks were added, which the appliance does not run"
+    if binding.config is not None:
+        now = config_snapshot(module)
+        for key in sorted(set(now) | set(binding.config)):
+            if now.get(key, _MISSING) != binding.config.get(key, _MISSING):
+                return (
+                    f"its config's {key.lstrip('_')!r} was changed (the appliance runs the "
+                    "config it was registered with; a setting the forward takes as an "
+                    "argument can be passed to the call instead)"
+                )
     return None
 
 
@@ -378,6 +423,7 @@ def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | No
     info = register(module, session, dtype)
     binding = _RemoteBinding(info["fingerprint"], session, device, info)
     binding.dtypes = _dtypes_of(module, dtype)  # Note [a registered model changed]
+    binding.config = copy.deepcopy(config_snapshot(module))
     module._djinn = binding
     module.__class__ = _remote_class(type(module))
     binding.modules = _modules_of(module)
@@ -462,6 +508,11 @@ def _model_output_class(path: str) -> type:
 def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     from djinn.semantics.analyze import analyze
 
+    # the analysis runs the local module on meta tensors, and a forward may write its
+    # config (BertForSequenceClassification sets ``problem_type`` at its first call with
+    # labels): put back as it was, or the next call would find the config changed
+    config = getattr(module, "config", None)
+    saved = dict(vars(config)) if config is not None else None
     _local.tracing = True
     try:
         return analyze(module, *args, **kwargs).hints()
@@ -470,6 +521,9 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
         return None
     finally:
         _local.tracing = False
+        if saved is not None and vars(config) != saved:
+            vars(config).clear()
+            vars(config).update(saved)
 
 
 # Note [generation settings]: the appliance builds a registered model from its config, so

@@ -6,6 +6,8 @@ graph path, which runs them."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, logging
@@ -18,8 +20,8 @@ logging.set_verbosity_error()
 
 
 def _model(device: str = "cpu") -> GPT2LMHeadModel:
-    torch.manual_seed(1)
-    return GPT2LMHeadModel(CONFIG).eval().to(device)
+    torch.manual_seed(1)  # a config of its own: the model keeps the one it is given
+    return GPT2LMHeadModel(copy.deepcopy(CONFIG)).eval().to(device)
 
 
 def _ids() -> torch.Tensor:
@@ -38,6 +40,10 @@ CHANGES = {
     "replaced": lambda m: setattr(m, "lm_head", torch.nn.Linear(32, 7, bias=False)),
     "float16": lambda m: m.half(),
     "training": lambda m: m.train(),
+    # the config, which the forward reads (a review: pad_token_id and problem_type set
+    # after the move gave other logits and another loss, silently)
+    "config": lambda m: setattr(m.config, "pad_token_id", 0),
+    "config flag": lambda m: setattr(m.config, "output_hidden_states", True),
 }
 WORDS = {
     "written in place": "written in place",
@@ -46,6 +52,8 @@ WORDS = {
     "replaced": "'lm_head' was added or replaced",
     "float16": "became torch.float16",
     "training": "training mode",
+    "config": "config's 'pad_token_id' was changed",
+    "config flag": "config's 'output_hidden_states' was changed",
 }
 
 
@@ -82,3 +90,29 @@ def test_a_model_with_hooks_at_its_move_takes_the_graph_path(remote):
     with torch.no_grad():
         got = moved(_ids().to(R)).logits.cpu()
     assert torch.allclose(got, local(_ids()).logits, atol=1e-5)
+
+
+def test_what_transformers_itself_leaves_on_the_model_is_no_change(remote):
+    """Calls asking for attentions make transformers install its output recorders (hooks)
+    for good, and a classifier's first call with labels sets its config's problem_type;
+    djinn.analyze runs the local module with the call's arguments, so both appeared on
+    the local copy and every later call was refused (a review)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model, local = _model(R), _model()
+    ids = _ids()
+    first = model(ids, output_attentions=True, output_hidden_states=True)
+    want = local(ids, output_attentions=True, output_hidden_states=True)
+    assert len(first.hidden_states) == len(want.hidden_states) == 2
+    assert len(first.attentions) == len(want.attentions)  # none under sdpa, as eager's
+    assert torch.equal(model(ids).logits.cpu(), local(ids).logits.detach())
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100, num_labels=3,
+    )  # fmt: skip
+    bert = BertForSequenceClassification(cfg).eval()
+    want = bert(ids, labels=torch.tensor([1])).loss.item()
+    bert = bert.to(R)
+    for _ in range(2):
+        assert abs(bert(ids, labels=torch.tensor([1])).loss.item() - want) <= 1e-6
