@@ -58,6 +58,13 @@ def to_copy(
         raise UnsupportedOp(f"{layout} tensors cannot be sent to the appliance yet")
     adopted = _model_path(x, dtype, device)
     if adopted is not None:
+        # the local meta copy keeps its ties too (Note [tied parameters]): counted apart,
+        # a tied GPT-2 had one parameter more, and sum(numel) the head twice (a review)
+        at = ties.slot(x)
+        tied = ties.converting(at, x, adopted.dtype, adopted.device)
+        if tied is not None:
+            return tied
+        ties.converted(at, x)
         return adopted
     at = ties.slot(x)  # Note [tied parameters]
     tied = ties.converting(at, x, dtype or x.dtype, lazy._remote())

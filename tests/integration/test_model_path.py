@@ -38,6 +38,11 @@ def test_gpt2_registers_and_runs_by_fingerprint_with_eager_parity():
     model = copy.deepcopy(local).to(R)
     assert model._djinn.info["uploaded"] is True
     assert all(p.device.type == "meta" for p in model.parameters())  # no weights here
+    # its ties kept: counted as eager counts them (a review: one parameter more, the head
+    # counted twice)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.num_parameters() == local.num_parameters()
+    assert len(list(model.named_parameters())) == len(list(local.named_parameters()))
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     out = model(ids, use_cache=True)
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
