@@ -252,6 +252,14 @@ class _Args:
                 self._noted(x, ref)
             return ref
         if isinstance(x, torch.Tensor):
+            if x.device.type == "meta":
+                raise UnsupportedOp(
+                    "cannot mix a meta tensor into remote computation: a model registered "
+                    "on the appliance (the model path) keeps only meta tensors here, so its "
+                    "parts (its encoder, its embeddings) cannot run on their own; call the "
+                    "whole model, or move it in training mode (model.train().to(...), then "
+                    ".eval()) to run its parts op by op on the graph path"
+                )
             if x.device.type != "cpu":
                 raise UnsupportedOp(f"cannot mix a {x.device} tensor into remote computation")
             if x.layout != torch.strided:

@@ -220,7 +220,19 @@ class _RemoteBinding:
         self.weights: tuple = ()  # taken at the first call
         self.seen: list = []  # _glance's answer when nothing had changed
         self.told_no_grad = False  # Note [no autograd on the model path]
+        self.told_state_dict = False  # RemoteModelMixin.state_dict
         self.config: dict[str, Any] | None = None  # as registered
+
+    def __deepcopy__(self, memo: dict) -> _RemoteBinding:
+        """A deep copy of a registered model is another local handle on the same
+        registered model (its weights are the appliance's, one copy for all): the same
+        fingerprint and session, and the copy's own modules and parameters recorded at its
+        first call, as a weightless model's are (Note [a registered model changed]). A
+        session holds no mmap a copy could take (it raised "cannot pickle 'mmap.mmap'")."""
+        twin = _RemoteBinding(self.fingerprint, self.session, self.device, dict(self.info))
+        twin.dtypes = dict(self.dtypes)
+        twin.config = copy.deepcopy(self.config, memo)
+        return twin
 
 
 # Note [a registered model changed]: a model on the model path runs on the appliance as
@@ -389,6 +401,21 @@ class RemoteModelMixin:
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         return call(self, "generate", args, kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's state as PyTorch gives it, of meta tensors: the weights live on
+        the appliance. Saving it saved no weight, silently (a review: a 4 KB file that
+        loads back as meta tensors), so the first call warns."""
+        if not self._djinn.told_state_dict:
+            self._djinn.told_state_dict = True
+            warnings.warn(
+                f"{type(self).__name__} is registered on the appliance (the model path): "
+                "its state_dict() holds meta tensors, not its weights, and saving it saves "
+                "none. Save the model's state before moving it, or move it in training "
+                "mode to keep its weights as remote tensors",
+                stacklevel=2,
+            )
+        return super().state_dict(*args, **kwargs)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)

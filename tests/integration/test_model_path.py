@@ -455,3 +455,32 @@ def test_a_call_with_gradients_on_warns_once_that_outputs_carry_no_autograd():
     assert loss.item() == want.item() == out.loss.item()
     for a, b in zip(graph.parameters(), local.parameters(), strict=True):
         assert torch.equal(a.grad.cpu(), b.grad)
+
+
+def test_a_registered_models_copy_state_and_parts_say_what_they_are():
+    """A review: deepcopy raised "cannot pickle 'mmap.mmap' object"; state_dict() saved
+    meta tensors with no word; a part called alone met "cannot mix a meta tensor"."""
+    import warnings
+
+    from djinn.errors import UnsupportedOp
+
+    local = _gpt2()
+    model = copy.deepcopy(local).to(R)
+    twin = copy.deepcopy(model)  # another handle on the same registered model
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = local(ids).logits
+        assert torch.equal(twin(ids).logits.cpu(), model(ids).logits.cpu())
+        assert (twin(ids).logits.cpu() - want).abs().max().item() <= 1e-5
+    twin.lm_head = torch.nn.Linear(64, 3)  # the twin's own changes are still found
+    with pytest.raises(UnsupportedOp, match="'lm_head' was added or replaced"):
+        twin(ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = model.state_dict()
+        model.state_dict()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "state_dict() holds meta tensors, not its weights" in said[0]
+    assert state.keys() == local.state_dict().keys()
+    with pytest.raises(UnsupportedOp, match=r"its parts .* cannot run on their own"):
+        model.get_input_embeddings()(ids.to(R))
