@@ -172,9 +172,40 @@ def _register(cls: type[DjinnError]) -> None:
 _register(DjinnError)
 
 
+# Note [linear algebra errors]: PyTorch raises ``torch.linalg.LinAlgError`` (a singular
+# matrix, one not positive-definite), and programs catch it by that name (``except
+# LinAlgError:`` add jitter, try again). Raised by the appliance's kernel, it came back an
+# ExecutionError, which that ``except`` let through. The worker names it in the message
+# (``LINALG_MARK``, after the op and node), and the client raises ``LinAlgExecutionError``:
+# an ExecutionError and a LinAlgError both. The class is made at first use, so this
+# module imports no torch.
+LINALG_MARK = "torch.linalg.LinAlgError: "
+_linalg_class: list[type] = []
+
+
+def _linalg_error() -> type:
+    if not _linalg_class:
+        import torch
+
+        cls = type(
+            "LinAlgExecutionError",
+            (ExecutionError, torch.linalg.LinAlgError),
+            {
+                "__doc__": "A linear algebra kernel's error on the appliance "
+                "(Note [linear algebra errors]).",
+                "__module__": __name__,
+            },
+        )
+        globals()["LinAlgExecutionError"] = cls
+        _linalg_class.append(cls)
+    return _linalg_class[0]
+
+
 def error_from_wire(code: str, message: str) -> DjinnError:
     """Rebuild the typed exception for a wire ``code`` (unknown codes stay DjinnError)."""
     cls = _BY_CODE.get(code)
+    if cls is ExecutionError and LINALG_MARK in message:
+        return _linalg_error()(message)
     if cls is None:
         err = DjinnError(message)
         err.code = code

@@ -93,10 +93,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from djinn.errors import ExecutionError, ResourceExhausted
+from djinn.errors import ResourceExhausted
 
 from . import index_bounds, opchecks
-from .graph import OP_ERRORS, has_extra_checks, writes
+from .graph import OP_ERRORS, has_extra_checks, op_error, writes
 from .graph_buffers import check_outputs, copied, ownable, view_of
 from .plan import CompiledRun, Plan, PlanRun
 from .plan_source import tagged_with_scalars
@@ -460,7 +460,7 @@ class GraphedRun(CompiledRun):
                     try:
                         self.values[n] = node.op(*args, **kwargs)
                     except OP_ERRORS as exc:  # as the compiled run words it (fail())
-                        raise ExecutionError(f"{node.name} (node {n}): {exc}") from None
+                        raise op_error(node.name, n, exc) from None
         finally:
             self.values = {}
 

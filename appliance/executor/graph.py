@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from djinn.errors import (
+    LINALG_MARK,
     DjinnError,
     ExecutionError,
     InvalidArgument,
@@ -40,6 +41,16 @@ from . import index_bounds, metacheck, opargs, opchecks, oppolicy, threads, valu
 _OP_CACHE: dict[str, Any] = {}
 # what a kernel raises for arguments it refuses: reported as EXECUTION_ERROR naming the op
 OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)
+
+
+def op_error(name: Any, i: int, exc: BaseException) -> ExecutionError:
+    """A kernel's error as the request's: EXECUTION_ERROR naming the op and node, PyTorch's
+    words, and for a ``torch.linalg.LinAlgError`` its name, which the client raises as
+    one too (``djinn.errors.LINALG_MARK``)."""
+    kind = LINALG_MARK if isinstance(exc, torch.linalg.LinAlgError) else ""
+    return ExecutionError(f"{name} (node {i}): {kind}{exc}")
+
+
 PHILOX_STATE_BYTES = 16  # a device generator's seed and offset (a CPU state is 5056 bytes)
 
 
@@ -192,7 +203,7 @@ class GraphRun:
         try:
             out = op(*args, **kwargs)
         except OP_ERRORS as exc:
-            raise ExecutionError(f"{name} (node {i}): {exc}") from None
+            raise op_error(name, i, exc) from None
         cast = finished(self.device, op, name, args, kwargs, out, meta)
         if self.recording is not None and _differs(cast, out):
             self.casts.add(i)  # Note [compiled plans]: the cast stays in the compiled run

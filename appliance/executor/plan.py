@@ -48,7 +48,7 @@ from djinn.protocol.values import decode_constant, inline_tensor
 
 from ..vmu.device import Segment
 from . import metacheck, opargs, threads
-from .graph import OP_ERRORS, GraphRun, finished, has_extra_checks, writes
+from .graph import OP_ERRORS, GraphRun, finished, has_extra_checks, op_error, writes
 from .plan_source import NotCompilable, compile_plan, tagged_with_scalars
 
 log = logging.getLogger("djinn.appliance.plan")
@@ -255,7 +255,7 @@ class CompiledRun(PlanRun):
         if isinstance(exc, DjinnError):
             error = exc
         elif isinstance(exc, OP_ERRORS):
-            error = ExecutionError(f"{self.plan.nodes[i].name} (node {i}): {exc}")
+            error = op_error(self.plan.nodes[i].name, i, exc)
         else:
             raise exc
         if not self.partial:

@@ -466,3 +466,34 @@ def test_an_error_the_appliance_raises_is_caught_as_eagers_runtime_error(remote)
         else:
             raise AssertionError("no error")
     assert (torch.arange(6).to(R) - 1).cpu().tolist() == [-1, 0, 1, 2, 3, 4]
+
+
+def test_a_linear_algebra_error_is_caught_as_eagers_linalg_error(remote):
+    """Note [linear algebra errors]: ``except torch.linalg.LinAlgError`` (add jitter, try
+    again) caught eager's and let the appliance's ExecutionError through."""
+    from djinn.errors import ExecutionError
+
+    singular = torch.eye(3)
+    singular[1, 1] = 0
+    for bad in (
+        lambda a: torch.linalg.cholesky(-a),
+        lambda a: torch.linalg.inv(a),
+        lambda a: torch.linalg.solve(a, torch.ones(3, device=a.device)),
+    ):
+        with pytest.raises(torch.linalg.LinAlgError):
+            bad(singular)
+        try:
+            bad(singular.to(R)).cpu()
+        except torch.linalg.LinAlgError as exc:
+            assert isinstance(exc, ExecutionError) and "linalg." in str(exc)
+        else:
+            raise AssertionError("no error")
+    # the pattern it serves: jitter until the factorization holds
+    m = (singular + 0).to(R)
+    for jitter in (0.0, 1e-3):
+        try:
+            factor = torch.linalg.cholesky(m + jitter * torch.eye(3, device=R)).cpu()
+            break
+        except torch.linalg.LinAlgError:
+            continue
+    assert torch.allclose(factor, torch.linalg.cholesky(singular + 1e-3 * torch.eye(3)))
