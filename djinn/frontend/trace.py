@@ -324,29 +324,6 @@ def flush(
     add: Node | None = None,
     unless_recording: bool = False,
 ) -> tuple[list[Any], list[RemoteTensor]]:
-    """``_flush`` with functorch's transforms off (Note [buffers under torch.func])."""
-    with torch._C._DisableFuncTorch():
-        return _flush(
-            trace,
-            fetch,
-            keep,
-            wait=wait,
-            quiet=quiet,
-            add=add,
-            unless_recording=unless_recording,
-        )
-
-
-def _flush(
-    trace: Trace,
-    fetch: list[Any] = (),
-    keep: list[Any] = (),
-    *,
-    wait: bool = True,
-    quiet: bool = False,
-    add: Node | None = None,
-    unless_recording: bool = False,
-) -> tuple[list[Any], list[RemoteTensor]]:
     """Run every pending node of ``trace``. Returns the values of the ``fetch`` refs and
     handles for the ``keep`` refs (outputs live LazyTensors hold are kept regardless).
     ``wait=False`` with nothing requested: send the graph and return at once (Note
@@ -359,32 +336,33 @@ def _flush(
     refuses, fails alone, with everything computed from it (and what it would have
     written into); every independent node runs, in program order. If a requested ref is
     among the failed, its error is raised once the others ran."""
-    if trace.follower is not None:  # Note [followed steps]: a read stops the following
-        trace.follower.abort("its steps read a value")
-    land_all()  # what this graph reads may be what a graph in flight makes
-    if trace.failures and not quiet and trace.owner == threading.get_ident():
-        error = trace.failures.pop(0)  # Note [failures raised on their thread]
-        if add is not None:
-            fail(add, error)  # not run, as in eager: the error came first
-        raise copy_of(error)
-    # a first Ctrl-C is raised once the nodes it takes are sent, or landed (Note
-    # [interrupted waits]): encoding them may land another thread's graph (a review)
-    with trace.lock, interrupts.deferred():
-        if unless_recording and trace.recording:  # Note [writes another thread captured]
-            return [], []
-        # set before the nodes are taken, and put back as it was: a flush nested in this
-        # one (_after_failure's, as a graph of this trace lands) must not clear it while
-        # this one still holds nodes (a review)
-        was, trace.sending = trace.sending, True
-        try:
+    with torch._C._DisableFuncTorch():  # Note [buffers under torch.func]
+        if trace.follower is not None:  # Note [followed steps]: a read stops the following
+            trace.follower.abort("its steps read a value")
+        land_all()  # what this graph reads may be what a graph in flight makes
+        if trace.failures and not quiet and trace.owner == threading.get_ident():
+            error = trace.failures.pop(0)  # Note [failures raised on their thread]
             if add is not None:
-                trace.add(add)
-            nodes, trace.nodes = trace.nodes, []
-            if not nodes and not fetch and not keep:
+                fail(add, error)  # not run, as in eager: the error came first
+            raise copy_of(error)
+        # a first Ctrl-C is raised once the nodes it takes are sent, or landed (Note
+        # [interrupted waits]): encoding them may land another thread's graph (a review)
+        with trace.lock, interrupts.deferred():
+            if unless_recording and trace.recording:  # Note [writes another thread captured]
                 return [], []
-            return _send(trace, nodes, fetch, keep, wait, quiet)
-        finally:
-            trace.sending = was
+            # set before the nodes are taken, and put back as it was: a flush nested in this
+            # one (_after_failure's, as a graph of this trace lands) must not clear it while
+            # this one still holds nodes (a review)
+            was, trace.sending = trace.sending, True
+            try:
+                if add is not None:
+                    trace.add(add)
+                nodes, trace.nodes = trace.nodes, []
+                if not nodes and not fetch and not keep:
+                    return [], []
+                return _send(trace, nodes, fetch, keep, wait, quiet)
+            finally:
+                trace.sending = was
 
 
 def _send(
