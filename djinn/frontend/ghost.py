@@ -73,7 +73,7 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     (the appliance verifies all three). Nothing is loaded if the model is cached."""
     from djinn.protocol.fingerprint import model_fingerprint
 
-    from . import remote_module
+    from . import model_changes, remote_module
 
     info = session.inspect_weights(path)
     in_files = set(info["names"])
@@ -113,7 +113,7 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     torch.nn.Module.to(model, "meta")
     info = {"fingerprint": fp, "uploaded": False, "loaded_on_appliance": loaded, **reply}
     model._djinn = remote_module._RemoteBinding(fp, session, device, info)
-    model._djinn.config = copy.deepcopy(remote_module.config_snapshot(model))
+    model._djinn.config = copy.deepcopy(model_changes.config_snapshot(model))
     model.__class__ = remote_module._remote_class(type(model))
     return model
 

@@ -1,5 +1,5 @@
 """A model on the model path changed after its move (Note [a registered model changed],
-djinn/frontend/remote_module.py): the appliance ran the model as registered and the
+djinn/frontend/model_changes.py): the appliance ran the model as registered and the
 changes were silently ignored, so the numbers were the old model's. Every call now
 refuses (UNSUPPORTED_OP, saying what changed); a model with hooks at its move takes the
 graph path, which runs them."""
