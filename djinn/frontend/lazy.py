@@ -29,6 +29,7 @@ from . import (
     inference_views,
     seeded,
     tensor_copy,
+    tensor_text,
     ties,
     uncaptured,
     writes,
@@ -62,18 +63,6 @@ class Uninit:
 
     def __init__(self, spec: TensorSpec) -> None:
         self.spec = spec
-
-
-def _value_suffixes(local: torch.Tensor) -> str:
-    """The suffixes eager's repr gives a CPU tensor of ``local``'s values: its size when
-    it is empty and not 1-d, its dtype when not a default one (``torch._tensor_str``)."""
-    text = ""
-    if local.numel() == 0 and local.dim() != 1:
-        text += f", size={tuple(local.shape)}"
-    default_complex = torch.cdouble if torch.get_default_dtype() == torch.double else torch.cfloat
-    if local.dtype not in (torch.get_default_dtype(), default_complex, torch.int64, torch.bool):
-        text += f", dtype={local.dtype}"
-    return text
 
 
 class LazyTensor(torch.Tensor):
@@ -148,21 +137,7 @@ class LazyTensor(torch.Tensor):
 
     # -- reading values: these materialise -------------------------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        """Local eager's text for the values, with what it would say of a tensor on an
-        accelerator: the device first among the suffixes, then the size and dtype, then
-        ``grad_fn`` or ``requires_grad``; a parameter as ``Parameter containing:``."""
-        local = fetch(self)
-        text = repr(local)
-        tail = _value_suffixes(local) + ")"
-        body, tail = (text[: -len(tail)], tail) if text.endswith(tail) else (text[:-1], ")")
-        if self.grad_fn is not None:
-            grad = f", grad_fn=<{type(self.grad_fn).__name__}>"
-        else:
-            grad = ", requires_grad=True" if self.requires_grad else ""
-        text = f"{body}, device='{self.device}'{tail[:-1]}{grad})"
-        if isinstance(self, torch.nn.Parameter):
-            text = "Parameter containing:\n" + text
-        return text
+        return tensor_text.remote_repr(self, fetch(self))
 
     def tolist(self) -> Any:
         return fetch(self).tolist()
