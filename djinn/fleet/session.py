@@ -92,13 +92,16 @@ class FleetSession(Session):
             return Unavailable(
                 f"cannot open a session at {self.endpoint or 'the appliance'}: {why}"
             )
-        if self._lost is None:
+        if not self._fleet_lost:
+            # Asked at every loss until the fleet confirms it, not only the first: a node's
+            # workers can die before its supervisor stops answering, and before the
+            # directory hears of it, so a first "the appliance answers" (a worker died)
+            # may turn into "the appliance is gone" a moment later. The watcher cannot
+            # correct it: it skips sessions whose connection is already closed.
             verdict = self._fleet.verdict(self.appliance, self.endpoint, why)
             if verdict is None:  # the appliance answers: one of its workers died
                 return super()._lost_error(why)
             self._lost, self._fleet_lost = verdict, True
-        if not self._fleet_lost:
-            return super()._lost_error(why)
         where = f"session {self.id} on appliance {self.appliance} ({self.endpoint}) is gone"
         if self._lineage is not None:  # Note [fleet recovery]: errors the journal recovers
             first, self._fleet_reported = not self._fleet_reported, True
@@ -127,7 +130,7 @@ class FleetSession(Session):
 
     def _cut(self, why: str) -> None:
         """The watcher learned the appliance is gone: fail this session's calls now."""
-        if self._lost is None:
+        if not self._fleet_lost:  # a worker's loss seen first is the appliance's now
             self._lost, self._fleet_lost = why, True
         with contextlib.suppress(OSError, AttributeError):
             self.channel.sock.shutdown(socket.SHUT_RDWR)

@@ -4,11 +4,12 @@ a typed error naming the fault; never a wrong answer."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
-import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -291,14 +292,28 @@ def test_a_kill_mid_decode_rebuilds_the_cache_from_its_tokens(recovering, monkey
         assert "prefill" not in kinds and stats["replayed"][-1] >= 8
 
 
-def _kill_during_a_call(app, session) -> None:
-    """Kill ``session``'s worker once the stats show it running a CALL (a generate())."""
-    wait_for(
-        lambda: any((w.get("busy") or {}).get("kind") == "CALL" for w in app.stats()["workers"]),
-        timeout=30,
-        interval=0.01,
-    )
-    _kill_worker(app, session)
+@contextlib.contextmanager
+def _kill_once_sent(app, session, kind: str = "CALL"):
+    """SIGKILL ``session``'s worker right after the client sent its next ``kind`` request
+    (a generate()), so that request is in flight at the kill whatever the machine's load.
+    Polling the stats for a busy worker instead raced a 0.2 s call: a loaded CI machine
+    killed after the reply (stop 52's CI, recoveries 0)."""
+    from djinn.runtime.channel import Channel
+
+    pid = next(w["pid"] for w in app.stats()["workers"] if w["id"] == session.worker)
+    send, killed = Channel._send, []
+
+    def send_then_kill(channel, k, body, segments):
+        rid = send(channel, k, body, segments)
+        if k.name == kind and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(rid)
+        return rid
+
+    with mock.patch.object(Channel, "_send", send_then_kill):
+        yield
+    assert killed, f"no {kind} request was sent"
+    wait_for(lambda: all(w["pid"] != pid or not w["alive"] for w in app.stats()["workers"]))
 
 
 def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recovering):
@@ -306,14 +321,12 @@ def test_generate_interrupted_on_the_appliance_returns_the_same_tokens(recoverin
 
     model = _gpt2()
     ids = torch.tensor([[5, 6, 7]])
-    # long enough that the kill, made once the stats show the call, lands inside it
+    # the kill lands once the call is sent (_kill_once_sent), while the worker runs it
     clean = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
     session = default_session()
 
-    t = threading.Thread(target=_kill_during_a_call, args=(recovering, session))
-    t.start()
-    interrupted = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
-    t.join()
+    with _kill_once_sent(recovering, session):
+        interrupted = model.generate(ids, max_new_tokens=400, do_sample=False).tolist()
     assert interrupted == clean
     assert session.recovery_stats()["recoveries"] == 1
 
@@ -496,10 +509,8 @@ def test_sampled_generate_is_replayed_with_the_same_tokens(recovering):
     session = default_session()
 
     torch.manual_seed(3)
-    t = threading.Thread(target=_kill_during_a_call, args=(recovering, session))
-    t.start()
-    interrupted = model.generate(ids, **kw).tolist()
-    t.join()
+    with _kill_once_sent(recovering, session):
+        interrupted = model.generate(ids, **kw).tolist()
     assert interrupted == clean
     assert torch.equal(torch.rand(2), after_clean)
     assert session.recovery_stats()["recoveries"] == 1
