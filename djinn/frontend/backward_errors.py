@@ -8,6 +8,18 @@ as a Python exception. The outputs are shaped by the op's meta kernel; where tha
 too (no meta kernel; ``affine_grid``'s backward, whose ``copy_`` follows a refused
 ``unsqueeze_`` with operands of the wrong shape), by the likeliest arguments, so that
 nothing can leave ``__torch_dispatch__`` there.
+
+Note [failed gradients of local tensors]: the gradient that leaves the appliance for a
+local tensor (``x.to(remote)`` of a CPU leaf: autograd's ``ToCopyBackward0`` copies the
+gradient back with ``_to_copy``) cannot be a remote tensor holding the failure: autograd
+gets a gradient on the wrong device, and its engine stopped at an internal assert
+("opt_ready_stream && opt_parent_stream", engine.cpp). It is a ``FailedHere``: a tensor of
+the local device, of the gradient's shape, with no storage, on which every op raises the
+failure. Autograd's own use of it on the local side (accumulating it into ``x.grad``)
+raises it from ``backward()`` there, on the program's thread, where an exception leaves
+as any backward error does; a gradient autograd only stores raises at its first read.
+Raised, it is the failure reported on that thread (``trace.reported``): a failed check
+kept for the thread's next flush is not raised a second time.
 """
 
 from __future__ import annotations
@@ -18,7 +30,9 @@ import torch
 
 from . import failures
 from . import meta as meta_mod
+from .device import DEVICE_TYPE
 from .meta import META, TensorSpec
+from .trace import reported
 
 
 def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: Any) -> Any:
@@ -43,6 +57,9 @@ def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: A
         out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in kwargs.items()})
     except Exception:  # no meta kernel, or one that refuses what the failure left behind
         out = _likely_outputs(func, args, kwargs)
+    local = _local_target(func, kwargs)
+    if local is not None:  # Note [failed gradients of local tensors]
+        return FailedHere.like(out, local, error)
 
     def wrap(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -71,6 +88,37 @@ def failed_outputs(func: Any, args: tuple, kwargs: dict, exc: Exception, make: A
         if len(func._schema.returns) == 1 and len(targets) == 1:
             return targets[0]
     return wrap(out)
+
+
+def _local_target(func: Any, kwargs: dict) -> torch.device | None:
+    """The local device a copy out of the appliance (``_to_copy``) goes to, if it is one."""
+    if func is not torch.ops.aten._to_copy.default or kwargs.get("device") is None:
+        return None
+    device = torch.device(kwargs["device"])
+    return None if device.type == DEVICE_TYPE else device
+
+
+class FailedHere(torch.Tensor):
+    """A local tensor standing for a gradient whose remote computation failed (Note
+    [failed gradients of local tensors]): every op on it raises the failure."""
+
+    _djinn_error: Exception
+
+    @staticmethod
+    def like(meta: torch.Tensor, device: torch.device, error: Exception) -> FailedHere:
+        t = torch.Tensor._make_wrapper_subclass(
+            FailedHere, meta.shape, strides=meta.stride(), dtype=meta.dtype, device=device
+        )
+        t._djinn_error = error
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        raise reported(next(a for a in flat if isinstance(a, FailedHere))._djinn_error)
+
+    def __repr__(self) -> str:  # printing x.grad is reading it
+        raise reported(self._djinn_error)
 
 
 def _written_targets(func: Any, args: tuple, kwargs: dict, make: Any) -> list[Any]:

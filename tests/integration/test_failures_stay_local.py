@@ -497,3 +497,36 @@ def test_a_linear_algebra_error_is_caught_as_eagers_linalg_error(remote):
         except torch.linalg.LinAlgError:
             continue
     assert torch.allclose(factor, torch.linalg.cholesky(singular + 1e-3 * torch.eye(3)))
+
+
+def test_a_failure_reaching_a_local_leafs_gradient_is_raised_by_backward(remote):
+    """Note [failed gradients of local tensors]: a CPU leaf moved to the appliance, then an
+    op that fails there (eager raises at the call). backward() stopped at PyTorch's
+    internal assert "opt_ready_stream && opt_parent_stream" (engine.cpp): the gradient
+    copied back for the CPU leaf was a remote tensor. Now backward() raises the op's
+    typed error, x.grad keeps what it held, ``autograd.grad`` returns a gradient whose
+    every use raises, and the session goes on; the failure, raised, is not raised again
+    at the next read (the failed check kept for this thread's next flush)."""
+
+    def failing(x):
+        xr = x.to(R)
+        return torch.linalg.cholesky(xr.T @ xr - 10 * torch.eye(3, device=R)).sum()
+
+    x = torch.randn(4, 3).requires_grad_()
+    with pytest.raises(torch.linalg.LinAlgError, match="positive-definite"):
+        failing(x).backward()
+    assert x.grad is None
+    x.grad = torch.ones(4, 3)
+    with pytest.raises(torch.linalg.LinAlgError):
+        failing(x).backward()
+    assert torch.equal(x.grad, torch.ones(4, 3))
+    (g,) = torch.autograd.grad(failing(x), x)
+    assert g.shape == (4, 3) and g.device.type == "cpu"
+    with pytest.raises(torch.linalg.LinAlgError):
+        g + 1
+    with pytest.raises(torch.linalg.LinAlgError):
+        repr(g)
+    z = torch.randn(3, requires_grad=True)
+    (z.to(R) * 2).sum().backward()
+    assert torch.equal(z.grad, torch.full((3,), 2.0))
+    assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
