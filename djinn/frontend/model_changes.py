@@ -73,6 +73,27 @@ def config_snapshot(module: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(config).items() if k not in _CONFIG_VOLATILE}
 
 
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for config values, whatever they are: a numpy array or a tensor set on
+    a config (its ``==`` is elementwise, and its truth raised ValueError at every call)
+    is compared by its values, nested in lists and dicts too."""
+    try:
+        return bool(a == b)
+    except Exception:  # elementwise == somewhere inside
+        pass
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        shape_a, shape_b = getattr(a, "shape", None), getattr(b, "shape", None)
+        return shape_a == shape_b and bool((a == b).all())
+    except Exception:
+        return False  # not comparable: taken as changed, which refuses, never runs stale
+
+
 def _user_hooks(m: torch.nn.Module) -> bool:
     return any(
         getattr(h, "__module__", None) != _OWN_HOOKS
@@ -118,7 +139,7 @@ def changed(module: torch.nn.Module, binding: Any) -> str | None:
     """What changed in ``module`` since it was registered, or None (Note [a registered
     model changed])."""
     seen = _glance(module)
-    same_config = binding.config is None or config_snapshot(module) == binding.config
+    same_config = binding.config is None or _same(config_snapshot(module), binding.config)
     if seen == binding.seen and same_config and not _global_hooks():
         return None
     what = _what_changed(module, binding)
@@ -160,7 +181,7 @@ def _what_changed(module: torch.nn.Module, binding: Any) -> str | None:
     if binding.config is not None:
         now = config_snapshot(module)
         for key in sorted(set(now) | set(binding.config)):
-            if now.get(key, _MISSING) != binding.config.get(key, _MISSING):
+            if not _same(now.get(key, _MISSING), binding.config.get(key, _MISSING)):
                 return (
                     f"its config's {key.lstrip('_')!r} was changed (the appliance runs the "
                     "config it was registered with; a setting the forward takes as an "

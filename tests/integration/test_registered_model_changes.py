@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, logging
@@ -21,7 +22,11 @@ logging.set_verbosity_error()
 
 def _model(device: str = "cpu") -> GPT2LMHeadModel:
     torch.manual_seed(1)  # a config of its own: the model keeps the one it is given
-    return GPT2LMHeadModel(copy.deepcopy(CONFIG)).eval().to(device)
+    model = GPT2LMHeadModel(copy.deepcopy(CONFIG)).eval()
+    # settings a program may keep on a config, whose == is elementwise
+    model.config.scales = np.array([1.0, 2.0, 3.0])
+    model.config.extra = {"weights": [torch.tensor([1.0, 2.0])]}
+    return model.to(device)
 
 
 def _ids() -> torch.Tensor:
@@ -44,6 +49,10 @@ CHANGES = {
     # after the move gave other logits and another loss, silently)
     "config": lambda m: setattr(m.config, "pad_token_id", 0),
     "config flag": lambda m: setattr(m.config, "output_hidden_states", True),
+    # values whose == is elementwise, set before the move: each call raised ValueError
+    # ("truth value of an array is ambiguous") before anything changed; changed in place
+    "config array": lambda m: m.config.scales.__setitem__(1, 9.0),
+    "config nested": lambda m: m.config.extra["weights"][0].__setitem__(0, 0.5),
 }
 WORDS = {
     "written in place": "written in place",
@@ -54,6 +63,8 @@ WORDS = {
     "training": "training mode",
     "config": "config's 'pad_token_id' was changed",
     "config flag": "config's 'output_hidden_states' was changed",
+    "config array": "config's 'scales' was changed",
+    "config nested": "config's 'extra' was changed",
 }
 
 
