@@ -47,15 +47,18 @@ from .trace import Node, Pending, bind, current, flush
 
 
 def _to_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A remote tensor moved to the CPU; a module's tied parameter stays one parameter
-    there too (Note [tied parameters])."""
+    """A remote tensor moved to the CPU; a module's parameter keeps its object (Note
+    [parameters keep their identity]), and a tied one stays one parameter there too (Note
+    [tied parameters])."""
     x = args[0]
     at = ties.slot(x)
     tied = ties.converting(at, x, kwargs.get("dtype") or x.dtype, kwargs["device"])
     if tied is not None:
         return tied
     out = _fetched(func, x, kwargs) if len(args) == 1 else run_locally(func, args, kwargs)
-    ties.converted(at, x)
+    # its gradient, if the parameter keeps its object, moves as it does (Note [parameters
+    # keep their identity])
+    ties.converted(at, x, lambda grad: func(grad, **kwargs))
     return out
 
 

@@ -16,8 +16,14 @@ old tensor to be held by nothing else (no weak reference, no second C++ referenc
 autograd graph still alive that saved the weight, as a convolution's does); where it
 cannot, the protocol is not shown, and ``_apply`` falls back to a new ``Parameter``, whose
 ties are kept as below. Moves between remote dtypes (``model.half()``) set ``.data``
-(Note [set data], lazy.py), which keeps the object too. Moves back to the CPU make new
-``Parameter`` objects: ``_apply`` swaps only into a wrapper subclass.
+(Note [set data], lazy.py), which keeps the object too. Moves back to the CPU: ``_apply``
+swaps only into a wrapper subclass, and made new ``Parameter`` objects, so the loop
+"``model.cpu()``, save a checkpoint, ``model.to(remote)``, train on" trained nothing after
+the round trip, silently (a review): its optimizer held the remote parameters the move
+back had replaced. The kernel moving a parameter back (``special_ops._to_cpu``) therefore
+swaps the new ``Parameter`` into the old object as ``_apply`` stores it (``_SwapStore``),
+where ``swap_tensors`` accepts the old one; its gradient is moved apart, first. Where it
+cannot be swapped, a new ``Parameter`` as before, and a warning says so.
 
 Note [tied parameters]: a parameter that is one object under two names (GPT-2's
 ``lm_head.weight is transformer.wte.weight``) must stay one object on the other device:
@@ -123,14 +129,15 @@ def _is_local(param: Any) -> bool:
     return isinstance(param, torch.Tensor) and param.device.type != DEVICE_TYPE
 
 
-def _warn_new_parameter(module: torch.nn.Module, key: str | None) -> None:
+def _warn_new_parameter(module: torch.nn.Module, key: str | None, back: bool = False) -> None:
+    where, which = ("back from", "remote") if back else ("to", "local")
     warnings.warn(
-        f"djinn: {type(module).__name__}.{key} moves to the remote device as a new Parameter "
-        "object, not in place: something else still holds the local one (a weak reference, "
-        "or an autograd graph that saved it), or its class has __slots__. An optimizer "
-        "built before this move keeps the local parameter and will not train the moved "
-        "one: build it after the move, or free what holds the parameter first (Note "
-        "[parameters keep their identity]).",
+        f"djinn: {type(module).__name__}.{key} moves {where} the remote device as a new "
+        f"Parameter object, not in place: something else still holds the {which} one (a "
+        "weak reference, or an autograd graph that saved it), or its class has __slots__. "
+        f"An optimizer built before this move keeps the {which} parameter and will not "
+        "train the moved one: build it after the move, or free what holds the parameter "
+        "first (Note [parameters keep their identity]).",
         RuntimeWarning,
         stacklevel=_callers_level(),
     )
@@ -292,7 +299,54 @@ def converting(
     return tied.detach()
 
 
-def converted(at: Slot | None, x: torch.Tensor) -> None:
-    """``x`` was converted for ``at``: remember which parameter the slot receives."""
-    if at is not None and at.grad_of is None:
-        at.module.__dict__["_parameters"] = _OneStore(at, x, None)
+def converted(at: Slot | None, x: torch.Tensor, moved: Any = None) -> None:
+    """``x`` was converted for ``at``: remember which parameter the slot receives. A
+    remote parameter moved back (``moved``: how its gradient converts) keeps its object
+    where it can be swapped (Note [parameters keep their identity])."""
+    if at is None or at.grad_of is not None:
+        return
+    if moved is not None and not _is_local(x) and swaps_back(x):
+        at.module.__dict__["_parameters"] = _SwapStore(at, x, moved)
+        return
+    at.module.__dict__["_parameters"] = _OneStore(at, x, None)
+
+
+def swaps_back(param: Any) -> bool:
+    """Whether a remote ``param`` moving back to a local device may keep its object: a
+    Parameter, no weak reference to it, no slots in its class. Its uses are counted when
+    ``_apply`` stores (``_SwapStore``): the kernel's own arguments are uses while it runs."""
+    return (
+        isinstance(param, torch.nn.Parameter)
+        and not copyreg._slotnames(type(param))  # type: ignore[attr-defined]
+        and not weakref.getweakrefs(param)
+    )
+
+
+class _SwapStore(dict):
+    """``module._parameters`` while ``_apply`` moves its remote parameter ``key`` back:
+    the new ``Parameter`` it stores is swapped into the old object, which the slot keeps
+    (Note [parameters keep their identity]). The gradient is converted first, here, and
+    taken off the parameter, so that ``_apply``, which would set it on its new object,
+    finds none; it is put back on the kept one after the swap."""
+
+    def __init__(self, slot: Slot, param: torch.Tensor, moved: Any) -> None:
+        super().__init__(slot.module._parameters)
+        self.slot, self.param, self.grad = slot, param, None
+        if param.grad is not None:
+            self.grad = moved(param.grad)
+            param.grad = None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key != self.slot.key:
+            return super().__setitem__(key, value)
+        kept = value
+        if _swappable(self.param) and _swappable(value):
+            torch.utils.swap_tensors(self.param, value)
+            kept = self.param
+        else:  # an autograd graph still alive saved it: a new Parameter, as before
+            _warn_new_parameter(self.slot.module, key, back=True)
+        if self.grad is not None:
+            kept.grad = self.grad
+        plain = dict(self)
+        plain[key] = kept
+        self.slot.module.__dict__["_parameters"] = plain
