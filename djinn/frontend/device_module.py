@@ -21,10 +21,13 @@ and remote objects in the VMU's data segment), read from the stats document.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
 import torch
+
+from djinn.errors import UnsupportedOp
 
 _local = threading.local()
 _peak = 0
@@ -254,10 +257,28 @@ def get_device_properties(device: Any = None) -> _Properties:
     return _Properties()
 
 
+# Note [no storages on the remote device]: a remote tensor is a wrapper with no storage on
+# the client, and the remote device has no allocator here. ``storage.to(remote)``,
+# ``storage.cuda()`` under ``djinn run`` (what ``torch.load(f, map_location=lambda s,
+# loc: s.cuda())`` calls) made one with ``torch.UntypedStorage(n, device=...)`` and
+# killed the process (SIGSEGV, no traceback; a review). ``torch._utils._to``, which
+# moves a storage, enters this device module's ``device`` first: that is refused, typed.
+_STORAGE_MOVE = torch._utils._to.__code__
+
+
 class device:  # named as torch.cuda.device
     """``with torch.cuda.device(0):`` — there is one remote device: nothing to switch."""
 
     def __init__(self, device: Any) -> None:
+        if sys._getframe(1).f_code is _STORAGE_MOVE:
+            # Note [no storages on the remote device]
+            raise UnsupportedOp(
+                "a storage cannot move to the remote device: the appliance holds tensors, "
+                "not storages (the client has none to fill). Move tensors instead "
+                "(tensor.to(device)); in torch.load, pass map_location='cuda' (under "
+                "djinn run) or 'remote_accelerator:0' rather than a function moving "
+                "storages (map_location=lambda s, loc: s.cuda())"
+            )
         set_device(device)
 
     def __enter__(self) -> device:

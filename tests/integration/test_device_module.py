@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 R = "remote_accelerator:0"
@@ -100,6 +101,24 @@ def test_save_and_load_remote_tensors(remote, tmp_path):
     local = torch.load(path, map_location="cpu")
     assert local["x"].device.type == "cpu" and torch.equal(local["x"], t)
     assert isinstance(local["p"], torch.nn.Parameter)
+
+
+def test_a_storage_moved_to_the_remote_device_is_refused_typed(remote, tmp_path):
+    """Note [no storages on the remote device]: it killed the process (SIGSEGV)."""
+    import io
+
+    from djinn.errors import UnsupportedOp
+
+    with pytest.raises(UnsupportedOp, match="storage cannot move"):
+        torch.ones(2).untyped_storage().to(device=R)
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    buf.seek(0)
+    with pytest.raises(UnsupportedOp, match="map_location"):
+        torch.load(buf, map_location=lambda s, loc: s.to(device=R))
+    assert torch.ones(2).untyped_storage().to(device="cpu").nbytes() == 8
+    with torch.remote_accelerator.device(0):  # the context itself is still a no-op
+        assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 
 def test_djinn_run_answers_torch_cuda_for_the_appliance(appliance, tmp_path):
