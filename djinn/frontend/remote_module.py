@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import json
 import logging
 import sys
@@ -34,8 +35,8 @@ from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
-from . import model_changes, seeded
-from .device import is_remote
+from . import model_changes, model_twin, seeded, ties
+from .device import DEVICE_TYPE, is_remote
 
 log = logging.getLogger("djinn.frontend.model")
 UPLOAD_CHUNK = 256 << 20  # bytes per put while uploading weights (progress granularity)
@@ -93,10 +94,31 @@ def wants_model_path(module: torch.nn.Module) -> bool:
     if model_changes.hooked(module):
         return False
     config = getattr(module, "config", None)
-    return hasattr(config, "to_dict") and any(
+    if not hasattr(config, "to_dict") or not any(
         c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
         for c in type(module).__mro__
-    )
+    ):
+        return False
+    if _partly_moved(module):  # its move already goes the graph path (decided below)
+        return False
+    differs = model_twin.difference(module)  # Note [the model the appliance builds]
+    if differs is not None:
+        warnings.warn(
+            f"djinn: {type(module).__name__} takes the graph path, not the model path, "
+            "which builds a model from its class, config and weights: "
+            f"{differs} (Note [the model the appliance builds])",
+            RuntimeWarning,
+            stacklevel=ties._callers_level(),
+        )
+        return False
+    return True
+
+
+def _partly_moved(module: torch.nn.Module) -> bool:
+    """Whether a tensor of ``module`` is on the remote device already: its move converts
+    the rest one by one, and a model with remote tensors cannot be registered."""
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return any(t.device.type == DEVICE_TYPE for t in tensors)
 
 
 def _state(module: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -127,7 +149,7 @@ def fingerprint(module: torch.nn.Module, state: dict[str, torch.Tensor] | None =
 
 def _config_json(module: torch.nn.Module) -> str:
     # json, not orjson: configs have int keys (id2label) and the odd non-JSON value
-    return json.dumps(module.config.to_dict(), sort_keys=True, default=str)
+    return json.dumps(model_twin.config_dict(module), sort_keys=True, default=str)
 
 
 def _upload(session: Any, state: dict[str, torch.Tensor]) -> dict[str, str]:
