@@ -239,6 +239,9 @@ class _RemoteBinding:
         self.modules: tuple = ()  # Note [a registered model changed]
         self.dtypes: dict[str, torch.dtype] = {}
         self.weights: tuple = ()  # taken at the first call
+        self.buffers: tuple | None = None  # taken at the first call
+        self.attributes: tuple | None = None  # each submodule's plain settings
+        self.plain_keys: dict[int, tuple[str, ...]] | None = None  # their names, by module
         self.seen: list = []  # _glance's answer when nothing had changed
         self.told_no_grad = False  # Note [no autograd on the model path]
         self.told_state_dict = False  # RemoteModelMixin.state_dict
@@ -319,6 +322,8 @@ def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | No
     module._djinn = binding
     module.__class__ = _remote_class(type(module))
     binding.modules = model_changes.modules_of(module)
+    binding.attributes = model_changes.attributes_of(module)
+    binding.plain_keys = model_changes.plain_keys(module)
 
 
 # -- calls --------------------------------------------------------------------------------
@@ -403,8 +408,12 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
     # the analysis runs the local module on meta tensors, and a forward may write its
     # config (BertForSequenceClassification sets ``problem_type`` at its first call with
     # labels): put back as it was, or the next call would find the config changed
+    # labels), or a module its settings and buffers (a dynamic RoPE's cached length and
+    # inv_freq): put back as they were, or the next call would find the model changed
     config = getattr(module, "config", None)
     saved = dict(vars(config)) if config is not None else None
+    modules = list(module.modules())
+    settings = [(m, model_changes._plain(m), dict(m._buffers)) for m in modules]
     _local.tracing = True
     try:
         return analyze(module, *args, **kwargs).hints()
@@ -416,6 +425,13 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
         if saved is not None and vars(config) != saved:
             vars(config).clear()
             vars(config).update(saved)
+        for m, plain, buffers in settings:
+            m.__dict__.update(plain)
+            if m._buffers.keys() != buffers.keys() or any(
+                m._buffers[k] is not b for k, b in buffers.items()
+            ):
+                m._buffers.clear()
+                m._buffers.update(buffers)
 
 
 # Note [generation settings]: the appliance builds a registered model from its config, so

@@ -51,6 +51,9 @@ CHANGES = {
     "config flag": lambda m: setattr(m.config, "output_hidden_states", True),
     # values whose == is elementwise, set before the move: each call raised ValueError
     # ("truth value of an array is ambiguous") before anything changed; changed in place
+    # a module's own setting, which neither the config nor the weights carry (a review:
+    # Llama's norm.variance_epsilon = 0.5 ran the registered model, 0.64 off)
+    "module setting": lambda m: setattr(m.transformer.ln_f, "eps", 0.5),
     "config array": lambda m: m.config.scales.__setitem__(1, 9.0),
     "config nested": lambda m: m.config.extra["weights"][0].__setitem__(0, 0.5),
 }
@@ -63,6 +66,7 @@ WORDS = {
     "training": "training mode",
     "config": "config's 'pad_token_id' was changed",
     "config flag": "config's 'output_hidden_states' was changed",
+    "module setting": "transformer.ln_f.eps was changed to 0.5",
     "config array": "config's 'scales' was changed",
     "config nested": "config's 'extra' was changed",
 }
@@ -127,3 +131,27 @@ def test_what_transformers_itself_leaves_on_the_model_is_no_change(remote):
     bert = bert.to(R)
     for _ in range(2):
         assert abs(bert(ids, labels=torch.tensor([1])).loss.item() - want) <= 1e-6
+
+
+@pytest.mark.parametrize("change", ["written", "replaced"])
+def test_a_buffer_changed_after_the_move_refuses_the_call(remote, change):
+    """Buffers were not compared (a review: Llama's rotary inv_freq halved in place ran
+    the registered model, 0.0027 off, silently)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval().to(R)
+    with torch.no_grad():
+        for _ in range(2):  # the call's own analysis writes nothing the check sees
+            model(_ids()).logits.cpu()
+        rotary = model.model.rotary_emb
+        if change == "written":
+            rotary.inv_freq.mul_(0.5)
+        else:
+            rotary.inv_freq = rotary.inv_freq * 0.5
+        with pytest.raises(DjinnError, match=r"buffer 'model\.rotary_emb\.inv_freq' was"):
+            model(_ids())
