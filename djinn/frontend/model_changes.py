@@ -27,7 +27,11 @@ _MISSING = object()
 # (a new meta Parameter, its version counter at 0), so the parameters' identities are
 # taken at the first call, which requires each version still 0 and each dtype the one
 # registered. A model built weightless on this side (``djinn.from_pretrained``) is
-# recorded as it is at its first call.
+# recorded as it is at its first call. Buffers are compared as parameters are, and each
+# module's plain settings (numbers, strings, flags, tuples of them: a norm's eps) by value
+# (a review: Llama's rotary ``inv_freq`` halved, a norm's ``variance_epsilon`` set, ran
+# the registered model); what the model was before the move is Note [the model the
+# appliance builds] (model_twin.py).
 def modules_of(module: torch.nn.Module) -> tuple:
     return tuple((name, id(m), m.training) for name, m in module.named_modules())
 

@@ -71,6 +71,20 @@ class RemoteObject:
     def __repr__(self) -> str:
         return f"RemoteObject({self.cls.rsplit('.', 1)[-1]}, id={self.oid[:8]}…)"
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        # copy.deepcopy found the session's connection inside and raised an untyped
+        # "cannot pickle 'mmap.mmap' object" (a review: transformers' recipe for reusing
+        # a prompt's cache copies it)
+        kind = self.cls.rsplit(".", 1)[-1]
+        raise UnsupportedOp(
+            f"a {kind} kept on the appliance cannot be copied (copy.deepcopy, pickle): it "
+            "lives in the session there and has no value here. To reuse a prompt's cache "
+            "for several continuations, run the prompt again for each one"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.__deepcopy__({})
+
     def __getattr__(self, name: str) -> Any:
         # only for names it lacks (its slots are found first): a decode loop asking a
         # kept cache for ``get_seq_length()`` met "'RemoteObject' object has no attribute"
