@@ -206,7 +206,10 @@ def _detach_serialization(entry: tuple) -> None:
 # TransformerEncoder's Adam training step captured 435 ops instead of 260, and 20 steps
 # took 0.52 s instead of 0.43 (benchmarks/training_step.py, foreach=True asked for). On a
 # CPU, local eager's two paths gave the same bits for that loop; the remote default is
-# checked against local eager's default (tests/integration/test_foreach.py).
+# checked against local eager's default (tests/integration/test_foreach.py). Not every
+# optimizer's two paths round alike: NAdam, RAdam and ASGD by default end a few float32
+# ulps from local CPU eager (7 NAdam steps: 6e-8; a review), as a CUDA run of the same
+# program, which takes the foreach path too; ``foreach=False`` gives CPU eager's bits.
 def _foreach_type_lists() -> list[list[Any]]:
     import importlib
 
