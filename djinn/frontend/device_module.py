@@ -219,6 +219,35 @@ def reset_peak_memory_stats(device: Any = None) -> None:
         _peak = 0
 
 
+_STAT_METRICS = (
+    "allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes",
+    "inactive_split_bytes", "allocation", "active", "segment", "inactive_split",
+)  # fmt: skip
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """``torch.cuda.memory_stats``'s keys (``memory_summary()`` reads every one of them:
+    under ``djinn run`` it raised KeyError, a review). The bytes this session holds are
+    its allocated, active, requested and reserved bytes, current and peak, in the whole
+    and in the large pool; the caching allocator's own counts, which the appliance does
+    not keep per session, are 0."""
+    used = memory_allocated(device)
+    stats: dict[str, int] = {"num_alloc_retries": 0, "num_ooms": 0, "max_split_size": -1}
+    stats.update(num_sync_all_streams=0, num_device_alloc=0, num_device_free=0)
+    for metric in _STAT_METRICS:
+        for pool in ("all", "large_pool", "small_pool"):
+            for stat in ("current", "peak", "allocated", "freed"):
+                stats[f"{metric}.{pool}.{stat}"] = 0
+    for metric in ("oversize_allocations", "oversize_segments"):
+        for stat in ("current", "peak", "allocated", "freed"):
+            stats[f"{metric}.{stat}"] = 0
+    for metric in ("allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes"):
+        for pool in ("all", "large_pool"):
+            stats[f"{metric}.{pool}.current"] = used
+            stats[f"{metric}.{pool}.peak"] = _peak
+    return stats
+
+
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes of the worker's device memory, as the appliance accounts it."""
     from .session import default_session

@@ -272,6 +272,7 @@ CUDA_QUERIES_NAMES = (
     "max_memory_reserved",
     "mem_get_info",
     "reset_peak_memory_stats",
+    "memory_stats",
     "empty_cache",
     "is_bf16_supported",
     "initial_seed",
@@ -300,10 +301,16 @@ def _cuda_parts() -> dict[str, Any]:
     """torch.cuda's submodules whose functions CUDA_QUERIES replaces too, by the prefix
     their saved names take: ``torch.cuda.random.manual_seed`` is the function
     ``torch.cuda.manual_seed`` names, and a script may call it by either name."""
+    import torch.cuda.memory as cuda_memory
     import torch.cuda.nvtx as nvtx
     import torch.cuda.random as cuda_random
 
-    return {"nvtx.": (nvtx, NVTX_NAMES), "random.": (cuda_random, SEEDING_NAMES)}
+    return {
+        "nvtx.": (nvtx, NVTX_NAMES),
+        "random.": (cuda_random, SEEDING_NAMES),
+        # memory_summary() reads memory_stats() by its own module's name
+        "memory.": (cuda_memory, {"memory_stats": "memory_stats"}),
+    }
 
 
 def _attach_cuda_queries() -> dict[str, Any]:
