@@ -116,10 +116,15 @@ class DeviceVMU:
         self.make_room(nbytes)
         short = self.used + nbytes - self.capacity
         if short > 0:
+            # what holds it, by kind: a session told to free its handles while the
+            # memory was another session's model, in use by its call, had no way to
+            # tell (a review)
+            held = ", ".join(f"{_WHAT[s.name]} {s.used}" for s in self._views if s.used)
             raise DeviceShort(
                 f"device memory full: {nbytes} bytes requested for {_WHAT[seg.name]}, "
-                f"{short} bytes short of {self.capacity} after eviction (what cannot move: "
-                "session handles and activations); free handles or KV caches",
+                f"{short} bytes short of {self.capacity} after eviction (in use: {held}; "
+                "what cannot move: session handles, activations, and the weights of "
+                "models other calls are running); free handles or KV caches",
                 short,
             )
         seg.used += nbytes
