@@ -26,7 +26,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from djinn.errors import UnsupportedOp
 
-from . import lazy, meta, remote_module, special_ops, ties
+from . import lazy, meta, remote_module, shared_copies, special_ops, ties
 from .device import DEVICE_TYPE
 
 _EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -71,6 +71,10 @@ def to_copy(
     if tied is not None:
         return tied
     same = dtype in (None, x.dtype) and memory_format in (None, torch.preserve_format)
+    if same and at is None:  # Note [copies keep shared storage]: inside torch.load only
+        shared = shared_copies.loaded_upload(x, lambda whole: to_copy(whole, device=device))
+        if shared is not None:
+            return shared
     # as is: the upload copies it anyway (eager semantics: later changes must not leak).
     # Not an expanded or otherwise overlapping tensor: eager's copy of one is dense
     # (empty_like), and a remote allocation with its strides cannot be written into

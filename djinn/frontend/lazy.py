@@ -28,6 +28,7 @@ from . import (
     immediate,
     inference_views,
     seeded,
+    shared_copies,
     tensor_copy,
     tensor_text,
     ties,
@@ -186,7 +187,9 @@ class LazyTensor(torch.Tensor):
         if getattr(self, "_is_param", False):  # a Parameter stays one
             data = LazyTensor(spec_of(self), self._ref)
             return torch._utils._rebuild_parameter, (data, self.requires_grad, {})
-        data = fetch(self).detach()
+        # Note [copies keep shared storage]: a view of its storage's bytes, fetched once
+        data = shared_copies.saved_bytes(self, fetch)
+        data = fetch(self).detach() if data is None else data
         rebuild = torch._utils._rebuild_device_tensor_from_cpu_tensor
         return rebuild, (data, self.dtype, str(self.device), self.requires_grad)
 

@@ -6,6 +6,8 @@ import copy
 
 import torch
 
+from . import shared_copies
+
 
 def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
     """A copy made on the appliance (a captured ``clone``), as a CUDA tensor's is made on
@@ -19,7 +21,10 @@ def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
             "deepcopy protocol at the moment"
         )  # eager's words
     with torch.no_grad():
-        new = t.clone(memory_format=torch.preserve_format)
+        # Note [copies keep shared storage]; a Parameter copies its value alone, as eager's
+        new = None if getattr(t, "_is_param", False) else shared_copies.deep_copy_view(t, memo)
+        if new is None:
+            new = t.clone(memory_format=torch.preserve_format)
     new.requires_grad_(t.requires_grad)
     memo[id(t)] = new
     if getattr(t, "_is_param", False):  # as Parameter.__deepcopy__: the value only

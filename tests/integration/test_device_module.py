@@ -4,6 +4,8 @@ CUDA's policy, pinned memory, save and load, and `djinn run`'s view of torch.cud
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import subprocess
 import sys
@@ -101,6 +103,47 @@ def test_save_and_load_remote_tensors(remote, tmp_path):
     local = torch.load(path, map_location="cpu")
     assert local["x"].device.type == "cpu" and torch.equal(local["x"], t)
     assert isinstance(local["p"], torch.nn.Parameter)
+
+
+def _tied() -> torch.nn.Module:
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(3, 2), torch.nn.Linear(2, 3, bias=False)
+    head.weight = emb.weight
+    return torch.nn.Sequential(emb, head)
+
+
+@pytest.mark.parametrize("device", [R, "cpu"])
+def test_saved_and_copied_tensors_keep_the_storage_they_share(remote, device):
+    """Note [copies keep shared storage]: a view and its base, saved or deep-copied, were
+    copied apart, so writing into the loaded view left the loaded base as it was; and a
+    tied checkpoint's keys scaled one by one were scaled once (a review)."""
+    x = torch.arange(6.0).reshape(2, 3).to(device)
+    for how in ("load", "load to cpu", "deepcopy"):
+        pair = {"x": x, "v": x[:, 1], "alias": x.detach()[1]}
+        if how == "deepcopy":
+            got = copy.deepcopy(pair)
+        else:
+            buf = io.BytesIO()
+            torch.save(pair, buf)
+            buf.seek(0)
+            got = torch.load(buf, map_location="cpu" if how == "load to cpu" else None)
+        want_device = "cpu" if how == "load to cpu" else x.device.type
+        assert got["x"].device.type == want_device
+        got["v"].fill_(-1)
+        got["alias"].mul_(10)
+        assert got["x"].cpu().tolist() == [[0.0, -1.0, 2.0], [30.0, -10.0, 50.0]], how
+    assert x.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # the originals stay
+    model = _tied().to(device)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf)
+    for key in state:  # scaling a checkpoint key by key: the tied weight twice
+        state[key].mul_(0.5)
+    want = _tied().state_dict()["0.weight"] * 0.25
+    assert torch.allclose(state["1.weight"].cpu(), want) and torch.allclose(
+        state["0.weight"].cpu(), want
+    )
 
 
 def test_a_storage_moved_to_the_remote_device_is_refused_typed(remote, tmp_path):
