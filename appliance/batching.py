@@ -28,9 +28,32 @@ and model calls of the same model are batched alike, so sessions join and leave 
 batch token by token (iteration-level batching, as Orca and vLLM do).
 
 Batching is only done for model families whose attention honours a left-padding mask
-with explicit position ids (``FAMILIES``); results match the lone step to float
+with explicit position ids (``FAMILIES``), and whose attention patterns survive the
+padding (Note [sliding windows in a batch]); results match the lone step to float
 rounding (tests/integration/test_batching.py: greedy tokens identical, logits within
 1e-4).
+
+Note [sliding windows in a batch]: a model whose config sets ``sliding_window`` (every
+Mistral by default, 4096; Qwen2 with ``use_sliding_window``) masks keys more than a
+window behind the query, and transformers builds its cache from the config with a
+``DynamicSlidingWindowLayer`` per such layer. Two things follow for a batched step:
+
+- the mask. The batch evaluates the model's mask function on left-padded rows, so a
+  row's query and keys are all shifted by its padding. A causal or sliding-window mask
+  depends only on how far a key is behind its query, so the shift changes nothing and
+  the padding mask hides the rest. A chunked mask (``attention_chunk_size``, Llama 4)
+  cuts at absolute positions, and a shifted row would be cut in the wrong place: a
+  model with any layer type but those two runs alone (``batchable_family``);
+- the cache. A sliding layer counts the tokens it has seen in ``cumulative_length``
+  (what ``get_seq_length()`` and the mask sizes read) and keeps only the last
+  window - 1 of them. A member's cache therefore grows through its own ``update`` with
+  the one new token, as the model's attention grows it in a lone step (assigning the
+  grown keys and values left ``cumulative_length`` behind: the next step numbered its
+  position and padded its cache from a stale length, and greedy tokens went wrong).
+  And a row is batched only while every layer still holds every token it has seen
+  (``plain_cache``): the batch pads by what a layer holds and numbers the position by
+  what it has seen, which differ once a window has dropped tokens; from then on the
+  session's steps run alone (exactly as transformers runs them).
 """
 
 from __future__ import annotations
@@ -55,6 +78,11 @@ BATCH_KWARGS = frozenset({"input_ids", "past_key_values", "use_cache", "attentio
 # config.model_type of the families whose batched step with a left-padding mask and
 # position ids is the lone step (learned or rotary positions, masked softmax attention)
 FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2"})
+# transformers' layer types whose mask depends only on how far a key is behind its query,
+# so left padding leaves it as it is (Note [sliding windows in a batch])
+SHIFTABLE_ATTENTION = frozenset({"full_attention", "sliding_attention"})
+# cache layers whose growth the batch reproduces with their own update()
+PLAIN_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
 
 
 def batch_key(body: dict[str, Any]) -> str:
@@ -120,22 +148,37 @@ class DecodeStep:
 
 
 def plain_cache(cache: Any) -> int | None:
-    """The length of a KV cache that can be batched (a DynamicCache of full layers, batch
-    of one), else None."""
+    """The length of a KV cache that can be batched, else None: a DynamicCache of batch
+    one whose every layer still holds every token it has seen (a sliding window that
+    has dropped some cannot be padded like the others: Note [sliding windows in a
+    batch])."""
     layers = getattr(cache, "layers", None)
     if type(cache).__name__ != "DynamicCache" or not layers:
         return None
-    if any(type(layer).__name__ != "DynamicLayer" or not layer.is_initialized for layer in layers):
-        return None
     length = int(cache.get_seq_length())
     for layer in layers:
+        if type(layer).__name__ not in PLAIN_LAYERS or not layer.is_initialized:
+            return None
+        if getattr(layer, "record_past", False):  # keeps what its window would drop
+            return None
         if layer.keys.shape[0] != 1 or layer.keys.shape[-2] != length:
+            return None
+        if int(layer.get_seq_length()) != length:  # a window's count of tokens seen
             return None
     return length
 
 
 def batchable_family(module: Any) -> bool:
-    return getattr(getattr(module, "config", None), "model_type", None) in FAMILIES
+    """A model whose batched decode step is its lone step: a family that honours a
+    left-padding mask with position ids, with masks that padding does not change (Note
+    [sliding windows in a batch])."""
+    config = getattr(module, "config", None)
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return False
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return False  # chunks start at absolute positions
+    kinds = getattr(config, "layer_types", None) or ["full_attention"]
+    return set(kinds) <= SHIFTABLE_ATTENTION
 
 
 class Batcher:
@@ -194,7 +237,8 @@ def _step_of(w: Worker, work: Any) -> _Member | None:
     """The decode step of a paused generate() loop or of a model call, or None if it must
     run alone."""
     if work.step is not None:
-        return work.step.member
+        member = work.step.member
+        return member if plain_cache(member.cache) == member.length else None
     if work.steps is not None:
         return None
     return _member(w, work.session, work.frame)
@@ -260,11 +304,11 @@ def _run(w: Worker, entry: Any, members: list[_Member]) -> list[Callable[..., An
             w.memory.finish(s)
     results = []
     for row, m in enumerate(members):
-        start = longest - m.length  # its padding is dropped
+        # only the token this step added: the member's layers grow by it themselves
         grown = [
             (
-                layer.keys[row : row + 1, :, start:].clone(),
-                layer.values[row : row + 1, :, start:].clone(),
+                layer.keys[row : row + 1, :, -1:].clone(),
+                layer.values[row : row + 1, :, -1:].clone(),
             )
             for layer in out.past_key_values.layers
         ]
@@ -307,12 +351,13 @@ def _stand_in(
     cache: Any, grown: list[tuple[torch.Tensor, torch.Tensor]], out: Any
 ) -> Callable[..., Any]:
     """What the member's handler calls in place of the model: its cache grows by the
-    token the batch computed (in place, as the model would have grown it), and the
-    output is its row's."""
+    token the batch computed, through the cache's own ``update`` as the model's
+    attention would grow it (a sliding window counts the token and drops what falls out:
+    Note [sliding windows in a batch]), and the output is its row's."""
 
     def forward(*_args: Any, **_kwargs: Any) -> Any:
-        for layer, (keys, values) in zip(cache.layers, grown, strict=True):
-            layer.keys, layer.values = keys, values
+        for i, (keys, values) in enumerate(grown):
+            cache.update(keys, values, i)
         return out
 
     return forward
