@@ -7,6 +7,9 @@ of the protocol: never rename one, only add.
 
 from __future__ import annotations
 
+import builtins
+import re
+
 
 class DjinnError(Exception):
     """Base class. ``code`` is the stable wire code."""
@@ -177,35 +180,59 @@ _register(DjinnError)
 # LinAlgError:`` add jitter, try again). Raised by the appliance's kernel, it came back an
 # ExecutionError, which that ``except`` let through. The worker names it in the message
 # (``LINALG_MARK``, after the op and node), and the client raises ``LinAlgExecutionError``:
-# an ExecutionError and a LinAlgError both. The class is made at first use, so this
-# module imports no torch.
+# an ExecutionError and a LinAlgError both. So for the built-in errors a kernel raises
+# where eager's program catches them by name: an index out of range is eager's
+# ``IndexError`` (``x[idx]``, an embedding; a review: ``except IndexError`` missed it),
+# and ``ValueError`` and ``TypeError`` alike (``KERNEL_ERRORS``). The classes are made at
+# first use, so this module imports no torch.
 LINALG_MARK = "torch.linalg.LinAlgError: "
-_linalg_class: list[type] = []
+KERNEL_ERRORS = ("IndexError", "ValueError", "TypeError")
+_MARKED = re.compile(
+    r"\(node \d+\): (torch\.linalg\.LinAlgError|IndexError|ValueError|TypeError): "
+)
+_kernel_classes: dict[str, type] = {}
 
 
-def _linalg_error() -> type:
-    if not _linalg_class:
-        import torch
+def kernel_mark(exc: BaseException) -> str:
+    """What the worker writes before a kernel's error, naming a class the client raises
+    it as too ("" for the rest)."""
+    import torch
 
+    if isinstance(exc, torch.linalg.LinAlgError):
+        return LINALG_MARK
+    name = type(exc).__name__
+    return f"{name}: " if name in KERNEL_ERRORS and type(exc).__module__ == "builtins" else ""
+
+
+def _kernel_error(kind: str) -> type:
+    cls = _kernel_classes.get(kind)
+    if cls is None:
+        if kind == "torch.linalg.LinAlgError":
+            import torch
+
+            name, base = "LinAlgExecutionError", torch.linalg.LinAlgError
+        else:
+            name, base = f"{kind.removesuffix('Error')}ExecutionError", getattr(builtins, kind)
         cls = type(
-            "LinAlgExecutionError",
-            (ExecutionError, torch.linalg.LinAlgError),
+            name,
+            (ExecutionError, base),
             {
-                "__doc__": "A linear algebra kernel's error on the appliance "
-                "(Note [linear algebra errors]).",
+                "__doc__": f"A kernel's {kind} on the appliance (Note [linear algebra errors]).",
                 "__module__": __name__,
             },
         )
-        globals()["LinAlgExecutionError"] = cls
-        _linalg_class.append(cls)
-    return _linalg_class[0]
+        globals()[name] = cls
+        _kernel_classes[kind] = cls
+    return cls
 
 
 def error_from_wire(code: str, message: str) -> DjinnError:
     """Rebuild the typed exception for a wire ``code`` (unknown codes stay DjinnError)."""
     cls = _BY_CODE.get(code)
-    if cls is ExecutionError and LINALG_MARK in message:
-        return _linalg_error()(message)
+    if cls is ExecutionError:
+        marked = _MARKED.search(message)
+        if marked is not None:
+            return _kernel_error(marked.group(1))(message)
     if cls is None:
         err = DjinnError(message)
         err.code = code

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from djinn.errors import (
-    LINALG_MARK,
     DjinnError,
     ExecutionError,
     InvalidArgument,
     ResourceExhausted,
     UnsupportedOp,
+    kernel_mark,
 )
 from djinn.protocol import norm_stats
 from djinn.protocol.graph import MAX_DEPTH, MAX_NODES, parse_op_name
@@ -45,10 +45,9 @@ OP_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError)
 
 def op_error(name: Any, i: int, exc: BaseException) -> ExecutionError:
     """A kernel's error as the request's: EXECUTION_ERROR naming the op and node, PyTorch's
-    words, and for a ``torch.linalg.LinAlgError`` its name, which the client raises as
-    one too (``djinn.errors.LINALG_MARK``)."""
-    kind = LINALG_MARK if isinstance(exc, torch.linalg.LinAlgError) else ""
-    return ExecutionError(f"{name} (node {i}): {kind}{exc}")
+    words, and for a ``torch.linalg.LinAlgError``, an ``IndexError``... its class's name,
+    which the client raises it as too (Note [linear algebra errors], djinn/errors.py)."""
+    return ExecutionError(f"{name} (node {i}): {kernel_mark(exc)}{exc}")
 
 
 PHILOX_STATE_BYTES = 16  # a device generator's seed and offset (a CPU state is 5056 bytes)

@@ -499,6 +499,34 @@ def test_a_linear_algebra_error_is_caught_as_eagers_linalg_error(remote):
     assert torch.allclose(factor, torch.linalg.cholesky(singular + 1e-3 * torch.eye(3)))
 
 
+def test_an_index_out_of_range_is_caught_as_eagers_index_error(remote):
+    """Note [linear algebra errors]: a kernel's IndexError (an index, an embedding) came
+    back an ExecutionError, which ``except IndexError`` let through (a review); a
+    kernel's RuntimeError stays one, as eager's."""
+    from djinn.errors import ExecutionError
+
+    cases = {
+        "index": (lambda d: torch.arange(4.0, device=d)[torch.tensor([10], device=d)], True),
+        "embedding": (
+            lambda d: torch.nn.functional.embedding(
+                torch.tensor([7], device=d), torch.ones(3, 2, device=d)
+            ),
+            True,
+        ),
+        "gather": (lambda d: torch.ones(3, device=d).gather(0, torch.tensor([5], device=d)), False),
+    }
+    for name, (bad, index_error) in cases.items():
+        with pytest.raises(Exception) as eager:
+            bad("cpu")
+        with pytest.raises(ExecutionError) as got:
+            bad(R).cpu()
+        assert isinstance(eager.value, IndexError) == index_error, name
+        assert isinstance(got.value, IndexError) == index_error, name
+        assert isinstance(got.value, RuntimeError)
+        assert str(eager.value)[:30] in str(got.value)
+    assert (torch.arange(3.0).to(R) + 1).cpu().tolist() == [1.0, 2.0, 3.0]
+
+
 def test_a_failure_reaching_a_local_leafs_gradient_is_raised_by_backward(remote):
     """Note [failed gradients of local tensors]: a CPU leaf moved to the appliance, then an
     op that fails there (eager raises at the call). backward() stopped at PyTorch's
