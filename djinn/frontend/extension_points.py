@@ -305,9 +305,13 @@ def _cuda_parts() -> dict[str, Any]:
     import torch.cuda.nvtx as nvtx
     import torch.cuda.random as cuda_random
 
+    # the generator's state by torch.cuda.random's own names too (Trainer's checkpoints
+    # save it as torch.cuda.random.get_rng_state_all(): "not compiled with CUDA", a review)
+    states = {n: n for n in ("get_rng_state", "set_rng_state", "get_rng_state_all")}
+    states["set_rng_state_all"] = "set_rng_state_all"
     return {
         "nvtx.": (nvtx, NVTX_NAMES),
-        "random.": (cuda_random, SEEDING_NAMES),
+        "random.": (cuda_random, {**SEEDING_NAMES, **states}),
         # memory_summary() reads memory_stats() by its own module's name
         "memory.": (cuda_memory, {"memory_stats": "memory_stats"}),
     }

@@ -164,6 +164,18 @@ class LazyTensor(torch.Tensor):
     def __setitem__(self, index: Any, value: Any) -> None:
         super().__setitem__(_local_index(index), value)
 
+    # Note [remote storages] (shared_copies.py): what libraries that tell shared memory
+    # apart ask (safetensors, save_pretrained); storage() keeps PyTorch's own
+    def untyped_storage(self) -> Any:
+        return shared_copies.RemoteStorage(self)
+
+    def _typed_storage(self) -> Any:
+        untyped = torch._C.TensorBase.untyped_storage(self)
+        return torch.TypedStorage(wrap_storage=untyped, dtype=self.dtype, _internal=True)
+
+    def data_ptr(self) -> int:
+        return shared_copies.data_ptr(self)
+
     def __deepcopy__(self, memo: dict) -> LazyTensor:
         return tensor_copy.deep_copy(self, memo)
 

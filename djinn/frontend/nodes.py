@@ -4,6 +4,7 @@ wants on the host (``HostTensor``)."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -122,15 +123,21 @@ class Binding:
         self.storage = storage
 
 
+_ADDRESSES = itertools.count(1)
+
+
 class Storage:
     """The storage a tensor and its views share, as far as writes are concerned: the node
     that last wrote into any of them (Note [writes another thread captured], writes.py).
     Held by the cells, not the other way: a base cell kept alive by its views would count
     as a holder of its node's output (Note [bindings])."""
 
-    __slots__ = ("reader", "writer", "written")
+    __slots__ = ("address", "reader", "writer", "written")
 
     def __init__(self) -> None:
+        # what data_ptr() says of it on the client: a number of its own, 2**40 apart from
+        # any other's, never memory (Note [remote storages], shared_copies.py)
+        self.address = next(_ADDRESSES) << 40
         self.writer: Node | None = None
         # the trace that last captured an op taking any of them (Note [reads another
         # thread captured], writes.py)

@@ -142,3 +142,58 @@ def _caller_local(code: Any, name: str | None, depth: int = 64) -> Any:
     if frame is None or frame.f_code is not code:
         return None
     return frame if name is None else frame.f_locals.get(name)
+
+
+class RemoteStorage:
+    """What ``untyped_storage()`` answers for a remote tensor.
+
+    Note [remote storages]: a remote tensor has no storage on the client, and its C++
+    one raises at ``data_ptr()`` ("an invalid python storage"). Libraries ask it to tell
+    tensors that share memory apart: safetensors' ``storage_ptr`` and transformers'
+    ``id_tensor_storage``, so ``save_pretrained`` and Trainer checkpoints of a model
+    trained on the remote device crashed (a review). ``data_ptr()`` here is the address
+    of the ``Storage`` its views and aliases share (writes.py; a number of its own, 2**40
+    apart from any other, never memory), and a remote tensor's own ``data_ptr()`` that
+    address plus its offset in bytes, as a device tensor's is (it was 0): safetensors
+    keeps a tensor that covers its whole storage by comparing the two. ``nbytes()`` is
+    the bytes of the tensor spanning the storage; the rest is the C++ storage's.
+    """
+
+    __slots__ = ("_real", "_root", "_storage")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._root = _root(t)
+        self._storage = address_of(t)
+        self._real = torch._C.TensorBase.untyped_storage(t)
+
+    def data_ptr(self) -> int:
+        return self._storage
+
+    def nbytes(self) -> int:
+        return torch._C.TensorBase.untyped_storage(self._root).nbytes()
+
+    def size(self) -> int:
+        return self.nbytes()
+
+    def __len__(self) -> int:
+        return self.nbytes()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __repr__(self) -> str:
+        return f"RemoteStorage({self.nbytes()} bytes on {self._real.device})"
+
+
+def address_of(t: torch.Tensor) -> int:
+    """The address ``data_ptr()`` gives ``t``'s storage (Note [remote storages])."""
+    from .writes import shared_storage
+
+    storage = shared_storage(t)
+    return storage.address if storage is not None else 0
+
+
+def data_ptr(t: torch.Tensor) -> int:
+    """A remote tensor's ``data_ptr()``: its storage's address plus its offset in bytes."""
+    base = address_of(t)
+    return base + t.storage_offset() * t.element_size() if base else 0

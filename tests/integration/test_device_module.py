@@ -146,6 +146,28 @@ def test_saved_and_copied_tensors_keep_the_storage_they_share(remote, device):
     )
 
 
+def test_storage_pointers_tell_shared_memory_apart_as_on_a_device(remote, tmp_path):
+    """Note [remote storages]: safetensors and save_pretrained compare storage pointers;
+    a remote tensor's raised ("invalid python storage") and save_pretrained crashed."""
+    from safetensors.torch import load_file, save_file, save_model
+
+    x = torch.arange(6.0).reshape(2, 3).to(R)
+    other = torch.ones(3).to(R)
+    ptr = x.untyped_storage().data_ptr()
+    assert ptr != 0 and x.data_ptr() == ptr
+    assert x[1].untyped_storage().data_ptr() == ptr == x.detach().untyped_storage().data_ptr()
+    assert x[1].data_ptr() == ptr + 3 * 4  # its offset in bytes, as a device tensor's
+    assert other.untyped_storage().data_ptr() not in (0, ptr)
+    assert x[1].untyped_storage().nbytes() == 24
+    save_file({"x": x, "other": other}, tmp_path / "t.safetensors")
+    back = load_file(tmp_path / "t.safetensors")
+    assert torch.equal(back["x"], torch.arange(6.0).reshape(2, 3))
+    model = _tied().to(R)  # tied: saved once, as for a CUDA model
+    save_model(model, tmp_path / "m.safetensors")
+    saved = load_file(tmp_path / "m.safetensors")
+    assert len(saved) == 1 and torch.equal(next(iter(saved.values())), _tied()[0].weight.detach())
+
+
 def test_a_storage_moved_to_the_remote_device_is_refused_typed(remote, tmp_path):
     """Note [no storages on the remote device]: it killed the process (SIGSEGV)."""
     import io
@@ -209,8 +231,11 @@ def test_djinn_run_supports_what_cuda_scripts_also_touch(appliance, tmp_path):
             # memory_summary() read keys memory_stats() lacked: KeyError (a review)
             summary, stats = torch.cuda.memory_summary(), torch.cuda.memory_stats()
             print("Allocated memory" in summary, stats["allocated_bytes.all.current"] > 0)
+            # by torch.cuda.random's own names, as Trainer's checkpoints save it
+            torch.cuda.random.set_rng_state_all(torch.cuda.random.get_rng_state_all())
+            print(torch.cuda.random.get_rng_state().numel() > 0)
             """
         )
     )
     done = _djinn_run(appliance, script)
-    assert done.stdout.split() == ["True"] * 6, done.stdout + done.stderr
+    assert done.stdout.split() == ["True"] * 7, done.stdout + done.stderr
