@@ -284,6 +284,16 @@ class RemoteModelMixin:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         return call(self, "generate", args, kwargs)
 
+    @property
+    def device(self) -> torch.device:
+        """The remote device, where its calls run: its local parameters are meta tensors,
+        and transformers' ``model.device`` (the first parameter's) said ``meta``, so the
+        usual ``inputs.to(model.device)`` sent meta tensors (a review). While the call's
+        own analysis runs the local module on meta, meta."""
+        if getattr(_local, "tracing", False):
+            return torch.device("meta")
+        return self._djinn.device
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state as PyTorch gives it, of meta tensors: the weights live on
         the appliance. Saving it saved no weight, silently (a review: a 4 KB file that

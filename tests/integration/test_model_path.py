@@ -44,6 +44,8 @@ def test_gpt2_registers_and_runs_by_fingerprint_with_eager_parity():
     # counted twice)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.num_parameters() == local.num_parameters()
+    # where its calls run, for the usual inputs.to(model.device) (it said meta: a review)
+    assert model.device == torch.device(R)
     assert len(list(model.named_parameters())) == len(list(local.named_parameters()))
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     out = model(ids, use_cache=True)
