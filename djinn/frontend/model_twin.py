@@ -33,6 +33,9 @@ from .model_changes import _same
 # attributes a build sets from the config or for its own bookkeeping: not the module's
 # computation, or compared through the config itself
 _SKIPPED = frozenset({"training", "config", "generation_config", "name_or_path"})
+# settings that change no eval-mode output (checkpointing acts only while training;
+# gradient_checkpointing_enable() sends no model to the graph path: a review)
+_NO_OUTPUT = frozenset({"gradient_checkpointing"})
 
 
 def config_dict(module: torch.nn.Module) -> dict[str, Any]:
@@ -90,8 +93,10 @@ def difference(module: torch.nn.Module) -> str | None:
 
 def _attributes_differ(m: torch.nn.Module, b: torch.nn.Module) -> str | None:
     mine, built = vars(m), vars(b)
-    for key in sorted(set(mine) | set(built)):
-        if key.startswith("_") or key in _SKIPPED:
+    # a setting only the local module has is one its class's code never reads (a
+    # library's bookkeeping: resize_token_embeddings sets vocab_size there; a review)
+    for key in sorted(built):
+        if key.startswith("_") or key in _SKIPPED or key in _NO_OUTPUT:
             continue
         a, z = mine.get(key, _MISSING), built.get(key, _MISSING)
         if isinstance(a, (torch.Tensor, torch.nn.Module)) or isinstance(
@@ -104,6 +109,8 @@ def _attributes_differ(m: torch.nn.Module, b: torch.nn.Module) -> str | None:
             if getattr(a, "__func__", a) is not getattr(z, "__func__", z):
                 return f"{key} is another function"
             continue
+        if a is _MISSING:
+            return f"{key} was removed"
         if not _same(a, z):
             return f"{key} = {a!r} (its config builds {z!r})"
     return None

@@ -257,6 +257,7 @@ class _RemoteBinding:
         self.attributes: tuple | None = None  # each submodule's plain settings
         self.plain_keys: dict[int, tuple[str, ...]] | None = None  # their names, by module
         self.seen: list = []  # _glance's answer when nothing had changed
+        self.lock = threading.Lock()  # the local module's check and analysis (call)
         self.told_no_grad = False  # Note [no autograd on the model path]
         self.told_state_dict = False  # RemoteModelMixin.state_dict
         self.config: dict[str, Any] | None = None  # as registered
@@ -480,9 +481,25 @@ def _generation_settings(module: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def _checked(
+    module: torch.nn.Module, binding: Any, method: str, args: tuple, kwargs: dict
+) -> tuple[str | None, dict[str, Any] | None]:
+    """What changed in ``module`` (Note [a registered model changed]), and a forward's
+    semantic hints when nothing did."""
+    what = model_changes.changed(module, binding)
+    if what is not None or method != "forward":
+        return what, None
+    return None, _hints(module, args, kwargs)
+
+
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
-    what = model_changes.changed(module, binding)
+    # one thread at a time looks at the local module: the call's analysis swaps its
+    # parameters for meta twins while it runs, and another thread's check (or analysis)
+    # took those for the program's change, and later calls were refused for good (a
+    # review: three threads calling one model)
+    with binding.lock:
+        what, hints = _checked(module, binding, method, args, kwargs)
     if what is not None:
         raise UnsupportedOp(
             f"{type(module).__name__} runs on the appliance as it was registered when it "
@@ -499,10 +516,8 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
         "args": [_encode(a, inline) for a in args],
         "kwargs": {k: _encode(v, inline) for k, v in kwargs.items()},
     }
-    if method == "forward":
-        hints = _hints(module, args, kwargs)
-        if hints:
-            body["hints"] = hints
+    if hints:
+        body["hints"] = hints
     from djinn.protocol.tensors import to_wire
 
     segments = [memoryview(to_wire(t)[1].numpy()) for t in inline]

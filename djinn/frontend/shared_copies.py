@@ -52,6 +52,12 @@ def _view(memo: dict, key: Any, t: torch.Tensor, root: torch.Tensor, make: Calla
     ``make(root)`` the first time), or None where it does not lie inside that copy."""
     entry = memo.get(key)
     if entry is None:
+        # only a root that fills every element of its span: a copy of a strided one
+        # leaves the gaps between its elements unwritten, where another alias of the same
+        # storage may lie (a review: a column's copy, then a deep-copied alias read
+        # uninitialised memory)
+        if _span(root) != root.numel() or (root.numel() and not _dense(root)):
+            return None
         base = make(root)
         if base is None:
             return None
@@ -61,6 +67,11 @@ def _view(memo: dict, key: Any, t: torch.Tensor, root: torch.Tensor, make: Calla
     if t.dtype != dtype or offset < 0 or offset + _span(t) > span:
         return None
     return base.as_strided(t.shape, t.stride(), base.storage_offset() + offset)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements, in some order, are its span's (no gap, no overlap)."""
+    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(t))
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

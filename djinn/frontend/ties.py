@@ -211,6 +211,28 @@ class _OneStore(dict):
         self.slot.module.__dict__["_parameters"] = plain
 
 
+_REMOTE_STATE = ("_b", "_dyn")  # a remote tensor's own: its value's cell, its sizes
+
+
+def _own_state(t: torch.Tensor) -> tuple[dict[str, Any], Any, Any]:
+    """What the program put on ``t``: its attributes, gradient hooks and post-accumulate
+    hooks."""
+    attrs = {
+        k: v for k, v in vars(t).items() if k not in _REMOTE_STATE and not k.startswith("_sym_")
+    }
+    return attrs, t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)
+
+
+def _give_state(t: torch.Tensor, state: tuple[dict[str, Any], Any, Any]) -> None:
+    attrs, hooks, post = state
+    for k, v in attrs.items():
+        setattr(t, k, v)
+    if hooks:
+        t._backward_hooks = hooks
+    if post:
+        t._post_accumulate_grad_hooks = post
+
+
 def _written(src: torch.Tensor) -> tuple[int, int]:
     """What moves when ``src`` is written: its version counter, and for a CPU tensor its
     bytes' address (``src.data = other`` replaces them without counting a version)."""
@@ -339,10 +361,15 @@ class _SwapStore(dict):
     def __setitem__(self, key: str, value: Any) -> None:
         if key != self.slot.key:
             return super().__setitem__(key, value)
-        kept = value
-        if _swappable(self.param) and _swappable(value):
-            torch.utils.swap_tensors(self.param, value)
-            kept = self.param
+        kept, param = value, self.param
+        if _swappable(param) and _swappable(value):
+            # swap_tensors swaps the objects' attributes and tensor hooks too: what the
+            # program set on the parameter stays on it (a review: a gradient hook, lost,
+            # left the gradient undoubled, silently)
+            own = _own_state(param)
+            torch.utils.swap_tensors(param, value)
+            _give_state(param, own)
+            kept = param
         else:  # an autograd graph still alive saved it: a new Parameter, as before
             _warn_new_parameter(self.slot.module, key, back=True)
         if self.grad is not None:

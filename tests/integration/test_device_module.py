@@ -146,6 +146,19 @@ def test_saved_and_copied_tensors_keep_the_storage_they_share(remote, device):
     )
 
 
+def test_deep_copies_of_strided_aliases_read_their_own_values(remote):
+    """Note [copies keep shared storage]: a column's copy (a strided root, no _base) left
+    the gaps between its elements unwritten, and an alias of the same storage copied
+    after it read them: uninitialised memory (a review)."""
+    for make in (lambda t: t.detach(), lambda t: t):
+        base = torch.arange(16.0).reshape(4, 4).to(R)
+        with torch.inference_mode():
+            a, b = make(base[:, 0]), make(base[0:2, 1])
+        got = copy.deepcopy([a, b])
+        assert got[0].cpu().tolist() == [0.0, 4.0, 8.0, 12.0]
+        assert got[1].cpu().tolist() == [1.0, 5.0]
+
+
 def test_storage_pointers_tell_shared_memory_apart_as_on_a_device(remote, tmp_path):
     """Note [remote storages]: safetensors and save_pretrained compare storage pointers;
     a remote tensor's raised ("invalid python storage") and save_pretrained crashed."""

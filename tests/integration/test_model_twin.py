@@ -77,3 +77,48 @@ def test_the_attention_implementation_travels_with_the_config(remote, attn):
         got = model(IDS, attention_mask=MASK).logits.cpu()
     # the padded positions too: sdpa ran there for an eager model (0.2 off)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_settings_that_change_no_output_keep_the_model_path(remote):
+    """resize_token_embeddings (it sets vocab_size on the module) and the
+    gradient_checkpointing flag sent a model to the graph path (a review)."""
+    model = _gpt2()
+    model.resize_token_embeddings(512)
+    model.transformer.gradient_checkpointing = True  # acts only while training
+    with torch.no_grad():
+        want = copy.deepcopy(model)(IDS, attention_mask=MASK).logits
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            model.to(R)
+        assert getattr(model, "_djinn", None) is not None
+        got = model(IDS, attention_mask=MASK).logits.cpu()
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_threads_calling_one_registered_model_see_no_change(remote):
+    """The call's analysis swaps the local module's parameters for meta twins while it
+    runs; another thread's check took them for a change, and every later call was
+    refused (a review: 42 of 45 calls from three threads)."""
+    import threading
+
+    model, errors = _gpt2(), []
+    want = {n: copy.deepcopy(model)(IDS[:1, :n]).logits for n in (2, 3, 4)}
+    model.to(R)
+
+    def run(n: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(6):
+                    got = model(IDS[:1, :n]).logits.cpu()
+                    assert torch.allclose(got, want[n], atol=1e-5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in want]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    with torch.no_grad():
+        assert torch.allclose(model(IDS[:1, :4]).logits.cpu(), want[4], atol=1e-5)

@@ -241,3 +241,19 @@ def test_a_remote_parameter_an_autograd_graph_saved_moves_back_as_a_new_one_with
     assert torch.equal(conv.weight.grad, grad)
     assert conv.bias.grad is not None and conv.bias.grad.device.type == "cpu"
     del out
+
+
+def test_a_move_back_keeps_the_parameters_hooks_and_attributes(remote):
+    """swap_tensors swaps attributes and tensor hooks too: a gradient hook registered on
+    a remote parameter was lost by its move back, and the gradient came undoubled,
+    silently (a review)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2).to(R)
+    weight = lin.weight
+    weight.tag = "mine"
+    calls = []
+    weight.register_hook(lambda g: calls.append(1) or g * 2)
+    lin.cpu()
+    assert lin.weight is weight and weight.tag == "mine"
+    lin(torch.ones(1, 3)).sum().backward()
+    assert calls == [1] and torch.equal(weight.grad, torch.full((2, 3), 2.0))
