@@ -187,9 +187,7 @@ _register(DjinnError)
 # first use, so this module imports no torch.
 LINALG_MARK = "torch.linalg.LinAlgError: "
 KERNEL_ERRORS = ("IndexError", "ValueError", "TypeError")
-_MARKED = re.compile(
-    r"\(node \d+\): (torch\.linalg\.LinAlgError|IndexError|ValueError|TypeError): "
-)
+_MARKED = re.compile(rf"\(node \d+\): (torch\.linalg\.LinAlgError|{'|'.join(KERNEL_ERRORS)}): ")
 _kernel_classes: dict[str, type] = {}
 
 

@@ -307,8 +307,7 @@ def _cuda_parts() -> dict[str, Any]:
 
     # the generator's state by torch.cuda.random's own names too (Trainer's checkpoints
     # save it as torch.cuda.random.get_rng_state_all(): "not compiled with CUDA", a review)
-    states = {n: n for n in ("get_rng_state", "set_rng_state", "get_rng_state_all")}
-    states["set_rng_state_all"] = "set_rng_state_all"
+    states = {n: n for n in CUDA_QUERIES_NAMES if "rng_state" in n}
     return {
         "nvtx.": (nvtx, NVTX_NAMES),
         "random.": (cuda_random, {**SEEDING_NAMES, **states}),

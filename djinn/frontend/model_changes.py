@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-_MISSING = object()
+MISSING = object()  # a setting a module or config does not have
 
 
 # Note [a registered model changed]: a model on the model path runs on the appliance as
@@ -36,17 +36,25 @@ def modules_of(module: torch.nn.Module) -> tuple:
     return tuple((name, id(m), m.training) for name, m in module.named_modules())
 
 
-def _weights_of(module: torch.nn.Module) -> tuple:
-    return tuple(
-        (name, id(p), p._version, p.dtype)
-        for name, p in module.named_parameters(remove_duplicate=False)
-    )
+def _tensors_of(named: Any) -> tuple:
+    """(name, identity, version, dtype) of each of a module's parameters or buffers."""
+    return tuple((name, id(t), t._version, t.dtype) for name, t in named)
 
 
-def _buffers_of(module: torch.nn.Module) -> tuple:
-    return tuple(
-        (name, id(b), b._version) for name, b in module.named_buffers(remove_duplicate=False)
-    )
+def _tensor_changed(kind: str, now: tuple, was: tuple) -> str | None:
+    """How a module's parameters or buffers (``_tensors_of``) differ from their record."""
+    if now == was:
+        return None
+    before_by_name = {name: rest for name, *rest in was}
+    for name, ident, version, dtype in now:
+        before = before_by_name.get(name)
+        if before is None or before[0] != ident:
+            return f"its {kind} {name!r} was added or replaced"
+        if before[1] != version:
+            return f"its {kind} {name!r} was written in place (load_state_dict, an edit)"
+        if before[2] != dtype:
+            return f"its {kind} {name!r} became {dtype} (.half(), .to(dtype))"
+    return f"a {kind} was removed"
 
 
 # a module's settings a forward reads besides its tensors (a norm's eps, a flag, a size):
@@ -59,7 +67,7 @@ def _is_plain(v: Any) -> bool:
     return type(v) in _SCALARS or (type(v) is tuple and all(type(x) in _SCALARS for x in v))
 
 
-def _plain(m: torch.nn.Module) -> list[tuple[str, Any]]:
+def plain_settings(m: torch.nn.Module) -> list[tuple[str, Any]]:
     return [
         (k, v) for k, v in m.__dict__.items() if k[0] != "_" and k != "training" and _is_plain(v)
     ]
@@ -68,7 +76,7 @@ def _plain(m: torch.nn.Module) -> list[tuple[str, Any]]:
 def attributes_of(module: torch.nn.Module) -> tuple:
     """Each submodule's plain settings, by name (Note [a registered model changed])."""
     return tuple(
-        (name, key, value) for name, m in module.named_modules() for key, value in _plain(m)
+        (name, key, value) for name, m in module.named_modules() for key, value in plain_settings(m)
     )
 
 
@@ -106,10 +114,10 @@ def config_snapshot(module: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(config).items() if k not in _CONFIG_VOLATILE}
 
 
-def _same(a: Any, b: Any) -> bool:
-    """``a == b`` for config values, whatever they are: a numpy array or a tensor set on
-    a config (its ``==`` is elementwise, and its truth raised ValueError at every call)
-    is compared by its values, nested in lists and dicts too."""
+def same_value(a: Any, b: Any) -> bool:
+    """``a == b`` for config values and module settings, whatever they are: a numpy
+    array or a tensor set on a config (its ``==`` is elementwise, and its truth raised
+    ValueError at every call) is compared by its values, nested in lists and dicts too."""
     try:
         return bool(a == b)
     except Exception:  # elementwise == somewhere inside
@@ -117,9 +125,9 @@ def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
     try:
         shape_a, shape_b = getattr(a, "shape", None), getattr(b, "shape", None)
         return shape_a == shape_b and bool((a == b).all())
@@ -149,12 +157,13 @@ def plain_keys(module: torch.nn.Module) -> dict[int, tuple[str, ...]]:
     """Each submodule's plain settings' names, by its id: what ``_glance`` reads of it
     (reading every module's whole ``__dict__`` doubled the glance: 108 to 242 µs a call,
     GPT-2 small)."""
-    return {id(m): tuple(k for k, _ in _plain(m)) for m in module.modules()}
+    return {id(m): tuple(k for k, _ in plain_settings(m)) for m in module.modules()}
 
 
 def _glance(module: torch.nn.Module, keys: dict[int, tuple[str, ...]]) -> list:
-    """One walk over ``module``: each submodule's identity, training flag and hooks, and
-    each of its own parameters' identity, version and dtype. Compared with its value at
+    """One walk over ``module``: each submodule's identity, training flag and hooks, each
+    of its own parameters' identity, version and dtype, each buffer's identity and
+    version, and its plain settings (by the names in ``keys``). Compared with its value at
     the last call that found nothing changed, it spares a call the named walks below
     (GPT-2 small: 315 µs of them a call)."""
     out: list = []
@@ -177,7 +186,7 @@ def _glance(module: torch.nn.Module, keys: dict[int, tuple[str, ...]]) -> list:
                 add(b._version)
         d = m.__dict__
         for k in keys.get(id(m), ()):  # a new module: its id is new already
-            v = d.get(k, _MISSING)
+            v = d.get(k, MISSING)
             # a scalar by value; anything else by identity (a tuple made again equal, or a
             # setting that became a tensor, whose == is elementwise): _what_changed decides
             add(v if type(v) in _SCALARS else id(v))
@@ -191,7 +200,7 @@ def changed(module: torch.nn.Module, binding: Any) -> str | None:
     if binding.plain_keys is None:  # built weightless (djinn.from_pretrained)
         binding.plain_keys = plain_keys(module)
     seen = _glance(module, binding.plain_keys)
-    same_config = binding.config is None or _same(config_snapshot(module), binding.config)
+    same_config = binding.config is None or same_value(config_snapshot(module), binding.config)
     if seen == binding.seen and same_config and not _global_hooks():
         return None
     what = _what_changed(module, binding)
@@ -212,52 +221,36 @@ def _what_changed(module: torch.nn.Module, binding: Any) -> str | None:
             if was[name][1] != training:
                 return f"{name or 'it'} was put in {'training' if training else 'eval'} mode"
         return "a submodule was removed"
-    weights = _weights_of(module)
+    weights = _tensors_of(module.named_parameters(remove_duplicate=False))
     if not binding.weights and binding.dtypes:  # the first call: as the move left them
         binding.weights = tuple((n, ident, 0, binding.dtypes.get(n)) for n, ident, _, _ in weights)
     elif not binding.weights:  # built weightless: its own initialisation wrote its meta tensors
         binding.weights = weights
-    if weights != binding.weights:
-        was_w = {name: rest for name, *rest in binding.weights}
-        for name, ident, version, dtype in weights:
-            before = was_w.get(name)
-            if before is None or before[0] != ident:
-                return f"its parameter {name!r} was added or replaced"
-            if before[1] != version:
-                return f"its parameter {name!r} was written in place (load_state_dict, an edit)"
-            if before[2] != dtype:
-                return f"its parameter {name!r} became {dtype} (.half(), .to(dtype))"
-        return "a parameter was removed"
-    buffers = _buffers_of(module)
+    buffers = _tensors_of(module.named_buffers(remove_duplicate=False))
     if binding.buffers is None:  # the first call: as the move left them (new, unwritten)
         moved = bool(binding.dtypes)
-        binding.buffers = tuple((n, i, 0 if moved else v) for n, i, v in buffers)
-    if buffers != binding.buffers:
-        was_b = {name: rest for name, *rest in binding.buffers}
-        for name, ident, version in buffers:
-            before = was_b.get(name)
-            if before is None or before[0] != ident:
-                return f"its buffer {name!r} was added or replaced"
-            if before[1] != version:
-                return f"its buffer {name!r} was written in place"
-        return "a buffer was removed"
+        binding.buffers = tuple((n, i, 0 if moved else v, d) for n, i, v, d in buffers)
+    what = _tensor_changed("parameter", weights, binding.weights)
+    what = what or _tensor_changed("buffer", buffers, binding.buffers)
+    if what is not None:
+        return what
     attributes = attributes_of(module)
     if binding.attributes is None:  # built weightless (djinn.from_pretrained): as first called
         binding.attributes = attributes
     was_a = {(name, key): value for name, key, value in binding.attributes}
     for name, key, value in attributes:
-        before = was_a.pop((name, key), _MISSING)
-        if not _same(before, value):
+        before = was_a.pop((name, key), MISSING)
+        if not same_value(before, value):
             return f"{name + '.' if name else ''}{key} was changed to {value!r}"
     for name, key in was_a:  # no longer a plain setting: removed, or another kind of value
-        now = module.get_submodule(name).__dict__.get(key, _MISSING)
+        now = module.get_submodule(name).__dict__.get(key, MISSING)
         return f"{name + '.' if name else ''}{key} was changed to {type(now).__name__}"
     if hooked(module):
         return "hooks were added, which the appliance does not run"
     if binding.config is not None:
         now = config_snapshot(module)
         for key in sorted(set(now) | set(binding.config)):
-            if not _same(now.get(key, _MISSING), binding.config.get(key, _MISSING)):
+            if not same_value(now.get(key, MISSING), binding.config.get(key, MISSING)):
                 return (
                     f"its config's {key.lstrip('_')!r} was changed (the appliance runs the "
                     "config it was registered with; a setting the forward takes as an "

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .model_changes import _same
+from .model_changes import MISSING, same_value
 
 # attributes a build sets from the config or for its own bookkeeping: not the module's
 # computation, or compared through the config itself
@@ -98,7 +98,7 @@ def _attributes_differ(m: torch.nn.Module, b: torch.nn.Module) -> str | None:
     for key in sorted(built):
         if key.startswith("_") or key in _SKIPPED or key in _NO_OUTPUT:
             continue
-        a, z = mine.get(key, _MISSING), built.get(key, _MISSING)
+        a, z = mine.get(key, MISSING), built.get(key, MISSING)
         if isinstance(a, (torch.Tensor, torch.nn.Module)) or isinstance(
             z, (torch.Tensor, torch.nn.Module)
         ):
@@ -109,14 +109,11 @@ def _attributes_differ(m: torch.nn.Module, b: torch.nn.Module) -> str | None:
             if getattr(a, "__func__", a) is not getattr(z, "__func__", z):
                 return f"{key} is another function"
             continue
-        if a is _MISSING:
+        if a is MISSING:
             return f"{key} was removed"
-        if not _same(a, z):
+        if not same_value(a, z):
             return f"{key} = {a!r} (its config builds {z!r})"
     return None
-
-
-_MISSING = object()
 
 
 def _shapes(named: Any) -> dict[str, tuple[int, ...]]:

@@ -432,13 +432,11 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
 
     # the analysis runs the local module on meta tensors, and a forward may write its
     # config (BertForSequenceClassification sets ``problem_type`` at its first call with
-    # labels): put back as it was, or the next call would find the config changed
     # labels), or a module its settings and buffers (a dynamic RoPE's cached length and
     # inv_freq): put back as they were, or the next call would find the model changed
     config = getattr(module, "config", None)
     saved = dict(vars(config)) if config is not None else None
-    modules = list(module.modules())
-    settings = [(m, model_changes._plain(m), dict(m._buffers)) for m in modules]
+    settings = [(m, model_changes.plain_settings(m), dict(m._buffers)) for m in module.modules()]
     _local.tracing = True
     try:
         return analyze(module, *args, **kwargs).hints()
@@ -447,7 +445,7 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
         return None
     finally:
         _local.tracing = False
-        if saved is not None and vars(config) != saved:
+        if saved is not None:  # put back whole: a value's == may be elementwise (numpy)
             vars(config).clear()
             vars(config).update(saved)
         for m, plain, buffers in settings:

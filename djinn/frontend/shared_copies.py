@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .writes import shared_storage
+
 _SAVE = torch.serialization._save.__code__
 _LOAD = torch.serialization._load.__code__
 _REBUILD_MOVED = torch._utils._rebuild_device_tensor_from_cpu_tensor.__code__
@@ -80,8 +82,6 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 def deep_copy_view(t: torch.Tensor, memo: dict) -> torch.Tensor | None:
     """``t``'s deep copy on the copy of its storage made in this deepcopy, or None."""
-    from .writes import shared_storage
-
     storage = shared_storage(t)
     if storage is None:
         return None
@@ -100,8 +100,6 @@ def deep_copy_view(t: torch.Tensor, memo: dict) -> torch.Tensor | None:
 def saved_bytes(t: torch.Tensor, fetch: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``t`` as a CPU view of its storage's bytes fetched once in this ``torch.save``, or
     None outside one (or where it cannot share)."""
-    from .writes import shared_storage
-
     pickler = _caller_local(_SAVE, "pickler")
     storage = shared_storage(t)
     if pickler is None or storage is None:
@@ -170,15 +168,15 @@ class RemoteStorage:
     the bytes of the tensor spanning the storage; the rest is the C++ storage's.
     """
 
-    __slots__ = ("_real", "_root", "_storage")
+    __slots__ = ("_address", "_real", "_root")
 
     def __init__(self, t: torch.Tensor) -> None:
         self._root = _root(t)
-        self._storage = address_of(t)
+        self._address = address_of(t)
         self._real = torch._C.TensorBase.untyped_storage(t)
 
     def data_ptr(self) -> int:
-        return self._storage
+        return self._address
 
     def nbytes(self) -> int:
         return torch._C.TensorBase.untyped_storage(self._root).nbytes()
@@ -198,8 +196,6 @@ class RemoteStorage:
 
 def address_of(t: torch.Tensor) -> int:
     """The address ``data_ptr()`` gives ``t``'s storage (Note [remote storages])."""
-    from .writes import shared_storage
-
     storage = shared_storage(t)
     return storage.address if storage is not None else 0
 

@@ -32,7 +32,14 @@ def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
         return new
     if t.grad is not None:
         new.grad = copy.deepcopy(t.grad, memo)
-    for key, value in vars(t).items():
-        if key not in ("_b", "_dyn") and not key.startswith("_sym_"):  # the copy's own
-            setattr(new, key, copy.deepcopy(value, memo))
+    for key, value in program_attributes(t).items():
+        setattr(new, key, copy.deepcopy(value, memo))
     return new
+
+
+def program_attributes(t: torch.Tensor) -> dict:
+    """The attributes the program put on a remote tensor, without its own (the cell of
+    its value, its sizes), which a copy or a swap gets anew."""
+    return {
+        k: v for k, v in vars(t).items() if k not in ("_b", "_dyn") and not k.startswith("_sym_")
+    }

@@ -98,7 +98,7 @@ class SeenByApply:
                     _forget(param)
                     # the kernel set up a new Parameter's ties: the swap keeps them itself
                     params = f_locals["self"]._parameters
-                    if isinstance(params, _OneStore):
+                    if isinstance(params, _StoreOnce):
                         params.cancel()
                     return _not_flattened
                 if _is_local(param) and not _recorded(param):  # not a tie kept below
@@ -187,40 +187,52 @@ class Slot:
         self.module, self.key, self.grad_of = module, key, grad_of
 
 
-class _OneStore(dict):
-    """``module._parameters`` until ``_apply`` stores ``key``: that store is recorded for
-    ``src`` (or replaced by the parameter ``src`` is tied to), then a plain dict is back."""
+class _StoreOnce(dict):
+    """``module._parameters`` until ``_apply`` stores its slot's key: that one store goes
+    through ``stored``, which says what the slot keeps, then a plain dict is back."""
 
-    def __init__(self, slot: Slot, src: torch.Tensor, tied: torch.Tensor | None) -> None:
+    def __init__(self, slot: Slot) -> None:
         super().__init__(slot.module._parameters)
-        self.slot, self.src, self.tied, self.version = slot, src, tied, _written(src)
+        self.slot = slot
 
     def cancel(self) -> None:
         """No store is coming (``_apply`` swaps the parameter instead): a plain dict back."""
         self.slot.module.__dict__["_parameters"] = dict(self)
 
+    def stored(self, value: Any) -> Any:
+        raise NotImplementedError
+
     def __setitem__(self, key: str, value: Any) -> None:
         if key != self.slot.key:
             return super().__setitem__(key, value)
-        if self.tied is not None:
-            value = self.tied
-        elif isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
-            _record(self.src, value, self.version)
         plain = dict(self)
-        plain[key] = value
+        plain[key] = self.stored(value)
         self.slot.module.__dict__["_parameters"] = plain
 
 
-_REMOTE_STATE = ("_b", "_dyn")  # a remote tensor's own: its value's cell, its sizes
+class _OneStore(_StoreOnce):
+    """The store is recorded for ``src`` (or replaced by the parameter ``src`` is tied
+    to)."""
+
+    def __init__(self, slot: Slot, src: torch.Tensor, tied: torch.Tensor | None) -> None:
+        super().__init__(slot)
+        self.src, self.tied, self.version = src, tied, _written(src)
+
+    def stored(self, value: Any) -> Any:
+        if self.tied is not None:
+            return self.tied
+        if isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
+            _record(self.src, value, self.version)
+        return value
 
 
 def _own_state(t: torch.Tensor) -> tuple[dict[str, Any], Any, Any]:
     """What the program put on ``t``: its attributes, gradient hooks and post-accumulate
     hooks."""
-    attrs = {
-        k: v for k, v in vars(t).items() if k not in _REMOTE_STATE and not k.startswith("_sym_")
-    }
-    return attrs, t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)
+    from .tensor_copy import program_attributes
+
+    hooks = t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)
+    return program_attributes(t), *hooks
 
 
 def _give_state(t: torch.Tensor, state: tuple[dict[str, Any], Any, Any]) -> None:
@@ -344,23 +356,21 @@ def swaps_back(param: Any) -> bool:
     )
 
 
-class _SwapStore(dict):
-    """``module._parameters`` while ``_apply`` moves its remote parameter ``key`` back:
-    the new ``Parameter`` it stores is swapped into the old object, which the slot keeps
-    (Note [parameters keep their identity]). The gradient is converted first, here, and
-    taken off the parameter, so that ``_apply``, which would set it on its new object,
-    finds none; it is put back on the kept one after the swap."""
+class _SwapStore(_StoreOnce):
+    """While ``_apply`` moves its remote parameter back: the new ``Parameter`` it stores
+    is swapped into the old object, which the slot keeps (Note [parameters keep their
+    identity]). The gradient is converted first, here, and taken off the parameter, so
+    that ``_apply``, which would set it on its new object, finds none; it is put back on
+    the kept one after the swap."""
 
     def __init__(self, slot: Slot, param: torch.Tensor, moved: Any) -> None:
-        super().__init__(slot.module._parameters)
-        self.slot, self.param, self.grad = slot, param, None
+        super().__init__(slot)
+        self.param, self.grad = param, None
         if param.grad is not None:
             self.grad = moved(param.grad)
             param.grad = None
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key != self.slot.key:
-            return super().__setitem__(key, value)
+    def stored(self, value: Any) -> Any:
         kept, param = value, self.param
         if _swappable(param) and _swappable(value):
             # swap_tensors swaps the objects' attributes and tensor hooks too: what the
@@ -371,9 +381,7 @@ class _SwapStore(dict):
             _give_state(param, own)
             kept = param
         else:  # an autograd graph still alive saved it: a new Parameter, as before
-            _warn_new_parameter(self.slot.module, key, back=True)
+            _warn_new_parameter(self.slot.module, self.slot.key, back=True)
         if self.grad is not None:
             kept.grad = self.grad
-        plain = dict(self)
-        plain[key] = kept
-        self.slot.module.__dict__["_parameters"] = plain
+        return kept
