@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from djinn.protocol.frames import WEIGHTS_METHOD
+
 DEFAULT_NEW_TOKENS = 20  # transformers' generate() default when no length is given
 
 
@@ -77,6 +79,8 @@ def _logit_bytes(module: torch.nn.Module) -> int:
 def estimate(
     module: torch.nn.Module, method: str, args: list[Any], kwargs: dict[str, Any]
 ) -> CallGrowth:
+    if method == WEIGHTS_METHOD:  # a copy of each weight (Note [a registered model trains])
+        return CallGrowth(data=sum(t.nbytes for t in own_tensors(module).values()))
     shape = _tokens(args, kwargs)
     per_token = kv_bytes_per_token(module)
     if shape is None:
@@ -95,3 +99,10 @@ def estimate(
     use_cache = kwargs.get("use_cache", getattr(config, "use_cache", False))
     kv = batch * new * per_token if use_cache else 0
     return CallGrowth(data=kv + batch * new * _logit_bytes(module))
+
+
+def own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer once, by its first name (a tied weight is one tensor)."""
+    out = dict(module.named_parameters())
+    out.update(module.named_buffers())
+    return out

@@ -8,6 +8,7 @@ bytes received, generate() takes sampling and length controls only.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from djinn.errors import (
     ResourceExhausted,
     UnsupportedOp,
 )
-from djinn.protocol.frames import Frame
+from djinn.protocol.frames import WEIGHTS_METHOD, Frame
 from djinn.protocol.tensors import describe, dtype_name
 
 from .recompute import call_ids
@@ -239,7 +240,10 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
         raise NotFound("this session has not registered that model")
     entry = w.models.get(fp)
     method = body.get("method", "forward")
-    if method != "forward" and method not in w.model_methods:
+    if method == WEIGHTS_METHOD:
+        if body.get("args") or body.get("kwargs"):
+            raise InvalidArgument(f"{WEIGHTS_METHOD} takes no arguments")
+    elif method != "forward" and method not in w.model_methods:
         raise UnsupportedOp(f"method {method!r} is not allowlisted (model_methods)")
     raw_args, raw_kwargs = body.get("args", []), body.get("kwargs", {})
     _no_strings([raw_args, raw_kwargs])  # a string is how a path or a repo id gets in
@@ -318,7 +322,12 @@ def _run_call(
     from . import call_checks, callmemory
     from .skeleton import encode_output
 
-    fn = entry.module if method == "forward" else getattr(entry.module, method)
+    if method == "forward":
+        fn = entry.module
+    elif method == WEIGHTS_METHOD:  # Note [a registered model trains]
+        fn = functools.partial(_weight_copies, entry.module)
+    else:
+        fn = getattr(entry.module, method)
     if batched is not None:
         fn = batched
     # Reserve what the call will add before it runs (issue 16 §4): the cache growth and
@@ -381,6 +390,21 @@ def _run_call(
     if sizes:
         reply["lengths"] = sizes
     return reply, []
+
+
+# Note [a registered model trains]: a model registered in eval mode (the model path: the
+# appliance's one shared copy, the client's local module of meta tensors) that the program
+# then puts in training mode, the Hugging Face recipe (``from_pretrained``, ``.to(...)``,
+# ``.train()`` or ``Trainer``), needs weights of its own to train, and the client has
+# none. CALL with method ``$weights`` copies every parameter and buffer of the registered
+# model (a tied weight once) into new handles of the session, reserved and charged as any
+# call's outputs are; the client puts them in its local parameters and runs the model on
+# the graph path from then on (djinn/frontend/model_leaves.py). The shared copy is not
+# touched, and stays registered for the session.
+def _weight_copies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from .callmemory import own_tensors
+
+    return {name: t.clone() for name, t in own_tensors(module).items()}
 
 
 # Note [cache lengths]: a program's decode loop asks its KV cache how long it is

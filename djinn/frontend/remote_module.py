@@ -36,7 +36,7 @@ from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
 from . import model_changes, model_twin, seeded, ties
-from .device import DEVICE_TYPE, is_remote
+from .device import DEVICE_TYPE, is_remote, mapped_source
 
 log = logging.getLogger("djinn.frontend.model")
 UPLOAD_CHUNK = 256 << 20  # bytes per put while uploading weights (progress granularity)
@@ -283,7 +283,13 @@ class RemoteModelMixin:
         return call(self, "forward", args, kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        return call(self, "generate", args, kwargs)
+        """``generate()`` on the appliance; a ``generation_config=`` and a ``streamer`` are
+        taken here (Note [generation objects])."""
+        streamer = kwargs.pop("streamer", None)
+        out = call(self, "generate", args, kwargs)
+        if streamer is not None:
+            _stream(self, streamer, args, kwargs, out)
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -312,12 +318,61 @@ class RemoteModelMixin:
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if (device is None or is_remote(device)) and dtype is None:
+        floats = (t.dtype for t in self.parameters() if t.is_floating_point())
+        if (device is None or _appliance(device)) and (dtype is None or {dtype} >= set(floats)):
+            return self  # where and what it is already: stays on the model path
+        return super().to(*args, **kwargs)  # through _apply, below
+
+    def cuda(self, device: Any = None) -> Any:
+        return self if _appliance(torch.device("cuda")) else super().cuda(device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """A move back (``.cpu()``), a cast (``.half()``) or any conversion of the weights
+        needs them here: taken off the model path first (Note [a registered model
+        trains]), then converted as any remote module's are."""
+        if _converts_nothing(self, fn):  # .float() of a float32 model, .cuda() under djinn run
             return self
-        raise UnsupportedOp(
-            "a model registered on the appliance cannot move back; "
-            "keep a local copy if you need one"
-        )
+        with self._djinn.lock:
+            _leave(self)
+        return self._apply(fn, recurse)
+
+
+def _converts_nothing(module: torch.nn.Module, fn: Any) -> bool:
+    """Whether ``fn`` leaves every tensor of a registered model where and what it is:
+    asked of an empty meta tensor of each of its dtypes (its own tensors are meta)."""
+    dtypes = {t.dtype for t in itertools.chain(module.parameters(), module.buffers())}
+    for dtype in dtypes:
+        probe = torch.empty(0, dtype=dtype, device="meta")
+        try:
+            out = fn(probe)
+        except Exception:  # .cpu(): "Cannot copy out of meta tensor"
+            return False
+        if out.dtype != dtype or not (out.is_meta or _appliance(out.device)):
+            return False
+    return True
+
+
+def _put_in_training(module: torch.nn.Module, binding: _RemoteBinding) -> bool:
+    """Whether the program put a module the model was registered with in training mode (a
+    module it added is in training mode as built: that is a change, refused)."""
+    registered = {ident for _, ident, _ in binding.modules}
+    return any(m.training and id(m) in registered for m in module.modules())
+
+
+def _leave(module: torch.nn.Module) -> None:
+    """Off the model path, with the registered weights copied into the session (Note [a
+    registered model trains]); the caller holds the binding's lock."""
+    from . import model_leaves
+
+    model_leaves.take_weights(module, module._djinn, _decode)
+    module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
+    del module.__dict__["_djinn"]
+
+
+def _appliance(device: torch.device) -> bool:
+    """Whether ``device`` is the appliance's: the remote device, or the one ``djinn run``
+    maps to it (cuda)."""
+    return is_remote(device) or device.type == mapped_source()
 
 
 _classes: dict[type, type] = {}
@@ -352,7 +407,7 @@ def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | No
 
 
 # -- calls --------------------------------------------------------------------------------
-def _encode(x: Any, inline: list[torch.Tensor]) -> Any:
+def _encode(x: Any, inline: list[torch.Tensor], name: str = "it") -> Any:
     from .lazy import LazyTensor
 
     def leaf(v: Any) -> Any:
@@ -372,7 +427,7 @@ def _encode(x: Any, inline: list[torch.Tensor]) -> Any:
     try:
         return encode(x, leaf, tuples=True)
     except UnsupportedOp as exc:
-        raise InvalidArgument(f"cannot pass it to a remote model: {exc.message}") from None
+        raise InvalidArgument(f"cannot pass {name} to a remote model: {exc.message}") from None
 
 
 def _handle_of(x: Any) -> RemoteTensor:
@@ -465,8 +520,10 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
 # where the client's generation_config differs from the config's own as arguments (what
 # the call passes wins, as in transformers); one the appliance does not take for
 # ``generate()`` is refused, typed, naming it, rather than left out.
-def _generation_settings(module: torch.nn.Module) -> dict[str, Any]:
+def _generation_settings(module: torch.nn.Module, given: Any = None) -> dict[str, Any]:
     mine, config = getattr(module, "generation_config", None), getattr(module, "config", None)
+    if given is not None:
+        mine = _given_generation_config(given, mine)
     if mine is None or config is None:
         return {}
     from transformers import GenerationConfig
@@ -477,6 +534,44 @@ def _generation_settings(module: torch.nn.Module) -> dict[str, Any]:
         for k, v in mine.to_dict().items()
         if not k.startswith("_") and k != "transformers_version" and base.get(k) != v
     }
+
+
+# Note [generation objects]: two Python objects of ``generate()``'s arguments are taken on
+# the client, since neither can cross to the appliance (code would run there):
+# - ``generation_config=``: as transformers does, its settings that are set (not None) win
+#   over the model's ``generation_config``, which fills the rest; the result is sent as
+#   arguments (Note [generation settings]), and the call's own arguments win over both.
+# - ``streamer`` (``TextStreamer``, ``TextIteratorStreamer``): given what eager gives it, the
+#   prompt, then each new token, then ``end()``, once the call returns: generation runs
+#   whole on the appliance, so the tokens arrive together, not one by one as they are
+#   made. The text is the same; a program that shows tokens as they come shows them at
+#   the end. A batch of more than one is refused by the streamer itself, as in eager.
+# ``stopping_criteria``, ``logits_processor`` and the like are code: refused, typed.
+def _given_generation_config(given: Any, mine: Any) -> Any:
+    from transformers import GenerationConfig
+
+    if not isinstance(given, GenerationConfig):
+        raise InvalidArgument(f"generation_config must be a GenerationConfig, not {type(given)}")
+    merged = copy.deepcopy(given)
+    for key, value in (mine.to_dict() if mine is not None else {}).items():
+        if getattr(merged, key, None) is None:
+            setattr(merged, key, value)
+    return merged
+
+
+def _stream(module: torch.nn.Module, streamer: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Give ``streamer`` what eager's generate() would have (Note [generation objects])."""
+    sequences = getattr(out, "sequences", out)
+    tokens = sequences.cpu() if isinstance(sequences, torch.Tensor) else torch.as_tensor(sequences)
+    if getattr(module.config, "is_encoder_decoder", False):
+        prompt = 1  # the decoder's start token
+    else:
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        prompt = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0
+    streamer.put(tokens[:, :prompt])
+    for step in range(prompt, tokens.shape[-1]):
+        streamer.put(tokens[:, step])
+    streamer.end()
 
 
 def _checked(
@@ -498,6 +593,11 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     # review: three threads calling one model)
     with binding.lock:
         what, hints = _checked(module, binding, method, args, kwargs)
+        training = what is not None and _put_in_training(module, binding)
+        if training:  # Note [a registered model trains]: the graph path from now on
+            _leave(module)
+    if training:
+        return getattr(module, "__call__" if method == "forward" else method)(*args, **kwargs)
     if what is not None:
         raise UnsupportedOp(
             f"{type(module).__name__} runs on the appliance as it was registered when it "
@@ -506,13 +606,14 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
             "on the graph path, which follows them (Note [a registered model changed])"
         )
     if method == "generate":
-        kwargs = {**_generation_settings(module), **kwargs}
+        given = kwargs.pop("generation_config", None)
+        kwargs = {**_generation_settings(module, given), **kwargs}
     inline: list[torch.Tensor] = []
     body = {
         "fingerprint": binding.fingerprint,
         "method": method,
-        "args": [_encode(a, inline) for a in args],
-        "kwargs": {k: _encode(v, inline) for k, v in kwargs.items()},
+        "args": [_encode(a, inline, f"argument {i}") for i, a in enumerate(args)],
+        "kwargs": {k: _encode(v, inline, k) for k, v in kwargs.items()},
     }
     if hints:
         body["hints"] = hints

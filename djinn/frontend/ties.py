@@ -122,7 +122,7 @@ def swaps(param: Any) -> bool:
         return False  # swap_tensors swaps only between classes with the same slots
     grad = param.grad
     # the parameter holds its gradient (a second use), and lets go of it before the swap
-    return _swappable(param) and (grad is None or _swappable(grad, uses_by_others=1))
+    return swappable(param) and (grad is None or swappable(grad, uses_by_others=1))
 
 
 def _is_local(param: Any) -> bool:
@@ -158,7 +158,7 @@ def _callers_level() -> int:
     return level
 
 
-def _swappable(t: torch.Tensor, uses_by_others: int = 0) -> bool:
+def swappable(t: torch.Tensor, uses_by_others: int = 0) -> bool:
     if weakref.getweakrefs(t):
         return False
     uses = t._use_count() - uses_by_others
@@ -226,7 +226,7 @@ class _OneStore(_StoreOnce):
         return value
 
 
-def _own_state(t: torch.Tensor) -> tuple[dict[str, Any], Any, Any]:
+def own_state(t: torch.Tensor) -> tuple[dict[str, Any], Any, Any]:
     """What the program put on ``t``: its attributes, gradient hooks and post-accumulate
     hooks."""
     from .tensor_copy import program_attributes
@@ -235,7 +235,7 @@ def _own_state(t: torch.Tensor) -> tuple[dict[str, Any], Any, Any]:
     return program_attributes(t), *hooks
 
 
-def _give_state(t: torch.Tensor, state: tuple[dict[str, Any], Any, Any]) -> None:
+def give_state(t: torch.Tensor, state: tuple[dict[str, Any], Any, Any]) -> None:
     attrs, hooks, post = state
     for k, v in attrs.items():
         setattr(t, k, v)
@@ -372,13 +372,13 @@ class _SwapStore(_StoreOnce):
 
     def stored(self, value: Any) -> Any:
         kept, param = value, self.param
-        if _swappable(param) and _swappable(value):
+        if swappable(param) and swappable(value):
             # swap_tensors swaps the objects' attributes and tensor hooks too: what the
             # program set on the parameter stays on it (a review: a gradient hook, lost,
             # left the gradient undoubled, silently)
-            own = _own_state(param)
+            own = own_state(param)
             torch.utils.swap_tensors(param, value)
-            _give_state(param, own)
+            give_state(param, own)
             kept = param
         else:  # an autograd graph still alive saved it: a new Parameter, as before
             _warn_new_parameter(self.slot.module, self.slot.key, back=True)

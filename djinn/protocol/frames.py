@@ -72,6 +72,11 @@ class Kind(IntEnum):
 
 _KINDS = frozenset(int(k) for k in Kind)
 
+# CALL's method that copies a registered model's weights into session handles, for a
+# program that goes on to train it (Note [a registered model trains]); "$" keeps it apart
+# from any module attribute an operator could allowlist
+WEIGHTS_METHOD = "$weights"
+
 
 @dataclass(frozen=True, slots=True)
 class Header:

@@ -284,9 +284,9 @@ def test_other_weights_under_a_models_fingerprint_are_refused(appliance):
     "kwargs",
     [
         {"custom_generate": "/tmp/x", "trust_remote_code": True},
-        {"streamer": None},
+        {"stopping_criteria": None},  # streamer and generation_config are taken locally
         {"max_new_tokens": 10**9},
-        {"generation_config": None},
+        {"logits_processor": None},
     ],
 )
 def test_generate_accepts_only_sampling_and_length_controls(kwargs):

@@ -1,0 +1,110 @@
+"""A registered model that leaves the model path for the graph path, its weights copied
+into the session: Note [a registered model trains] (appliance/model_handlers.py).
+
+The Hugging Face fine-tuning recipe is ``from_pretrained`` (a model in eval mode), a move
+to the GPU, then ``.train()`` or a ``Trainer``, which calls it. Under Djinn the move of an
+eval-mode model registers it (the model path): the appliance keeps one copy of its
+weights for every program, and the local module keeps meta tensors. ``.train()`` was then
+refused at the next call, and a program could not train the model it had moved, nor move
+it back (``.cpu()`` raised torch's "Cannot copy out of meta tensor", untyped), nor cast it
+(``.half()``).
+
+So a call made in training mode (``.train()``, or a submodule's), and a conversion of the
+weights, first asks the appliance to copy the registered weights into handles of
+the session (CALL ``$weights``), puts them in the local module's meta tensors, and drops
+the registration from the module: it is a module of remote tensors from then on, as if it
+had moved in training mode, and runs on the graph path, op by op, with autograd. Only the
+call does it, not ``.train()`` itself: ``.train()`` then ``.eval()`` with no call between
+(Trainer's evaluation does it) leaves the model registered, and the KV caches it returned
+usable; a session's copy of the weights is made only for a model that trains. Each
+parameter keeps its identity (``torch.utils.swap_tensors``, as the move itself does: Note
+[parameters keep their identity] in ties.py), so an optimizer built over
+``model.parameters()`` before ``.train()`` steps the copies, and ties stay ties. A
+parameter or buffer that the program wrote while it was meta here (``load_state_dict``
+after the move wrote nothing) has no value anywhere: refused, typed, before anything is
+sent. One the program replaced by a tensor of its own keeps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from djinn.errors import InvalidArgument, UnsupportedOp
+from djinn.protocol.frames import WEIGHTS_METHOD
+
+from . import ties
+
+
+def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
+    """Put copies of the registered weights into ``module``'s meta tensors (Note [a
+    registered model trains]); ``decode`` makes the reply's handles remote tensors. The
+    caller holds ``binding.lock`` and makes the module a plain one after."""
+    lost = _written_while_meta(module, binding)
+    if lost is not None:
+        raise UnsupportedOp(
+            f"{type(module).__name__} is registered on the appliance (the model path) and "
+            f"its {lost} was written since the move, where it holds no value (a meta "
+            "tensor): its weights cannot be taken back to train or move it. Load weights "
+            "before the move, or move it in training mode (model.train().to(...)) (Note [a "
+            "registered model trains])"
+        )
+    body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD}
+    reply = binding.session.call_model({**body, "args": [], "kwargs": {}})
+    _fill(module, decode(reply["out"], binding.session))
+
+
+def _written_while_meta(module: torch.nn.Module, binding: Any) -> str | None:
+    """The first meta parameter or buffer the program wrote since the registration, named:
+    the move left each at version 0; a model built weightless (``djinn.from_pretrained``)
+    as its first call recorded it."""
+    was = {name: version for name, _, version, _ in (*binding.weights, *(binding.buffers or ()))}
+    tensors = itertools.chain(
+        (("parameter", n, t) for n, t in module.named_parameters(remove_duplicate=False)),
+        (("buffer", n, t) for n, t in module.named_buffers(remove_duplicate=False)),
+    )
+    for kind, name, t in tensors:
+        if not t.is_meta:
+            continue
+        base = was.get(name, 0 if binding.dtypes else None)
+        if base is not None and t._version != base:
+            return f"{kind} {name!r}"
+    return None
+
+
+def _fill(module: torch.nn.Module, copies: Any) -> None:
+    """Put each copy into the meta tensor of its name: a parameter keeps its object, a
+    buffer's slot gets the copy (as a move gives each slot a new buffer)."""
+    if not isinstance(copies, dict):
+        raise InvalidArgument("the appliance sent no weights")
+    for name, p in module.named_parameters():  # a tied parameter once, under its first name
+        if not p.is_meta:
+            continue  # the program's own tensor: it stays
+        value = copies.get(name)
+        if value is None or value.shape != p.shape or value.dtype != p.dtype:
+            raise InvalidArgument(f"the appliance sent no weight {name!r} of {list(p.shape)}")
+        new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+        if not ties.swappable(p):
+            raise UnsupportedOp(
+                f"{name} is held where its object cannot take its weights (a weak "
+                "reference): move the model in training mode (model.train().to(...))"
+            )
+        # swap_tensors swaps the objects' attributes and tensor hooks too: what the program
+        # set on the parameter since the move stays on it (a review: a post-accumulate
+        # hook, the optimizer step in backward, was dropped and the model did not train)
+        own = ties.own_state(p)
+        torch.utils.swap_tensors(p, new)
+        ties.give_state(p, own)
+    given: dict[int, torch.Tensor] = {}
+    for name, b in module.named_buffers():  # one buffer in two modules: once
+        if b.is_meta:
+            value = copies.get(name)
+            if value is None or value.shape != b.shape or value.dtype != b.dtype:
+                raise InvalidArgument(f"the appliance sent no buffer {name!r}")
+            given[id(b)] = value
+    for m in module.modules():
+        for key, b in list(m._buffers.items()):
+            if b is not None and id(b) in given:
+                m._buffers[key] = given[id(b)]

