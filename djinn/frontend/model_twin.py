@@ -18,11 +18,31 @@ are one (ties). A difference sends the model down the graph path, which runs the
 module as it is, with a warning naming the first difference. The attention
 implementation travels in the config (``attn_implementation``, eager or sdpa, which the
 appliance accepts): a model built with eager attention keeps the model path and runs it.
+
+Two differences the twin cannot show, since it is built from the same classes in the same
+process (a review; both silently other numbers):
+- Code patched into a class (a kernel library's ``GPT2MLP.forward = fast_mlp``, a class
+  swapped into the modeling module before ``from_pretrained``). The appliance imports the
+  classes afresh and runs the unpatched code: 0.126 off. So every function of every class
+  the model is made of must come from the files of the model's own package, torch or
+  Python's standard library (``_foreign_code``); a function set on a module instance,
+  over its class's, is another function too.
+- State a module keeps between calls. Dynamic RoPE (``rope_type`` "dynamic") recomputes
+  its frequencies from the longest sequence it has seen, so each copy's numbers depend on
+  its own history. The appliance keeps one module per checkpoint, shared by every
+  program (and every copy) registering those weights: after copy A ran 30 tokens, copy
+  B's first 20-token call was 6.1e-5 off eager. Such a model runs on the graph path,
+  where its state is the local module's own.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import sys
+import sysconfig
+import types
 import warnings
 from typing import Any
 
@@ -70,12 +90,22 @@ def difference(module: torch.nn.Module) -> str | None:
         )
     mine = dict(module.named_modules(remove_duplicate=False))
     built = dict(twin.named_modules(remove_duplicate=False))
+    foreign = _foreign_code(mine.values(), _package(cls))
+    if foreign is not None:
+        return foreign
+    for name, m in mine.items():
+        if "dynamic" in _rope_types(m):
+            return (
+                f"{name or 'it'} recomputes its rotary frequencies from the longest sequence "
+                "it has seen (dynamic RoPE), state the appliance's one copy would share "
+                "between programs"
+            )
     if mine.keys() != built.keys():
         name = sorted(mine.keys() ^ built.keys())[0]
         return f"its submodule {name!r} was {'added' if name in mine else 'removed'}"
     for name, m in mine.items():
         b = built[name]
-        if type(m) is not type(b):
+        if type(m) is not type(b) and not _same_parametrized(m, b):
             return f"{name or 'it'} is a {type(m).__name__}, its config builds a {type(b).__name__}"
         what = _attributes_differ(m, b)
         if what is not None:
@@ -93,6 +123,9 @@ def difference(module: torch.nn.Module) -> str | None:
 
 def _attributes_differ(m: torch.nn.Module, b: torch.nn.Module) -> str | None:
     mine, built = vars(m), vars(b)
+    for key in sorted(mine.keys() - built.keys()):
+        if not key.startswith("_") and callable(mine[key]) and hasattr(type(m), key):
+            return f"{key} is another function (set on the module, over its class's)"
     # a setting only the local module has is one its class's code never reads (a
     # library's bookkeeping: resize_token_embeddings sets vocab_size there; a review)
     for key in sorted(built):
@@ -106,7 +139,7 @@ def _attributes_differ(m: torch.nn.Module, b: torch.nn.Module) -> str | None:
         if hasattr(a, "to_dict") and hasattr(z, "to_dict"):
             continue  # a config: the one the appliance gets
         if callable(a) and callable(z):
-            if getattr(a, "__func__", a) is not getattr(z, "__func__", z):
+            if not _same_function(a, z):
                 return f"{key} is another function"
             continue
         if a is MISSING:
@@ -125,3 +158,94 @@ def _ties(module: torch.nn.Module) -> set[frozenset[str]]:
     for name, p in module.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), set()).add(name)
     return {frozenset(g) for g in groups.values() if len(g) > 1}
+
+
+def _same_function(a: Any, z: Any) -> bool:
+    """One function: a bound method's, or a ``functools.partial`` of one function with the
+    same arguments, made anew by each module (Gemma's ``GELUTanh``: a review)."""
+    if isinstance(a, functools.partial) and isinstance(z, functools.partial):
+        return (
+            _same_function(a.func, z.func)
+            and same_value(a.args, z.args)
+            and same_value(a.keywords, z.keywords)
+        )
+    return getattr(a, "__func__", a) is getattr(z, "__func__", z)
+
+
+def _same_parametrized(m: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Both given parametrizations of one class: ``torch.nn.utils.parametrize`` makes a new
+    class for each module it parametrizes (Wav2Vec2's weight-normed convolution)."""
+    from torch.nn.utils import parametrize
+
+    return (
+        parametrize.is_parametrized(m)
+        and parametrize.is_parametrized(b)
+        and type(m).__bases__ == type(b).__bases__
+    )
+
+
+def _rope_types(m: torch.nn.Module) -> set[str]:
+    kind = vars(m).get("rope_type")
+    if isinstance(kind, dict):  # one per layer type (Gemma3's sliding and full layers)
+        return {str(v) for v in kind.values()}
+    return {str(kind)} if kind is not None else set()
+
+
+def _package(cls: type) -> str:
+    return cls.__module__.partition(".")[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _roots(package: str) -> tuple[str, ...]:
+    """The folders whose code the appliance runs as the client does: the model's package
+    (transformers), torch and Python's standard library; and Djinn's own wrappers
+    (``djinn.hook_transformers()``'s ``from_pretrained``: a review), none of which
+    changes what a forward computes."""
+    roots = [sysconfig.get_paths()["stdlib"]]
+    for name in (package, "torch", "typing_extensions", "djinn"):
+        mod = sys.modules.get(name)
+        file = getattr(mod, "__file__", None)
+        if file:  # a package's folder; a single-file module (typing_extensions) itself
+            roots.append(os.path.dirname(file) if file.endswith("__init__.py") else file)
+    return tuple(os.path.realpath(r) for r in roots)
+
+
+def _foreign_code(modules: Any, package: str) -> str | None:
+    """The first function of the model's classes whose code lies outside ``_roots``:
+    patched in, so not what the appliance runs (Note [the model the appliance builds])."""
+    roots = _roots(package)
+    seen: set[type] = set()
+    for m in modules:
+        for klass in type(m).__mro__:
+            if klass in seen or klass is object:
+                continue
+            seen.add(klass)
+            for key, value in vars(klass).items():
+                where = _outside(value, roots)
+                if where is not None:
+                    return (
+                        f"{klass.__name__}.{key} runs code from {where}, not {package}'s "
+                        "own, which the appliance runs (patched in?)"
+                    )
+    return None
+
+
+def _outside(value: Any, roots: tuple[str, ...]) -> str | None:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    for _ in range(16):  # a decorator's wrapper, then what it wraps
+        code = getattr(value, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            return None  # C code, a constant: nothing patched in Python
+        if not _inside(code.co_filename, roots):
+            return code.co_filename
+        value = getattr(value, "__wrapped__", None)
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _inside(filename: str, roots: tuple[str, ...]) -> bool:
+    path = os.path.realpath(filename)
+    return any(path == r or path.startswith(r + os.sep) for r in roots)

@@ -122,3 +122,151 @@ def test_threads_calling_one_registered_model_see_no_change(remote):
     assert not errors, errors
     with torch.no_grad():
         assert torch.allclose(model(IDS[:1, :4]).logits.cpu(), want[4], atol=1e-5)
+
+
+def _patch_class(monkeypatch):
+    from transformers.models.gpt2 import modeling_gpt2
+
+    plain = modeling_gpt2.GPT2MLP.forward
+
+    def fused(self, hidden_states):  # a kernel library's replacement, other numbers
+        return plain(self, hidden_states) * 1.5
+
+    monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", fused)
+
+
+def _patch_instance(monkeypatch):
+    import types
+
+    def patch(m):
+        mlp = m.transformer.h[1].mlp
+        mlp.forward = types.MethodType(lambda self, h: type(self).forward(self, h) * 1.5, mlp)
+
+    return patch
+
+
+def _swap_class(monkeypatch):
+    from transformers.models.gpt2 import modeling_gpt2
+
+    class FastMLP(modeling_gpt2.GPT2MLP):  # swapped in before the build
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * 1.5
+
+    monkeypatch.setattr(modeling_gpt2, "GPT2MLP", FastMLP)
+
+
+@pytest.mark.parametrize(
+    "how, words",
+    [
+        ("class", r"GPT2MLP\.forward runs code from .*test_model_twin\.py"),
+        ("instance", r"h\.1\.mlp\.forward is another function"),
+        ("swapped class", r"FastMLP\.forward runs code from"),
+    ],
+)
+def test_code_patched_into_the_model_runs_on_the_graph_path(remote, monkeypatch, how, words):
+    """The twin is built from the same patched classes, so it showed no difference, and the
+    appliance ran transformers' own code: 0.126 off (a review)."""
+    instance = None
+    if how == "class":
+        _patch_class(monkeypatch)
+    elif how == "swapped class":
+        _swap_class(monkeypatch)
+    else:
+        instance = _patch_instance(monkeypatch)
+    model = _gpt2()
+    if instance is not None:
+        instance(model)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(IDS, attention_mask=MASK).logits
+        with pytest.warns(RuntimeWarning, match=f"takes the graph path.*{words}"):
+            model.to(R)
+        assert getattr(model, "_djinn", None) is None
+        got = model(IDS.to(R), attention_mask=MASK.to(R)).logits.cpu()
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_dynamic_rope_state_stays_each_copys_own(remote):
+    """Dynamic RoPE keeps the longest length it has seen. The appliance keeps one module
+    per checkpoint: after copy A ran 30 tokens, copy B's first 20-token call was 6.1e-5
+    off eager (a review). Such a model runs on the graph path, its state its own."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=100,
+        max_position_embeddings=8,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    a, b, ref = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    long, short = torch.arange(30).unsqueeze(0) % 100, (torch.arange(20).unsqueeze(0) * 3) % 100
+    with torch.no_grad():
+        for m in (a, b):
+            with pytest.warns(RuntimeWarning, match="dynamic RoPE"):
+                m.to(R)
+        a(long.to(R)).logits.cpu()
+        got = b(short.to(R)).logits.cpu()
+        want = ref(short).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        # and a copy's own history counts, as in eager: B after a long call of its own
+        b(long.to(R)).logits.cpu()
+        ref(long)
+        got, want = b(short.to(R)).logits.cpu(), ref(short).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def _gemma() -> torch.nn.Module:  # GELUTanh: a functools.partial made by each module
+    cfg = transformers.GemmaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=100,
+    )
+    return transformers.GemmaForCausalLM(cfg)
+
+
+def _wav2vec2() -> torch.nn.Module:  # weight norm: a parametrized class per module
+    cfg = transformers.Wav2Vec2Config(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=30,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+    )
+    return transformers.Wav2Vec2ForCTC(cfg)
+
+
+def _hooked_gpt2(monkeypatch) -> torch.nn.Module:
+    """After djinn.hook_transformers(), whose from_pretrained is Djinn's own code."""
+    from transformers import PreTrainedModel
+
+    import djinn
+
+    monkeypatch.setattr(
+        PreTrainedModel, "from_pretrained", PreTrainedModel.__dict__["from_pretrained"]
+    )
+    djinn.hook_transformers()
+    return _gpt2()
+
+
+@pytest.mark.parametrize("family", ["gemma", "wav2vec2", "hook_transformers"])
+def test_unchanged_models_have_no_difference(monkeypatch, family):
+    """Three that took the graph path with no change made (a review): a per-module
+    partial, a per-module parametrized class, Djinn's own wrapper of from_pretrained."""
+    from djinn.frontend import model_twin
+
+    torch.manual_seed(0)
+    build = {"gemma": _gemma, "wav2vec2": _wav2vec2}.get(family)
+    model = build() if build is not None else _hooked_gpt2(monkeypatch)
+    assert model_twin.difference(model.eval()) is None
