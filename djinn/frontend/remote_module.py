@@ -93,7 +93,9 @@ class RemoteObject:
         kind = self.cls.rsplit(".", 1)[-1]
         raise AttributeError(
             f"{kind}.{name}: this {kind} stays on the appliance (a RemoteObject) and runs "
-            "no method here; pass it back to the model (past_key_values=...), or keep "
+            "no method here; pass it back to the model (past_key_values=...) while that "
+            "runs on the model path (called in training mode, it has left it: Note [a "
+            "registered model trains]), or keep "
             "what you need of it yourself (the length of a KV cache is the number of "
             "tokens the model has been given)"
         )
