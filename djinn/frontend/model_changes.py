@@ -36,6 +36,15 @@ def modules_of(module: torch.nn.Module) -> tuple:
     return tuple((name, id(m), m.training) for name, m in module.named_modules())
 
 
+def registered_modules(module: torch.nn.Module) -> tuple:
+    """``modules_of`` as the appliance runs the model: every module in eval mode (its build
+    ends with ``.eval()``). A module in training mode here is then a change, whenever it
+    was made: a deep copy or a weightless model, recorded at its first call, put in
+    training mode before it ran eval-mode numbers with no word (a review), and so did a
+    submodule left in training mode at the move (Note [a registered model trains])."""
+    return tuple((name, id(m), False) for name, m in module.named_modules())
+
+
 def _tensors_of(named: Any) -> tuple:
     """(name, identity, version, dtype) of each of a module's parameters or buffers."""
     return tuple((name, id(t), t._version, t.dtype) for name, t in named)
@@ -211,8 +220,8 @@ def changed(module: torch.nn.Module, binding: Any) -> str | None:
 
 def _what_changed(module: torch.nn.Module, binding: Any) -> str | None:
     modules = modules_of(module)
-    if not binding.modules:  # a model built weightless (djinn.from_pretrained): as first called
-        binding.modules = modules
+    if not binding.modules:  # built weightless (djinn.from_pretrained), a deep copy: now
+        binding.modules = registered_modules(module)
     if modules != binding.modules:
         was = {name: (ident, training) for name, ident, training in binding.modules}
         for name, ident, training in modules:

@@ -51,6 +51,13 @@ def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
             "before the move, or move it in training mode (model.train().to(...)) (Note [a "
             "registered model trains])"
         )
+    held = next((name for name, p in _meta_parameters(module) if not ties.swappable(p)), None)
+    if held is not None:  # asked before the copies are made
+        raise UnsupportedOp(
+            f"{type(module).__name__}'s parameter {held!r} is held where its object cannot "
+            "take its weights (a weak reference): move the model in training mode "
+            "(model.train().to(...)) (Note [a registered model trains])"
+        )
     body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD}
     reply = binding.session.call_model({**body, "args": [], "kwargs": {}})
     _fill(module, decode(reply["out"], binding.session))
@@ -74,23 +81,24 @@ def _written_while_meta(module: torch.nn.Module, binding: Any) -> str | None:
     return None
 
 
+def _meta_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Its parameters still meta (one the program replaced by a tensor of its own keeps
+    it), a tied one once, under its first name."""
+    return [(name, p) for name, p in module.named_parameters() if p.is_meta]
+
+
 def _fill(module: torch.nn.Module, copies: Any) -> None:
     """Put each copy into the meta tensor of its name: a parameter keeps its object, a
     buffer's slot gets the copy (as a move gives each slot a new buffer)."""
     if not isinstance(copies, dict):
         raise InvalidArgument("the appliance sent no weights")
-    for name, p in module.named_parameters():  # a tied parameter once, under its first name
-        if not p.is_meta:
-            continue  # the program's own tensor: it stays
+    pairs = []  # every copy checked before any is put in: no half-filled module
+    for name, p in _meta_parameters(module):
         value = copies.get(name)
         if value is None or value.shape != p.shape or value.dtype != p.dtype:
             raise InvalidArgument(f"the appliance sent no weight {name!r} of {list(p.shape)}")
-        new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
-        if not ties.swappable(p):
-            raise UnsupportedOp(
-                f"{name} is held where its object cannot take its weights (a weak "
-                "reference): move the model in training mode (model.train().to(...))"
-            )
+        pairs.append((p, torch.nn.Parameter(value, requires_grad=p.requires_grad)))
+    for p, new in pairs:
         # swap_tensors swaps the objects' attributes and tensor hooks too: what the program
         # set on the parameter since the move stays on it (a review: a post-accumulate
         # hook, the optimizer step in backward, was dropped and the model did not train)

@@ -37,9 +37,11 @@ process (a review; both silently other numbers):
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
+import site
 import sys
 import sysconfig
 import types
@@ -196,56 +198,114 @@ def _package(cls: type) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _roots(package: str) -> tuple[str, ...]:
-    """The folders whose code the appliance runs as the client does: the model's package
-    (transformers), torch and Python's standard library; and Djinn's own wrappers
-    (``djinn.hook_transformers()``'s ``from_pretrained``: a review), none of which
-    changes what a forward computes."""
-    roots = [sysconfig.get_paths()["stdlib"]]
+def _roots(package: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """Where the code the appliance runs as the client does lies: the folders of the
+    model's package (transformers), torch and Djinn's own wrappers
+    (``djinn.hook_transformers()``'s ``from_pretrained``: a review), none of which changes
+    what a forward computes; and Python's standard library, less the folders of installed
+    packages, which lie inside it in a pyenv, conda or Docker Python (a review: a kernel
+    library counted as the standard library there)."""
+    allowed = []
     for name in (package, "torch", "typing_extensions", "djinn"):
-        mod = sys.modules.get(name)
-        file = getattr(mod, "__file__", None)
+        file = getattr(sys.modules.get(name), "__file__", None)
         if file:  # a package's folder; a single-file module (typing_extensions) itself
-            roots.append(os.path.dirname(file) if file.endswith("__init__.py") else file)
-    return tuple(os.path.realpath(r) for r in roots)
+            allowed.append(os.path.dirname(file) if file.endswith("__init__.py") else file)
+    paths = sysconfig.get_paths()
+    installed = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
+    installed.append(site.getusersitepackages())
+    for folder in ("site-packages", "dist-packages"):  # the base Python's, under a venv
+        installed.append(os.path.join(paths["stdlib"], folder))
+    real = lambda ps: tuple(sorted({os.path.realpath(p) for p in ps}))  # noqa: E731
+    return real(allowed), real(installed), os.path.realpath(paths["stdlib"])
+
+
+# the namespaces a model's code calls into besides its classes: a function patched there
+# (``F.gelu`` before the build, ``F.scaled_dot_product_attention``) ran unpatched on the
+# appliance (a review: 0.25 and 0.15 off)
+_CALLED = (torch, torch.nn.functional, torch.Tensor)
 
 
 def _foreign_code(modules: Any, package: str) -> str | None:
-    """The first function of the model's classes whose code lies outside ``_roots``:
-    patched in, so not what the appliance runs (Note [the model the appliance builds])."""
+    """The first function the model runs whose code lies outside ``_roots``: patched in,
+    so not what the appliance runs (Note [the model the appliance builds]). Every
+    function of the classes of its modules and their bases, of the modules defining them
+    (``modeling_llama.apply_rotary_pos_emb = fast``, a kernel library's way), and of
+    torch's namespaces the code calls."""
     roots = _roots(package)
-    seen: set[type] = set()
+    classes: dict[type, None] = {}
     for m in modules:
         for klass in type(m).__mro__:
-            if klass in seen or klass is object:
-                continue
-            seen.add(klass)
-            for key, value in vars(klass).items():
-                where = _outside(value, roots)
-                if where is not None:
-                    return (
-                        f"{klass.__name__}.{key} runs code from {where}, not {package}'s "
-                        "own, which the appliance runs (patched in?)"
-                    )
+            if klass is not object:
+                classes.setdefault(klass)
+    places: list[tuple[str, dict[str, Any]]] = [(k.__name__, vars(k)) for k in classes]
+    for name in {klass.__module__: None for klass in classes}:
+        namespace = vars(sys.modules[name]) if name in sys.modules else {}
+        own = _functions_defined(namespace.get("__file__") or "")
+        places.append((name, {k: v for k, v in namespace.items() if k in own}))
+    places += [(getattr(ns, "__name__", "torch"), vars(ns)) for ns in _CALLED]
+    for owner, namespace in places:
+        for key, value in list(namespace.items()):
+            where = _outside(value, roots, package)
+            if where is not None:
+                return (
+                    f"{owner}.{key} runs code from {where}, not {package}'s own, which "
+                    "the appliance runs (patched in?)"
+                )
     return None
 
 
-def _outside(value: Any, roots: tuple[str, ...]) -> str | None:
-    if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    elif isinstance(value, property):
-        value = value.fget
+@functools.lru_cache(maxsize=256)
+def _functions_defined(filename: str) -> frozenset[str]:
+    """The names a module's source binds with ``def`` at its top level: the functions it
+    defines itself (what it imports from elsewhere is other packages' code, rightly)."""
+    try:
+        with open(filename, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename)
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    return frozenset(
+        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    )
+
+
+def _outside(value: Any, roots: tuple, package: str) -> str | None:
+    """Where ``value``'s code lies if outside ``roots``; None for code inside them and for
+    what is not a function."""
+    for _ in range(16):  # each wrapper, then what it wraps
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            value = value.fget
+        elif isinstance(value, (functools.partial, functools.partialmethod)):
+            value = value.func
+        elif isinstance(value, functools.cached_property):
+            value = value.func
+        else:
+            break
     for _ in range(16):  # a decorator's wrapper, then what it wraps
         code = getattr(value, "__code__", None)
-        if not isinstance(code, types.CodeType):
-            return None  # C code, a constant: nothing patched in Python
-        if not _inside(code.co_filename, roots):
-            return code.co_filename
+        if isinstance(code, types.CodeType):
+            if not _inside(code.co_filename, roots):
+                return code.co_filename
+        elif isinstance(value, types.BuiltinFunctionType):
+            home = (getattr(value, "__module__", None) or "builtins").partition(".")[0]
+            known = home in sys.stdlib_module_names or home in ("torch", package, "builtins")
+            return None if known else f"the compiled module {home}"
+        else:
+            return None  # not a function: a class, a constant, a descriptor
         value = getattr(value, "__wrapped__", None)
+        if isinstance(value, (functools.partial, functools.partialmethod)):
+            value = value.func
     return None
 
 
 @functools.lru_cache(maxsize=4096)
-def _inside(filename: str, roots: tuple[str, ...]) -> bool:
+def _inside(filename: str, roots: tuple) -> bool:
+    allowed, installed, stdlib = roots
+    if filename.startswith("<frozen "):  # the standard library's frozen modules (abc)
+        return True
     path = os.path.realpath(filename)
-    return any(path == r or path.startswith(r + os.sep) for r in roots)
+    under = lambda r: path == r or path.startswith(r + os.sep)  # noqa: E731
+    if any(under(r) for r in allowed):
+        return True
+    return not any(under(r) for r in installed) and under(stdlib)

@@ -288,6 +288,13 @@ class RemoteModelMixin:
         """``generate()`` on the appliance; a ``generation_config=`` and a ``streamer`` are
         taken here (Note [generation objects])."""
         streamer = kwargs.pop("streamer", None)
+        if "inputs" in kwargs:  # generate()'s name for the model's main input
+            kwargs[getattr(self, "main_input_name", "input_ids")] = kwargs.pop("inputs")
+        if streamer is not None and _beams(self, kwargs) > 1:  # eager's check, before it runs
+            raise ValueError(
+                "`streamer` cannot be used with beam search (yet!). Make sure that "
+                "`num_beams` is set to 1."
+            )
         out = call(self, "generate", args, kwargs)
         if streamer is not None:
             _stream(self, streamer, args, kwargs, out)
@@ -320,8 +327,9 @@ class RemoteModelMixin:
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        floats = (t.dtype for t in self.parameters() if t.is_floating_point())
-        if (device is None or _appliance(device)) and (dtype is None or {dtype} >= set(floats)):
+        tensors = itertools.chain(self.parameters(), self.buffers())  # what Module.to casts
+        floats = {t.dtype for t in tensors if t.is_floating_point() or t.is_complex()}
+        if (device is None or _appliance(device)) and (dtype is None or {dtype} >= floats):
             return self  # where and what it is already: stays on the model path
         return super().to(*args, **kwargs)  # through _apply, below
 
@@ -334,9 +342,11 @@ class RemoteModelMixin:
         trains]), then converted as any remote module's are."""
         if _converts_nothing(self, fn):  # .float() of a float32 model, .cuda() under djinn run
             return self
-        with self._djinn.lock:
-            _leave(self)
-        return self._apply(fn, recurse)
+        _leave(self)
+        return self._apply(fn, recurse)  # the plain class's, now
+
+    def share_memory(self) -> Any:
+        return self  # its tensors are on the appliance: a no-op, as for CUDA tensors
 
 
 def _converts_nothing(module: torch.nn.Module, fn: Any) -> bool:
@@ -361,14 +371,21 @@ def _put_in_training(module: torch.nn.Module, binding: _RemoteBinding) -> bool:
     return any(m.training and id(m) in registered for m in module.modules())
 
 
-def _leave(module: torch.nn.Module) -> None:
+def _leave(module: torch.nn.Module, binding: _RemoteBinding | None = None) -> None:
     """Off the model path, with the registered weights copied into the session (Note [a
-    registered model trains]); the caller holds the binding's lock."""
+    registered model trains]). Once: a thread that waited on the lock while another took
+    the model off finds it off (a review: an untyped AttributeError)."""
     from . import model_leaves
 
-    model_leaves.take_weights(module, module._djinn, _decode)
-    module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
-    del module.__dict__["_djinn"]
+    binding = binding or module.__dict__.get("_djinn")
+    if binding is None:
+        return
+    with binding.lock:
+        if module.__dict__.get("_djinn") is not binding:
+            return
+        model_leaves.take_weights(module, binding, _decode)
+        module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
+        del module.__dict__["_djinn"]
 
 
 def _appliance(device: torch.device) -> bool:
@@ -403,7 +420,7 @@ def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | No
     binding.config = copy.deepcopy(model_changes.config_snapshot(module))
     module._djinn = binding
     module.__class__ = _remote_class(type(module))
-    binding.modules = model_changes.modules_of(module)
+    binding.modules = model_changes.registered_modules(module)
     binding.attributes = model_changes.attributes_of(module)
     binding.plain_keys = model_changes.plain_keys(module)
 
@@ -561,12 +578,22 @@ def _given_generation_config(given: Any, mine: Any) -> Any:
     return merged
 
 
+def _beams(module: torch.nn.Module, kwargs: dict) -> int:
+    """The beams a ``generate()`` call would search with: its argument, else its
+    ``generation_config=``'s, else the model's."""
+    for source in (kwargs, getattr(kwargs.get("generation_config"), "__dict__", {})):
+        if source.get("num_beams") is not None:
+            return int(source["num_beams"])
+    return int(getattr(getattr(module, "generation_config", None), "num_beams", None) or 1)
+
+
 def _stream(module: torch.nn.Module, streamer: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Give ``streamer`` what eager's generate() would have (Note [generation objects])."""
     sequences = getattr(out, "sequences", out)
     tokens = sequences.cpu() if isinstance(sequences, torch.Tensor) else torch.as_tensor(sequences)
     if getattr(module.config, "is_encoder_decoder", False):
-        prompt = 1  # the decoder's start token
+        given = kwargs.get("decoder_input_ids")  # else the decoder's start token
+        prompt = int(given.shape[-1]) if isinstance(given, torch.Tensor) else 1
     else:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         prompt = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0
@@ -594,11 +621,12 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     # took those for the program's change, and later calls were refused for good (a
     # review: three threads calling one model)
     with binding.lock:
-        what, hints = _checked(module, binding, method, args, kwargs)
-        training = what is not None and _put_in_training(module, binding)
-        if training:  # Note [a registered model trains]: the graph path from now on
-            _leave(module)
-    if training:
+        gone = module.__dict__.get("_djinn") is not binding  # another thread took it off
+        if not gone:
+            what, hints = _checked(module, binding, method, args, kwargs)
+            gone = what is not None and _put_in_training(module, binding)
+    if gone:  # Note [a registered model trains]: the graph path from now on
+        _leave(module, binding)
         return getattr(module, "__call__" if method == "forward" else method)(*args, **kwargs)
     if what is not None:
         raise UnsupportedOp(
@@ -649,9 +677,10 @@ def _say_no_grad(module: torch.nn.Module, binding: _RemoteBinding) -> None:
             f"{type(module).__name__} runs on the appliance's model path (it moved in eval "
             "mode): its outputs carry no autograd, unlike eager's with gradients enabled. "
             "Run inference under torch.no_grad() to say so; to train it or take gradients "
-            "through it, move it in training mode (model.train().to(...)) and call "
-            "model.eval() after the move to turn dropout off (Note [no autograd on the "
-            "model path])",
+            "through it, call model.train(): its next call takes its weights into the "
+            "session and runs on the graph path (Note [a registered model trains]); "
+            "model.eval() after that turns dropout off (Note [no autograd on the model "
+            "path])",
             stacklevel=4,
         )
 

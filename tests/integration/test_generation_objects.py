@@ -122,3 +122,43 @@ def test_generation_code_objects_are_refused_typed(remote):
     with pytest.raises(InvalidArgument, match="must be a GenerationConfig"):
         model.generate(IDS, generation_config={"max_new_tokens": 4})
     assert model.generate(IDS, max_new_tokens=2, pad_token_id=0).shape == (1, 6)  # lost nothing
+
+
+def test_a_streamer_with_beams_is_refused_before_it_runs_as_in_eager(remote):
+    model = _gpt2()
+    local = copy.deepcopy(model)
+    model.to(R)
+    for m in (local, model):
+        for kwargs in ({"num_beams": 2}, {"generation_config": GenerationConfig(num_beams=2)}):
+            with pytest.raises(ValueError, match="cannot be used with beam search"):
+                m.generate(IDS, max_new_tokens=3, pad_token_id=0, streamer=Recorder(), **kwargs)
+
+
+def test_the_prompt_by_keyword_as_eager_takes_it(remote):
+    """``inputs=`` (generate()'s own name) was refused by the appliance; a T5 prompt given
+    as decoder_input_ids went to the streamer as new tokens (a review)."""
+    model = _gpt2()
+    local = copy.deepcopy(model)
+    model.to(R)
+    got = model.generate(inputs=IDS, max_new_tokens=3, pad_token_id=0)
+    assert (
+        got.cpu().tolist() == local.generate(inputs=IDS, max_new_tokens=3, pad_token_id=0).tolist()
+    )
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        num_layers=1,
+        d_model=32,
+        d_ff=64,
+        num_heads=2,
+        d_kv=16,
+        vocab_size=500,
+        decoder_start_token_id=0,
+    )
+    t5 = transformers.T5ForConditionalGeneration(cfg).eval()
+    local = copy.deepcopy(t5)
+    t5.to(R)
+    start = torch.tensor([[0, 7, 9]])
+    got, want = Recorder(), Recorder()
+    t5.generate(IDS, decoder_input_ids=start, max_new_tokens=3, streamer=got)
+    local.generate(IDS, decoder_input_ids=start, max_new_tokens=3, streamer=want)
+    assert got.got == want.got and got.got[0] == [[0, 7, 9]]

@@ -135,14 +135,26 @@ def _patch_class(monkeypatch):
     monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", fused)
 
 
-def _patch_instance(monkeypatch):
+def _patch_partialmethod(monkeypatch):
+    import functools
+
+    from transformers.models.gpt2 import modeling_gpt2
+
+    plain = modeling_gpt2.GPT2MLP.forward
+
+    def scaled(self, hidden_states, scale):
+        return plain(self, hidden_states) * scale
+
+    monkeypatch.setattr(
+        modeling_gpt2.GPT2MLP, "forward", functools.partialmethod(scaled, scale=1.5)
+    )
+
+
+def _patch_instance(m):  # after the build
     import types
 
-    def patch(m):
-        mlp = m.transformer.h[1].mlp
-        mlp.forward = types.MethodType(lambda self, h: type(self).forward(self, h) * 1.5, mlp)
-
-    return patch
+    mlp = m.transformer.h[1].mlp
+    mlp.forward = types.MethodType(lambda self, h: type(self).forward(self, h) * 1.5, mlp)
 
 
 def _swap_class(monkeypatch):
@@ -155,27 +167,51 @@ def _swap_class(monkeypatch):
     monkeypatch.setattr(modeling_gpt2, "GPT2MLP", FastMLP)
 
 
-@pytest.mark.parametrize(
-    "how, words",
-    [
-        ("class", r"GPT2MLP\.forward runs code from .*test_model_twin\.py"),
-        ("instance", r"h\.1\.mlp\.forward is another function"),
-        ("swapped class", r"FastMLP\.forward runs code from"),
-    ],
-)
-def test_code_patched_into_the_model_runs_on_the_graph_path(remote, monkeypatch, how, words):
-    """The twin is built from the same patched classes, so it showed no difference, and the
-    appliance ran transformers' own code: 0.126 off (a review)."""
-    instance = None
-    if how == "class":
-        _patch_class(monkeypatch)
-    elif how == "swapped class":
-        _swap_class(monkeypatch)
-    else:
-        instance = _patch_instance(monkeypatch)
-    model = _gpt2()
-    if instance is not None:
-        instance(model)
+def _patch_module_function(monkeypatch):
+    """A function of the modeling module swapped (a kernel library's rotary embedding)."""
+    from transformers.models.gpt2 import modeling_gpt2
+
+    plain = modeling_gpt2.eager_attention_forward
+
+    def fast(*args, **kwargs):
+        out, weights = plain(*args, **kwargs)
+        return out * 1.5, weights
+
+    monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", fast)
+
+
+def _patch_torch_function(monkeypatch):
+    """torch's own function replaced (F.scaled_dot_product_attention, F.gelu)."""
+    plain = torch.nn.functional.scaled_dot_product_attention
+
+    def fast(*args, **kwargs):
+        return plain(*args, **kwargs) * 1.5
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fast)
+
+
+PATCHES = {
+    "class": (_patch_class, r"GPT2MLP\.forward runs code from .*test_model_twin\.py"),
+    "partialmethod": (_patch_partialmethod, r"GPT2MLP\.forward runs code from"),
+    "instance": (_patch_instance, r"h\.1\.mlp\.forward is another function"),
+    "swapped class": (_swap_class, r"FastMLP\.forward runs code from"),
+    "module function": (_patch_module_function, r"modeling_gpt2\.eager_attention_forward runs"),
+    "torch function": (_patch_torch_function, r"functional\.scaled_dot_product_attention runs"),
+}
+
+
+@pytest.mark.parametrize("how", list(PATCHES))
+def test_code_patched_into_the_model_runs_on_the_graph_path(remote, monkeypatch, how):
+    """The twin is built from the same patched code, so it showed no difference, and the
+    appliance, which imports transformers and torch afresh, ran their own: 0.126 off (a
+    review), 0.18 for a partialmethod, 0.15 for a patched torch function."""
+    patch, words = PATCHES[how]
+    if how != "instance":
+        patch(monkeypatch)
+    eager = {"attn_implementation": "eager"} if how == "module function" else {}
+    model = _gpt2(**eager)
+    if how == "instance":
+        patch(model)
     with torch.no_grad():
         want = copy.deepcopy(model)(IDS, attention_mask=MASK).logits
         with pytest.warns(RuntimeWarning, match=f"takes the graph path.*{words}"):
