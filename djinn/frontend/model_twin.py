@@ -276,9 +276,9 @@ def _outside(value: Any, roots: tuple, package: str) -> str | None:
             value = value.__func__
         elif isinstance(value, property):
             value = value.fget
-        elif isinstance(value, (functools.partial, functools.partialmethod)):
-            value = value.func
-        elif isinstance(value, functools.cached_property):
+        elif isinstance(
+            value, (functools.partial, functools.partialmethod, functools.cached_property)
+        ):
             value = value.func
         else:
             break
