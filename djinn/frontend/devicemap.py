@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import pinned
 from .device import DEVICE_TYPE, pop_mapped, push_mapped
 from .extension_points import CUDA_QUERIES, register
 
@@ -60,6 +61,10 @@ class DeviceMap(TorchFunctionMode):
             return args[0].to(target, non_blocking=kwargs.get("non_blocking", False))
         if "device" in kwargs:
             kwargs = {**kwargs, "device": _target(kwargs["device"], self.source, 0)}
+        if kwargs.get("pin_memory") and pinned.OURS[0]:  # a factory's pinned CPU tensor
+            device = kwargs.get("device")
+            if device is None or torch.device(device).type == "cpu":
+                return pinned.remember(func(*args, **{**kwargs, "pin_memory": False}))
         if args and any(isinstance(a, (str, torch.device)) for a in args):
             args = tuple(
                 _target(a, self.source, 0) if isinstance(a, (str, torch.device)) else a

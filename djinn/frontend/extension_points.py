@@ -168,6 +168,7 @@ def _attach_kernels() -> list[torch.library.Library]:
         lib.impl("_pin_memory", pinned.pin_memory, "CPU")
         lib.impl("is_pinned", pinned.is_pinned, "CPU")
         libraries.append(lib)
+        pinned.OURS[0] = True
     elif kernels := pinned.beside_cuda():  # Note [pinned memory beside CUDA]
         lib = torch.library.Library("aten", "IMPL")
         for name, kernel in kernels.items():
@@ -179,6 +180,7 @@ def _attach_kernels() -> list[torch.library.Library]:
 def _detach_kernels(libraries: list[torch.library.Library]) -> None:
     for lib in reversed(libraries):
         lib._destroy()
+    pinned.OURS[0] = False
 
 
 # -- SERIALIZATION: Note [load to the remote device] (serialization.py) -------------------

@@ -114,6 +114,7 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     info = {"fingerprint": fp, "uploaded": False, "loaded_on_appliance": loaded, **reply}
     model._djinn = remote_module._RemoteBinding(fp, session, device, info)
     model._djinn.config = copy.deepcopy(model_changes.config_snapshot(model))
+    model._djinn.settings = model_changes.call_settings(model)
     model.__class__ = remote_module._remote_class(type(model))
     return model
 

@@ -115,12 +115,30 @@ _CONFIG_VOLATILE = frozenset(
 )
 
 
+# Config settings a forward reads as the default of its argument of the same name
+# (``use_cache = use_cache if use_cache is not None else self.config.use_cache``). A change
+# of one is sent as that argument, not refused: transformers' Trainer sets
+# ``config.use_cache = False`` itself, and ``Trainer.evaluate()`` of a model moved in eval
+# mode was refused (a review). Note [call settings] in remote_module.py.
+CALL_SETTINGS = ("use_cache", "output_attentions", "output_hidden_states")
+
+
 def config_snapshot(module: torch.nn.Module) -> dict[str, Any]:
     """What of ``module.config`` a call compares with the registered one."""
     config = getattr(module, "config", None)
     if config is None:
         return {}
-    return {k: v for k, v in vars(config).items() if k not in _CONFIG_VOLATILE}
+    return {
+        k: v
+        for k, v in vars(config).items()
+        if k not in _CONFIG_VOLATILE and k not in CALL_SETTINGS
+    }
+
+
+def call_settings(module: torch.nn.Module) -> dict[str, Any]:
+    """The ``CALL_SETTINGS`` of ``module.config``, as a call compares them."""
+    config = getattr(module, "config", None)
+    return {k: getattr(config, k, None) for k in CALL_SETTINGS}
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -51,6 +51,12 @@ def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
             "before the move, or move it in training mode (model.train().to(...)) (Note [a "
             "registered model trains])"
         )
+    registered = binding.dtypes or None  # by name, for a model that moved (not a ghost)
+    added = next(
+        (n for n, _ in _meta_parameters(module) if registered and n not in registered), None
+    )
+    if added is not None:
+        raise _added(module, added)
     held = next((name for name, p in _meta_parameters(module) if not ties.swappable(p)), None)
     if held is not None:  # asked before the copies are made
         raise UnsupportedOp(
@@ -81,6 +87,20 @@ def _written_while_meta(module: torch.nn.Module, binding: Any) -> str | None:
     return None
 
 
+def _added(module: torch.nn.Module, name: str) -> UnsupportedOp:
+    """A meta parameter the registered model has not, or not of that shape: added or
+    renamed since the move (``get_peft_model``, ``resize_token_embeddings``), built on the
+    meta device, so with no value anywhere (a review: it said "the appliance sent no
+    weight")."""
+    return UnsupportedOp(
+        f"{type(module).__name__} is registered on the appliance (the model path), and its "
+        f"parameter {name!r} was added or reshaped since the move (a submodule replaced or "
+        "wrapped: get_peft_model, resize_token_embeddings), on the meta device: it holds no "
+        "value to train. Make such changes before the move, or move the model in training "
+        "mode (model.train().to(...)) (Note [a registered model trains])"
+    )
+
+
 def _meta_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Its parameters still meta (one the program replaced by a tensor of its own keeps
     it), a tied one once, under its first name."""
@@ -96,7 +116,7 @@ def _fill(module: torch.nn.Module, copies: Any) -> None:
     for name, p in _meta_parameters(module):
         value = copies.get(name)
         if value is None or value.shape != p.shape or value.dtype != p.dtype:
-            raise InvalidArgument(f"the appliance sent no weight {name!r} of {list(p.shape)}")
+            raise _added(module, name)
         pairs.append((p, torch.nn.Parameter(value, requires_grad=p.requires_grad)))
     for p, new in pairs:
         # swap_tensors swaps the objects' attributes and tensor hooks too: what the program

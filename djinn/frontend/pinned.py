@@ -33,6 +33,7 @@ import torch
 
 _lock = threading.Lock()
 _pinned: dict[int, weakref.ref] = {}  # data_ptr -> the tensor pin_memory() returned
+OURS = [False]  # whether the CPU kernels below are registered (no CUDA on this client)
 
 
 def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
@@ -43,6 +44,18 @@ def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
             del _pinned[ptr]
         if out.numel():
             _pinned[out.data_ptr()] = weakref.ref(out)
+    return out
+
+
+def remember(out: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor a factory made with ``pin_memory=True`` under ``djinn run`` (devicemap.py):
+    PyTorch's factories ask the backend's C++ hooks for the pinned allocator, as
+    ``pin_memory()`` does, and raised NotImplementedError (a review: safetensors'
+    ``load_file(path, device="cuda")`` and peft's adapter loading make such tensors). It
+    is an ordinary CPU tensor, pinned as ``pin_memory()``'s are (Note [pinned memory])."""
+    if out.device.type == "cpu" and out.numel():
+        with _lock:
+            _pinned[out.untyped_storage().data_ptr()] = weakref.ref(out)
     return out
 
 

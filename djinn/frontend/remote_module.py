@@ -16,7 +16,9 @@ tensors as LazyTensors bound to handles, other objects (a ``DynamicCache``) as
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import inspect
 import itertools
 import json
 import logging
@@ -263,6 +265,7 @@ class _RemoteBinding:
         self.told_no_grad = False  # Note [no autograd on the model path]
         self.told_state_dict = False  # RemoteModelMixin.state_dict
         self.config: dict[str, Any] | None = None  # as registered
+        self.settings: dict[str, Any] = {}  # its config's CALL_SETTINGS, as registered
 
     def __deepcopy__(self, memo: dict) -> _RemoteBinding:
         """A deep copy of a registered model is another local handle on the same
@@ -273,6 +276,7 @@ class _RemoteBinding:
         twin = _RemoteBinding(self.fingerprint, self.session, self.device, dict(self.info))
         twin.dtypes = dict(self.dtypes)
         twin.config = copy.deepcopy(self.config, memo)
+        twin.settings = dict(self.settings)
         return twin
 
 
@@ -344,6 +348,14 @@ class RemoteModelMixin:
             return self
         _leave(self)
         return self._apply(fn, recurse)  # the plain class's, now
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loading weights into a registered model (a checkpoint resumed by ``Trainer``,
+        fine-tuned weights) wrote into meta tensors, a no-op, and the next call was refused
+        (a review): it takes its weights into the session first, then loads (Note [a
+        registered model trains])."""
+        _leave(self)
+        return self.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def share_memory(self) -> Any:
         return self  # its tensors are on the appliance: a no-op, as for CUDA tensors
@@ -418,6 +430,7 @@ def adopt(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | No
     binding = _RemoteBinding(info["fingerprint"], session, device, info)
     binding.dtypes = model_changes.dtypes_of(module, dtype)  # Note [a registered model changed]
     binding.config = copy.deepcopy(model_changes.config_snapshot(module))
+    binding.settings = model_changes.call_settings(module)
     module._djinn = binding
     module.__class__ = _remote_class(type(module))
     binding.modules = model_changes.registered_modules(module)
@@ -531,6 +544,48 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
                 m._buffers.update(buffers)
 
 
+# Note [call settings]: a forward reads some config settings as the default of its argument
+# of the same name (model_changes.CALL_SETTINGS: use_cache, output_attentions...). One the
+# program changed since the registration is sent as that argument, where the call did not
+# pass it, so the appliance's model, built from the registered config, does what the
+# local one would. A forward that takes no such argument is refused as for any config
+# change: the model may read the setting elsewhere.
+def _with_call_settings(
+    module: torch.nn.Module, binding: _RemoteBinding, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    changed = {
+        k: v
+        for k, v in model_changes.call_settings(module).items()
+        if k not in kwargs and binding.settings and v != binding.settings.get(k)
+    }
+    if not changed:
+        return kwargs
+    takes = _forward_arguments(type(module))
+    for key in changed:
+        if key not in takes:
+            raise UnsupportedOp(
+                f"{type(module).__name__} runs on the appliance as it was registered when it "
+                f"moved (the model path); since then, its config's {key!r} was changed, and "
+                "its forward takes no argument of that name to send it as. Make such "
+                "changes before the move (Note [call settings])"
+            )
+    return {**kwargs, **changed}
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_arguments(cls: type) -> frozenset[str]:
+    """The settings ``cls.forward`` takes: its named parameters, and the outputs
+    transformers 5's models take through ``**kwargs`` (TransformersKwargs)."""
+    try:
+        parameters = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    named = frozenset(parameters)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        named |= {"output_attentions", "output_hidden_states"}
+    return named
+
+
 # Note [generation settings]: the appliance builds a registered model from its config, so
 # its generation_config is the one transformers derives from that config; the client's
 # may say otherwise: set by the program (``model.generation_config.do_sample = True``) or
@@ -635,6 +690,8 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
             "move, or move it in training mode (model.train().to(...)) to run it op by op "
             "on the graph path, which follows them (Note [a registered model changed])"
         )
+    if method == "forward":
+        kwargs = _with_call_settings(module, binding, kwargs)
     if method == "generate":
         given = kwargs.pop("generation_config", None)
         kwargs = {**_generation_settings(module, given), **kwargs}

@@ -40,7 +40,6 @@ def _other() -> dict[str, torch.Tensor]:
 
 CHANGES = {
     "written in place": lambda m: m.transformer.wpe.weight.zero_(),
-    "load_state_dict": lambda m: m.load_state_dict(_other()),
     "hooks": lambda m: m.transformer.ln_f.register_forward_hook(lambda mod, i, o: o * 0),
     "replaced": lambda m: setattr(m, "lm_head", torch.nn.Linear(32, 7, bias=False)),
     # .half() and .train() take the model off the model path with its weights, as they
@@ -48,7 +47,6 @@ CHANGES = {
     # the config, which the forward reads (a review: pad_token_id and problem_type set
     # after the move gave other logits and another loss, silently)
     "config": lambda m: setattr(m.config, "pad_token_id", 0),
-    "config flag": lambda m: setattr(m.config, "output_hidden_states", True),
     # values whose == is elementwise, set before the move: each call raised ValueError
     # ("truth value of an array is ambiguous") before anything changed; changed in place
     # a module's own setting, which neither the config nor the weights carry (a review:
@@ -59,11 +57,9 @@ CHANGES = {
 }
 WORDS = {
     "written in place": "written in place",
-    "load_state_dict": "written in place",
     "hooks": "hooks were added",
     "replaced": "'lm_head' was added or replaced",
     "config": "config's 'pad_token_id' was changed",
-    "config flag": "config's 'output_hidden_states' was changed",
     "module setting": "transformer.ln_f.eps was changed to 0.5",
     "config array": "config's 'scales' was changed",
     "config nested": "config's 'extra' was changed",
@@ -153,3 +149,33 @@ def test_a_buffer_changed_after_the_move_refuses_the_call(remote, change):
             rotary.inv_freq = rotary.inv_freq * 0.5
         with pytest.raises(DjinnError, match=r"buffer 'model\.rotary_emb\.inv_freq' was"):
             model(_ids())
+
+
+@pytest.mark.parametrize("setting, value", [("output_hidden_states", True), ("use_cache", False)])
+def test_a_config_setting_the_forward_takes_as_an_argument_is_sent_as_one(remote, setting, value):
+    """Note [call settings]: transformers' Trainer sets config.use_cache = False itself,
+    and Trainer.evaluate() of a model moved in eval mode was refused (a review). Such a
+    setting now travels as the forward's argument: eager's outputs."""
+    local, moved = _model(), _model(R)
+    for m in (local, moved):
+        setattr(m.config, setting, value)
+    with torch.no_grad():
+        want, got = local(_ids()), moved(_ids().to(R))
+    assert type(got) is type(want)
+    assert torch.allclose(got.logits.cpu(), want.logits, atol=1e-5)
+    if setting == "output_hidden_states":
+        assert len(got.hidden_states) == len(want.hidden_states)
+    else:
+        assert got.past_key_values is None and want.past_key_values is None
+
+
+def test_load_state_dict_after_the_move_loads(remote):
+    """It wrote into meta tensors, a no-op, and the next call was refused; a Trainer
+    resuming from a checkpoint does it (a review). The model now takes its weights into
+    the session first (Note [a registered model trains]), then loads: eager's numbers."""
+    local, moved = _model(), _model(R)
+    for m in (local, moved):
+        m.load_state_dict(_other())
+    assert getattr(moved, "_djinn", None) is None
+    with torch.no_grad():
+        assert torch.allclose(moved(_ids().to(R)).logits.cpu(), local(_ids()).logits, atol=1e-5)

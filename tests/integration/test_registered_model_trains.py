@@ -240,6 +240,33 @@ def test_threads_calling_a_model_that_leaves_all_get_answers(remote):
     assert getattr(model, "_djinn", None) is None and len(got) == 3
 
 
+@pytest.mark.parametrize("how", ["peft-like wrap", "resized embeddings"])
+def test_parameters_added_after_the_move_are_refused_typed(remote, how):
+    """A submodule wrapped (peft's get_peft_model renames c_attn.weight to
+    c_attn.base_layer.weight and adds meta lora weights) or resized after the move: it
+    said "the appliance sent no weight" (a review)."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base_layer(x)
+
+    model = _gpt2()
+    model.to(R)
+    if how == "resized embeddings":
+        model.resize_token_embeddings(512, mean_resizing=False)
+    else:
+        attn = model.transformer.h[0].attn
+        attn.c_attn = Wrapped(attn.c_attn)
+    model.train()
+    with pytest.raises(UnsupportedOp, match="was added or reshaped since the move"):
+        model(torch.tensor([[1, 2, 3]]).to(R))
+    assert model._djinn is not None
+
+
 def test_training_one_copy_leaves_the_shared_model_as_it_was(remote):
     """The copies are the session's: another handle on the same registered weights (one
     model on the appliance for both) still runs the weights as registered."""
@@ -281,12 +308,12 @@ def test_a_registered_model_moves_back_and_casts(remote):
 
 
 def test_weights_written_while_they_were_meta_are_refused_typed(remote):
-    """load_state_dict after the move wrote into meta tensors: nothing to take back. The
+    """An in-place edit after the move wrote into a meta tensor: nothing to take back. The
     refusal loses nothing: the model stays registered."""
     model = _gpt2()
     model.to(R)
-    with pytest.warns(UserWarning, match="meta parameter"):  # torch's own: a no-op
-        model.load_state_dict(_gpt2(seed=1).state_dict())
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(2)  # a no-op on meta, its version counted
     model.train()
     with pytest.raises(UnsupportedOp, match=r"'transformer\.wte\.weight' was written since"):
         model(torch.tensor([[1, 2, 3]]).to(R))

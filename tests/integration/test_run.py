@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_together
 
@@ -180,3 +181,28 @@ def test_with_no_appliance_configured_an_embedded_one_serves_and_stops(tmp_path,
     )
     assert remote.returncode == 0, remote.stderr
     assert remote.stdout == local.stdout
+
+
+def test_factories_asked_for_pinned_memory_work_as_on_cuda(appliance, tmp_path):
+    """A CUDA script's pinned host tensors (safetensors' load_file(device="cuda"), peft's
+    adapter loading, a hand-made staging buffer) raised NotImplementedError: PyTorch asks
+    the backend's C++ hooks for the pinned allocator (a review)."""
+    from safetensors.torch import save_file
+
+    weights = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    script = tmp_path / "pinned.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import torch
+        from safetensors.torch import load_file
+        staging = torch.empty(8, pin_memory=True)
+        print("pinned", staging.is_pinned(), torch.zeros(2, pin_memory=True).is_pinned())
+        w = load_file({str(tmp_path / "w.safetensors")!r}, device="cuda")["w"]
+        print("loaded", w.device.type, w.is_cuda, w.sum().item())
+        """)
+    )
+    done = _djinn_run(appliance, script)
+    assert done.returncode == 0, done.stderr
+    assert "pinned True True" in done.stdout
+    assert "loaded remote_accelerator True 66.0" in done.stdout
