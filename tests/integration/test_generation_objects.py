@@ -26,6 +26,15 @@ def _gpt2(vocab: int = 500) -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
+def _t5() -> transformers.T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        num_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=500,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(cfg).eval()
+
+
 class Recorder:
     """A streamer that keeps what it is given, in order."""
 
@@ -65,20 +74,7 @@ def test_a_generation_config_argument_is_merged_as_transformers_merges_it(remote
 
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
 def test_a_streamer_is_given_what_eager_gives_it(remote, family):
-    if family == "gpt2":
-        model = _gpt2()
-    else:
-        torch.manual_seed(0)
-        cfg = transformers.T5Config(
-            num_layers=1,
-            d_model=32,
-            d_ff=64,
-            num_heads=2,
-            d_kv=16,
-            vocab_size=500,
-            decoder_start_token_id=0,
-        )
-        model = transformers.T5ForConditionalGeneration(cfg).eval()
+    model = _gpt2() if family == "gpt2" else _t5()
     local = copy.deepcopy(model)
     model.to(R)
     got, want = Recorder(), Recorder()
@@ -144,17 +140,7 @@ def test_the_prompt_by_keyword_as_eager_takes_it(remote):
     assert (
         got.cpu().tolist() == local.generate(inputs=IDS, max_new_tokens=3, pad_token_id=0).tolist()
     )
-    torch.manual_seed(0)
-    cfg = transformers.T5Config(
-        num_layers=1,
-        d_model=32,
-        d_ff=64,
-        num_heads=2,
-        d_kv=16,
-        vocab_size=500,
-        decoder_start_token_id=0,
-    )
-    t5 = transformers.T5ForConditionalGeneration(cfg).eval()
+    t5 = _t5()
     local = copy.deepcopy(t5)
     t5.to(R)
     start = torch.tensor([[0, 7, 9]])
