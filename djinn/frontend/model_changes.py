@@ -120,7 +120,9 @@ _CONFIG_VOLATILE = frozenset(
 # of one is sent as that argument, not refused: transformers' Trainer sets
 # ``config.use_cache = False`` itself, and ``Trainer.evaluate()`` of a model moved in eval
 # mode was refused (a review). Note [call settings] in remote_module.py.
-CALL_SETTINGS = ("use_cache", "output_attentions", "output_hidden_states")
+# output_attentions is not one: set on the config, transformers 5 changes the attention
+# implementation with it, and the appliance's model returned empty attentions (a review)
+CALL_SETTINGS = ("use_cache", "output_hidden_states")
 
 
 def config_snapshot(module: torch.nn.Module) -> dict[str, Any]:
@@ -236,6 +238,15 @@ def changed(module: torch.nn.Module, binding: Any) -> str | None:
     return what
 
 
+def _not_meta(module: torch.nn.Module) -> str | None:
+    """The first parameter or buffer of a model that moved which is not a meta tensor."""
+    for kind in ("parameter", "buffer"):
+        for name, t in getattr(module, f"named_{kind}s")(remove_duplicate=False):
+            if not t.is_meta:
+                return f"its {kind} {name!r} was added or replaced"
+    return None
+
+
 def _what_changed(module: torch.nn.Module, binding: Any) -> str | None:
     modules = modules_of(module)
     if not binding.modules:  # built weightless (djinn.from_pretrained), a deep copy: now
@@ -250,6 +261,11 @@ def _what_changed(module: torch.nn.Module, binding: Any) -> str | None:
         return "a submodule was removed"
     weights = _tensors_of(module.named_parameters(remove_duplicate=False))
     if not binding.weights and binding.dtypes:  # the first call: as the move left them
+        # (all meta: one that is not was put there since, ``load_state_dict(assign=True)``
+        # through a wrapper, and was taken for the registered one: a review, 0.383 off)
+        placed = _not_meta(module)
+        if placed is not None:
+            return placed
         binding.weights = tuple((n, ident, 0, binding.dtypes.get(n)) for n, ident, _, _ in weights)
     elif not binding.weights:  # built weightless: its own initialisation wrote its meta tensors
         binding.weights = weights

@@ -179,3 +179,70 @@ def test_load_state_dict_after_the_move_loads(remote):
     assert getattr(moved, "_djinn", None) is None
     with torch.no_grad():
         assert torch.allclose(moved(_ids().to(R)).logits.cpu(), local(_ids()).logits, atol=1e-5)
+
+
+def _family(name: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "bert classifier":  # its forward takes use_cache through **kwargs
+        cfg = transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            vocab_size=100,
+        )  # fmt: skip
+        return transformers.BertForSequenceClassification(cfg).eval()
+    cfg = transformers.T5Config(  # its stacks read configs of their own: eager ignores it
+        d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=100, d_kv=16,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["bert classifier", "t5"])
+@pytest.mark.parametrize("setting, value", [("use_cache", False), ("output_hidden_states", True)])
+def test_call_settings_follow_which_modules_read_them(remote, name, setting, value):
+    """Note [call settings]: the first version refused use_cache for a BERT classifier
+    (Trainer.evaluate() of any of them) and sent T5 a use_cache its stacks never read from
+    the top-level config (a review: no cache where eager returns one)."""
+    local, moved = _family(name), _family(name).to(R)
+    for m in (local, moved):
+        setattr(m.config, setting, value)
+    kwargs = {"input_ids": _ids().remainder(100)}
+    if name == "t5":
+        kwargs["decoder_input_ids"] = kwargs["input_ids"][:, :3]
+    with torch.no_grad():
+        want = local(**kwargs)
+        got = moved(**{k: v.to(R) for k, v in kwargs.items()})
+    assert got.keys() == want.keys()
+    assert torch.allclose(got.logits.cpu(), want.logits, atol=1e-5)
+
+
+def test_generate_after_a_call_setting_changed_runs(remote):
+    """config.output_hidden_states = True then generate(): refused as a generate()
+    argument the appliance does not take (a review); eager's generation_config rules."""
+    local, moved = _model(), _model(R)
+    for m in (local, moved):
+        m.config.output_hidden_states = True
+    ids = _ids()
+    got = moved.generate(ids.to(R), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert (
+        got.cpu().tolist()
+        == local.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0).tolist()
+    )
+
+
+def test_weights_assigned_through_a_wrapper_before_the_first_call_are_found(remote):
+    """load_state_dict(assign=True) through a wrapper put CPU parameters in the registered
+    model before its first call, which took them for the registered ones: the registered
+    weights ran, 0.383 off eager (a review)."""
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m: torch.nn.Module) -> None:
+            super().__init__()
+            self.m = m
+
+    moved = _model(R)
+    Wrap(moved).load_state_dict({f"m.{k}": v for k, v in _other().items()}, assign=True)
+    with pytest.raises(DjinnError, match="was added or replaced") as info:
+        moved(_ids().to(R))
+    assert info.value.code == "UNSUPPORTED_OP"
