@@ -9,8 +9,9 @@ refused at the next call, and a program could not train the model it had moved, 
 it back (``.cpu()`` raised torch's "Cannot copy out of meta tensor", untyped), nor cast it
 (``.half()``).
 
-So a call made in training mode (``.train()``, or a submodule's), and a conversion of the
-weights, first asks the appliance to copy the registered weights into handles of
+So a call made in training mode (``.train()``, or a submodule's), a conversion of the
+weights and ``load_state_dict`` (a Trainer resuming from a checkpoint) first ask the
+appliance to copy the registered weights into handles of
 the session (CALL ``$weights``), puts them in the local module's meta tensors, and drops
 the registration from the module: it is a module of remote tensors from then on, as if it
 had moved in training mode, and runs on the graph path, op by op, with autograd. Only the
@@ -20,9 +21,10 @@ usable; a session's copy of the weights is made only for a model that trains. Ea
 parameter keeps its identity (``torch.utils.swap_tensors``, as the move itself does: Note
 [parameters keep their identity] in ties.py), so an optimizer built over
 ``model.parameters()`` before ``.train()`` steps the copies, and ties stay ties. A
-parameter or buffer that the program wrote while it was meta here (``load_state_dict``
-after the move wrote nothing) has no value anywhere: refused, typed, before anything is
-sent. One the program replaced by a tensor of its own keeps it.
+parameter or buffer that the program wrote in place while it was meta here (an edit after
+the move wrote nothing) has no value anywhere, nor has one added or renamed since
+(``get_peft_model``): refused, typed, before anything is sent. One the program replaced
+by a tensor of its own keeps it.
 """
 
 from __future__ import annotations
