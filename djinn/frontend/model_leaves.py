@@ -38,6 +38,7 @@ from djinn.errors import InvalidArgument, UnsupportedOp
 from djinn.protocol.frames import WEIGHTS_METHOD
 
 from . import ties
+from .device import is_remote, mapped_source
 
 
 def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
@@ -138,3 +139,31 @@ def _fill(module: torch.nn.Module, copies: Any) -> None:
         for key, b in list(m._buffers.items()):
             if b is not None and id(b) in given:
                 m._buffers[key] = given[id(b)]
+
+
+def converts_nothing(module: torch.nn.Module, fn: Any) -> bool:
+    """Whether ``fn`` leaves every tensor of a registered model where and what it is:
+    asked of an empty meta tensor of each of its dtypes (its own tensors are meta)."""
+    dtypes = {t.dtype for t in itertools.chain(module.parameters(), module.buffers())}
+    for dtype in dtypes:
+        probe = torch.empty(0, dtype=dtype, device="meta")
+        try:
+            out = fn(probe)
+        except Exception:  # .cpu(): "Cannot copy out of meta tensor"
+            return False
+        if out.dtype != dtype or not (out.is_meta or on_appliance(out.device)):
+            return False
+    return True
+
+
+def put_in_training(module: torch.nn.Module, binding: Any) -> bool:
+    """Whether the program put a module the model was registered with in training mode (a
+    module it added is in training mode as built: that is a change, refused)."""
+    registered = {ident for _, ident, _ in binding.modules}
+    return any(m.training and id(m) in registered for m in module.modules())
+
+
+def on_appliance(device: torch.device) -> bool:
+    """Whether ``device`` is the appliance's: the remote device, or the one ``djinn run``
+    maps to it (cuda)."""
+    return is_remote(device) or device.type == mapped_source()

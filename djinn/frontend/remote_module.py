@@ -16,9 +16,7 @@ tensors as LazyTensors bound to handles, other objects (a ``DynamicCache``) as
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -37,70 +35,14 @@ from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
-from . import model_changes, model_twin, seeded, ties
-from .device import DEVICE_TYPE, is_remote, mapped_source
+from . import call_settings, generate_args, model_changes, model_leaves, model_twin, seeded, ties
+from .device import DEVICE_TYPE
+from .remote_objects import RemoteObject
 
 log = logging.getLogger("djinn.frontend.model")
 UPLOAD_CHUNK = 256 << 20  # bytes per put while uploading weights (progress granularity)
 PROGRESS_MIN = 256 << 20  # show upload progress for models at least this big
 _local = threading.local()
-
-
-class RemoteObject:
-    """An object that lives in a session on the appliance (a KV cache...)."""
-
-    __slots__ = ("__weakref__", "_finalizer", "cls", "oid", "seq_length", "session")
-
-    def __init__(self, session: Any, oid: str, cls: str) -> None:
-        self.session, self.oid, self.cls = session, oid, cls
-        self.seq_length: int | None = None  # a KV cache's, as the last call left it
-        self._finalizer = weakref.finalize(self, session._free_object_later, oid)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """A KV cache's length, as the last model call that grew it said (Note [cache
-        lengths] in appliance/model_handlers.py): no request is made."""
-        if self.seq_length is None or layer_idx != 0:
-            return self.__getattr__("get_seq_length")
-        return self.seq_length
-
-    def rebind(self, oid: str) -> None:
-        """Refer to ``oid``, this object's twin rebuilt after its worker was lost
-        (Note [lineage journal] in djinn/runtime/lineage.py)."""
-        self._finalizer.detach()
-        self.oid = oid
-        self._finalizer = weakref.finalize(self, self.session._free_object_later, oid)
-
-    def __repr__(self) -> str:
-        return f"RemoteObject({self.cls.rsplit('.', 1)[-1]}, id={self.oid[:8]}…)"
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        # copy.deepcopy found the session's connection inside and raised an untyped
-        # "cannot pickle 'mmap.mmap' object" (a review: transformers' recipe for reusing
-        # a prompt's cache copies it)
-        kind = self.cls.rsplit(".", 1)[-1]
-        raise UnsupportedOp(
-            f"a {kind} kept on the appliance cannot be copied (copy.deepcopy, pickle): it "
-            "lives in the session there and has no value here. To reuse a prompt's cache "
-            "for several continuations, run the prompt again for each one"
-        )
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.__deepcopy__({})
-
-    def __getattr__(self, name: str) -> Any:
-        # only for names it lacks (its slots are found first): a decode loop asking a
-        # kept cache for ``get_seq_length()`` met "'RemoteObject' object has no attribute"
-        if name.startswith("__"):
-            raise AttributeError(name)  # the protocols copy and pickle probe for
-        kind = self.cls.rsplit(".", 1)[-1]
-        raise AttributeError(
-            f"{kind}.{name}: this {kind} stays on the appliance (a RemoteObject) and runs "
-            "no method here; pass it back to the model (past_key_values=...) while that "
-            "runs on the model path (called in training mode, it has left it: Note [a "
-            "registered model trains]), or keep "
-            "what you need of it yourself (the length of a KV cache is the number of "
-            "tokens the model has been given)"
-        )
 
 
 def wants_model_path(module: torch.nn.Module) -> bool:
@@ -291,17 +233,10 @@ class RemoteModelMixin:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``generate()`` on the appliance; a ``generation_config=`` and a ``streamer`` are
         taken here (Note [generation objects])."""
-        streamer = kwargs.pop("streamer", None)
-        if "inputs" in kwargs:  # generate()'s name for the model's main input
-            kwargs[getattr(self, "main_input_name", "input_ids")] = kwargs.pop("inputs")
-        if streamer is not None and _beams(self, kwargs) > 1:  # eager's check, before it runs
-            raise ValueError(
-                "`streamer` cannot be used with beam search (yet!). Make sure that "
-                "`num_beams` is set to 1."
-            )
+        streamer = generate_args.take_streamer(self, kwargs)
         out = call(self, "generate", args, kwargs)
         if streamer is not None:
-            _stream(self, streamer, args, kwargs, out)
+            generate_args.stream(self, streamer, args, kwargs, out)
         return out
 
     @property
@@ -333,18 +268,22 @@ class RemoteModelMixin:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         tensors = itertools.chain(self.parameters(), self.buffers())  # what Module.to casts
         floats = {t.dtype for t in tensors if t.is_floating_point() or t.is_complex()}
-        if (device is None or _appliance(device)) and (dtype is None or {dtype} >= floats):
+        if (device is None or model_leaves.on_appliance(device)) and (
+            dtype is None or {dtype} >= floats
+        ):
             return self  # where and what it is already: stays on the model path
         return super().to(*args, **kwargs)  # through _apply, below
 
     def cuda(self, device: Any = None) -> Any:
-        return self if _appliance(torch.device("cuda")) else super().cuda(device)
+        return self if model_leaves.on_appliance(torch.device("cuda")) else super().cuda(device)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """A move back (``.cpu()``), a cast (``.half()``) or any conversion of the weights
         needs them here: taken off the model path first (Note [a registered model
         trains]), then converted as any remote module's are."""
-        if _converts_nothing(self, fn):  # .float() of a float32 model, .cuda() under djinn run
+        if model_leaves.converts_nothing(
+            self, fn
+        ):  # .float() of a float32 model, .cuda() under djinn run
             return self
         _leave(self)
         return self._apply(fn, recurse)  # the plain class's, now
@@ -361,34 +300,10 @@ class RemoteModelMixin:
         return self  # its tensors are on the appliance: a no-op, as for CUDA tensors
 
 
-def _converts_nothing(module: torch.nn.Module, fn: Any) -> bool:
-    """Whether ``fn`` leaves every tensor of a registered model where and what it is:
-    asked of an empty meta tensor of each of its dtypes (its own tensors are meta)."""
-    dtypes = {t.dtype for t in itertools.chain(module.parameters(), module.buffers())}
-    for dtype in dtypes:
-        probe = torch.empty(0, dtype=dtype, device="meta")
-        try:
-            out = fn(probe)
-        except Exception:  # .cpu(): "Cannot copy out of meta tensor"
-            return False
-        if out.dtype != dtype or not (out.is_meta or _appliance(out.device)):
-            return False
-    return True
-
-
-def _put_in_training(module: torch.nn.Module, binding: _RemoteBinding) -> bool:
-    """Whether the program put a module the model was registered with in training mode (a
-    module it added is in training mode as built: that is a change, refused)."""
-    registered = {ident for _, ident, _ in binding.modules}
-    return any(m.training and id(m) in registered for m in module.modules())
-
-
 def _leave(module: torch.nn.Module, binding: _RemoteBinding | None = None) -> None:
     """Off the model path, with the registered weights copied into the session (Note [a
     registered model trains]). Once: a thread that waited on the lock while another took
     the model off finds it off (a review: an untyped AttributeError)."""
-    from . import model_leaves
-
     binding = binding or module.__dict__.get("_djinn")
     if binding is None:
         return
@@ -398,12 +313,6 @@ def _leave(module: torch.nn.Module, binding: _RemoteBinding | None = None) -> No
         model_leaves.take_weights(module, binding, _decode)
         module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
         del module.__dict__["_djinn"]
-
-
-def _appliance(device: torch.device) -> bool:
-    """Whether ``device`` is the appliance's: the remote device, or the one ``djinn run``
-    maps to it (cuda)."""
-    return is_remote(device) or device.type == mapped_source()
 
 
 _classes: dict[type, type] = {}
@@ -544,146 +453,6 @@ def _hints(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]
                 m._buffers.update(buffers)
 
 
-# Note [call settings]: a forward reads some config settings as the default of its argument
-# of the same name (model_changes.CALL_SETTINGS: use_cache, output_hidden_states). One the
-# program changed since the registration is sent as that argument, where the call did not
-# pass it, so the appliance's model, built from the registered config, does what the
-# local one would; transformers' Trainer sets ``config.use_cache`` itself, and
-# ``Trainer.evaluate()`` was refused (a review). Which modules read it decides (a second
-# review): none (ViT, DistilBERT have no such argument) or only modules with a config of
-# their own (T5's stacks deep-copy theirs, so eager ignores the top-level change): the
-# change does nothing in eager either, and is not sent. Modules sharing the model's config
-# (GPT-2, BART, BERT's encoder): sent, through the top-level forward's argument or its
-# ``**kwargs``. Both at once, or a forward that cannot take it: refused, typed.
-def _with_call_settings(
-    module: torch.nn.Module, binding: _RemoteBinding, kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    changed = {
-        k: v
-        for k, v in model_changes.call_settings(module).items()
-        if k not in kwargs and binding.settings and v != binding.settings.get(k)
-    }
-    sent: dict[str, Any] = {}
-    for key, value in changed.items():
-        route = _route(module, key)
-        if route == "refuse":
-            raise UnsupportedOp(
-                f"{type(module).__name__} runs on the appliance as it was registered when it "
-                f"moved (the model path); since then, its config's {key!r} was changed, and "
-                "its forward cannot take it as an argument. Make such changes before the "
-                "move (Note [call settings])"
-            )
-        if route == "send":
-            sent[key] = value
-    return {**kwargs, **sent} if sent else kwargs
-
-
-def _route(module: torch.nn.Module, key: str) -> str:
-    """send, drop or refuse a changed config setting ``key`` (Note [call settings])."""
-    named, open_kwargs = _forward_arguments(type(module))
-    readers = [m for m in module.modules() if m is not module and _reads(m, key)]
-    shared = [m.config is module.config for m in readers]
-    if readers and not any(shared):
-        return "drop"  # read only from configs of their own: as eager, which ignores it
-    if not readers and key not in named:
-        return "drop"  # read nowhere
-    if not all(shared) or not (key in named or open_kwargs):
-        return "refuse"
-    return "send"
-
-
-def _reads(m: torch.nn.Module, key: str) -> bool:
-    """Whether ``m`` reads ``key`` from its config: a module with one whose forward takes
-    it (a layer without a config is given the value by the module above it)."""
-    if getattr(m, "config", None) is None:
-        return False
-    named, open_kwargs = _forward_arguments(type(m))
-    return key in named or (key == "output_hidden_states" and open_kwargs)  # TransformersKwargs
-
-
-@functools.lru_cache(maxsize=256)
-def _forward_arguments(cls: type) -> tuple[frozenset[str], bool]:
-    """The names ``cls.forward`` takes, and whether it takes ``**kwargs`` as well."""
-    try:
-        parameters = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
-        return frozenset(), False
-    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return frozenset(parameters), open_kwargs
-
-
-# Note [generation settings]: the appliance builds a registered model from its config, so
-# its generation_config is the one transformers derives from that config; the client's
-# may say otherwise: set by the program (``model.generation_config.do_sample = True``) or
-# read from a ``generation_config.json``. Run with the appliance's, a model meant to
-# sample decoded greedily, with no error. So every ``generate()`` sends the settings
-# where the client's generation_config differs from the config's own as arguments (what
-# the call passes wins, as in transformers); one the appliance does not take for
-# ``generate()`` is refused, typed, naming it, rather than left out.
-def _generation_settings(module: torch.nn.Module, given: Any = None) -> dict[str, Any]:
-    mine, config = getattr(module, "generation_config", None), getattr(module, "config", None)
-    if given is not None:
-        mine = _given_generation_config(given, mine)
-    if mine is None or config is None:
-        return {}
-    from transformers import GenerationConfig
-
-    base = GenerationConfig.from_model_config(config).to_dict()
-    return {
-        k: v
-        for k, v in mine.to_dict().items()
-        if not k.startswith("_") and k != "transformers_version" and base.get(k) != v
-    }
-
-
-# Note [generation objects]: two Python objects of ``generate()``'s arguments are taken on
-# the client, since neither can cross to the appliance (code would run there):
-# - ``generation_config=``: as transformers does, its settings that are set (not None) win
-#   over the model's ``generation_config``, which fills the rest; the result is sent as
-#   arguments (Note [generation settings]), and the call's own arguments win over both.
-# - ``streamer`` (``TextStreamer``, ``TextIteratorStreamer``): given what eager gives it, the
-#   prompt, then each new token, then ``end()``, once the call returns: generation runs
-#   whole on the appliance, so the tokens arrive together, not one by one as they are
-#   made. The text is the same; a program that shows tokens as they come shows them at
-#   the end. A batch of more than one is refused by the streamer itself, as in eager.
-# ``stopping_criteria``, ``logits_processor`` and the like are code: refused, typed.
-def _given_generation_config(given: Any, mine: Any) -> Any:
-    from transformers import GenerationConfig
-
-    if not isinstance(given, GenerationConfig):
-        raise InvalidArgument(f"generation_config must be a GenerationConfig, not {type(given)}")
-    merged = copy.deepcopy(given)
-    for key, value in (mine.to_dict() if mine is not None else {}).items():
-        if getattr(merged, key, None) is None:
-            setattr(merged, key, value)
-    return merged
-
-
-def _beams(module: torch.nn.Module, kwargs: dict) -> int:
-    """The beams a ``generate()`` call would search with: its argument, else its
-    ``generation_config=``'s, else the model's."""
-    for source in (kwargs, getattr(kwargs.get("generation_config"), "__dict__", {})):
-        if source.get("num_beams") is not None:
-            return int(source["num_beams"])
-    return int(getattr(getattr(module, "generation_config", None), "num_beams", None) or 1)
-
-
-def _stream(module: torch.nn.Module, streamer: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Give ``streamer`` what eager's generate() would have (Note [generation objects])."""
-    sequences = getattr(out, "sequences", out)
-    tokens = sequences.cpu() if isinstance(sequences, torch.Tensor) else torch.as_tensor(sequences)
-    if getattr(module.config, "is_encoder_decoder", False):
-        given = kwargs.get("decoder_input_ids")  # else the decoder's start token
-        prompt = int(given.shape[-1]) if isinstance(given, torch.Tensor) else 1
-    else:
-        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        prompt = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0
-    streamer.put(tokens[:, :prompt])
-    for step in range(prompt, tokens.shape[-1]):
-        streamer.put(tokens[:, step])
-    streamer.end()
-
-
 def _checked(
     module: torch.nn.Module, binding: Any, method: str, args: tuple, kwargs: dict
 ) -> tuple[str | None, dict[str, Any] | None]:
@@ -705,7 +474,7 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
         gone = module.__dict__.get("_djinn") is not binding  # another thread took it off
         if not gone:
             what, hints = _checked(module, binding, method, args, kwargs)
-            gone = what is not None and _put_in_training(module, binding)
+            gone = what is not None and model_leaves.put_in_training(module, binding)
     if gone:  # Note [a registered model trains]: the graph path from now on
         _leave(module, binding)
         return getattr(module, "__call__" if method == "forward" else method)(*args, **kwargs)
@@ -717,14 +486,9 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
             "on the graph path, which follows them (Note [a registered model changed])"
         )
     if method == "forward":
-        kwargs = _with_call_settings(module, binding, kwargs)
+        kwargs = call_settings.with_call_settings(module, binding.settings, kwargs)
     if method == "generate":
-        given = kwargs.pop("generation_config", None)
-        settings = _generation_settings(module, given)
-        for key in model_changes.CALL_SETTINGS:  # derived from a changed config, not set
-            if key in settings and settings[key] == binding.settings.get(key, settings[key]):
-                del settings[key]
-        kwargs = {**settings, **kwargs}
+        kwargs = generate_args.generate_kwargs(module, binding.settings, kwargs)
     inline: list[torch.Tensor] = []
     body = {
         "fingerprint": binding.fingerprint,
