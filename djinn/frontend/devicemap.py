@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import pinned
 from .device import DEVICE_TYPE, pop_mapped, push_mapped
-from .extension_points import CUDA_QUERIES, register
+from .extension_points import ACCELERATE_FP16, CUDA_QUERIES, register
 
 
 def _target(dev: Any, source: str, index_base: int) -> Any:
@@ -75,10 +75,12 @@ class DeviceMap(TorchFunctionMode):
 
 def install(source: str = "cuda") -> DeviceMap:
     """Enter the mapping for the calling thread; for CUDA, answer torch.cuda's queries for
-    the appliance (Note [cuda queries]) until ``uninstall``."""
+    the appliance (Note [cuda queries]) and admit the appliance to accelerate's fp16 (Note
+    [accelerate's fp16]) until ``uninstall``."""
     register()
     if source == "cuda":
         CUDA_QUERIES.acquire()
+        ACCELERATE_FP16.acquire()  # Note [accelerate's fp16]
     mode = DeviceMap(source)
     mode.__enter__()
     push_mapped(source)
@@ -89,4 +91,5 @@ def uninstall(mode: DeviceMap) -> None:
     mode.__exit__(None, None, None)
     pop_mapped()
     if mode.source == "cuda":
+        ACCELERATE_FP16.release()
         CUDA_QUERIES.release()

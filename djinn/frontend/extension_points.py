@@ -19,6 +19,8 @@ PyTorch is as it was). Which holder, and so which scope, each one has:
 |                 | by default (Note [foreach by default])           |                       |
 | FORWARD_HOOKS   | global module forward hooks (module paths)       | open ``capture()``    |
 | CUDA_QUERIES    | ``torch.cuda`` queries answered for the appliance| ``djinn run``         |
+| ACCELERATE_FP16 | the remote device among accelerate's fp16 devices| ``djinn run``         |
+|                 | (Note [accelerate's fp16])                       |                       |
 | META_PARAMETERS | a parameter-registration hook (ghost loading)    | ``from_pretrained``   |
 | RECORDING_HOOKS | global module-forward and optimizer-step hooks   | a ``replayable``      |
 |                 | (what a recording used: Note [replayable         | recording             |
@@ -63,6 +65,7 @@ from typing import Any
 import torch
 
 from . import (
+    accelerate_fp16,
     affine_grid,
     attention,
     autocast,
@@ -398,6 +401,8 @@ FOREACH_TYPES = Attachment("foreach_types", _attach_foreach_types, _detach_forea
 FORWARD_HOOKS = Attachment("forward_hooks", _attach_forward_hooks, _detach_hooks)
 BACKWARD_HOOKS = Attachment("backward_hooks", _attach_backward_hooks, hook_errors.detach)
 CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_queries)
+# Note [accelerate's fp16] (accelerate_fp16.py)
+ACCELERATE_FP16 = Attachment("accelerate_fp16", accelerate_fp16.attach, accelerate_fp16.detach)
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
@@ -414,6 +419,7 @@ ALL = (
     FORWARD_HOOKS,
     BACKWARD_HOOKS,
     CUDA_QUERIES,
+    ACCELERATE_FP16,
     META_PARAMETERS,
     RECORDING_HOOKS,
     DYNAMO_SKIP,

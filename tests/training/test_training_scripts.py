@@ -43,3 +43,32 @@ def test_script_under_djinn_run_matches_local_cpu(appliance, tmp_path, script):
         got = remote["params"][name]
         assert got.device.type == "remote_accelerator", name  # saved with its device
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_accelerate_fp16_under_djinn_run_is_the_amp_recipe(appliance, tmp_path):
+    """Note [accelerate's fp16]: ``Accelerator(mixed_precision="fp16")`` under ``djinn run``
+    was refused (the device type is not in accelerate's list). Now it trains, and does what
+    the same steps written with ``torch.autocast`` and ``GradScaler`` do there, bit for bit.
+    Against the by-hand steps on the local CPU the losses agree to fp16's rounding only:
+    the remote device's autocast has CUDA's op policy (autocast.py), the CPU's differs (its
+    softmax and layer_norm run in float16, CUDA's in float32), so the bar there is 1e-4."""
+    outs = {name: tmp_path / f"{name}.pt" for name in ("accelerate", "by_hand", "cpu")}
+    calls = [
+        _call("accelerate_fp16", outs["accelerate"], appliance.unix),
+        _call("accelerate_fp16", outs["by_hand"], appliance.unix),
+        _call("accelerate_fp16", outs["cpu"], None),
+    ]
+    for call in calls[1:]:
+        call["args"].append("by_hand")
+    for done in run_together(*calls):
+        assert done.returncode == 0, done.stderr[-3000:]
+    got = {name: torch.load(out) for name, out in outs.items()}  # written by our own script
+    assert got["accelerate"]["losses"] == got["by_hand"]["losses"]
+    for name, want in got["by_hand"]["params"].items():
+        assert torch.equal(got["accelerate"]["params"][name].cpu(), want.cpu()), name
+    torch.testing.assert_close(
+        torch.tensor(got["accelerate"]["losses"]),
+        torch.tensor(got["cpu"]["losses"]),
+        rtol=0,
+        atol=1e-4,
+    )

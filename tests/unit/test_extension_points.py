@@ -199,3 +199,43 @@ def test_compile_wrappers_go_on_whenever_dynamo_is_imported_and_come_off():
         )
         loaded = "loaded" if first else "not-loaded"
         assert out.split() == [loaded, "True", "True", "True", "True"], out
+
+
+def test_accelerate_fp16_admits_the_remote_device_and_puts_accelerate_back():
+    """Note [accelerate's fp16]: imported before or after the attachment, accelerate's fp16
+    check lists the remote device while ``djinn run`` holds it, and its code is as it was
+    after; an ``__init__`` without the check is left alone."""
+    out = _run(
+        """
+        import sys
+        import djinn
+        from djinn.frontend import accelerate_fp16, extension_points as ep
+
+        def fp16_devices(cls):
+            return [c for c in cls.__init__.__code__.co_consts
+                    if isinstance(c, tuple) and "mps" in c]
+
+        ep.ACCELERATE_FP16.acquire()  # before accelerate is imported: on its import
+        assert "accelerate.accelerator" not in sys.modules
+        from accelerate import Accelerator
+        code = Accelerator.__init__.__code__
+        assert "remote_accelerator" in fp16_devices(Accelerator)[0]
+        ep.ACCELERATE_FP16.release()
+        assert "remote_accelerator" not in fp16_devices(Accelerator)[0]
+        original = Accelerator.__init__.__code__
+        assert original is not code
+        ep.ACCELERATE_FP16.acquire()  # accelerate loaded: at once
+        assert "remote_accelerator" in fp16_devices(Accelerator)[0]
+        ep.ACCELERATE_FP16.release()
+        assert Accelerator.__init__.__code__ is original
+
+        class Other:  # an accelerate whose check changed: nothing touched
+            def __init__(self):
+                self.kinds = ("cuda", "xpu")
+        mod = type(sys)("fake")
+        mod.Accelerator = Other
+        assert accelerate_fp16._admit(mod) is None
+        print("ok")
+        """
+    )
+    assert out == "ok"
