@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import pinned
 from .device import DEVICE_TYPE, pop_mapped, push_mapped
-from .extension_points import ACCELERATE_FP16, CUDA_QUERIES, register
+from .extension_points import ACCELERATE_FP16, CUDA_QUERIES, MAPPED_GENERATOR, register
 
 
 def _target(dev: Any, source: str, index_base: int) -> Any:
@@ -81,6 +81,7 @@ def install(source: str = "cuda") -> DeviceMap:
     if source == "cuda":
         CUDA_QUERIES.acquire()
         ACCELERATE_FP16.acquire()  # Note [accelerate's fp16]
+        MAPPED_GENERATOR.acquire()  # torch.Generator("cuda")
     mode = DeviceMap(source)
     mode.__enter__()
     push_mapped(source)
@@ -91,5 +92,6 @@ def uninstall(mode: DeviceMap) -> None:
     mode.__exit__(None, None, None)
     pop_mapped()
     if mode.source == "cuda":
+        MAPPED_GENERATOR.release()
         ACCELERATE_FP16.release()
         CUDA_QUERIES.release()

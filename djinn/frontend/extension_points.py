@@ -21,6 +21,8 @@ PyTorch is as it was). Which holder, and so which scope, each one has:
 | CUDA_QUERIES    | ``torch.cuda`` queries answered for the appliance| ``djinn run``         |
 | ACCELERATE_FP16 | the remote device among accelerate's fp16 devices| ``djinn run``         |
 |                 | (Note [accelerate's fp16])                       |                       |
+| MAPPED_GENERATOR| ``torch.Generator("cuda")`` makes a CPU generator| ``djinn run``         |
+|                 | (mapped_generator.py)                            |                       |
 | META_PARAMETERS | a parameter-registration hook (ghost loading)    | ``from_pretrained``   |
 | RECORDING_HOOKS | global module-forward and optimizer-step hooks   | a ``replayable``      |
 |                 | (what a recording used: Note [replayable         | recording             |
@@ -75,6 +77,7 @@ from . import (
     factories,
     hook_errors,
     hooks,
+    mapped_generator,
     one_hot,
     pinned,
     recurrent,
@@ -403,6 +406,7 @@ BACKWARD_HOOKS = Attachment("backward_hooks", _attach_backward_hooks, hook_error
 CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_queries)
 # Note [accelerate's fp16] (accelerate_fp16.py)
 ACCELERATE_FP16 = Attachment("accelerate_fp16", accelerate_fp16.attach, accelerate_fp16.detach)
+MAPPED_GENERATOR = Attachment("mapped_generator", mapped_generator.attach, mapped_generator.detach)
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
@@ -420,6 +424,7 @@ ALL = (
     BACKWARD_HOOKS,
     CUDA_QUERIES,
     ACCELERATE_FP16,
+    MAPPED_GENERATOR,
     META_PARAMETERS,
     RECORDING_HOOKS,
     DYNAMO_SKIP,

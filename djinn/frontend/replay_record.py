@@ -177,6 +177,8 @@ def recorded(
         raise Miss(f"it calls {used.skipped}, which a replay would skip", final=True)
     ids = {id(n) for n in nodes}
     draws = [n.draw for n in nodes if n.rng is not None]  # Note [replayed draws]
+    if any(type(d) is seeded.OwnDraw for d in draws):  # Note [explicit generators]
+        raise Miss("it draws from a generator of its own (generator=)", final=True)
     if any(d is None for d in draws):
         raise Miss("it draws random numbers as many as its inputs' values say", final=True)
     if not seeded.drawn_alone(*generator, draws):

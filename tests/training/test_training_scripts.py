@@ -15,7 +15,14 @@ import djinn  # noqa: F401 - torch.load of the scripts' remote tensors needs the
 from tests.conftest import run_together
 
 HERE = Path(__file__).parent
-SCRIPTS = ["cnn_amp", "transformer_checkpoint", "dataloader_pinned", "optimizers", "resume"]
+SCRIPTS = [
+    "cnn_amp",
+    "transformer_checkpoint",
+    "dataloader_pinned",
+    "optimizers",
+    "resume",
+    "generator_sampling",
+]
 
 
 def _call(script: str, out: Path, remote_address: str | None) -> dict:

@@ -239,3 +239,36 @@ def test_accelerate_fp16_admits_the_remote_device_and_puts_accelerate_back():
         """
     )
     assert out == "ok"
+
+
+def test_mapped_generator_makes_cpu_generators_for_the_mapped_device_and_comes_off():
+    """``djinn run``'s ``torch.Generator("cuda")`` (mapped_generator.py): a CPU generator,
+    PyTorch's own class for isinstance; any other device's as PyTorch makes it; and
+    ``torch.Generator`` is PyTorch's again once released."""
+    out = _run(
+        """
+        import torch
+        import djinn
+        from djinn.frontend import extension_points as ep
+
+        original = torch.Generator
+        ep.MAPPED_GENERATOR.acquire()
+        for made in (torch.Generator("cuda"), torch.Generator(device="cuda:0"),
+                     torch.Generator("remote_accelerator"), torch.Generator()):
+            assert type(made) is original and made.device.type == "cpu", made
+            assert isinstance(made, torch.Generator)
+        assert isinstance(torch.default_generator, torch.Generator)
+        assert issubclass(original, torch.Generator)
+        assert torch.Generator.manual_seed is original.manual_seed
+        try:
+            torch.Generator("meta")
+        except RuntimeError as exc:  # PyTorch's own word on other devices
+            assert "meta" in str(exc).lower()
+        else:
+            raise AssertionError("a meta generator was made")
+        ep.MAPPED_GENERATOR.release()
+        assert torch.Generator is original
+        print("ok")
+        """
+    )
+    assert out == "ok"
