@@ -27,6 +27,7 @@ from . import (
     hooks,
     immediate,
     inference_views,
+    own_generators,
     seeded,
     shared_copies,
     tensor_copy,
@@ -456,7 +457,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         out = trace.follower.op(func, args, kwargs)
         if out is not trace_mod.MISSED:
             return out
-    generator, args, kwargs = seeded.own_generator(func, args, kwargs)
+    generator, args, kwargs = own_generators.taken(func, args, kwargs)
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
@@ -495,7 +496,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     except meta_mod.DataDependent:
         rng = None
         if seeded.SEEDED in func.tags:  # Note [seeded ops]
-            rng, _draw = seeded.advance_generator(func, args, kwargs, fetch, (), generator)
+            rng, _draw = own_generators.draw_for(func, args, kwargs, fetch, (), generator)
         return _run_now(func, trace, ref_args, ref_kwargs, rng, args, kwargs)
     # any other error (a shape mismatch...) propagates as the same RuntimeError eager raises
     if func in norm_stats.OPS:
@@ -522,7 +523,7 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
     node.module = hooks.module_path()
     writes.record_writes(node, func, args, kwargs)
     if seeded.SEEDED in func.tags and func not in seeded.DRAWS_NOTHING:
-        node.rng, node.draw = seeded.advance_generator(func, args, kwargs, fetch, specs, generator)
+        node.rng, node.draw = own_generators.draw_for(func, args, kwargs, fetch, specs, generator)
     outs: list[Any] = []
     with trace.lock:  # Note [a node and its outputs] (trace.py)
         trace.add(node)

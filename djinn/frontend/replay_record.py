@@ -16,7 +16,7 @@ from djinn.protocol import templates
 from djinn.runtime.graph_forms import worth_a_template
 from djinn.runtime.remote import RemoteTensor
 
-from . import replay_follow, seeded
+from . import own_generators, replay_follow, seeded
 from . import trace as trace_mod
 from .nodes import Pending
 from .replay_key import PLAIN, Miss, State, Used
@@ -177,7 +177,7 @@ def recorded(
         raise Miss(f"it calls {used.skipped}, which a replay would skip", final=True)
     ids = {id(n) for n in nodes}
     draws = [n.draw for n in nodes if n.rng is not None]  # Note [replayed draws]
-    if any(type(d) is seeded.OwnDraw for d in draws):  # Note [explicit generators]
+    if any(type(d) is own_generators.OwnDraw for d in draws):  # Note [explicit generators]
         raise Miss("it draws from a generator of its own (generator=)", final=True)
     if any(d is None for d in draws):
         raise Miss("it draws random numbers as many as its inputs' values say", final=True)

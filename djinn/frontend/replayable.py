@@ -97,7 +97,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import extension_points, known, replay_follow, seeded
+from . import extension_points, known, own_generators, replay_follow, seeded
 from . import trace as trace_mod
 from .replay_key import Miss, Used, Watch, key, named_tensors
 from .replay_record import Record, guarded, recorded
@@ -305,8 +305,9 @@ class Replayable:
                 for m in x.modules():
                     used.module_ran(m)
         entry = seeded.generators()  # Note [replayed draws]: what the call does with them
+        own = own_generators.OwnGenerators()  # Note [explicit generators]
         try:
-            with extension_points.watching(used), used.stepping_watched(self.fn):
+            with extension_points.watching(used), used.stepping_watched(self.fn), own:
                 result = self.fn(*args, **kwargs)
         finally:
             trace_mod.RECORDING = outer
@@ -314,6 +315,8 @@ class Replayable:
             tr.reads = None
             tr.guards = None
         try:
+            if own.seen:  # a draw of its own the replay would not make, local or remote
+                raise Miss("it draws from a generator of its own (generator=)", final=True)
             closure = named_tensors(self.fn)
             generator = (entry, seeded.generators())
             rec = recorded(tr, nodes, result, tensors, reads, used, closure, generator)

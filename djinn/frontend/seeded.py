@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from djinn.errors import UnsupportedOp
-
 from .device import DEVICE_TYPE
 
 SEEDED = torch.Tag.nondeterministic_seeded
@@ -125,7 +123,7 @@ class Draw:
         if self.learnt >= LEARN:
             _advance(self.count)
             return state
-        with _one_thread():  # the scratch tensors' fill too
+        with one_thread():  # the scratch tensors' fill too
             args, kwargs = self._scratch()
             out = self.func(*args, **kwargs)
         if self.learnt >= 0:
@@ -142,7 +140,7 @@ class Draw:
         draw = _drawer(self.func)
         if draw is None or self.kwargs.get("generator") is not None:
             return False
-        with _one_thread():
+        with one_thread():
             draw(*self._scratch(), generator)
         return True
 
@@ -158,13 +156,13 @@ class Draw:
         first = out[0] if isinstance(out, (tuple, list)) else out
         n = first.numel() if isinstance(first, torch.Tensor) else 0
         found = None
-        trial = torch.Generator()
-        for count in (2 * n, n) if n else ():
-            trial.set_state(start)
-            _advance(count, trial)
-            if torch.equal(trial.get_state(), after):
-                found = count
-                break
+        with private_generator() as trial:
+            for count in (2 * n, n) if n else ():
+                trial.set_state(start)
+                _advance(count, trial)
+                if torch.equal(trial.get_state(), after):
+                    found = count
+                    break
         if found is None or (self.count is not None and found != self.count):
             self.learnt = -1  # it draws some other way: as it is, always
             return
@@ -226,7 +224,7 @@ _OPENMP = "OpenMP" in torch.__config__.parallel_info()
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     if threads == 1 or not _OPENMP:
         yield
@@ -262,35 +260,46 @@ def _made(x: Any) -> Any:
     return x
 
 
+PRIVATE: set[int] = set()  # Djinn's own trial generators, alive while in use
+
+
+@contextlib.contextmanager
+def private_generator() -> Iterator[torch.Generator]:
+    """A private CPU generator (``OwnGenerators`` does not count its draws)."""
+    trial = torch._C.Generator()
+    PRIVATE.add(id(trial))
+    try:
+        yield trial
+    finally:
+        PRIVATE.discard(id(trial))
+
+
 def advance_generator(
     func: Any,
     args: tuple,
     kwargs: dict,
     read: Callable[[torch.Tensor], torch.Tensor],
     specs: tuple = (),
-    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """The generator state for ``func`` to run with, the generator then advanced as
     eager's would be (Note [seeded ops]); ``read`` gives a remote tensor's value, ``specs``
     the outputs' specs where known. And the ``Draw`` that advances it so again, but for
     an op that draws by its inputs' values (``DRAWS_BY_VALUE``) on the CPU generator,
     which reads them. On a GPU worker's session, the remote device's generator's (Note
-    [a GPU worker's generator]): a ``DeviceDraw``. ``generator``: the op's own, taken out
-    of ``kwargs`` (Note [explicit generators])."""
-    if generator is not None:
-        return _own_generator(func, args, kwargs, read, generator)
-    if _draws_on_device():
+    [a GPU worker's generator]): a ``DeviceDraw``. An op given a generator of the
+    program's own: own_generators.py."""
+    if draws_on_device():
         device_draw = DeviceDraw(_philox_increment(args, kwargs, specs))
         return device_draw.again(), device_draw
     if func not in DRAWS_BY_VALUE:
         draw = Draw(func, args, kwargs)
         return draw.again(), draw
     state = torch.get_rng_state()
-    _by_value(func, args, kwargs, read)
+    by_value(func, args, kwargs, read)
     return state, None
 
 
-def _by_value(
+def by_value(
     func: Any, args: tuple, kwargs: dict, read: Callable[[torch.Tensor], torch.Tensor]
 ) -> None:
     """Run ``func`` locally on copies of its remote tensors' values: the generator it
@@ -306,96 +315,6 @@ def _by_value(
 
     args = tuple(_scratch_args(v, copied) for v in args)
     func(*args, **{k: _scratch_args(v, copied) for k, v in kwargs.items()})
-
-
-# Note [explicit generators]: a random op given a generator of the program's own
-# (``torch.randn(..., generator=g, device=remote)``; diffusers' pipelines and samplers
-# pass one for reproducible noise) draws from that generator in eager PyTorch, and moves
-# it on, not the default one. A generator object cannot travel, and need not: on a CPU
-# worker the op is sent without it, with ``g``'s state as its seeded state (Note [seeded
-# ops]); the worker's default CPU generator, set to that state, draws what ``g`` would
-# (both are the same Mersenne Twister: the state is all there is to it). ``g`` is moved
-# on by the op again on scratch tensors with ``generator=g``, as the default generator is
-# for an op without one; the default generator is left alone, as in eager. Only a CPU
-# generator can be so: a CUDA generator (a client with a GPU of its own) is refused, and
-# so is any generator on a GPU worker's session, whose ops draw from the device's
-# generator (Note [a GPU worker's generator]). Under ``djinn run``,
-# ``torch.Generator("cuda")`` makes a CPU generator (devicemap.py): the numbers are the
-# local CPU's under the same seed, as every other random op's there. A replayable
-# function that draws from one runs as it is at every call: the generator a call passes
-# may be another object each time, which a recording would not see.
-def own_generator(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-    """The generator the program gave ``func`` (None if none), and its arguments with
-    None in its place: it is never sent (Note [explicit generators]). Where the schema
-    has it positional (``poisson``, ``binomial``), it comes positional."""
-    found = kwargs.get("generator")
-    if found is not None:
-        kwargs = {**kwargs, "generator": None}  # some schemas need it named
-    elif args and any(type(a) is torch.Generator for a in args):
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.name == "generator" and i < len(args) and args[i] is not None:
-                found, args = args[i], (*args[:i], None, *args[i + 1 :])
-    if found is not None and SEEDED not in func.tags:
-        raise UnsupportedOp(f"{func.name()}: cannot send a generator to the appliance")
-    return found, args, kwargs
-
-
-def _given(func: Any, args: Any, kwargs: dict, generator: torch.Generator) -> tuple:
-    """``func``'s arguments with ``generator`` where ``own_generator`` took it from."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "generator" and not arg.kwarg_only and i < len(args):
-            return (*args[:i], generator, *args[i + 1 :]), kwargs
-    return tuple(args), {**kwargs, "generator": generator}
-
-
-class OwnDraw:
-    """A random op given a CPU generator of the program's (Note [explicit generators])."""
-
-    __slots__ = ("draw", "generator")
-
-    def __init__(self, func: Any, args: tuple, kwargs: dict, generator: torch.Generator) -> None:
-        self.draw = Draw(func, args, kwargs)
-        self.generator = generator
-
-    def again(self) -> torch.Tensor:
-        """The generator's state for the op to run with, the generator then advanced."""
-        state = self.generator.get_state()
-        with _one_thread():
-            func = self.draw.func
-            args, kwargs = _given(func, *self.draw._scratch(), self.generator)
-            func(*args, **kwargs)
-        return state
-
-    def on(self, _default: torch.Generator) -> bool:
-        return True  # it moves the default generator by nothing (``drawn_alone``)
-
-
-def _own_generator(
-    func: Any,
-    args: tuple,
-    kwargs: dict,
-    read: Callable[[torch.Tensor], torch.Tensor],
-    generator: Any,
-) -> tuple[torch.Tensor, Any]:
-    name = func.name()
-    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
-        where = getattr(generator, "device", type(generator).__name__)
-        raise UnsupportedOp(
-            f"{name}: cannot draw for the appliance from a generator on {where}; a CPU "
-            "generator (torch.Generator()) can (Note [explicit generators])"
-        )
-    if _draws_on_device():
-        raise UnsupportedOp(
-            f"{name}: a GPU worker's session draws from the remote device's own generator "
-            "(torch.manual_seed seeds it); it cannot take generator= (Note [explicit "
-            "generators])"
-        )
-    if func in DRAWS_BY_VALUE:
-        state = generator.get_state()
-        _by_value(func, *_given(func, args, kwargs, generator), read)
-        return state, None
-    draw = OwnDraw(func, args, kwargs, generator)
-    return draw.again(), draw
 
 
 # Note [a GPU worker's generator]: keeping the local CPU generator in step with CPU
@@ -494,7 +413,7 @@ class DeviceDraw:
         return DEVICE_GENERATOR.take(self.increment)
 
 
-def _draws_on_device() -> bool:
+def draws_on_device() -> bool:
     """Whether this thread's random ops draw from the device's generator: the default
     session's worker is a GPU's (Note [a GPU worker's generator])."""
     from .session import current_device_type
@@ -581,10 +500,10 @@ def drawn_alone(entry: tuple[torch.Tensor, torch.Tensor],
     local = [d for d in draws if type(d) is not DeviceDraw]
     if not local:
         return torch.equal(entry[0], left[0])
-    trial = torch.Generator()
-    trial.set_state(entry[0])
-    if all(draw.on(trial) for draw in local):
-        return torch.equal(trial.get_state(), left[0])
+    with private_generator() as trial:
+        trial.set_state(entry[0])
+        if all(draw.on(trial) for draw in local):
+            return torch.equal(trial.get_state(), left[0])
     torch.set_rng_state(entry[0])
     try:
         for draw in local:

@@ -1,7 +1,7 @@
 """A noise-prediction model trained and sampled with explicit generators, as diffusion
 scripts do: ``torch.Generator(device).manual_seed(...)`` for the noise, passed as
-``generator=`` to ``torch.randn`` on the device, to ``normal_`` and ``torch.multinomial``,
-and a CPU generator for the DataLoader's shuffle."""
+``generator=`` to ``torch.randn`` on the device, to ``normal_``, ``torch.multinomial`` and
+``torch.poisson``, and a CPU generator for the DataLoader's shuffle."""
 
 import torch
 from common import device, report
@@ -36,5 +36,6 @@ with torch.no_grad():
         x = x - 0.1 * model(torch.cat([x, t], 1))
         x = x + 0.01 * torch.empty_like(x).normal_(generator=sampler)
     picks = torch.multinomial(x.softmax(1), 3, generator=sampler)
-losses += x.flatten().tolist() + picks.flatten().float().tolist()
+    counts = torch.poisson(x.abs() * 4, sampler)  # its schema takes the generator by position
+losses += x.flatten().tolist() + picks.flatten().float().tolist() + counts.flatten().tolist()
 report(losses, model)

@@ -255,11 +255,33 @@ def test_mapped_generator_makes_cpu_generators_for_the_mapped_device_and_comes_o
         ep.MAPPED_GENERATOR.acquire()
         for made in (torch.Generator("cuda"), torch.Generator(device="cuda:0"),
                      torch.Generator("remote_accelerator"), torch.Generator()):
-            assert type(made) is original and made.device.type == "cpu", made
-            assert isinstance(made, torch.Generator)
+            assert type(made) is torch.Generator and made.device.type == "cpu", made
+            assert isinstance(made, torch.Generator) and isinstance(made, original)
         assert isinstance(torch.default_generator, torch.Generator)
         assert issubclass(original, torch.Generator)
         assert torch.Generator.manual_seed is original.manual_seed
+        assert torch.Generator.__module__ == original.__module__
+
+        class Seeded(torch.Generator):  # a program's own subclass, made as in eager
+            def __init__(self, device="cpu"):
+                super().__init__()
+                self.manual_seed(7)
+
+            def draw(self):
+                return torch.rand(2, generator=self)
+
+        mine = Seeded("cuda")
+        assert type(mine) is Seeded and mine.initial_seed() == 7
+        assert torch.equal(mine.draw(), torch.rand(2, generator=original().manual_seed(7)))
+        assert not isinstance(torch.default_generator, Seeded)
+        import io, pickle
+        back = pickle.loads(pickle.dumps(torch.Generator("cuda").manual_seed(5)))
+        assert type(back) is original and back.initial_seed() == 5  # as eager pickles it
+        buf = io.BytesIO()
+        torch.save({"g": torch.Generator("cuda").manual_seed(6)}, buf)
+        buf.seek(0)
+        assert torch.load(buf, weights_only=False)["g"].initial_seed() == 6
+        assert issubclass(Seeded, torch.Generator) and not issubclass(original, Seeded)
         try:
             torch.Generator("meta")
         except RuntimeError as exc:  # PyTorch's own word on other devices
