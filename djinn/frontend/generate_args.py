@@ -33,8 +33,19 @@ def _generation_settings(module: torch.nn.Module, given: Any = None) -> dict[str
     return {
         k: v
         for k, v in mine.to_dict().items()
-        if not k.startswith("_") and k != "transformers_version" and base.get(k) != v
+        if not k.startswith("_")
+        and k != "transformers_version"
+        and base.get(k) != v
+        and not (v is None and k in CONFIG_MIRRORS)
     }
+
+
+# Settings a generation_config leaves None to mean "the model config's" (a forward given
+# None reads its config): a generation_config.json written by hand, as most checkpoints
+# on the hub ship (``{"bos_token_id": ..., "eos_token_id": ...}``), has None for them
+# where one derived from the config has the config's values, and generate() of every such
+# checkpoint was refused, "arguments not accepted: output_attentions, ..." (a review).
+CONFIG_MIRRORS = frozenset({"use_cache", "output_attentions", "output_hidden_states"})
 
 
 # Note [generation objects]: two Python objects of ``generate()``'s arguments are taken on

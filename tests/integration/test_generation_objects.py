@@ -148,3 +148,23 @@ def test_the_prompt_by_keyword_as_eager_takes_it(remote):
     t5.generate(IDS, decoder_input_ids=start, max_new_tokens=3, streamer=got)
     local.generate(IDS, decoder_input_ids=start, max_new_tokens=3, streamer=want)
     assert got.got == want.got and got.got[0] == [[0, 7, 9]]
+
+
+def test_a_checkpoint_with_a_hand_written_generation_config_generates(remote, tmp_path):
+    """Most checkpoints on the hub ship a generation_config.json of a few ids; loaded, its
+    use_cache and output flags are None where one derived from the config has the config's
+    values, and generate() was refused, "arguments not accepted: output_attentions,
+    output_hidden_states" (a review). None means the config's: not sent."""
+    _gpt2().save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(
+        '{"bos_token_id": 1, "eos_token_id": 2, "transformers_version": "4.26.0.dev0"}'
+    )
+    local = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert local.generation_config.use_cache is None  # what makes the difference
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(R)
+    for kwargs in ({}, {"num_beams": 2}, {"do_sample": True, "top_k": 4}):
+        torch.manual_seed(3)
+        got = model.generate(IDS, max_new_tokens=5, pad_token_id=0, **kwargs).cpu()
+        torch.manual_seed(3)
+        want = local.generate(IDS, max_new_tokens=5, pad_token_id=0, **kwargs)
+        assert got.tolist() == want.tolist(), kwargs
