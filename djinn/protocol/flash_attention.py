@@ -6,7 +6,10 @@ and the appliance refuses any other (``appliance/executor/opchecks.py``): one ru
 client and its appliance agree on it. The kernel itself checks none of it. It reads the
 key and value at the query's batch and head indices, with the query's head size, and
 steps through the last dimension one element at a time. It writes its output,
-``empty_like(query)``, as rows of unit stride. A query whose rows overlap (an expanded
+``empty_like(query)``, as rows of unit stride. With fewer key and value heads than query
+heads (grouped-query attention), query head ``h`` reads key head ``h // (heads / key
+heads)``: in bounds only where the key's heads divide the query's (3 over 2 ran, reading
+past the key). A query whose rows overlap (an expanded
 batch, say) gets an output of another layout, with gaps the kernel never writes: they
 would hand back whatever the allocator held before.
 """
@@ -24,9 +27,16 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return "query, key and value must be 4-D tensors"
     if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES):
         return "query, key and value must share one floating dtype"
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if (
+        k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+        or k.shape[1] == 0
+        or q.shape[1] % k.shape[1]
+    ):
         return (
-            "key and value must have the query's batch, heads and head size "
+            "key and value must have the query's batch and head size, and heads that "
+            "divide the query's (grouped-query attention reads one key head per group) "
             f"(query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)})"
         )
     if 0 in q.shape or 0 in k.shape:

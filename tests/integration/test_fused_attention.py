@@ -292,3 +292,39 @@ def test_an_appliance_that_cannot_be_reached_is_tried_once_per_capture(tmp_path,
         assert tries == ["connect"]
         with pytest.raises(DjinnError):
             out.cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_query_attention_is_the_fused_kernel_as_in_eager(remote, sent_ops, dtype):
+    """``enable_gqa=True`` (transformers asks for it for a Llama-family model with no
+    mask): eager hands the CPU kernel the key and value with their fewer heads; the
+    composite path repeated them per head and was 7.8e-3 off in bfloat16 (a review). The
+    same bits, forward, backward and under inference_mode."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 6, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 6, 16, generator=g).to(dtype) for _ in range(2))
+    local = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*local, is_causal=True, enable_gqa=True)
+    want.float().square().sum().backward()
+    leaves = [t.to(remote).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    out.float().square().sum().backward()
+    assert torch.equal(out.detach().cpu(), want.detach())
+    for got, w in zip(leaves, local, strict=True):
+        assert torch.equal(got.grad.cpu(), w.grad)
+    assert FLASH in sent_ops and FLASH_BACKWARD in sent_ops
+    with torch.inference_mode():
+        got = F.scaled_dot_product_attention(*(t.to(remote) for t in (q, k, v)), enable_gqa=True)
+        assert torch.equal(got.cpu(), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    assert "aten::repeat_interleave.self_int" not in sent_ops
+
+
+def test_the_kernel_is_refused_heads_that_do_not_divide_the_querys():
+    """The kernel reads key head ``h // (heads / key heads)``: 3 query heads over 2 key
+    heads read past the key. The appliance's rule (and the client's) refuses them."""
+    from djinn.protocol.flash_attention import refusal
+
+    q, k = torch.empty(2, 3, 5, 16, device="meta"), torch.empty(2, 2, 5, 16, device="meta")
+    assert "divide" in refusal(q, k, k)
+    assert refusal(torch.empty(2, 8, 5, 16, device="meta"), k, k) is None
+    assert "divide" in refusal(torch.empty(3, 8, 5, 16, device="meta"), k, k)  # batch
