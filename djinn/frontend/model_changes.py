@@ -45,9 +45,15 @@ def registered_modules(module: torch.nn.Module) -> tuple:
     return tuple((name, id(m), False) for name, m in module.named_modules())
 
 
+def version_of(t: torch.Tensor) -> int:
+    """A tensor's version counter; -1 for an inference tensor, which keeps none (reading it
+    raised: a model moved inside ``torch.inference_mode`` failed its first call)."""
+    return -1 if t.is_inference() else t._version
+
+
 def _tensors_of(named: Any) -> tuple:
     """(name, identity, version, dtype) of each of a module's parameters or buffers."""
-    return tuple((name, id(t), t._version, t.dtype) for name, t in named)
+    return tuple((name, id(t), version_of(t), t.dtype) for name, t in named)
 
 
 def _tensor_changed(kind: str, now: tuple, was: tuple) -> str | None:
@@ -207,12 +213,12 @@ def _glance(module: torch.nn.Module, keys: dict[int, tuple[str, ...]]) -> list:
         for p in m._parameters.values():
             if p is not None:
                 add(id(p))
-                add(p._version)
+                add(version_of(p))
                 add(p.dtype)
         for b in m._buffers.values():
             if b is not None:
                 add(id(b))
-                add(b._version)
+                add(version_of(b))
         d = m.__dict__
         for k in keys.get(id(m), ()):  # a new module: its id is new already
             v = d.get(k, MISSING)
@@ -266,13 +272,15 @@ def _what_changed(module: torch.nn.Module, binding: Any) -> str | None:
         placed = _not_meta(module)
         if placed is not None:
             return placed
-        binding.weights = tuple((n, ident, 0, binding.dtypes.get(n)) for n, ident, _, _ in weights)
+        binding.weights = tuple(
+            (n, ident, min(v, 0), binding.dtypes.get(n)) for n, ident, v, _ in weights
+        )  # unwritten (0), or an inference tensor's -1
     elif not binding.weights:  # built weightless: its own initialisation wrote its meta tensors
         binding.weights = weights
     buffers = _tensors_of(module.named_buffers(remove_duplicate=False))
     if binding.buffers is None:  # the first call: as the move left them (new, unwritten)
         moved = bool(binding.dtypes)
-        binding.buffers = tuple((n, i, 0 if moved else v, d) for n, i, v, d in buffers)
+        binding.buffers = tuple((n, i, min(v, 0) if moved else v, d) for n, i, v, d in buffers)
     what = _tensor_changed("parameter", weights, binding.weights)
     what = what or _tensor_changed("buffer", buffers, binding.buffers)
     if what is not None:

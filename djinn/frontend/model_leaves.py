@@ -39,6 +39,7 @@ from djinn.protocol.frames import WEIGHTS_METHOD
 
 from . import ties
 from .device import is_remote, mapped_source
+from .model_changes import version_of
 
 
 def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
@@ -85,7 +86,7 @@ def _written_while_meta(module: torch.nn.Module, binding: Any) -> str | None:
         if not t.is_meta:
             continue
         base = was.get(name, 0 if binding.dtypes else None)
-        if base is not None and t._version != base:
+        if base is not None and version_of(t) not in (base, -1):  # -1: keeps no count
             return f"{kind} {name!r}"
     return None
 

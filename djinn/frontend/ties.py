@@ -247,8 +247,11 @@ def give_state(t: torch.Tensor, state: tuple[dict[str, Any], Any, Any]) -> None:
 
 def _written(src: torch.Tensor) -> tuple[int, int]:
     """What moves when ``src`` is written: its version counter, and for a CPU tensor its
-    bytes' address (``src.data = other`` replaces them without counting a version)."""
-    return src._version, src.data_ptr() if src.device.type == "cpu" else 0
+    bytes' address (``src.data = other`` replaces them without counting a version). An
+    inference tensor (made, or moved, under ``torch.inference_mode``) counts none: reading
+    it raised, and any move of a module inside inference mode failed (a review)."""
+    version = -1 if src.is_inference() else src._version
+    return version, src.data_ptr() if src.device.type == "cpu" else 0
 
 
 def slot(x: torch.Tensor) -> Slot | None:

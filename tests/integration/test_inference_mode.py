@@ -66,3 +66,35 @@ def test_a_transformer_decodes_under_inference_mode_as_in_eager(remote):
         want = model(src, tgt)
         got = moved(src.to(remote), tgt.to(remote)).cpu()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_module_moved_inside_inference_mode_runs_as_in_eager(remote):
+    """Its tensors are inference tensors, which keep no version counter: reading one
+    raised, so any ``.to(device)`` inside ``inference_mode`` failed, untyped (a review),
+    and so did a registered model's first call after such a move."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        lin = torch.nn.Linear(4, 2)
+        x = torch.ones(1, 4)
+        assert torch.equal(copy.deepcopy(lin).to(remote)(x.to(remote)).cpu(), lin(x))
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300)
+    local = GPT2LMHeadModel(cfg).eval()
+    ids = torch.tensor([[3, 4, 5]])
+    want = local.generate(ids, max_new_tokens=4, do_sample=False)
+    moved = copy.deepcopy(local)
+    with torch.inference_mode():
+        moved.to(remote)
+        assert moved.generate(ids.to(remote), max_new_tokens=4, do_sample=False).tolist() == (
+            want.tolist()
+        )
+    with torch.inference_mode():  # built inside it too
+        torch.manual_seed(0)
+        built = GPT2LMHeadModel(cfg).eval()
+    built.to(remote)
+    with torch.inference_mode():
+        got = built.generate(ids.to(remote), max_new_tokens=4, do_sample=False)
+    assert got.tolist() == want.tolist()
