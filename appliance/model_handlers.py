@@ -151,11 +151,30 @@ def handle_register(w: Worker, s: WorkerSession, frame: Frame) -> Reply | Parked
     return {"cached": True, "bytes": entry.nbytes, "sessions": len(entry.sessions)}, []
 
 
-# Keyword arguments a client may pass to generate(): sampling and length controls only.
-# Others reach code, files or the network (custom_generate, trust_remote_code, streamer,
-# assistant_model, generation_config...).
+# Keyword arguments a client may pass to generate(): its inputs, sampling and length
+# controls and other settings that are data (token ids, numbers). Others reach code, files
+# or the network (custom_generate, trust_remote_code, streamer, assistant_model,
+# generation_config...). The main inputs of encoder-decoder models other than text
+# (Whisper's input_features: a review found generate(input_features=...) refused) and the
+# data-only settings (bad_words_ids, suppress_tokens, min_p...) are among them.
 GENERATE_KWARGS = frozenset(
     {
+        "input_features",
+        "input_values",
+        "pixel_values",
+        "decoder_attention_mask",
+        "bad_words_ids",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "min_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "exponential_decay_length_penalty",
+        "encoder_repetition_penalty",
+        "encoder_no_repeat_ngram_size",
+        "remove_invalid_values",
         "input_ids",
         "attention_mask",
         "max_new_tokens",

@@ -168,3 +168,42 @@ def test_a_checkpoint_with_a_hand_written_generation_config_generates(remote, tm
         torch.manual_seed(3)
         want = local.generate(IDS, max_new_tokens=5, pad_token_id=0, **kwargs)
         assert got.tolist() == want.tolist(), kwargs
+
+
+def test_data_only_generation_settings_and_non_text_inputs_as_in_eager(remote):
+    """Token lists and numbers (bad_words_ids, suppress_tokens, min_p...) were refused,
+    "arguments not accepted", and so was Whisper's generate(input_features=...) (a
+    review): they are data, taken as eager takes them."""
+    model = _gpt2()
+    local = copy.deepcopy(model)
+    model.to(R)
+    top = int(local.generate(IDS, max_new_tokens=1, pad_token_id=0)[0, -1])
+    for kwargs in (
+        {"bad_words_ids": [[top], [7, 8]]},
+        {"suppress_tokens": [top, 9]},
+        {"begin_suppress_tokens": [top]},
+        {"forced_eos_token_id": top + 1, "max_new_tokens": 3},
+        {"do_sample": True, "min_p": 0.05},
+        {"do_sample": True, "epsilon_cutoff": 3e-4},
+        {"do_sample": True, "eta_cutoff": 3e-4},
+        {"exponential_decay_length_penalty": (2, 1.5), "eos_token_id": top},
+    ):
+        kwargs = {"max_new_tokens": 6, "pad_token_id": 0, **kwargs}
+        torch.manual_seed(4)
+        got = model.generate(IDS, **kwargs).cpu()
+        torch.manual_seed(4)
+        assert got.tolist() == local.generate(IDS, **kwargs).tolist(), kwargs
+    torch.manual_seed(0)
+    cfg = transformers.WhisperConfig(
+        vocab_size=300, num_mel_bins=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=20, max_target_positions=32,
+        decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+        begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+    whisper = transformers.WhisperForConditionalGeneration(cfg).eval()
+    local = copy.deepcopy(whisper)
+    whisper.to(R)
+    features = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(2))
+    got = whisper.generate(input_features=features.to(R), max_new_tokens=5).cpu()
+    assert got.tolist() == local.generate(input_features=features, max_new_tokens=5).tolist()
