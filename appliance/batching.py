@@ -250,7 +250,7 @@ def _member(w: Worker, s: Any, frame: Any) -> _Member | None:
 
     body = frame.body
     fp = body.get("fingerprint")
-    if fp not in s.models:
+    if fp not in s.models or body.get("autocast") is not None:  # under autocast: alone
         return None  # its handler says why
     device = w.device.torch_device
     try:

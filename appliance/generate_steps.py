@@ -123,6 +123,8 @@ def _plain_generate(w: Worker, s: WorkerSession, frame: Frame) -> tuple | None:
     fp, raw_args, raw_kwargs = body.get("fingerprint"), body.get("args"), body.get("kwargs")
     if body.get("method") != "generate" or w.batcher.max_size <= 1 or fp not in s.models:
         return None
+    if body.get("autocast") is not None:  # Note [a model call under autocast]: whole
+        return None
     if not isinstance(raw_args, list) or not isinstance(raw_kwargs, dict) or len(raw_args) > 1:
         return None
     if set(raw_kwargs) - PLAIN_KWARGS or (raw_args and "input_ids" in raw_kwargs):

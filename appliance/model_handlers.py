@@ -8,6 +8,7 @@ bytes received, generate() takes sampling and length controls only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import TYPE_CHECKING, Any
@@ -279,13 +280,12 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     # Make the call's working set resident and keep it so (issue 9 §2): the model and
     # the KV caches it was given are pinned, and swapped back in if they were out.
     generator = _client_generator(w, body, frame.segments)
+    autocast = _autocast(w, body)
     try:  # a prepare that fails must unpin too, or others cannot evict what it pinned
         w.memory.prepare(s, entry, object_refs([raw_args, raw_kwargs]))
-        if generator is None:
+        with autocast, generator or contextlib.nullcontext():  # Note [a sampled model call]
             reply = _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
-        else:
-            with generator:  # Note [a sampled model call]
-                reply = _run_call(w, s, entry, method, args, kwargs, w.batcher.take(frame))
+        if generator is not None:
             reply[0]["generator"] = len(reply[1])
             reply[1].append(generator.left)
     finally:
@@ -293,6 +293,22 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     if body.get("echo_ids") is True and method == "forward":
         _echo_ids(reply[0], args, kwargs)
     return reply
+
+
+AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _autocast(w: Worker, body: dict[str, Any]) -> Any:
+    """Note [a model call under autocast] (djinn/frontend/call_settings.py): the call runs
+    under autocast of the worker's own device when the client's was on. Such a call is
+    never batched with others (batching.py, generate_steps.py), and the cache it leaves is
+    not rebuilt by a prefill without it (recompute.py, ``note_call``)."""
+    name = body.get("autocast")
+    if name is None:
+        return contextlib.nullcontext()
+    if name not in AUTOCAST_DTYPES:
+        raise InvalidArgument(f"autocast must be one of {sorted(AUTOCAST_DTYPES)}, not {name!r}")
+    return torch.autocast(w.device.torch_device.type, dtype=AUTOCAST_DTYPES[name])
 
 
 def _client_generator(w: Worker, body: dict[str, Any], segments: list) -> Any:
@@ -403,7 +419,10 @@ def _run_call(
             raise ResourceExhausted(f"{exc.message} (after the call ran: not queued)") from None
         raise
     # the tokens that built the caches it left, to rebuild them (Note [kv recompute])
-    w.memory.kv.note_call(s, entry.fingerprint, method, args, kwargs, out, seconds)
+    under_autocast = torch.is_autocast_enabled(w.device.torch_device.type)
+    w.memory.kv.note_call(
+        s, entry.fingerprint, method, args, kwargs, out, seconds, rebuildable=not under_autocast
+    )
     reply: dict[str, Any] = {"out": skeleton}
     sizes = _object_lengths(s, [c for c, _ in lengths] + [c for c, _ in _cache_lengths(out)])
     if sizes:

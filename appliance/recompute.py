@@ -105,14 +105,16 @@ class KvRecompute:
         kwargs: dict,
         out: Any,
         seconds: float,
+        rebuildable: bool = True,
     ) -> None:
         """After a model call succeeded: extend the record of the cache it left, or
-        forget the records of caches it changed in a way a prefill would not repeat."""
+        forget the records of caches it changed in a way a prefill would not repeat
+        (``rebuildable=False``: a call under autocast, which a prefill would not repeat)."""
         given = kwargs.get("past_key_values")
         given_oid = s.object_ids.get(id(given)) if given is not None else None
         cache = _cache_of(out) if method == "forward" else None
         ids = call_ids(args, kwargs) if method == "forward" else None
-        safe = ids is not None and set(kwargs) <= SAFE_KWARGS
+        safe = rebuildable and ids is not None and set(kwargs) <= SAFE_KWARGS
         prev = self.records.get((s.id, given_oid)) if given_oid is not None else None
         if given is not None and (prev is None or prev.fingerprint != fingerprint):
             safe = False  # built from something unrecorded

@@ -82,3 +82,23 @@ def _forward_arguments(cls: type) -> tuple[frozenset[str], bool]:
         return frozenset(), False
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     return frozenset(parameters), open_kwargs
+
+
+# Note [a model call under autocast]: a registered model's call runs on the appliance, out
+# of reach of the client's autocast, and returned float32 logits inside
+# ``torch.autocast("cuda", torch.bfloat16)`` where eager's are bfloat16 (a review: 3e-3
+# off). So a call made while autocast is on for the remote device (or, under ``djinn
+# run``, for the device it maps) says the autocast dtype, and the worker runs the model
+# under ``torch.autocast`` of its own device with it (model_handlers.py): a GPU worker's
+# is CUDA's policy, what the script gets on a GPU; a CPU worker's the CPU's, what the same
+# script gets run on the CPU.
+def autocast_dtype() -> str | None:
+    """The autocast dtype of a model call made now (None: no autocast)."""
+    from djinn.protocol.tensors import dtype_name
+
+    from .device import DEVICE_TYPE, mapped_source
+
+    for kind in (DEVICE_TYPE, mapped_source()):
+        if kind is not None and torch.is_autocast_enabled(kind):
+            return dtype_name(torch.get_autocast_dtype(kind))
+    return None

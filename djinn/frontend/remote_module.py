@@ -498,6 +498,9 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     }
     if hints:
         body["hints"] = hints
+    autocast = call_settings.autocast_dtype()  # Note [a model call under autocast]
+    if autocast is not None:
+        body["autocast"] = autocast
     from djinn.protocol.tensors import to_wire
 
     segments = [memoryview(to_wire(t)[1].numpy()) for t in inline]
