@@ -144,6 +144,8 @@ def step_of(e: Entry, index: int) -> Step | None:
     """``e`` as a plain step (Note [kv prefill replay]), or None."""
     if e.kind != "call" or not e.replayable or not isinstance(e.body, dict):
         return None
+    if e.body.get("autocast") is not None:  # Note [a model call under autocast]: as sent
+        return None
     kwargs = e.body.get("kwargs") or {}
     if not isinstance(kwargs, dict) or not set(kwargs) <= SAFE_KWARGS:
         return None
