@@ -22,6 +22,7 @@ from djinn.errors import (
     NotFound,
     ResourceExhausted,
     UnsupportedOp,
+    kernel_mark,
 )
 from djinn.protocol.frames import WEIGHTS_METHOD, Frame
 from djinn.protocol.tensors import describe, dtype_name
@@ -389,7 +390,10 @@ def _run_call(
         raise
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
         _crop(lengths)
-        raise ExecutionError(f"{entry.name}.{method}: {type(exc).__name__}: {exc}") from None
+        # marked as eager's class where a program catches it by name (Note [linear
+        # algebra errors]): a ValueError of generate()'s checks is the client's ValueError
+        mark = kernel_mark(exc) or f"{type(exc).__name__}: "
+        raise ExecutionError(f"{entry.name}.{method} (model call): {mark}{exc}") from None
     finally:
         data.release(growth.data)
         stack.release(growth.stack)

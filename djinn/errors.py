@@ -187,7 +187,12 @@ _register(DjinnError)
 # first use, so this module imports no torch.
 LINALG_MARK = "torch.linalg.LinAlgError: "
 KERNEL_ERRORS = ("IndexError", "ValueError", "TypeError")
-_MARKED = re.compile(rf"\(node \d+\): (torch\.linalg\.LinAlgError|{'|'.join(KERNEL_ERRORS)}): ")
+# ... after a graph's op and node, or a registered model's call (``(model call)``: a
+# generate() argument transformers refuses with a ValueError came back an ExecutionError,
+# which ``except ValueError`` let through: a review)
+_MARKED = re.compile(
+    rf"\((?:node \d+|model call)\): (torch\.linalg\.LinAlgError|{'|'.join(KERNEL_ERRORS)}): "
+)
 _kernel_classes: dict[str, type] = {}
 
 

@@ -207,3 +207,21 @@ def test_data_only_generation_settings_and_non_text_inputs_as_in_eager(remote):
     features = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(2))
     got = whisper.generate(input_features=features.to(R), max_new_tokens=5).cpu()
     assert got.tolist() == local.generate(input_features=features, max_new_tokens=5).tolist()
+
+
+def test_generates_own_value_errors_are_value_errors(remote):
+    """transformers refuses some argument combinations with a ValueError; on the
+    appliance it came back an ExecutionError alone, which ``except ValueError`` let
+    through (a review). It is both now, with transformers' words."""
+    from djinn.errors import ExecutionError
+
+    model = _gpt2()
+    local = copy.deepcopy(model)
+    model.to(R)
+    kwargs = {"num_beams": 2, "num_return_sequences": 3, "max_new_tokens": 2, "pad_token_id": 0}
+    with pytest.raises(ValueError) as eager:
+        local.generate(IDS, **kwargs)
+    with pytest.raises(ValueError) as got:
+        model.generate(IDS.to(R), **kwargs)
+    assert isinstance(got.value, ExecutionError)
+    assert str(eager.value)[:60] in str(got.value)
