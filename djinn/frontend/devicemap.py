@@ -9,6 +9,7 @@ answer for the appliance; ``torch.device("cuda", i)`` itself evaluates to
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -73,6 +74,33 @@ class DeviceMap(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Note [mapped threads]: a TorchFunctionMode is entered per thread, so ``djinn run``'s map
+# held for the script's main thread alone: ``torch.zeros(3, device="cuda")`` in a thread
+# the script started (a server's handler, a producer thread, a thread pool) failed with
+# "Torch not compiled with CUDA enabled" (a review). While it is installed, every thread
+# started from then on enters the same map first, through ``Thread._bootstrap_inner``
+# (which every ``Thread`` runs, whatever its ``run``); Djinn's own threads ("djinn-...")
+# do not need it.
+_threads: list[Any] = []  # the Thread._bootstrap_inner to put back, per install
+
+
+def _map_new_threads(source: str) -> None:
+    original = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap_inner(self: threading.Thread) -> None:
+        if self.name.startswith("djinn-"):
+            return original(self)
+        mode = DeviceMap(source)
+        mode.__enter__()
+        try:
+            return original(self)
+        finally:
+            mode.__exit__(None, None, None)
+
+    _threads.append(original)
+    threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
+
+
 def install(source: str = "cuda") -> DeviceMap:
     """Enter the mapping for the calling thread; for CUDA, answer torch.cuda's queries for
     the appliance (Note [cuda queries]) and admit the appliance to accelerate's fp16 (Note
@@ -85,10 +113,13 @@ def install(source: str = "cuda") -> DeviceMap:
     mode = DeviceMap(source)
     mode.__enter__()
     push_mapped(source)
+    _map_new_threads(source)  # Note [mapped threads]
     return mode
 
 
 def uninstall(mode: DeviceMap) -> None:
+    if _threads:
+        threading.Thread._bootstrap_inner = _threads.pop()  # type: ignore[attr-defined]
     mode.__exit__(None, None, None)
     pop_mapped()
     if mode.source == "cuda":

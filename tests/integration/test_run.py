@@ -206,3 +206,32 @@ def test_factories_asked_for_pinned_memory_work_as_on_cuda(appliance, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "pinned True True" in done.stdout
     assert "loaded remote_accelerator True 66.0" in done.stdout
+
+
+def test_threads_the_script_starts_map_cuda_too(appliance, tmp_path):
+    """Note [mapped threads]: the map is a per-thread mode; a thread of the script's own
+    (a plain one, a pool's, a subclass with its own ``run``) raised "Torch not compiled
+    with CUDA enabled" at its first ``device="cuda"`` (a review)."""
+    script = tmp_path / "threads.py"
+    script.write_text(
+        textwrap.dedent("""
+        import concurrent.futures, threading, torch
+        out = {}
+        def work(k):
+            out[k] = (torch.arange(3.0, device="cuda") * k).device.type
+        t = threading.Thread(target=work, args=(1,))
+        t.start(); t.join()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(work, [2, 3]))
+        class Worker(threading.Thread):
+            def run(self):
+                work(4)
+        t = Worker()
+        t.start(); t.join()
+        print(sorted(out.items()))
+        """)
+    )
+    done = _djinn_run(appliance, script)
+    assert done.returncode == 0, done.stderr
+    kinds = [(k, "remote_accelerator") for k in (1, 2, 3, 4)]
+    assert str(kinds) in done.stdout
