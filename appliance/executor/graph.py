@@ -475,7 +475,7 @@ def finished(
     [statistics dtypes]) and the bounds of what it returned."""
     if device.type == "cpu" and op in norm_stats.OPS:
         meta = _cpu_statistics(op, args, kwargs, meta)
-    out = _like_meta(out, meta)
+    out = _like_meta(out, meta, fresh=not op.is_view and not op._schema.is_mutable)
     oppolicy.check_bounds(out, name)
     return out
 
@@ -492,18 +492,41 @@ def _cpu_statistics(op: Any, args: list[Any], kwargs: dict[str, Any], meta: Any)
     )
 
 
-def _like_meta(out: Any, meta: Any) -> Any:
+def _like_meta(out: Any, meta: Any, fresh: bool = False) -> Any:
     """Note [meta dtypes]: the client knows a value's dtype from the op's meta kernel. A
     CPU kernel sometimes answers in another one (``native_layer_norm`` of float16 gives
     float16 statistics on the CPU, float32 on meta and CUDA): the value is cast to what
-    the client was told, so a tensor's bytes always match its dtype."""
+    the client was told, so a tensor's bytes always match its dtype.
+
+    Note [meta strides]: and its strides, for the output of an op that makes a new tensor
+    (``fresh``: not a view, not a write). The CPU convolution lays its output out
+    channels-last after a channels-last input where the meta kernel says contiguous; the
+    client, told contiguous, took a later ``contiguous()`` for a no-op, and the group norm
+    after it refused its input on the worker (a review: diffusers' UNet2DModel in eval
+    mode). The value is copied into the layout the client was told."""
     if isinstance(out, torch.Tensor):
         if isinstance(meta, torch.Tensor) and out.dtype != meta.dtype:
-            return out.to(meta.dtype)
+            out = out.to(meta.dtype)
+        if fresh and isinstance(meta, torch.Tensor) and not _same_layout(out, meta):
+            out = torch.empty_strided(
+                meta.shape, meta.stride(), dtype=out.dtype, device=out.device
+            ).copy_(out)
         return out
     if isinstance(out, (tuple, list)) and isinstance(meta, (tuple, list)) and len(out) == len(meta):
-        return type(out)([_like_meta(o, m) for o, m in zip(out, meta, strict=True)])
+        return type(out)([_like_meta(o, m, fresh) for o, m in zip(out, meta, strict=True)])
     return out
+
+
+def _same_layout(out: torch.Tensor, meta: torch.Tensor) -> bool:
+    """Whether ``out`` is laid out as ``meta`` says (a dimension of one element, or an
+    empty tensor, may have any stride)."""
+    if out.shape != meta.shape:
+        return True  # not this check's to say (the client's shape is checked elsewhere)
+    if out.numel() <= 1:
+        return True
+    return all(
+        n <= 1 or a == b for n, a, b in zip(out.shape, out.stride(), meta.stride(), strict=True)
+    )
 
 
 def _differs(cast: Any, out: Any) -> bool:
