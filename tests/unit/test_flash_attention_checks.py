@@ -47,7 +47,7 @@ def test_well_formed_arguments_give_local_eagers_attention():
     "shapes",
     [
         {"k": (1, 4, 8, 16), "v": (1, 4, 8, 16)},  # fewer batches than the query
-        {"k": (2, 2, 8, 16), "v": (2, 2, 8, 16)},  # fewer heads
+        {"k": (2, 3, 8, 16), "v": (2, 3, 8, 16)},  # heads that do not divide the query's
         {"k": (2, 4, 8, 8), "v": (2, 4, 8, 8)},  # another head size
         {"v": (2, 4, 4, 16)},  # key and value of other lengths
         {"q": (2, 4, 0, 16)},  # empty
@@ -57,6 +57,17 @@ def test_well_formed_arguments_give_local_eagers_attention():
 def test_shapes_the_kernel_would_read_past_are_refused(shapes):
     with pytest.raises(InvalidArgument):
         run(qkv(**shapes))
+
+
+def test_grouped_query_heads_give_eagers_attention():
+    """Fewer key heads that divide the query's (grouped-query attention): the kernel reads
+    one key head per group, as eager's ``enable_gqa=True`` has it do."""
+    h = qkv(k=(2, 2, 8, 16), v=(2, 2, 8, 16))
+    got = run(h, is_causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        h["q"], h["k"], h["v"], is_causal=True, enable_gqa=True
+    )
+    assert torch.equal(got, want)
 
 
 def test_a_query_whose_dimensions_overlap_is_refused():
