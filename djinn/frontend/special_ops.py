@@ -198,8 +198,31 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
     return embedding_bag.HANDLERS[func](*args, **kwargs)  # Note [embedding bags]
 
 
+def _resize(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``resize_`` to the size a tensor has, with no memory format: a no-op in eager (its
+    strides stay). PyTorch's ``out=`` factories resize their target first
+    (``torch.zeros(3, out=buf)``, ``torch.arange(n, out=buf)``, ``torch.randn``), and the
+    appliance runs no ``resize_``: each was refused (a review). Another size still is."""
+    self, size = args[0], args[1]
+    if (
+        tuple(self.shape) == tuple(size)
+        and kwargs.get("memory_format", _MISSING)
+        in (
+            _MISSING,
+            None,
+        )
+        and len(args) <= 2
+    ):
+        return self
+    return capture(func, args, kwargs)
+
+
+_MISSING = object()
+
+
 SPECIAL.update(
     {
+        torch.ops.aten.resize_.default: _resize,
         torch.ops.aten.scaled_dot_product_attention.default: _attention,
         torch.ops.aten._local_scalar_dense.default: _item,
         torch.ops.aten.is_nonzero.default: _item,
