@@ -59,11 +59,29 @@ def _ids(value: Any) -> torch.Tensor | None:
     return value if integral else None
 
 
+# generate() settings that name token ids a logits processor indexes the scores with
+# (``scores[:, ids] = ...``): ForcedEOS's, ForcedBOS's, and the end tokens when the
+# exponential decay penalises them. An id outside the vocabulary (a negative one counts
+# from its end, as an index does) is CUDA's device-side assert there (a review); the CPU
+# raises IndexError. Elsewhere end tokens are compared, never indexed with.
+def _token_settings(kwargs: dict) -> tuple[str, ...]:
+    if kwargs.get("exponential_decay_length_penalty") is not None:
+        return ("forced_eos_token_id", "forced_bos_token_id", "eos_token_id")
+    return ("forced_eos_token_id", "forced_bos_token_id")
+
+
 def check(module: Any, name: str, args: tuple, kwargs: dict) -> None:
     _check_positions(module, name, args, kwargs)
     vocab = _vocabulary(module)
     if vocab is None:
         return
+    for key in _token_settings(kwargs):
+        for token in _token_list(kwargs.get(key)):
+            if not -vocab <= token < vocab:
+                raise ExecutionError(
+                    f"{name}: {key} holds token id {token}, outside the model's vocabulary "
+                    f"of {vocab}"
+                )
     ids = _ids(kwargs.get("input_ids", args[0] if args else None))
     if ids is not None:
         lo, hi = (int(v) for v in torch.aminmax(ids))
@@ -82,6 +100,17 @@ def check(module: Any, name: str, args: tuple, kwargs: dict) -> None:
                     f"{name}: labels hold {lo if lo < 0 else hi}, outside the model's "
                     f"vocabulary of {vocab} (or -100, ignored)"
                 )
+
+
+def _token_list(value: Any) -> list[int]:
+    """A setting's token ids: an int, a list of ints, a tensor of them (others: none)."""
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1).tolist()] if not value.is_floating_point() else []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
 
 
 _TABLES: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()

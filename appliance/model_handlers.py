@@ -212,6 +212,7 @@ GENERATE_KWARGS = frozenset(
 )
 MAX_NEW_TOKENS = 8192
 MAX_BEAMS = 16
+MAX_NGRAM = 64
 
 
 def _no_strings(x: Any) -> None:
@@ -243,6 +244,10 @@ def _check_generate(kwargs: dict[str, Any]) -> None:
         ("max_length", MAX_NEW_TOKENS * 2),
         ("num_beams", MAX_BEAMS),
         ("num_return_sequences", MAX_BEAMS),
+        # transformers lists every suffix of the tokens for each of the n in an n-gram:
+        # one integer made the worker allocate without bound (a review: 4e7 took 5.5 GiB)
+        ("no_repeat_ngram_size", MAX_NGRAM),
+        ("encoder_no_repeat_ngram_size", MAX_NGRAM),
     ):
         value = kwargs.get(key)
         if value is not None and (not isinstance(value, int) or not 0 <= value <= cap):
@@ -307,7 +312,7 @@ def _autocast(w: Worker, body: dict[str, Any]) -> Any:
     name = body.get("autocast")
     if name is None:
         return contextlib.nullcontext()
-    if name not in AUTOCAST_DTYPES:
+    if not isinstance(name, str) or name not in AUTOCAST_DTYPES:
         raise InvalidArgument(f"autocast must be one of {sorted(AUTOCAST_DTYPES)}, not {name!r}")
     return torch.autocast(w.device.torch_device.type, dtype=AUTOCAST_DTYPES[name])
 

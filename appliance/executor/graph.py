@@ -505,13 +505,14 @@ def _like_meta(out: Any, meta: Any, fresh: bool = False) -> Any:
     after it refused its input on the worker (a review: diffusers' UNet2DModel in eval
     mode). The value is copied into the layout the client was told."""
     if isinstance(out, torch.Tensor):
-        if isinstance(meta, torch.Tensor) and out.dtype != meta.dtype:
-            out = out.to(meta.dtype)
-        if fresh and isinstance(meta, torch.Tensor) and not _same_layout(out, meta):
-            out = torch.empty_strided(
-                meta.shape, meta.stride(), dtype=out.dtype, device=out.device
+        if not isinstance(meta, torch.Tensor):
+            return out
+        if fresh and out.stride() != meta.stride() and not _same_layout(out, meta):
+            # one copy, cast too where the dtype differs
+            return torch.empty_strided(
+                meta.shape, meta.stride(), dtype=meta.dtype, device=out.device
             ).copy_(out)
-        return out
+        return out.to(meta.dtype) if out.dtype != meta.dtype else out
     if isinstance(out, (tuple, list)) and isinstance(meta, (tuple, list)) and len(out) == len(meta):
         return type(out)([_like_meta(o, m, fresh) for o, m in zip(out, meta, strict=True)])
     return out

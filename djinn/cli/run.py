@@ -60,5 +60,20 @@ def run_script(script: str, args: list[str], device_map: str) -> int:
         if mode is not None:
             from djinn.frontend import devicemap
 
-            devicemap.uninstall(mode)
+            if not _script_threads_left():  # Note [mapped threads]: theirs until they end
+                devicemap.uninstall(mode)
     return 0
+
+
+def _script_threads_left() -> bool:
+    """Whether threads the script started are still running (not daemons, not Djinn's):
+    the interpreter joins them at its exit, after this returns. The map stays on for them:
+    taken off, a thread still at work found ``cuda`` unmapped mid-way (a review). Joining
+    them here instead would hang on a thread pool the script left open, which only the
+    interpreter's exit shuts down."""
+    import threading
+
+    return any(
+        t is not threading.current_thread() and not t.daemon and not t.name.startswith("djinn-")
+        for t in threading.enumerate()
+    )

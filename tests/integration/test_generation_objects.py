@@ -225,3 +225,19 @@ def test_generates_own_value_errors_are_value_errors(remote):
         model.generate(IDS.to(R), **kwargs)
     assert isinstance(got.value, ExecutionError)
     assert str(eager.value)[:60] in str(got.value)
+
+
+def test_an_ngram_size_past_its_cap_is_refused_before_anything_runs(remote):
+    """transformers lists every suffix of the tokens for each n of an n-gram: one integer
+    made the worker allocate without bound (a review: 4e7 took 16 s and 5.5 GiB). Both
+    n-gram settings are capped (MAX_NGRAM, 64); a real one runs as in eager."""
+    from djinn.errors import InvalidArgument
+
+    model = _gpt2()
+    local = copy.deepcopy(model)
+    model.to(R)
+    for key in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):
+        with pytest.raises(InvalidArgument, match=f"{key} must be an integer in \\[0, 64\\]"):
+            model.generate(IDS, max_new_tokens=1, pad_token_id=0, **{key: 10**7})
+        kwargs = {"max_new_tokens": 6, "pad_token_id": 0, key: 2}
+        assert model.generate(IDS, **kwargs).tolist() == local.generate(IDS, **kwargs).tolist()

@@ -235,3 +235,22 @@ def test_threads_the_script_starts_map_cuda_too(appliance, tmp_path):
     assert done.returncode == 0, done.stderr
     kinds = [(k, "remote_accelerator") for k in (1, 2, 3, 4)]
     assert str(kinds) in done.stdout
+
+
+def test_a_thread_left_running_when_the_script_ends_keeps_the_map(appliance, tmp_path):
+    """The interpreter joins such a thread after ``djinn run``'s script body returned; the
+    map came off first, and the thread found ``cuda`` unmapped mid-way (a review)."""
+    script = tmp_path / "late.py"
+    script.write_text(
+        textwrap.dedent("""
+        import threading, time, torch
+        def work():
+            time.sleep(0.3)
+            x = torch.ones(2, device="cuda") * 3
+            print("late", torch.cuda.is_available(), x.device.type, x.sum().item(), flush=True)
+        threading.Thread(target=work).start()  # not joined
+        """)
+    )
+    done = _djinn_run(appliance, script)
+    assert done.returncode == 0, done.stderr
+    assert "late True remote_accelerator 6.0" in done.stdout

@@ -225,3 +225,50 @@ def test_generate_reads_its_own_generation_config_and_a_cache_of_its_prompt(mode
         prefix = model(ids[:, :12], use_cache=True).past_key_values  # a prompt's cached prefix
     kwargs = {"past_key_values": prefix, "max_new_tokens": 12, "do_sample": False}
     _passes_and_cpu_runs(model, (ids,), {**kwargs, "pad_token_id": 0}, "generate")
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"forced_eos_token_id": 50},
+        {"forced_bos_token_id": -51},
+        {"eos_token_id": [2, 77], "exponential_decay_length_penalty": (0, 1.5)},
+    ],
+    ids=["forced eos", "forced bos", "penalised eos"],
+)
+def test_generate_settings_indexing_past_the_vocabulary_are_refused(model, setting):
+    """Logits processors index the scores with them (``scores[:, ids] = 0``): on CUDA a
+    device-side assert for every session on the worker (a review). The CPU raises
+    IndexError where the processor runs (a forced first token only for an
+    encoder-decoder's first step: refused here before it could)."""
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ExecutionError, match="outside the model's vocabulary of 50"):
+        call_checks.check(model, "m.generate", (ids,), {"max_new_tokens": 4, **setting})
+    if "forced_bos_token_id" not in setting:
+        with pytest.raises(IndexError):
+            model.generate(ids, max_new_tokens=4, pad_token_id=0, **setting)
+
+
+def test_end_tokens_only_compared_are_not_checked(model):
+    """An end token past the vocabulary is compared with the tokens made, never indexed
+    with (eager runs it), unless the exponential decay penalises it; a negative forced
+    token within the vocabulary counts from its end, as in eager."""
+    ids = torch.tensor([[1, 2, 3]])
+    for setting in ({"eos_token_id": torch.tensor([1, 60])}, {"forced_bos_token_id": -1}):
+        call_checks.check(model, "m.generate", (ids,), {"max_new_tokens": 2, **setting})
+        model.generate(ids, max_new_tokens=2, pad_token_id=0, **setting)
+
+
+def test_a_malformed_autocast_dtype_is_an_invalid_argument():
+    """Not an internal error: an unhashable value raised TypeError (a review)."""
+    from types import SimpleNamespace
+
+    from djinn.appliance import model_handlers
+    from djinn.errors import InvalidArgument
+
+    w = SimpleNamespace(device=SimpleNamespace(torch_device=torch.device("cpu")))
+    for bad in ([], {}, "float32", 3):
+        with pytest.raises(InvalidArgument, match="autocast"):
+            model_handlers._autocast(w, {"autocast": bad})
+    with model_handlers._autocast(w, {"autocast": "bfloat16"}):
+        assert torch.is_autocast_enabled("cpu")
