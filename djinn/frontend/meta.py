@@ -126,12 +126,38 @@ def infer(func: Any, key: Any, build_meta_args) -> Any:
         if "meta" in text.lower():
             raise DataDependent(text) from None
         raise
+    if func is _CONVOLUTION:
+        out = _convolution_layout(margs, out)
     spec = _spec(out, flat_inputs)
     if key is not None:
         if len(_cache) >= CACHE_LIMIT:
             _cache.clear()
         _cache[key] = spec
     return spec
+
+
+# Note [convolution layouts]: PyTorch's meta kernel for ``convolution`` answers
+# contiguous where its CPU kernels answer channels-last: when the input or the weight is
+# channels-last, in every dtype, transposed or grouped (36 cases checked, float64 too;
+# cuDNN does the same for the dtypes it takes). So a channels-last
+# model (``model.to(memory_format=torch.channels_last)``) showed the program contiguous
+# outputs, where eager's are channels-last (``view`` then succeeded where eager's fails),
+# and the worker copied each output into the layout the client was told (Note [meta
+# strides], a copy per convolution). The client now says what the kernels do; where a
+# kernel still answers otherwise (another backend), the worker's copy keeps both agreeing.
+_CONVOLUTION = torch.ops.aten.convolution.default
+
+
+def _convolution_layout(margs: Any, out: Any) -> Any:
+    from torch._prims_common import suggest_memory_format
+
+    if not isinstance(out, torch.Tensor) or out.dim() not in (4, 5):
+        return out
+    last = torch.channels_last if out.dim() == 4 else torch.channels_last_3d
+    given = [t for t in margs[:2] if isinstance(t, torch.Tensor) and t.dim() == out.dim()]
+    if any(suggest_memory_format(t) == last for t in given):
+        return torch.empty_like(out, memory_format=last)
+    return out
 
 
 def _spec(out: Any, flat_inputs: list[torch.Tensor]) -> Any:
