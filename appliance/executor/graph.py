@@ -499,11 +499,14 @@ def _like_meta(out: Any, meta: Any, fresh: bool = False) -> Any:
     the client was told, so a tensor's bytes always match its dtype.
 
     Note [meta strides]: and its strides, for the output of an op that makes a new tensor
-    (``fresh``: not a view, not a write). The CPU convolution lays its output out
-    channels-last after a channels-last input where the meta kernel says contiguous; the
-    client, told contiguous, took a later ``contiguous()`` for a no-op, and the group norm
-    after it refused its input on the worker (a review: diffusers' UNet2DModel in eval
-    mode). The value is copied into the layout the client was told."""
+    (``fresh``: not a view, not a write). A kernel may lay its output out otherwise than
+    the meta kernel the client asked: the CPU convolution answered a channels-last input
+    channels-last where meta said contiguous (the client now predicts it: Note
+    [convolution layouts] in djinn/frontend/meta.py), ``linalg.svd``'s ``Vh`` is
+    column-major on the CPU. The client, told otherwise, decided views and ``contiguous()``
+    on its strides, and the worker read other elements: the group norm after such a
+    convolution refused its input (a review: diffusers' UNet2DModel in eval mode). The
+    value is copied into the layout the client was told."""
     if isinstance(out, torch.Tensor):
         if not isinstance(meta, torch.Tensor):
             return out

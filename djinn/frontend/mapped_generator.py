@@ -1,4 +1,5 @@
-"""``torch.Generator("cuda")`` under ``djinn run`` (Note [explicit generators] in seeded.py).
+"""``torch.Generator("cuda")`` under ``djinn run`` (Note [explicit generators] in
+own_generators.py).
 
 PyTorch makes a CUDA generator only with its CUDA library, and a generator of the remote
 device not at all (a Python backend cannot register one), so a script's

@@ -85,7 +85,7 @@ class OwnGenerators(TorchFunctionMode):
 
 
 def _given(func: Any, args: Any, kwargs: dict, generator: torch.Generator) -> tuple:
-    """``func``'s arguments with ``generator`` where ``own_generator`` took it from."""
+    """``func``'s arguments with ``generator`` where ``taken`` took it from."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == "generator" and not arg.kwarg_only and i < len(args):
             return (*args[:i], generator, *args[i + 1 :]), kwargs

@@ -1,4 +1,4 @@
-"""Note [explicit generators] (djinn/frontend/seeded.py): a random op on the remote device
+"""Note [explicit generators] (djinn/frontend/own_generators.py): a random op on the remote device
 given a CPU generator of the program's own draws what eager draws from it, moves that
 generator on as eager does, and leaves the default generator alone. Before, every such
 op was refused ("cannot send a Generator argument")."""
