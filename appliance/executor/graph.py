@@ -475,7 +475,7 @@ def finished(
     [statistics dtypes]) and the bounds of what it returned."""
     if device.type == "cpu" and op in norm_stats.OPS:
         meta = _cpu_statistics(op, args, kwargs, meta)
-    out = _like_meta(out, meta, fresh=not op.is_view and not op._schema.is_mutable)
+    out = _like_meta(out, meta, op)
     oppolicy.check_bounds(out, name)
     return out
 
@@ -492,14 +492,14 @@ def _cpu_statistics(op: Any, args: list[Any], kwargs: dict[str, Any], meta: Any)
     )
 
 
-def _like_meta(out: Any, meta: Any, fresh: bool = False) -> Any:
+def _like_meta(out: Any, meta: Any, op: Any = None) -> Any:
     """Note [meta dtypes]: the client knows a value's dtype from the op's meta kernel. A
     CPU kernel sometimes answers in another one (``native_layer_norm`` of float16 gives
     float16 statistics on the CPU, float32 on meta and CUDA): the value is cast to what
     the client was told, so a tensor's bytes always match its dtype.
 
-    Note [meta strides]: and its strides, for the output of an op that makes a new tensor
-    (``fresh``: not a view, not a write). A kernel may lay its output out otherwise than
+    Note [meta strides]: and its strides, for the output of an ``op`` that makes a new
+    tensor (not a view, not a write). A kernel may lay its output out otherwise than
     the meta kernel the client asked: the CPU convolution answered a channels-last input
     channels-last where meta said contiguous (the client now predicts it: Note
     [convolution layouts] in djinn/frontend/meta.py), ``linalg.svd``'s ``Vh`` is
@@ -510,26 +510,26 @@ def _like_meta(out: Any, meta: Any, fresh: bool = False) -> Any:
     if isinstance(out, torch.Tensor):
         if not isinstance(meta, torch.Tensor):
             return out
-        if fresh and out.stride() != meta.stride() and not _same_layout(out, meta):
+        if op is not None and out.stride() != meta.stride() and _fresh(op, out, meta):
             # one copy, cast too where the dtype differs
             return torch.empty_strided(
                 meta.shape, meta.stride(), dtype=meta.dtype, device=out.device
             ).copy_(out)
         return out.to(meta.dtype) if out.dtype != meta.dtype else out
     if isinstance(out, (tuple, list)) and isinstance(meta, (tuple, list)) and len(out) == len(meta):
-        return type(out)([_like_meta(o, m, fresh) for o, m in zip(out, meta, strict=True)])
+        return type(out)([_like_meta(o, m, op) for o, m in zip(out, meta, strict=True)])
     return out
 
 
-def _same_layout(out: torch.Tensor, meta: torch.Tensor) -> bool:
-    """Whether ``out`` is laid out as ``meta`` says (a dimension of one element, or an
-    empty tensor, may have any stride)."""
-    if out.shape != meta.shape:
-        return True  # not this check's to say (the client's shape is checked elsewhere)
-    if out.numel() <= 1:
-        return True
-    return all(
-        n <= 1 or a == b for n, a, b in zip(out.shape, out.stride(), meta.stride(), strict=True)
+def _fresh(op: Any, out: torch.Tensor, meta: torch.Tensor) -> bool:
+    """Whether ``out``, whose strides are not ``meta``'s, is a new tensor of ``op`` (not
+    a view, not a write) laid out otherwise than ``meta`` says: a dimension of one
+    element, or an empty tensor, may have any stride; another shape is not this check's
+    to say (the client's shape is checked elsewhere)."""
+    if op.is_view or op._schema.is_mutable or out.shape != meta.shape or out.numel() <= 1:
+        return False
+    return any(
+        n > 1 and a != b for n, a, b in zip(out.shape, out.stride(), meta.stride(), strict=True)
     )
 
 

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from djinn.errors import UnsupportedOp
+from djinn.protocol.tensors import dtype_name
 
 from . import model_changes
+from .device import DEVICE_TYPE, mapped_source
 
 
 # Note [call settings]: a forward reads some config settings as the default of its argument
@@ -94,10 +96,6 @@ def _forward_arguments(cls: type) -> tuple[frozenset[str], bool]:
 # script gets run on the CPU.
 def autocast_dtype() -> str | None:
     """The autocast dtype of a model call made now (None: no autocast)."""
-    from djinn.protocol.tensors import dtype_name
-
-    from .device import DEVICE_TYPE, mapped_source
-
     for kind in (DEVICE_TYPE, mapped_source()):
         if kind is not None and torch.is_autocast_enabled(kind):
             return dtype_name(torch.get_autocast_dtype(kind))

@@ -48,10 +48,10 @@ def taken(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
     found = kwargs.get("generator")
     if found is not None:
         kwargs = {**kwargs, "generator": None}  # some schemas need it named
-    elif args and any(isinstance(a, torch._C.Generator) for a in args):  # djinn run's too
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.name == "generator" and i < len(args) and args[i] is not None:
-                found, args = args[i], (*args[:i], None, *args[i + 1 :])
+    else:  # every captured op comes here: a dict lookup for the many that take none
+        at = _position(func)
+        if at is not None and at < len(args) and args[at] is not None:
+            found, args = args[at], (*args[:at], None, *args[at + 1 :])
     if found is not None and SEEDED not in func.tags:
         raise UnsupportedOp(f"{func.name()}: cannot send a generator to the appliance")
     return found, args, kwargs
@@ -84,11 +84,29 @@ class OwnGenerators(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_POSITIONS: dict[Any, int | None] = {}
+
+
+def _position(func: Any) -> int | None:
+    """Where ``func``'s schema takes a generator positionally (``poisson``, ``binomial``);
+    None where it takes none, or by keyword only."""
+    if func not in _POSITIONS:
+        _POSITIONS[func] = next(
+            (
+                i
+                for i, arg in enumerate(func._schema.arguments)
+                if arg.name == "generator" and not arg.kwarg_only
+            ),
+            None,
+        )
+    return _POSITIONS[func]
+
+
 def _given(func: Any, args: Any, kwargs: dict, generator: torch.Generator) -> tuple:
     """``func``'s arguments with ``generator`` where ``taken`` took it from."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "generator" and not arg.kwarg_only and i < len(args):
-            return (*args[:i], generator, *args[i + 1 :]), kwargs
+    at = _position(func)
+    if at is not None and at < len(args):
+        return (*args[:at], generator, *args[at + 1 :]), kwargs
     return tuple(args), {**kwargs, "generator": generator}
 
 

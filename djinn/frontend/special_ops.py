@@ -203,21 +203,10 @@ def _resize(func: Any, args: tuple, kwargs: dict) -> Any:
     strides stay). PyTorch's ``out=`` factories resize their target first
     (``torch.zeros(3, out=buf)``, ``torch.arange(n, out=buf)``, ``torch.randn``), and the
     appliance runs no ``resize_``: each was refused (a review). Another size still is."""
-    self, size = args[0], args[1]
-    if (
-        tuple(self.shape) == tuple(size)
-        and kwargs.get("memory_format", _MISSING)
-        in (
-            _MISSING,
-            None,
-        )
-        and len(args) <= 2
-    ):
+    self, size = args  # memory_format is keyword-only
+    if tuple(self.shape) == tuple(size) and kwargs.get("memory_format") is None:
         return self
     return capture(func, args, kwargs)
-
-
-_MISSING = object()
 
 
 SPECIAL.update(

@@ -62,6 +62,7 @@ import torch.utils._python_dispatch as _python_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .device import DEVICE_TYPE
+from .model_changes import version_of
 
 APPLY = torch.nn.Module._apply.__code__  # the frame of a module's move (factories uses it too)
 _PROTOCOL_CHECKS = _python_dispatch.__file__  # is_traceable_wrapper_subclass and its helper
@@ -248,10 +249,9 @@ def give_state(t: torch.Tensor, state: tuple[dict[str, Any], Any, Any]) -> None:
 def _written(src: torch.Tensor) -> tuple[int, int]:
     """What moves when ``src`` is written: its version counter, and for a CPU tensor its
     bytes' address (``src.data = other`` replaces them without counting a version). An
-    inference tensor (made, or moved, under ``torch.inference_mode``) counts none: reading
-    it raised, and any move of a module inside inference mode failed (a review)."""
-    version = -1 if src.is_inference() else src._version
-    return version, src.data_ptr() if src.device.type == "cpu" else 0
+    inference tensor counts none (``version_of``: any move of a module inside inference
+    mode failed, a review)."""
+    return version_of(src), src.data_ptr() if src.device.type == "cpu" else 0
 
 
 def slot(x: torch.Tensor) -> Slot | None:
