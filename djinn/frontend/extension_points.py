@@ -82,6 +82,7 @@ from . import (
     pinned,
     recurrent,
     serialization,
+    storages,
     transformer_fastpath,
     uncaptured,
 )
@@ -407,6 +408,7 @@ CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_que
 # Note [accelerate's fp16] (accelerate_fp16.py)
 ACCELERATE_FP16 = Attachment("accelerate_fp16", accelerate_fp16.attach, accelerate_fp16.detach)
 MAPPED_GENERATOR = Attachment("mapped_generator", mapped_generator.attach, mapped_generator.detach)
+STORAGES = Attachment("storages", storages.attach, storages.detach)  # storages.py
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
@@ -425,6 +427,7 @@ ALL = (
     CUDA_QUERIES,
     ACCELERATE_FP16,
     MAPPED_GENERATOR,
+    STORAGES,
     META_PARAMETERS,
     RECORDING_HOOKS,
     DYNAMO_SKIP,
@@ -436,6 +439,7 @@ _DEVICE = (  # `import djinn`
     SERIALIZATION,
     FOREACH_TYPES,
     BACKWARD_HOOKS,
+    STORAGES,
     DYNAMO_SKIP,
     COMPILE_REMOTE,
 )

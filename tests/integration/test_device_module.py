@@ -199,6 +199,27 @@ def test_a_storage_moved_to_the_remote_device_is_refused_typed(remote, tmp_path)
         assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
 
 
+def test_a_storage_made_on_the_remote_device_is_refused_typed(remote):
+    """Note [no storages on the remote device] (storages.py): it killed the process
+    (SIGSEGV), whichever storage class made it; other devices' storages are PyTorch's."""
+    import warnings
+
+    from djinn.errors import UnsupportedOp
+
+    for device in (R, torch.device(R)):
+        with pytest.raises(UnsupportedOp, match="storage cannot be made"):
+            torch.UntypedStorage(16, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        with pytest.raises(UnsupportedOp, match="storage cannot be made"):
+            torch.TypedStorage(4, device=R, dtype=torch.float32)
+        assert torch.TypedStorage([1.0, 2.0]).tolist() == [1.0, 2.0]
+    assert torch.UntypedStorage(8).nbytes() == 8
+    assert torch.UntypedStorage([1, 2, 3]).tolist() == [1, 2, 3]
+    assert torch.UntypedStorage(4, device="cpu").device == torch.device("cpu")
+    assert torch.ones(3, device=R).untyped_storage().nbytes() == 12  # a tensor's: as before
+
+
 def test_djinn_run_answers_torch_cuda_for_the_appliance(appliance, tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(

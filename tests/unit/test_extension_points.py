@@ -294,3 +294,30 @@ def test_mapped_generator_makes_cpu_generators_for_the_mapped_device_and_comes_o
         """
     )
     assert out == "ok"
+
+
+def test_storages_refuses_the_remote_device_and_comes_off():
+    """``import djinn``'s ``STORAGES`` (storages.py): a storage made on the remote device
+    is refused, typed; once released the class is PyTorch's as it was."""
+    out = _run(
+        """
+        import torch
+        assert "__new__" not in torch.UntypedStorage.__dict__
+        import djinn
+        from djinn.errors import UnsupportedOp
+        from djinn.frontend import extension_points as ep
+
+        try:
+            torch.UntypedStorage(4, device="remote_accelerator:0")
+        except UnsupportedOp:
+            pass
+        else:
+            raise AssertionError("a remote storage was made")
+        assert torch.UntypedStorage(4).nbytes() == 4
+        ep.unregister()
+        assert "__new__" not in torch.UntypedStorage.__dict__
+        assert torch.UntypedStorage(4).nbytes() == 4
+        print("ok")
+        """
+    )
+    assert out == "ok"
