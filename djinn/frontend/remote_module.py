@@ -35,7 +35,16 @@ from djinn.protocol.tensors import to_wire
 from djinn.protocol.values import NOT_A_CONSTANT, encode
 from djinn.runtime.remote import RemoteTensor
 
-from . import call_settings, generate_args, model_changes, model_leaves, model_twin, seeded, ties
+from . import (
+    call_settings,
+    generate_args,
+    local_caches,
+    model_changes,
+    model_leaves,
+    model_twin,
+    seeded,
+    ties,
+)
 from .device import DEVICE_TYPE
 from .remote_objects import RemoteObject
 
@@ -361,6 +370,9 @@ def _encode(x: Any, inline: list[torch.Tensor], name: str = "it") -> Any:
             return {"$t": len(inline) - 1, "desc": to_wire(v.detach())[0]}
         if isinstance(v, RemoteObject):
             return {"$o": v.oid}
+        bound = local_caches.remote_of(v)  # Note [a cache the program made]
+        if bound is not None:
+            return {"$o": bound.oid}
         if isinstance(v, RemoteTensor):
             return {"$h": v.handle}
         return NOT_A_CONSTANT
@@ -466,6 +478,9 @@ def _checked(
 
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
+    # before the analysis below, which runs the local module on meta values and would
+    # fill the program's empty cache with them
+    kwargs, made = local_caches.stand_in(module, method, kwargs)
     # one thread at a time looks at the local module: the call's analysis swaps its
     # parameters for meta twins while it runs, and another thread's check (or analysis)
     # took those for the program's change, and later calls were refused for good (a
@@ -512,6 +527,10 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
         seeded.after_call(reply["generator"])
     out = _decode(reply["out"], binding.session)
     _note_lengths(binding.session, reply.get("lengths"))
+    if made is not None:  # Note [a cache the program made]
+        out = local_caches.bind(made, out)
+    else:
+        out = local_caches.rebound(out, binding.session)
     if method == "forward" and torch.is_grad_enabled() and not binding.told_no_grad:
         _say_no_grad(module, binding)
     return out

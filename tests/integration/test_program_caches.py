@@ -1,0 +1,118 @@
+"""Note [a cache the program made] (djinn/frontend/local_caches.py): an empty
+``DynamicCache`` the program makes and passes to a registered model's every call, as
+transformers' own decoding-loop recipe does, runs as in eager: the program's object is the
+cache the calls fill (on the appliance), and the logits are eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from djinn.errors import InvalidArgument, UnsupportedOp
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache  # noqa: E402
+
+R = "remote_accelerator:0"
+
+
+@pytest.fixture(autouse=True)
+def _remote(remote):
+    yield
+
+
+def _gpt2():
+    # its own weights: another file's test expects to be the first to upload its GPT-2
+    torch.manual_seed(57)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _loop(model, past, ids, steps=4):
+    """transformers' hand-written loop: the same cache object passed to every call, its
+    length read from it, never from the output; each step's logits and lengths."""
+    seen = []
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(ids, past_key_values=past, use_cache=True)
+            assert out.past_key_values is past  # as eager fills it in place
+            seen.append((out.logits.cpu(), past.get_seq_length()))
+            ids = out.logits[:, -1:].argmax(-1)
+    return seen
+
+
+@pytest.mark.parametrize("made_with_config", [False, True])
+def test_an_empty_cache_the_program_made_is_filled_on_the_appliance(made_with_config):
+    local = _gpt2()
+    model = copy.deepcopy(local).to(R)
+    assert model._djinn is not None  # the model path
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+
+    def cache(m):
+        return DynamicCache(config=m.config) if made_with_config else DynamicCache()
+
+    ref = _loop(local, cache(local), ids)
+    past = cache(model)
+    got = _loop(model, past, ids.to(R))
+    for (logits, n), (ref_logits, ref_n) in zip(got, ref, strict=True):
+        assert n == ref_n
+        assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert isinstance(past, DynamicCache) and past.get_seq_length() == 8
+    # what it holds stays on the appliance: said, typed or as a RemoteObject says it
+    with pytest.raises(AttributeError, match="stays on the appliance"):
+        past.crop(2)
+    with pytest.raises(AttributeError, match="stays on the appliance"):
+        len(past)
+    with pytest.raises(UnsupportedOp, match="cannot be copied"):
+        copy.deepcopy(past)
+    assert "on the appliance" in repr(past)
+
+
+def test_a_cache_the_model_would_not_make_itself_is_refused_and_left_as_it_was():
+    model = _gpt2().to(R)
+    ids = torch.tensor([[1, 2, 3]], device=R)
+    full = DynamicCache()
+    with torch.no_grad():
+        # a tuple out has no place to say where the cache went
+        with pytest.raises(InvalidArgument, match="DynamicCache"):
+            model(ids, past_key_values=full, use_cache=True, return_dict=False)
+        # nor does a call that will use no cache fill it
+        with pytest.raises(InvalidArgument, match="DynamicCache"):
+            model(ids, past_key_values=full, use_cache=False)
+        assert type(full) is DynamicCache and full.get_seq_length() == 0 and not full.layers
+        # one that holds tokens already is the program's data: refused as before
+        local = _gpt2()
+        filled = DynamicCache()
+        local(torch.tensor([[1, 2]]), past_key_values=filled, use_cache=True)
+        with pytest.raises(InvalidArgument, match="DynamicCache"):
+            model(ids, past_key_values=filled, use_cache=True)
+        # generate returns no cache to bind
+        with pytest.raises(InvalidArgument, match="DynamicCache"):
+            model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=2)
+
+
+def test_a_sliding_window_models_cache_must_be_the_one_it_makes():
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    local = transformers.MistralForCausalLM(cfg).eval()
+    model = copy.deepcopy(local).to(R)
+    assert model._djinn is not None  # the model path
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    # made without the config: full-attention layers, not the model's own
+    with torch.no_grad(), pytest.raises(InvalidArgument, match="DynamicCache"):
+        model(ids.to(R), past_key_values=DynamicCache(), use_cache=True)
+    ref = _loop(local, DynamicCache(config=local.config), ids, steps=3)
+    got = _loop(model, DynamicCache(config=model.config), ids.to(R), steps=3)
+    for (logits, n), (ref_logits, ref_n) in zip(got, ref, strict=True):
+        assert n == ref_n
+        assert (logits - ref_logits).abs().max().item() <= 1e-5
