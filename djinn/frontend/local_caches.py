@@ -26,8 +26,10 @@ an encoder-decoder (whose eager call wraps the cache in another), and its layers
 those the model makes for itself (``DynamicCache(config=model.config)``: none yet, for a
 model whose layers are all full-attention ones, or the same layer classes). Anything
 else is refused as before.
-``generate(past_key_values=DynamicCache())`` stays refused: generate returns no cache to
-bind unless asked for a dict.
+``generate(past_key_values=DynamicCache())`` is sent with ``return_dict_in_generate``,
+where the cache generate made is found (the same sequences: it changes what generate
+returns, not what it does), and the program gets the sequences alone unless it asked for
+the dict.
 """
 
 from __future__ import annotations
@@ -43,19 +45,38 @@ KEY = "past_key_values"
 
 def stand_in(module: Any, method: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """``kwargs`` with an empty program-made cache taken out (None in its place), and that
-    cache (None when there is none to bind)."""
+    cache (None when there is none to bind). A ``generate`` asks for its dict, where the
+    cache it made is found (``unwrap`` says to return its sequences alone)."""
     cache = kwargs.get(KEY)
-    if method != "forward" or cache is None or not _empty_dynamic(cache, module, kwargs):
+    if method not in ("forward", "generate") or cache is None:
         return kwargs, None
-    return {**kwargs, KEY: None}, cache
+    if not _empty_dynamic(cache, module, kwargs, method):
+        return kwargs, None
+    kwargs = {**kwargs, KEY: None}
+    if method == "generate" and not kwargs.get("return_dict_in_generate"):
+        kwargs["return_dict_in_generate"] = True
+        return kwargs, Made(cache, unwrap=True)
+    return kwargs, Made(cache, unwrap=False)
 
 
-def _empty_dynamic(cache: Any, module: Any, kwargs: dict[str, Any]) -> bool:
+class Made:
+    """A program's cache a call stands in for, and whether the call's dict is the
+    program's answer or only where the cache is found (a generate's sequences)."""
+
+    __slots__ = ("cache", "unwrap")
+
+    def __init__(self, cache: Any, unwrap: bool) -> None:
+        self.cache, self.unwrap = cache, unwrap
+
+
+def _empty_dynamic(cache: Any, module: Any, kwargs: dict[str, Any], method: str) -> bool:
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None or type(cache) is not cache_utils.DynamicCache:
         return False
     config = getattr(module, "config", None)
-    if kwargs.get("return_dict") is False or not getattr(config, "return_dict", True):
+    if method == "forward" and (
+        kwargs.get("return_dict") is False or not getattr(config, "return_dict", True)
+    ):
         return False  # a tuple out: no place to find the cache the call left
     if getattr(config, "is_encoder_decoder", False) or getattr(
         config, "add_cross_attention", False
@@ -79,18 +100,18 @@ def _empty_dynamic(cache: Any, module: Any, kwargs: dict[str, Any]) -> bool:
         return False
 
 
-def bind(cache: Any, out: Any) -> Any:
-    """Make the program's ``cache`` the remote cache the call left in ``out`` (the Note),
-    and ``out`` hold it; a call that left none leaves the program's cache as it was."""
-    remote = _field(out)
-    if not isinstance(remote, RemoteObject) or remote.cls.rsplit(".", 1)[-1] != "DynamicCache":
-        return out
-    cache.__dict__.clear()
-    cache.__class__ = _cache_class(type(cache))
-    object.__setattr__(cache, "_djinn_remote", remote)
-    _bound(remote.session)[remote.oid] = cache
-    out[KEY] = cache
-    return out
+def bind(made: Made, out: Any) -> Any:
+    """Make the program's cache the remote cache the call left in ``out`` (the Note),
+    and ``out`` hold it; a call that left none leaves the program's cache as it was.
+    What the program gets: ``out``, or a generate's sequences alone."""
+    cache, remote = made.cache, _field(out)
+    if isinstance(remote, RemoteObject) and remote.cls.rsplit(".", 1)[-1] == "DynamicCache":
+        cache.__dict__.clear()
+        cache.__class__ = _cache_class(type(cache))
+        object.__setattr__(cache, "_djinn_remote", remote)
+        _bound(remote.session)[remote.oid] = cache
+        out[KEY] = cache
+    return out["sequences"] if made.unwrap and isinstance(out, dict) else out
 
 
 def remote_of(value: Any) -> RemoteObject | None:

@@ -88,9 +88,37 @@ def test_a_cache_the_model_would_not_make_itself_is_refused_and_left_as_it_was()
         local(torch.tensor([[1, 2]]), past_key_values=filled, use_cache=True)
         with pytest.raises(InvalidArgument, match="DynamicCache"):
             model(ids, past_key_values=filled, use_cache=True)
-        # generate returns no cache to bind
-        with pytest.raises(InvalidArgument, match="DynamicCache"):
-            model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_generate_fills_the_programs_cache_and_a_second_generate_goes_on_from_it(as_dict):
+    """transformers' recipe for a conversation: generate with a cache of one's own, then
+    generate again from the whole text with the same cache, which skips what it holds."""
+    local = _gpt2()
+    model = copy.deepcopy(local).to(R)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+
+    def talk(m, ids):
+        past = DynamicCache()
+        kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+        if as_dict:
+            kw["return_dict_in_generate"] = True
+        with torch.no_grad():
+            first = m.generate(ids, past_key_values=past, **kw)
+            seq = first.sequences if as_dict else first
+            n_first = past.get_seq_length()
+            more = torch.cat([seq, torch.tensor([[9, 10]], device=seq.device)], dim=1)
+            second = m.generate(more, past_key_values=past, **kw)
+            seq2 = second.sequences if as_dict else second
+        if as_dict:
+            assert first.past_key_values is past and second.past_key_values is past
+        else:
+            assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+        return seq.cpu(), n_first, seq2.cpu(), past.get_seq_length()
+
+    ref, got = talk(local, prompt), talk(model, prompt.to(R))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2])
+    assert got[1] == ref[1] and got[3] == ref[3]
 
 
 def test_a_sliding_window_models_cache_must_be_the_one_it_makes():
