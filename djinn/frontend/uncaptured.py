@@ -50,6 +50,14 @@ SIZE_QUERIES = {
     _aten.is_contiguous.memory_format,
     _aten.is_strides_like_format.default,
     _aten.is_non_overlapping_and_dense.default,
+    # the plain queries, which reach the dispatcher from C++ that asks a tensor with the
+    # Python key (legacy vmap's _add_batch_dim: autograd.grad(is_grads_batched=True)),
+    # and are no registered op to look up (composite() raised "aten::size does not exist")
+    *(
+        getattr(_aten, name).default
+        for name in ("size", "stride", "numel", "storage_offset")
+        if hasattr(getattr(_aten, name, None), "default")
+    ),
 }
 
 
@@ -83,7 +91,11 @@ def composite(func: Any) -> bool:
     known = _composites.get(func)
     if known is None:
         name = func.name()
-        known = _composites[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            name, "CompositeImplicitAutograd"
-        ) and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+        try:
+            known = torch._C._dispatch_has_kernel_for_dispatch_key(
+                name, "CompositeImplicitAutograd"
+            ) and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+        except RuntimeError:  # no op of that name in the dispatcher's table: no kernel
+            known = False
+        _composites[func] = known
     return known
