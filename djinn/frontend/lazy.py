@@ -29,6 +29,7 @@ from . import (
     inference_views,
     own_generators,
     seeded,
+    serialization,
     shared_copies,
     tensor_copy,
     tensor_text,
@@ -204,7 +205,7 @@ class LazyTensor(torch.Tensor):
         data = shared_copies.saved_bytes(self, fetch)
         data = fetch(self).detach() if data is None else data
         rebuild = torch._utils._rebuild_device_tensor_from_cpu_tensor
-        return rebuild, (data, self.dtype, str(self.device), self.requires_grad)
+        return rebuild, (data, self.dtype, serialization.saved_device(self), self.requires_grad)
 
 
 def _local_index(index: Any) -> Any:

@@ -11,6 +11,16 @@ tensor has none on the client. A location naming the remote device (or ``cuda`` 
 ``djinn run`` on a client without CUDA) therefore restores storages to host memory;
 tensors saved from the remote device move back to it as they are rebuilt, and plain CPU
 tensors stay on the host until first used with remote tensors (which uploads them).
+
+Note [checkpoints name the mapped device]: under ``djinn run`` the program's tensors are
+CUDA tensors as far as it knows, and the checkpoints it writes are read later by plain
+PyTorch, on a GPU or with ``map_location``. A remote tensor saved there records the
+device the program named (``cuda:0``), not ``remote_accelerator:0``, which plain PyTorch
+cannot even parse ("Expected one of cpu, cuda, ... device type"): such a checkpoint
+loads as a CUDA checkpoint does (on a GPU, or ``map_location="cpu"``, or ``{"cuda:0":
+"cpu"}``, which matched nothing before), and under ``djinn run`` again onto the appliance
+(the device map moves "cuda" there). Saved outside ``djinn run`` it records the remote
+device, as the program named that.
 """
 
 from __future__ import annotations
@@ -22,6 +32,15 @@ import torch
 from .device import DEVICE_TYPE, mapped_source
 
 PRIORITY = 15  # before CUDA's deserializer (20): it would refuse "cuda" without a GPU
+
+
+def saved_device(t: torch.Tensor) -> str:
+    """The device a saved remote tensor records (Note [checkpoints name the mapped
+    device])."""
+    source = mapped_source()
+    if source is None:
+        return str(t.device)
+    return f"{source}:{t.device.index or 0}"
 
 
 def tag(obj: Any) -> None:

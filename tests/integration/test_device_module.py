@@ -273,3 +273,53 @@ def test_djinn_run_supports_what_cuda_scripts_also_touch(appliance, tmp_path):
     )
     done = _djinn_run(appliance, script)
     assert done.stdout.split() == ["True"] * 7, done.stdout + done.stderr
+
+
+def test_a_checkpoint_written_under_djinn_run_loads_as_a_cuda_one(appliance, tmp_path):
+    """Note [checkpoints name the mapped device] (serialization.py): it recorded
+    ``remote_accelerator:0``, which plain PyTorch cannot parse, and ``map_location={"cuda:0":
+    "cpu"}`` matched nothing (a hunt)."""
+    ckpt = tmp_path / "ck.pt"
+    script = tmp_path / "save.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            torch.manual_seed(0)
+            m = torch.nn.Linear(3, 2).cuda()
+            torch.save({{"model": m.state_dict(), "t": torch.arange(4.0).cuda()}}, {str(ckpt)!r})
+            back = torch.load({str(ckpt)!r})  # onto the appliance again, as "cuda"
+            print(back["t"].is_cuda, back["model"]["weight"].is_cuda, back["t"].tolist())
+            """
+        )
+    )
+    assert _djinn_run(appliance, script).stdout.split() == [
+        "True",
+        "True",
+        "[0.0,",
+        "1.0,",
+        "2.0,",
+        "3.0]",
+    ]
+    # plain PyTorch, in a process without Djinn: a CUDA checkpoint's behaviour
+    probe = textwrap.dedent(
+        f"""
+        import torch
+        for where in ("cpu", {{"cuda:0": "cpu"}}):
+            d = torch.load({str(ckpt)!r}, map_location=where)
+            assert d["t"].device.type == "cpu" and d["t"].tolist() == [0.0, 1.0, 2.0, 3.0]
+            assert d["model"]["weight"].shape == (2, 3)
+        try:
+            torch.load({str(ckpt)!r})
+        except Exception as exc:  # no CUDA here: what a CUDA checkpoint says
+            print("cuda" in str(exc).lower())
+        else:
+            print(torch.cuda.is_available())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"]
