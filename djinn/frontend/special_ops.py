@@ -209,8 +209,28 @@ def _resize(func: Any, args: tuple, kwargs: dict) -> Any:
     return capture(func, args, kwargs)
 
 
+def _set_source(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``x.set_(y)``: ``x`` now shares ``y``'s storage, sizes and strides. Taken as
+    ``x.data = y`` takes them (the wrapper's metadata and ``y``'s value, Note [shapes
+    changed in place]); the appliance runs no ``set_``. PyTorch's parametrizations do it
+    to a remote parameter (``register_parametrization`` after the move, ``m.weight = X``
+    on a parametrized module): it was refused, and the error met at a later, unrelated
+    line (a hunt). Only tensor to tensor, of one dtype, both remote."""
+    self, source = args
+    if (
+        type(self) is LazyTensor
+        and type(source) is LazyTensor
+        and self._dyn is None
+        and source.dtype == self.dtype
+    ):
+        self.data = source
+        return self
+    return capture(func, args, kwargs)
+
+
 SPECIAL.update(
     {
+        torch.ops.aten.set_.source_Tensor: _set_source,
         torch.ops.aten.resize_.default: _resize,
         torch.ops.aten.scaled_dot_product_attention.default: _attention,
         torch.ops.aten._local_scalar_dense.default: _item,
