@@ -118,7 +118,8 @@ def check(op: Any) -> None:
     schema = op._schema
     name = schema.name.split("::", 1)[-1]
     if not allowed(op):
-        raise UnsupportedOp(f"{schema.name}.{schema.overload_name}: not an op the appliance runs")
+        overload = f".{schema.overload_name}" if schema.overload_name else ""  # not "resize_as_."
+        raise UnsupportedOp(f"{schema.name}{overload}: not an op the appliance runs")
     if name in DENIED or (name not in ALLOWED and any(part in name for part in DENIED_PARTS)):
         raise UnsupportedOp(f"{schema.name} is not allowed on the appliance")
     for arg in schema.arguments:
