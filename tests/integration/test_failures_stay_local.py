@@ -49,7 +49,7 @@ def _kinds() -> dict[str, Callable[[torch.Tensor], object]]:
             torch.tensor([-1.0, 2.0], device=R), 1
         ).cpu(),
         "randint empty range": lambda x: torch.randint(5, 2, (3,), device=R).cpu(),
-        "denied op": lambda x: torch.ops.aten.set_.source_Tensor(x, x).cpu(),
+        "denied op": lambda x: torch.ops.aten._reshape_alias.default(x, [16], [1]).cpu(),
         "scatter out of range": lambda x: x.scatter(0, torch.full((1, 4), 9), 1.0).cpu(),
         "one_hot negative": lambda x: torch.nn.functional.one_hot(
             torch.tensor([-2], device=R)
