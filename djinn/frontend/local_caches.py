@@ -38,6 +38,8 @@ import sys
 import weakref
 from typing import Any
 
+import torch
+
 from .remote_objects import RemoteObject
 
 KEY = "past_key_values"
@@ -53,10 +55,22 @@ def stand_in(module: Any, method: str, kwargs: dict[str, Any]) -> tuple[dict[str
     if not _empty_dynamic(cache, module, kwargs, method):
         return kwargs, None
     kwargs = {**kwargs, KEY: None}
-    if method == "generate" and not kwargs.get("return_dict_in_generate"):
+    if method == "generate" and not _asks_dict(module, kwargs):
         kwargs["return_dict_in_generate"] = True
         return kwargs, Made(cache, unwrap=True)
     return kwargs, Made(cache, unwrap=False)
+
+
+def _asks_dict(module: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a ``generate()`` returns its dict: its argument, else its
+    ``generation_config=``'s, else the model's generation config's (a review: the
+    model's own setting was overridden, and the program got the sequences alone)."""
+    given = getattr(kwargs.get("generation_config"), "__dict__", {})
+    for source in (kwargs, given):
+        if source.get("return_dict_in_generate") is not None:
+            return bool(source["return_dict_in_generate"])
+    own = getattr(module, "generation_config", None)
+    return bool(getattr(own, "return_dict_in_generate", False))
 
 
 class Made:
@@ -90,14 +104,24 @@ def _empty_dynamic(cache: Any, module: Any, kwargs: dict[str, Any], method: str)
     try:
         if cache.get_seq_length() != 0:
             return False
-        own = [type(layer) for layer in cache.layers]
-        made = [type(layer) for layer in cache_utils.DynamicCache(config=config).layers]
-        if own:
-            return own == made
+        made = cache_utils.DynamicCache(config=config).layers
+        if cache.layers:
+            # the same classes *and* settings (a review: a sliding window of another
+            # width passed on its class, and the model used its own on the appliance)
+            return [_layer(x) for x in cache.layers] == [_layer(x) for x in made]
         replicated = getattr(cache, "layer_class_to_replicate", None)
-        return replicated is not None and all(cls is replicated for cls in made)
+        fresh = _layer(replicated()) if replicated is not None else None
+        return fresh is not None and all(_layer(x) == fresh for x in made)
     except Exception:  # another transformers' cache: not one this can vouch for
         return False
+
+
+def _layer(layer: Any) -> tuple:
+    """An empty cache layer's class and settings (a tensor setting as its values)."""
+    settings = {
+        k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(layer).items()
+    }
+    return type(layer), sorted(settings.items(), key=lambda kv: kv[0])
 
 
 def bind(made: Made, out: Any) -> Any:
@@ -109,7 +133,8 @@ def bind(made: Made, out: Any) -> Any:
         cache.__dict__.clear()
         cache.__class__ = _cache_class(type(cache))
         object.__setattr__(cache, "_djinn_remote", remote)
-        _bound(remote.session)[remote.oid] = cache
+        # on the object, not by its id: a recovery renames the id (a review)
+        remote.bound = weakref.ref(cache)
         out[KEY] = cache
     return out["sequences"] if made.unwrap and isinstance(out, dict) else out
 
@@ -121,12 +146,12 @@ def remote_of(value: Any) -> RemoteObject | None:
     return None
 
 
-def rebound(out: Any, session: Any) -> Any:
+def rebound(out: Any) -> Any:
     """``out`` holding the program's cache where the call left the remote cache bound to
     it (a later call with ``past_key_values=past``: ``out.past_key_values is past``)."""
     remote = _field(out)
-    if isinstance(remote, RemoteObject):
-        cache = _bound(session).get(remote.oid)
+    if isinstance(remote, RemoteObject) and remote.bound is not None:
+        cache = remote.bound()
         if cache is not None and remote_of(cache) is remote:
             out[KEY] = cache
     return out
@@ -137,11 +162,6 @@ def _field(out: Any) -> Any:
         return out[KEY] if isinstance(out, dict) and KEY in out else None
     except (KeyError, TypeError):
         return None
-
-
-def _bound(session: Any) -> weakref.WeakValueDictionary:
-    with session.objects_lock:
-        return session.__dict__.setdefault("_bound_caches", weakref.WeakValueDictionary())
 
 
 _CLASSES: dict[type, type] = {}

@@ -478,9 +478,11 @@ def _checked(
 
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
-    # before the analysis below, which runs the local module on meta values and would
-    # fill the program's empty cache with them
-    kwargs, made = local_caches.stand_in(module, method, kwargs)
+    # the analysis below runs the local module on meta values and would fill the
+    # program's empty cache with them: it sees the call as sent. A call that leaves the
+    # model path runs with the program's own arguments (a review: its cache stayed
+    # empty, and the next step ran without the prompt)
+    sent, made = local_caches.stand_in(module, method, kwargs)
     # one thread at a time looks at the local module: the call's analysis swaps its
     # parameters for meta twins while it runs, and another thread's check (or analysis)
     # took those for the program's change, and later calls were refused for good (a
@@ -488,7 +490,7 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     with binding.lock:
         gone = module.__dict__.get("_djinn") is not binding  # another thread took it off
         if not gone:
-            what, hints = _checked(module, binding, method, args, kwargs)
+            what, hints = _checked(module, binding, method, args, sent)
             gone = what is not None and model_leaves.put_in_training(module, binding)
     if gone:  # Note [a registered model trains]: the graph path from now on
         _leave(module, binding)
@@ -500,6 +502,7 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
             "move, or move it in training mode (model.train().to(...)) to run it op by op "
             "on the graph path, which follows them (Note [a registered model changed])"
         )
+    kwargs = sent
     if method == "forward":
         kwargs = call_settings.with_call_settings(module, binding.settings, kwargs)
     if method == "generate":
@@ -527,10 +530,8 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
         seeded.after_call(reply["generator"])
     out = _decode(reply["out"], binding.session)
     _note_lengths(binding.session, reply.get("lengths"))
-    if made is not None:  # Note [a cache the program made]
-        out = local_caches.bind(made, out)
-    else:
-        out = local_caches.rebound(out, binding.session)
+    # Note [a cache the program made]
+    out = local_caches.bind(made, out) if made is not None else local_caches.rebound(out)
     if method == "forward" and torch.is_grad_enabled() and not binding.told_no_grad:
         _say_no_grad(module, binding)
     return out

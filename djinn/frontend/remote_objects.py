@@ -11,11 +11,14 @@ from djinn.errors import UnsupportedOp
 class RemoteObject:
     """An object that lives in a session on the appliance (a KV cache...)."""
 
-    __slots__ = ("__weakref__", "_finalizer", "cls", "oid", "seq_length", "session")
+    __slots__ = ("__weakref__", "_finalizer", "bound", "cls", "oid", "seq_length", "session")
 
     def __init__(self, session: Any, oid: str, cls: str) -> None:
         self.session, self.oid, self.cls = session, oid, cls
         self.seq_length: int | None = None  # a KV cache's, as the last call left it
+        # the program's own cache object bound to it (a weak reference; Note [a cache the
+        # program made] in local_caches.py)
+        self.bound: Any = None
         self._finalizer = weakref.finalize(self, session._free_object_later, oid)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

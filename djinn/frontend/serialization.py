@@ -17,10 +17,16 @@ CUDA tensors as far as it knows, and the checkpoints it writes are read later by
 PyTorch, on a GPU or with ``map_location``. A remote tensor saved there records the
 device the program named (``cuda:0``), not ``remote_accelerator:0``, which plain PyTorch
 cannot even parse ("Expected one of cpu, cuda, ... device type"): such a checkpoint
-loads as a CUDA checkpoint does (on a GPU, or ``map_location="cpu"``, or ``{"cuda:0":
-"cpu"}``, which matched nothing before), and under ``djinn run`` again onto the appliance
-(the device map moves "cuda" there). Saved outside ``djinn run`` it records the remote
-device, as the program named that.
+loads as a CUDA checkpoint does with no ``map_location`` (on a GPU), a device
+(``map_location="cpu"``) or a dict (``{"cuda:0": "cpu"}``, which matched nothing before),
+and under ``djinn run`` again onto the appliance (the device map moves "cuda" there).
+Saved outside ``djinn run`` it records the remote device, as the program named that.
+Not as a CUDA checkpoint (a review): a *callable* ``map_location`` (``lambda s, loc:
+s``) is refused by PyTorch for a tensor rebuilt from its bytes and device, and a
+checkpoint in the legacy format (``_use_new_zipfile_serialization=False``) does not
+load with ``map_location="cpu"`` on a host without CUDA. Saving a CPU storage tagged
+``cuda:0`` instead would bring both, but under ``djinn run`` it would load onto the host,
+not the appliance.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from djinn.errors import UnsupportedOp
 from djinn.protocol.tensors import dtype_name
 from djinn.runtime.remote import RemoteTensor
 
@@ -217,14 +218,15 @@ def _set_source(func: Any, args: tuple, kwargs: dict) -> Any:
     on a parametrized module): it was refused, and the error met at a later, unrelated
     line (a hunt). Only tensor to tensor, of one dtype, both remote."""
     self, source = args
-    if (
-        type(self) is LazyTensor
-        and type(source) is LazyTensor
-        and self._dyn is None
-        and source.dtype == self.dtype
-    ):
-        self.data = source
-        return self
+    if type(self) is LazyTensor and self._dyn is None and isinstance(source, torch.Tensor):
+        if type(source) is not LazyTensor:  # at the call, as eager refuses it (a review)
+            raise UnsupportedOp(
+                f"set_: a remote tensor cannot take the storage of a {source.device} "
+                "tensor; move it first (x.set_(y.to(x.device)))"
+            )
+        if source.dtype == self.dtype:
+            self.data = source
+            return self
     return capture(func, args, kwargs)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from djinn.errors import UnsupportedOp
 
-from .device import is_remote
+from .device import is_remote, mapped_source
 
 _NOT_HERE = (
     "a storage cannot be made on the remote device: the appliance holds tensors, not "
@@ -33,12 +33,21 @@ def attach() -> Any:
 
     def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
-        if is_remote(device):
+        if is_remote(device) or _mapped(device):
             raise UnsupportedOp(_NOT_HERE)
         return base_new(klass, *args, **kwargs)
 
     cls.__new__ = staticmethod(__new__)
     return saved
+
+
+def _mapped(device: Any) -> bool:
+    """A device ``djinn run`` maps to the appliance ("cuda" on a client without CUDA: the
+    program is told it has CUDA, and PyTorch's own refusal was an untyped assertion)."""
+    source = mapped_source()
+    if source is None or not isinstance(device, str) or torch.cuda._is_compiled():
+        return False  # a torch.device made under the map names the remote device already
+    return device.split(":", 1)[0] == source
 
 
 def detach(saved: Any) -> None:

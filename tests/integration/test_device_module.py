@@ -220,6 +220,27 @@ def test_a_storage_made_on_the_remote_device_is_refused_typed(remote):
     assert torch.ones(3, device=R).untyped_storage().nbytes() == 12  # a tensor's: as before
 
 
+def test_djinn_run_refuses_a_cuda_storage_typed(appliance, tmp_path):
+    """Under ``djinn run`` the program has CUDA: a storage made on it is the remote
+    device's, refused typed (a review: PyTorch's untyped "not compiled with CUDA")."""
+    script = tmp_path / "storage.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from djinn.errors import UnsupportedOp
+            for device in ("cuda", "cuda:0", torch.device("cuda")):
+                try:
+                    torch.UntypedStorage(4, device=device)
+                except UnsupportedOp:
+                    print("refused")
+            print(torch.UntypedStorage(4, device="cpu").nbytes())
+            """
+        )
+    )
+    assert _djinn_run(appliance, script).stdout.split() == ["refused"] * 3 + ["4"]
+
+
 def test_djinn_run_answers_torch_cuda_for_the_appliance(appliance, tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(

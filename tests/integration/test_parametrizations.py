@@ -60,3 +60,7 @@ def test_set_shares_the_other_tensors_value_and_geometry(remote):
             x.set_(torch.zeros(2, dtype=torch.float64, device=device))
     with pytest.raises(UnsupportedOp, match="set_"):  # a storage's: refused, typed
         torch.zeros(2, device=R).set_(torch.zeros(2).untyped_storage()).cpu()
+    x = torch.zeros(2, device=R)
+    with pytest.raises(UnsupportedOp, match="cannot take the storage of a cpu tensor"):
+        x.set_(torch.ones(3))  # at the call, as eager refuses it (a review: at x.cpu())
+    assert x.cpu().tolist() == [0.0, 0.0]
