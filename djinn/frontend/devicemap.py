@@ -37,6 +37,45 @@ def _target(dev: Any, source: str, index_base: int) -> Any:
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]  # the getter arrives as its bound __get__
 
 
+# Note [tensors in a list of data]: ``torch.tensor(losses)`` of a list of CUDA 0-d tensors
+# (per-step losses, ``[a.argmax(), a.argmin()]``) reads each element's value, and makes
+# the new tensor where its own ``device`` says. PyTorch reads a tensor element's memory
+# directly, and a remote tensor has none on the client: it met an untyped "len() of a
+# 0-d tensor" (a hunt). The remote elements of such data are read first, one request
+# each, as eager reads each CUDA element.
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
+
+
+def _elements_here(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    at = 1 if func is torch.Tensor.new_tensor else 0  # new_tensor(self, data)
+    if len(args) > at:
+        data = args[at]
+        if isinstance(data, (list, tuple)) and _holds_remote(data):
+            args = (*args[:at], _read(data), *args[at + 1 :])
+        return args, kwargs
+    for name in ("data", "obj"):
+        data = kwargs.get(name)
+        if isinstance(data, (list, tuple)) and _holds_remote(data):
+            kwargs = {**kwargs, name: _read(data)}
+    return args, kwargs
+
+
+def _holds_remote(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return data.device.type == DEVICE_TYPE
+    return isinstance(data, (list, tuple)) and any(_holds_remote(x) for x in data)
+
+
+def _read(data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.cpu() if data.device.type == DEVICE_TYPE else data
+    if isinstance(data, list):
+        return [_read(x) for x in data]
+    if isinstance(data, tuple):
+        return tuple(_read(x) for x in data)
+    return data
+
+
 class DeviceMap(TorchFunctionMode):
     def __init__(self, source: str = "cuda") -> None:
         super().__init__()
@@ -60,6 +99,8 @@ class DeviceMap(TorchFunctionMode):
             if isinstance(device, (str, torch.device)):
                 target = _target(device, self.source, 0)
             return args[0].to(target, non_blocking=kwargs.get("non_blocking", False))
+        if func in _FROM_DATA:
+            args, kwargs = _elements_here(func, args, kwargs)
         if "device" in kwargs:
             kwargs = {**kwargs, "device": _target(kwargs["device"], self.source, 0)}
         if kwargs.get("pin_memory") and pinned.OURS[0]:  # a factory's pinned CPU tensor

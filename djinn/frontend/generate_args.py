@@ -111,7 +111,11 @@ def _beams(module: torch.nn.Module, kwargs: dict) -> int:
 def stream(module: torch.nn.Module, streamer: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Give ``streamer`` what eager's generate() would have (Note [generation objects])."""
     sequences = getattr(out, "sequences", out)
-    tokens = sequences.cpu() if isinstance(sequences, torch.Tensor) else torch.as_tensor(sequences)
+    tokens = (
+        sequences.cpu()
+        if isinstance(sequences, torch.Tensor)
+        else torch.as_tensor(sequences, device="cpu")
+    )
     if getattr(module.config, "is_encoder_decoder", False):
         given = kwargs.get("decoder_input_ids")  # else the decoder's start token
         prompt = int(given.shape[-1]) if isinstance(given, torch.Tensor) else 1

@@ -210,9 +210,9 @@ class LazyTensor(torch.Tensor):
 
 def _local_index(index: Any) -> Any:
     if isinstance(index, list):
-        return torch.tensor(index)
+        return torch.tensor(index, device="cpu")
     if isinstance(index, tuple):
-        return tuple(torch.tensor(i) if isinstance(i, list) else i for i in index)
+        return tuple(torch.tensor(i, device="cpu") if isinstance(i, list) else i for i in index)
     return index
 
 

@@ -118,9 +118,7 @@ def _empty_dynamic(cache: Any, module: Any, kwargs: dict[str, Any], method: str)
 
 def _layer(layer: Any) -> tuple:
     """An empty cache layer's class and settings (a tensor setting as its values)."""
-    settings = {
-        k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(layer).items()
-    }
+    settings = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(layer).items()}
     return type(layer), sorted(settings.items(), key=lambda kv: kv[0])
 
 

@@ -37,7 +37,7 @@ OURS = [False]  # whether the CPU kernels below are registered (no CUDA on this 
 
 
 def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
-    out = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype)
+    out = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="cpu")
     out.copy_(self)
     with _lock:
         for ptr in [p for p, ref in _pinned.items() if ref() is None]:

@@ -358,7 +358,7 @@ def _pack_padded_sequence(func: Any, args: tuple, kwargs: dict) -> Any:
             steps.append(step.view(-1, *x.shape[2:]))
             sizes += [current] * (length - previous)
             previous = length
-    return torch.cat(steps), torch.tensor(sizes, dtype=torch.int64)
+    return torch.cat(steps), torch.tensor(sizes, dtype=torch.int64, device="cpu")
 
 
 lazy.take_as_special(KERNELS)  # Note [recurrent layers]: under inference_mode

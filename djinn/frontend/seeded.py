@@ -53,7 +53,7 @@ class _Scratch:
         self.shape, self.stride, self.dtype = tuple(x.shape), tuple(x.stride()), x.dtype
 
     def made(self) -> torch.Tensor:
-        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="cpu")
         # a probability, a mean, a rate, never uninitialised memory: bernoulli refuses p
         # outside [0, 1]
         return t.fill_(0.5 if t.is_floating_point() or t.is_complex() else 1)
@@ -100,7 +100,7 @@ def _advance(count: int, generator: torch.Generator | None = None) -> None:
     output of the kernels that take a fixed count (float64 ``uniform_`` took twice as
     long)."""
     if count:
-        torch.empty(count, dtype=torch.int32).random_(generator=generator)
+        torch.empty(count, dtype=torch.int32, device="cpu").random_(generator=generator)
 
 
 class Draw:
@@ -311,7 +311,7 @@ def by_value(
             # an expanded rate: no copy can be written in its layout (copy_ refuses); the
             # values go in the same order whatever the layout
             return read(t).clone()
-        return torch.empty_strided(shape, stride, dtype=t.dtype).copy_(read(t))
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device="cpu").copy_(read(t))
 
     args = tuple(_scratch_args(v, copied) for v in args)
     func(*args, **{k: _scratch_args(v, copied) for k, v in kwargs.items()})

@@ -126,7 +126,9 @@ def loaded_upload(x: torch.Tensor, upload: Callable[[torch.Tensor], torch.Tensor
         return None
     memo = _per_pickler.setdefault(unpickler, {})
     storage = x.untyped_storage()
-    flat = torch.empty(0, dtype=x.dtype).set_(storage, 0, (storage.nbytes() // x.element_size(),))
+    flat = torch.empty(0, dtype=x.dtype, device="cpu").set_(
+        storage, 0, (storage.nbytes() // x.element_size(),)
+    )
 
     def make(root: torch.Tensor) -> torch.Tensor:
         memo.setdefault("keep", []).append(storage)  # its address stays its own

@@ -58,7 +58,7 @@ def _inv_sqrt(dim_per_head: int, dtype: torch.dtype) -> float:
     root = math.sqrt(dim_per_head)
     if dtype != torch.float64:
         root = float(np.float32(root))
-    return torch.tensor(1.0 / root, dtype=dtype).item()
+    return torch.tensor(1.0 / root, dtype=dtype, device="cpu").item()
 
 
 def _project(query: Tensor, key: Tensor, value: Tensor, embed_dim: int, w: Tensor) -> Tensor:

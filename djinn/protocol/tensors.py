@@ -124,7 +124,7 @@ def to_wire(t: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
     flat = t.permute(order) if order != list(range(t.dim())) else t
     flat = flat.reshape(-1)  # dense in this order: a view, never a copy
     if flat.numel() == 0:
-        return desc, torch.empty(0, dtype=torch.uint8)
+        return desc, torch.empty(0, dtype=torch.uint8, device="cpu")
     if flat.stride(0) != 1:  # one element reached through a stride-0 (expanded) dim
         flat = flat.as_strided((flat.numel(),), (1,))
     return desc, flat.view(torch.uint8)
@@ -136,5 +136,5 @@ def from_wire(desc: dict[str, Any], raw: torch.Tensor) -> torch.Tensor:
     if raw.numel() != nbytes:
         raise InvalidArgument(f"descriptor needs {nbytes} bytes, got {raw.numel()}")
     if nbytes == 0:
-        return torch.empty_strided(shape, strides, dtype=dtype)
+        return torch.empty_strided(shape, strides, dtype=dtype, device="cpu")
     return raw.view(dtype).as_strided(shape, strides)

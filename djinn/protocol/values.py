@@ -104,7 +104,9 @@ def inline_tensor(x: dict[str, Any], segments: list[memoryview], device: torch.d
         raise InvalidArgument(f"no payload segment {k!r}")
     seg = segments[k]
     raw = (
-        torch.frombuffer(seg, dtype=torch.uint8) if len(seg) else torch.empty(0, dtype=torch.uint8)
+        torch.frombuffer(seg, dtype=torch.uint8)
+        if len(seg)
+        else torch.empty(0, dtype=torch.uint8, device="cpu")
     )
     t = from_wire(x.get("desc"), raw)
     return t if x.get("host") is True else t.to(device)

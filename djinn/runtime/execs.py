@@ -25,7 +25,7 @@ NOT_RUN = object()  # a fetched value whose node did not run (run_graph)
 
 
 def _u8(n: int) -> torch.Tensor:
-    return torch.empty(n, dtype=torch.uint8)
+    return torch.empty(n, dtype=torch.uint8, device="cpu")  # never the default device
 
 
 class Execs:

@@ -103,12 +103,12 @@ def echoed(reply: dict[str, Any]) -> torch.Tensor | None:
     if not isinstance(echo, dict):
         return None
     try:
-        ids = torch.tensor(echo["values"], dtype=parse_dtype(echo["dtype"]))
+        ids = torch.tensor(echo["values"], dtype=parse_dtype(echo["dtype"]), device="cpu")
         strides = echo.get("strides", contiguous_strides(list(ids.shape)))
         desc = {"dtype": echo["dtype"], "shape": list(ids.shape), "strides": strides}
         validate(desc)
         if list(ids.stride()) != strides:
-            ids = torch.empty_strided(ids.shape, strides, dtype=ids.dtype).copy_(ids)
+            ids = torch.empty_strided(ids.shape, strides, dtype=ids.dtype, device="cpu").copy_(ids)
     except (KeyError, TypeError, ValueError, RuntimeError, DjinnError):
         return None
     return ids if ids.dim() == 2 and not ids.is_floating_point() else None

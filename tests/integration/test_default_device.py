@@ -1,0 +1,51 @@
+"""A CUDA script's own habits under ``djinn run``: ``torch.set_default_device("cuda")``,
+and ``torch.tensor`` of a list of its tensors (a hunt)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.integration.test_device_module import _djinn_run
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.tensor([3.0, 1.0, 2.0], device=device)
+    losses = [torch.tensor(0.5, device=device) * i for i in range(3)]
+    print(torch.tensor(losses).tolist(), torch.tensor(losses).device.type)
+    print(torch.as_tensor([a[0], a[1]]).tolist(), torch.tensor((a.sum(), a.mean())).tolist())
+    print(torch.tensor([a[0], 1.0]).tolist(), torch.tensor([[a[0]], [a[1]]]).tolist())
+    print(torch.tensor(losses, device=device).cpu().tolist())
+    print(a.new_tensor([a[0], a[1]]).cpu().tolist(), torch.tensor(data=[a[2]]).tolist())
+    print(torch.tensor([a.argmax(), a.argmin()]).tolist())
+    torch.set_default_device(device)
+    t = torch.arange(6.0)
+    print(t.device.type != "cpu" or device == "cpu", t.tolist(), t.sum().item())
+    print(repr(t).startswith("tensor([0., 1., 2., 3., 4., 5.]"))
+    with torch.device(device):
+        u = torch.ones(2, 2)
+    print(u.tolist(), (u @ u).tolist())
+    data = torch.utils.data.TensorDataset(torch.arange(8.0, device="cpu"))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=gen)
+    print([b[0].tolist() for b in loader])
+    """
+)
+
+
+def test_a_cuda_scripts_habits_give_what_the_cpu_run_gives(appliance, tmp_path):
+    """``set_default_device("cuda")`` hung the first ``.tolist()`` or ``print(t)``: the
+    client's receive buffer was made on the default device, the remote one, and reading
+    it re-entered the connection its own read held. ``torch.tensor`` of remote 0-d
+    tensors met PyTorch's untyped "len() of a 0-d tensor" (Note [tensors in a list of
+    data], devicemap.py)."""
+    script = tmp_path / "habits.py"
+    script.write_text(SCRIPT)
+    local = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert _djinn_run(appliance, script).stdout == local.stdout
