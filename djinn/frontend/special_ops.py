@@ -203,11 +203,16 @@ def _resize(func: Any, args: tuple, kwargs: dict) -> Any:
     """``resize_`` to the size a tensor has, with no memory format: a no-op in eager (its
     strides stay). PyTorch's ``out=`` factories resize their target first
     (``torch.zeros(3, out=buf)``, ``torch.arange(n, out=buf)``, ``torch.randn``), and the
-    appliance runs no ``resize_``: each was refused (a review). Another size still is."""
+    appliance runs no ``resize_``: each was refused (a review). Another size still is,
+    at the call (an empty one's was met at its next read: a hunt)."""
     self, size = args  # memory_format is keyword-only
     if tuple(self.shape) == tuple(size) and kwargs.get("memory_format") is None:
         return self
-    return capture(func, args, kwargs)
+    raise UnsupportedOp(
+        f"resize_ of a remote tensor to another size ({tuple(self.shape)} to {tuple(size)}, "
+        "or another memory format): the appliance runs no resize_; make a tensor of that "
+        "size instead (torch.empty(size, device=...))"
+    )
 
 
 def _set_source(func: Any, args: tuple, kwargs: dict) -> Any:

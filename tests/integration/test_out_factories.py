@@ -42,3 +42,13 @@ def test_an_out_factory_fills_its_target_as_in_eager(remote, name, moved):
 def test_an_out_factory_into_a_target_of_another_size_is_refused(remote):
     with pytest.raises(UnsupportedOp, match="resize_"):
         torch.randn(5, out=torch.empty(0, device=remote)).cpu()
+
+
+def test_a_resize_to_another_size_is_refused_at_the_call(remote):
+    """It was captured and refused by the appliance, so an empty tensor's ``resize_`` met
+    its error at the next read, lines later (a hunt)."""
+    for start in (torch.empty(0, device=remote), torch.ones(4, device=remote)):
+        with pytest.raises(UnsupportedOp, match="resize_"):
+            start.resize_(2, 3)
+    x = torch.ones(2, 3, device=remote)
+    assert x.resize_(2, 3) is x and x.cpu().tolist() == [[1.0] * 3] * 2  # eager's no-op
