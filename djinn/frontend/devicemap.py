@@ -15,9 +15,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import pinned
+from . import legacy_types, pinned
 from .device import DEVICE_TYPE, pop_mapped, push_mapped
-from .extension_points import ACCELERATE_FP16, CUDA_QUERIES, MAPPED_GENERATOR, register
+from .extension_points import (
+    ACCELERATE_FP16,
+    CUDA_QUERIES,
+    LEGACY_TYPES,
+    MAPPED_GENERATOR,
+    register,
+)
 
 
 def _target(dev: Any, source: str, index_base: int) -> Any:
@@ -93,6 +99,10 @@ class DeviceMap(TorchFunctionMode):
                 return self.__torch_function__(func, types, args, kwargs)
         if func is torch.device:  # torch.device("cuda", 0) *is* the appliance's device
             return _target(func(*args, **kwargs), self.source, 0)
+        if func is torch.Tensor.type and self.source == "cuda":  # Note [legacy CUDA tensor types]
+            answer = legacy_types.retyped(args, kwargs)
+            if answer is not None:
+                return answer
         if func is torch.Tensor.cuda:
             device = args[1] if len(args) > 1 else kwargs.get("device")
             target = torch.device(DEVICE_TYPE, device if isinstance(device, int) else 0)
@@ -151,6 +161,7 @@ def install(source: str = "cuda") -> DeviceMap:
         CUDA_QUERIES.acquire()
         ACCELERATE_FP16.acquire()  # Note [accelerate's fp16]
         MAPPED_GENERATOR.acquire()  # torch.Generator("cuda")
+        LEGACY_TYPES.acquire()  # torch.cuda.FloatTensor
     mode = DeviceMap(source)
     mode.__enter__()
     push_mapped(source)
@@ -164,6 +175,7 @@ def uninstall(mode: DeviceMap) -> None:
     mode.__exit__(None, None, None)
     pop_mapped()
     if mode.source == "cuda":
+        LEGACY_TYPES.release()
         MAPPED_GENERATOR.release()
         ACCELERATE_FP16.release()
         CUDA_QUERIES.release()

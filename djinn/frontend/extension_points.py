@@ -77,6 +77,7 @@ from . import (
     factories,
     hook_errors,
     hooks,
+    legacy_types,
     mapped_generator,
     one_hot,
     pinned,
@@ -409,6 +410,8 @@ CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_que
 ACCELERATE_FP16 = Attachment("accelerate_fp16", accelerate_fp16.attach, accelerate_fp16.detach)
 MAPPED_GENERATOR = Attachment("mapped_generator", mapped_generator.attach, mapped_generator.detach)
 STORAGES = Attachment("storages", storages.attach, storages.detach)  # storages.py
+# Note [legacy CUDA tensor types] (legacy_types.py)
+LEGACY_TYPES = Attachment("legacy_types", legacy_types.attach, legacy_types.detach)
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )
@@ -428,6 +431,7 @@ ALL = (
     ACCELERATE_FP16,
     MAPPED_GENERATOR,
     STORAGES,
+    LEGACY_TYPES,
     META_PARAMETERS,
     RECORDING_HOOKS,
     DYNAMO_SKIP,

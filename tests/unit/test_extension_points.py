@@ -321,3 +321,24 @@ def test_storages_refuses_the_remote_device_and_comes_off():
         """
     )
     assert out == "ok"
+
+
+def test_legacy_types_come_off():
+    """``djinn run``'s ``LEGACY_TYPES`` (legacy_types.py): torch.cuda's legacy types are
+    PyTorch's again once released."""
+    out = _run(
+        """
+        import torch
+        import djinn
+        from djinn.frontend import extension_points as ep
+
+        original = torch.cuda.FloatTensor
+        ep.LEGACY_TYPES.acquire()
+        x = torch.cuda.FloatTensor(2, 3)
+        assert x.device.type == "remote_accelerator" and x.dtype == torch.float32
+        ep.LEGACY_TYPES.release()
+        assert torch.cuda.FloatTensor is original
+        print("ok")
+        """
+    )
+    assert out == "ok"
