@@ -14,11 +14,14 @@ are stand-ins of the remote device:
   dtype, ``T()`` an empty one;
 - ``isinstance(x, T)`` holds for a remote tensor of the type's dtype;
 - ``x.type(T)``, and ``x.type("torch.cuda.FloatTensor")``, move and cast ``x`` there, and
-  ``x.type()`` names a remote tensor's type as CUDA's (``torch.cuda.FloatTensor``).
+  ``x.type()`` names a remote tensor's type as CUDA's (``torch.cuda.FloatTensor``);
+- ``torch.set_default_tensor_type(T)`` sets the type's dtype and the remote device as
+  the defaults.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -46,22 +49,39 @@ class _LegacyType(type):
     def __instancecheck__(cls, x: Any) -> bool:
         return isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE and x.dtype == cls.dtype
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Tensor:
-        device = torch.device(DEVICE_TYPE, 0)
-        if kwargs:
-            raise TypeError(f"torch.cuda.{cls.__name__}() takes no keyword arguments here")
+    def __call__(cls, *args: Any, size: Any = None, device: Any = None) -> torch.Tensor:
+        # ``device=`` is the GPU's: the remote device, whatever index it names
+        where = torch.device(DEVICE_TYPE, 0)
+        if size is not None:
+            args = (*args, *size)
         if not args:
-            return torch.empty(0, dtype=cls.dtype, device=device)
+            return torch.empty(0, dtype=cls.dtype, device=where)
         if len(args) == 1 and isinstance(args[0], torch.Size):
             args = tuple(args[0])
-        if all(type(a) is int for a in args):
-            return torch.empty(args, dtype=cls.dtype, device=device)
+        sizes = _sizes(args)
+        if sizes is not None:
+            return torch.empty(sizes, dtype=cls.dtype, device=where)
         if len(args) == 1:
             data = args[0]
             if isinstance(data, torch.Tensor):
-                return data.to(device=device, dtype=cls.dtype)
-            return torch.tensor(data, dtype=cls.dtype, device=device)
+                return data.to(device=where, dtype=cls.dtype)
+            if isinstance(data, (bool, float, complex)):  # as PyTorch's own constructor
+                raise TypeError(f"new(): data must be a sequence (got {type(data).__name__})")
+            return torch.tensor(data, dtype=cls.dtype, device=where)
         raise TypeError(f"torch.cuda.{cls.__name__}(): sizes or one sequence of data")
+
+
+def _sizes(args: tuple) -> tuple[int, ...] | None:
+    """The sizes ``args`` are (ints, NumPy's included: ``operator.index``), or None."""
+    sizes = []
+    for a in args:
+        if isinstance(a, (bool, torch.Tensor)):
+            return None
+        try:
+            sizes.append(operator.index(a))
+        except TypeError:  # data (a NumPy array has __index__, and refuses it)
+            return None
+    return tuple(sizes)
 
 
 STAND_INS = {
@@ -74,12 +94,33 @@ def attach() -> dict[str, Any]:
     saved = {name: getattr(torch.cuda, name, None) for name in TYPES}
     for name, cls in STAND_INS.items():
         setattr(torch.cuda, name, cls)
+    saved["set_default_tensor_type"] = torch.set_default_tensor_type
+    torch.set_default_tensor_type = _set_default_tensor_type(torch.set_default_tensor_type)
     return saved
 
 
 def detach(saved: dict[str, Any]) -> None:
+    torch.set_default_tensor_type = saved.pop("set_default_tensor_type")
     for name, cls in saved.items():
         setattr(torch.cuda, name, cls)
+
+
+def _set_default_tensor_type(original: Any) -> Any:
+    """``torch.set_default_tensor_type(torch.cuda.FloatTensor)`` (or its name): the
+    type's dtype and the remote device as the defaults, what it does on a GPU (a review:
+    PyTorch refused the stand-in, "only floating-point types")."""
+
+    def set_default_tensor_type(t: Any) -> None:
+        if isinstance(t, str) and t.startswith("torch.cuda."):
+            t = STAND_INS.get(t.removeprefix("torch.cuda."), t)
+        if not isinstance(t, _LegacyType):
+            return original(t)
+        if not t.dtype.is_floating_point:
+            raise TypeError("only floating-point types are supported as the default type")
+        torch.set_default_dtype(t.dtype)
+        torch.set_default_device(torch.device(DEVICE_TYPE, 0))
+
+    return set_default_tensor_type
 
 
 def retyped(args: tuple, kwargs: dict) -> Any:

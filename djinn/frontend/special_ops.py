@@ -206,7 +206,10 @@ def _resize(func: Any, args: tuple, kwargs: dict) -> Any:
     appliance runs no ``resize_``: each was refused (a review). Another size still is,
     at the call (an empty one's was met at its next read: a hunt)."""
     self, size = args  # memory_format is keyword-only
-    if tuple(self.shape) == tuple(size) and kwargs.get("memory_format") is None:
+    layout = kwargs.get("memory_format")
+    if tuple(self.shape) == tuple(size) and (
+        layout is None or (layout is torch.contiguous_format and self.is_contiguous())
+    ):
         return self
     raise UnsupportedOp(
         f"resize_ of a remote tensor to another size ({tuple(self.shape)} to {tuple(size)}, "

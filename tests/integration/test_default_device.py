@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     print(torch.tensor(losses, device=device).cpu().tolist())
     print(a.new_tensor([a[0], a[1]]).cpu().tolist(), torch.tensor(data=[a[2]]).tolist())
     print(torch.tensor([a.argmax(), a.argmin()]).tolist())
+    print(torch.tensor([a[0], 2, a.argmax()]).tolist(), torch.tensor([1.0, 2.0]).tolist())
     torch.set_default_device(device)
     t = torch.arange(6.0)
     print(t.device.type != "cpu" or device == "cpu", t.tolist(), t.sum().item())
@@ -78,6 +79,20 @@ def test_legacy_cuda_tensor_types_make_remote_tensors(appliance, tmp_path):
             half = imgs.type("torch.cuda.HalfTensor")
             assert half.is_cuda and half.dtype == torch.float16
             assert Tensor().numel() == 0 and Tensor(torch.Size([2, 2])).shape == (2, 2)
+            # NumPy ints are sizes, a lone float is refused, as by PyTorch's own (a review)
+            assert Tensor(np.int64(3)).shape == (3,) and Tensor(np.int64(2), 1).shape == (2, 1)
+            assert Tensor(2, device="cuda").shape == (2,) and Tensor(size=(2,)).shape == (2,)
+            for bad in (3.0, True):
+                try:
+                    Tensor(bad)
+                except TypeError:
+                    pass
+                else:
+                    raise AssertionError(bad)
+            torch.set_default_tensor_type("torch.cuda.FloatTensor")
+            assert torch.ones(2).is_cuda and torch.ones(2).dtype == torch.float32
+            torch.set_default_tensor_type(torch.cuda.DoubleTensor)
+            assert torch.ones(2).is_cuda and torch.ones(2).dtype == torch.float64
             print("ok")
             """
         )

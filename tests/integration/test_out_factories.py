@@ -52,3 +52,4 @@ def test_a_resize_to_another_size_is_refused_at_the_call(remote):
             start.resize_(2, 3)
     x = torch.ones(2, 3, device=remote)
     assert x.resize_(2, 3) is x and x.cpu().tolist() == [[1.0] * 3] * 2  # eager's no-op
+    assert x.resize_((2, 3), memory_format=torch.contiguous_format) is x  # so is this
