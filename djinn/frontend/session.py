@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import threading
 from typing import Any
 
@@ -15,6 +16,22 @@ _session: Any = None
 # the next default_session() that succeeds, or reset(), clears it
 _start_failed = False
 _paced = False  # Note [collector pace]: done (or ruled out) for this process
+_forked = False  # forked from a process that held a default session: Note [a forked process]
+
+
+def _after_fork_in_child() -> None:
+    """Note [a forked process] (djinn/runtime/channel.py): the parent's session is not
+    this process's. Forgotten unclosed (closing would speak on the parent's connection);
+    its channel refuses every request, and so does a new default session here, as CUDA
+    refuses a forked child that its parent had initialised."""
+    global _client, _session, _forked
+    if _client is not None or _session is not None:
+        _forked = True
+    _client = _session = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _pace_collector() -> None:
@@ -58,6 +75,11 @@ def default_session() -> Any:
     session = _session
     if session is not None and session.usable:
         return session
+    if _forked:
+        from djinn.errors import UnsupportedOp
+        from djinn.runtime.channel import FORKED
+
+        raise UnsupportedOp(FORKED)
     with _lock:
         if _session is None or not _session.usable:
             from djinn.errors import DjinnError

@@ -24,17 +24,44 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from djinn.errors import DjinnError, ProtocolError, error_from_wire
+from djinn.errors import DjinnError, ProtocolError, UnsupportedOp, error_from_wire
 from djinn.protocol.frames import HEADER_SIZE, VERSION, Frame, Kind, encode_frame
 from djinn.transport.address import Address
 from djinn.transport.framing import FrameReader, PeerClosed, Sink, default_sink, send_buffers
 from djinn.transport.spin import Spin
 
 CLIENT_NAME = "djinn-python"
+
+# Note [a forked process]: a process forked from one holding a connection (a DataLoader
+# worker, forked by default on Linux) holds the same socket. A request from it was read by
+# the appliance as the parent's, and the replies went to whichever read first: "reply to
+# request 4, expected 6", a lost session, then a hang (a review: a default device of
+# "cuda" makes the collate function's tensors remote in the workers). As CUDA refuses a
+# forked child the parent's context, every connection the parent held is refused in the
+# child, typed, before its lock is taken (another thread may have held it at the fork)
+# and before anything is sent; the child may open connections of its own.
+FORKED = (
+    "this process was forked from one that holds a connection to the appliance (a "
+    "DataLoader worker, say), and cannot use that connection, as a forked process "
+    "cannot use its parent's CUDA context: make tensors on the CPU in such a process "
+    "(a default device of 'cuda' makes them remote), or start it with "
+    "multiprocessing_context='spawn'"
+)
+_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for channel in list(_channels):
+        channel.forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Channel:
@@ -53,6 +80,8 @@ class Channel:
         self._ids = itertools.count(1)
         self._on_lost = on_lost
         self.closed = False
+        self.forked = False  # Note [a forked process]
+        _channels.add(self)
         self._awaiting: list[tuple[int, Kind, Sink | None]] = []  # sent, reply not read
         self._stash: dict[int, Frame | DjinnError] = {}  # read, not yet asked for
         self.bytes_sent = 0  # on the socket, both directions: what a call costs on the wire
@@ -83,6 +112,7 @@ class Channel:
         waiting]), since a worker reads nothing more of a session whose reply it cannot
         write."""
         sent = False
+        self._not_forked()
         with self.lock:
             try:
                 if not first:
@@ -106,10 +136,15 @@ class Channel:
         """Send a request without waiting for its reply (Note [asynchronous flushes] in
         djinn/frontend/inflight.py); its id, for ``receive``. Replies come in the order of
         the requests: a ``call`` made meanwhile reads this one's first and keeps it."""
+        self._not_forked()
         with self.lock:
             rid = self._send(kind, body, segments)
             self._awaiting.append((rid, kind, sink))
             return rid
+
+    def _not_forked(self) -> None:
+        if self.forked:  # Note [a forked process]
+            raise UnsupportedOp(FORKED)
 
     def reply_waiting(self) -> bool:
         """Whether bytes of a reply wait on the connection (never blocks)."""
@@ -128,6 +163,7 @@ class Channel:
 
     def receive(self, rid: int) -> Frame:
         """The reply to ``send``'s request ``rid`` (its error raised)."""
+        self._not_forked()
         with self.lock:
             try:
                 self._drain(until=rid)

@@ -98,3 +98,40 @@ def test_legacy_cuda_tensor_types_make_remote_tensors(appliance, tmp_path):
         )
     )
     assert _djinn_run(appliance, script).stdout.split() == ["ok"]
+
+
+def test_a_forked_process_is_refused_its_parents_connection(appliance, tmp_path):
+    """Note [a forked process] (djinn/runtime/channel.py): a DataLoader worker, forked,
+    made remote tensors under a default device of "cuda" on its parent's socket: "reply
+    to request 4, expected 6", a lost session, then a hang (a review). The child is now
+    refused, typed, as CUDA refuses a forked child; the parent goes on."""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, torch
+            from djinn.errors import UnsupportedOp
+            torch.set_default_device("cuda")
+            a = torch.arange(4.0)
+            ds = [(torch.zeros(2, device="cpu"), i) for i in range(8)]
+            try:
+                for xb, yb in torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1):
+                    print("batch", yb.device.type)
+            except UnsupportedOp as exc:
+                print("refused", "forked" in str(exc))
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    a.sum().item()
+                    code = 1
+                except UnsupportedOp:
+                    code = 7
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            print("child", os.WEXITSTATUS(status))
+            print((a * 2).tolist(), torch.ones(2).sum().item())
+            """
+        )
+    )
+    out = _djinn_run(appliance, script).stdout.splitlines()
+    assert out == ["refused True", "child 7", "[0.0, 2.0, 4.0, 6.0] 2.0"]
