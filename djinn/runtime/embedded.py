@@ -36,6 +36,7 @@ class EmbeddedAppliance:
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
         )
+        self.owner = os.getpid()
         self.readiness = self._wait_ready(timeout)
         atexit.register(self.stop)
 
@@ -51,6 +52,10 @@ class EmbeddedAppliance:
         return f"unix://{self.socket_path}"
 
     def stop(self) -> None:
+        if os.getpid() != self.owner:
+            # a forked child's exit (Note [a forked process] in channel.py): the appliance
+            # is its parent's, which goes on using it
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -3,6 +3,7 @@ and ``torch.tensor`` of a list of its tensors (a hunt)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -135,3 +136,35 @@ def test_a_forked_process_is_refused_its_parents_connection(appliance, tmp_path)
     )
     out = _djinn_run(appliance, script).stdout.splitlines()
     assert out == ["refused True", "child 7", "[0.0, 2.0, 4.0, 6.0] 2.0"]
+
+
+def test_a_forked_childs_exit_leaves_the_embedded_appliance_alone(tmp_path):
+    """A forked child that exits normally runs the parent's exit handlers: the embedded
+    appliance's removed the parent's socket directory (its Popen said the appliance, not
+    the child's own, had exited). Only the process that started it stops it now."""
+    script = tmp_path / "fork_exit.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, torch
+            a = torch.arange(4.0, device="cuda")
+            a.sum().item()
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # a normal exit: atexit handlers run in the child
+            os.waitpid(pid, 0)
+            from djinn.runtime import embedded
+            print(os.path.exists(embedded._embedded.socket_path), (a * 2).tolist())
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "[0.0,", "2.0,", "4.0,", "6.0]"]
