@@ -347,6 +347,22 @@ def _detach_cuda_queries(saved: dict[str, Any]) -> None:
         setattr(module, rest if dot else name, fn)
 
 
+# -- LEGACY_TYPES: Note [legacy CUDA tensor types] (legacy_types.py) -----------------------
+def _attach_legacy_types() -> dict[str, Any]:
+    saved = {name: getattr(torch.cuda, name, None) for name in legacy_types.STAND_INS}
+    for name, cls in legacy_types.STAND_INS.items():
+        setattr(torch.cuda, name, cls)
+    saved["set_default_tensor_type"] = torch.set_default_tensor_type
+    torch.set_default_tensor_type = legacy_types.default_tensor_type(torch.set_default_tensor_type)
+    return saved
+
+
+def _detach_legacy_types(saved: dict[str, Any]) -> None:
+    torch.set_default_tensor_type = saved.pop("set_default_tensor_type")
+    for name, cls in saved.items():
+        setattr(torch.cuda, name, cls)
+
+
 # -- META_PARAMETERS: Note [meta parameters] ------------------------------------------------
 _meta_local = threading.local()
 
@@ -410,8 +426,7 @@ CUDA_QUERIES = Attachment("cuda_queries", _attach_cuda_queries, _detach_cuda_que
 ACCELERATE_FP16 = Attachment("accelerate_fp16", accelerate_fp16.attach, accelerate_fp16.detach)
 MAPPED_GENERATOR = Attachment("mapped_generator", mapped_generator.attach, mapped_generator.detach)
 STORAGES = Attachment("storages", storages.attach, storages.detach)  # storages.py
-# Note [legacy CUDA tensor types] (legacy_types.py)
-LEGACY_TYPES = Attachment("legacy_types", legacy_types.attach, legacy_types.detach)
+LEGACY_TYPES = Attachment("legacy_types", _attach_legacy_types, _detach_legacy_types)
 META_PARAMETERS = Attachment(
     "meta_parameters", _attach_meta_parameters, lambda handle: handle.remove()
 )

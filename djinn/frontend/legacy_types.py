@@ -6,8 +6,8 @@ then ``Tensor(n, 1).fill_(1.0)``, ``Tensor(np_array)``, ``imgs.type(Tensor)``), 
 dtype and the GPU by a type. Under ``djinn run`` the script is told it has CUDA, and
 those types failed untyped as they do on a CPU-only PyTorch ("type torch.cuda.FloatTensor
 not available", "Cannot initialize CUDA without ATen_cuda library"; a hunt). While ``djinn
-run`` holds the ``LEGACY_TYPES`` attachment, ``torch.cuda.FloatTensor`` and its siblings
-are stand-ins of the remote device:
+run`` holds the ``LEGACY_TYPES`` attachment (extension_points.py),
+``torch.cuda.FloatTensor`` and its siblings are stand-ins of the remote device:
 
 - called, they make what the legacy constructor makes: ``T(*sizes)`` or ``T(torch.Size)``
   an uninitialised tensor, ``T(data)`` (a sequence, a NumPy array) the data in the type's
@@ -90,22 +90,7 @@ STAND_INS = {
 }
 
 
-def attach() -> dict[str, Any]:
-    saved = {name: getattr(torch.cuda, name, None) for name in TYPES}
-    for name, cls in STAND_INS.items():
-        setattr(torch.cuda, name, cls)
-    saved["set_default_tensor_type"] = torch.set_default_tensor_type
-    torch.set_default_tensor_type = _set_default_tensor_type(torch.set_default_tensor_type)
-    return saved
-
-
-def detach(saved: dict[str, Any]) -> None:
-    torch.set_default_tensor_type = saved.pop("set_default_tensor_type")
-    for name, cls in saved.items():
-        setattr(torch.cuda, name, cls)
-
-
-def _set_default_tensor_type(original: Any) -> Any:
+def default_tensor_type(original: Any) -> Any:
     """``torch.set_default_tensor_type(torch.cuda.FloatTensor)`` (or its name): the
     type's dtype and the remote device as the defaults, what it does on a GPU (a review:
     PyTorch refused the stand-in, "only floating-point types")."""
