@@ -156,10 +156,8 @@ def rebound(out: Any) -> Any:
 
 
 def _field(out: Any) -> Any:
-    try:
-        return out[KEY] if isinstance(out, dict) and KEY in out else None
-    except (KeyError, TypeError):
-        return None
+    """The cache a call's output holds (a ModelOutput is a dict), else None."""
+    return out.get(KEY) if isinstance(out, dict) else None
 
 
 _CLASSES: dict[type, type] = {}

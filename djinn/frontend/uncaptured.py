@@ -53,11 +53,10 @@ SIZE_QUERIES = {
     # the plain queries, which reach the dispatcher from C++ that asks a tensor with the
     # Python key (legacy vmap's _add_batch_dim: autograd.grad(is_grads_batched=True)),
     # and are no registered op to look up (composite() raised "aten::size does not exist")
-    *(
-        getattr(_aten, name).default
-        for name in ("size", "stride", "numel", "storage_offset")
-        if hasattr(getattr(_aten, name, None), "default")
-    ),
+    _aten.size.default,
+    _aten.stride.default,
+    _aten.numel.default,
+    _aten.storage_offset.default,
 }
 
 

@@ -18,8 +18,10 @@ R = "remote_accelerator:0"
 
 
 def _djinn_run(appliance, script) -> subprocess.CompletedProcess:
+    """``djinn run script`` on ``appliance``, or on an embedded one when it is None."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DJINN_")}
-    env["DJINN_ADDRESS"] = appliance.unix
+    if appliance is not None:
+        env["DJINN_ADDRESS"] = appliance.unix
     done = subprocess.run(
         [sys.executable, "-m", "djinn.cli.main", "run", str(script)],
         env=env,
