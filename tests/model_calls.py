@@ -24,3 +24,12 @@ def model_call(session, fp: str, ids: torch.Tensor, past: str | None = None, fre
     fields = session.call_model(body, [flat.numpy()])["out"]["fields"]
     logits = fields["logits"]
     return RemoteTensor(session, logits["$h"], logits).cpu(), fields["past_key_values"]["$o"]
+
+
+def holds_no_weight(p: torch.Tensor) -> bool:
+    """A registered model's weight: meta here, whatever device it tells the program (Note
+    [weights of a registered model]), and of the class that says so."""
+    from djinn.frontend.registered_weights import RegisteredBuffer, RegisteredParameter
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.is_meta and isinstance(p, (RegisteredParameter, RegisteredBuffer))

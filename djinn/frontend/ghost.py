@@ -18,6 +18,7 @@ import torch
 
 from djinn.errors import InvalidArgument
 
+from . import registered_weights
 from .device import DEVICE_TYPE, is_remote
 from .extension_points import parameters_on_meta, register
 
@@ -116,6 +117,8 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     model._djinn.config = copy.deepcopy(model_changes.config_snapshot(model))
     model._djinn.settings = model_changes.call_settings(model)
     model.__class__ = remote_module._remote_class(type(model))
+    model._djinn.owned = True
+    registered_weights.own(model, remote_module._leave_for_use, device)
     return model
 
 

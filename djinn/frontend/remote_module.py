@@ -42,6 +42,7 @@ from . import (
     model_changes,
     model_leaves,
     model_twin,
+    registered_weights,
     seeded,
     ties,
 )
@@ -214,7 +215,8 @@ class _RemoteBinding:
         self.seen: list = []  # _glance's answer when nothing had changed
         self.lock = threading.Lock()  # the local module's check and analysis (call)
         self.told_no_grad = False  # Note [no autograd on the model path]
-        self.told_state_dict = False  # RemoteModelMixin.state_dict
+        self.told_weights = False  # Note [weights of a registered model]
+        self.owned = False  # its meta weights given their class (RemoteModelMixin._own)
         self.config: dict[str, Any] | None = None  # as registered
         self.settings: dict[str, Any] = {}  # its config's CALL_SETTINGS, as registered
 
@@ -258,20 +260,46 @@ class RemoteModelMixin:
             return torch.device("meta")
         return self._djinn.device
 
+    def _own(self) -> None:
+        """Note [weights of a registered model]: its meta weights get their class once the
+        move that registered it has made them all (this runs inside that move too: the
+        module's class changed at its first tensor), at the first look at its parts."""
+        binding = self.__dict__.get("_djinn")
+        if binding is None or binding.owned or _being_moved(self):
+            return
+        binding.owned = True
+        registered_weights.own(self, _leave_for_use, binding.device)
+
+    def __getattr__(self, name: str) -> Any:  # a submodule, a parameter: after the move
+        self._own()
+        return super().__getattr__(name)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:  # parameters(), modules()
+        self._own()
+        return super().named_modules(*args, **kwargs)
+
+    def named_children(self) -> Any:
+        self._own()
+        return super().named_children()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's state as PyTorch gives it, of meta tensors: the weights live on
-        the appliance. Saving it saved no weight, silently (a review: a 4 KB file that
-        loads back as meta tensors), so the first call warns."""
-        if not self._djinn.told_state_dict:
-            self._djinn.told_state_dict = True
-            warnings.warn(
-                f"{type(self).__name__} is registered on the appliance (the model path): "
-                "its state_dict() holds meta tensors, not its weights, and saving it saves "
-                "none. Save the model's state before moving it, or move it in training "
-                "mode to keep its weights as remote tensors",
-                stacklevel=2,
-            )
+        """Its state as PyTorch gives it: detached meta weights, each an alias that takes
+        the model's weights when used (Note [weights of a registered model])."""
+        self._own()
         return super().state_dict(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Another module on the same registered model (its binding's twin), with meta
+        weights of its own (Note [weights of a registered model])."""
+        self._own()
+        cls = type(self)
+        dup = cls.__new__(cls)
+        memo[id(self)] = dup
+        with registered_weights.copying():
+            state = copy.deepcopy(self.__dict__, memo)
+        dup.__setstate__(state)
+        dup._own()
+        return dup
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -316,12 +344,40 @@ def _leave(module: torch.nn.Module, binding: _RemoteBinding | None = None) -> No
     binding = binding or module.__dict__.get("_djinn")
     if binding is None:
         return
-    with binding.lock:
+    with binding.lock, registered_weights.meta_answers():
         if module.__dict__.get("_djinn") is not binding:
             return
         model_leaves.take_weights(module, binding, _decode)
         module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
         del module.__dict__["_djinn"]
+
+
+def _being_moved(module: torch.nn.Module) -> bool:
+    """Whether this thread is inside ``module``'s own ``Module._apply`` (its move)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is ties.APPLY and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _leave_for_use(module: torch.nn.Module) -> None:
+    """Off the model path for a use of a weight's values (Note [weights of a registered
+    model]), saying so once."""
+    binding = module.__dict__.get("_djinn")
+    if binding is None:
+        return
+    if not binding.told_weights:
+        binding.told_weights = True
+        warnings.warn(
+            f"{type(module).__name__} is registered on the appliance (the model path), and "
+            "the program used a weight's values: its weights are copied into the session "
+            "and it runs on the graph path from now on (Note [weights of a registered "
+            "model]). To keep the model path, read weights before the move",
+            stacklevel=registered_weights.program_stacklevel(),
+        )
+    _leave(module, binding)
 
 
 _classes: dict[type, type] = {}
@@ -478,6 +534,7 @@ def _checked(
 
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
+    module._own()
     # the analysis below runs the local module on meta values and would fill the
     # program's empty cache with them: it sees the call as sent. A call that leaves the
     # model path runs with the program's own arguments (a review: its cache stayed
@@ -487,7 +544,7 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     # parameters for meta twins while it runs, and another thread's check (or analysis)
     # took those for the program's change, and later calls were refused for good (a
     # review: three threads calling one model)
-    with binding.lock:
+    with binding.lock, registered_weights.meta_answers():
         gone = module.__dict__.get("_djinn") is not binding  # another thread took it off
         if not gone:
             what, hints = _checked(module, binding, method, args, sent)

@@ -7,6 +7,7 @@ import copy
 import torch
 
 from . import shared_copies
+from .registered_weights import SOURCE
 
 
 def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
@@ -41,5 +42,7 @@ def program_attributes(t: torch.Tensor) -> dict:
     """The attributes the program put on a remote tensor, without its own (the cell of
     its value, its sizes), which a copy or a swap gets anew."""
     return {
-        k: v for k, v in vars(t).items() if k not in ("_b", "_dyn") and not k.startswith("_sym_")
+        k: v
+        for k, v in vars(t).items()
+        if k not in ("_b", "_dyn", SOURCE) and not k.startswith("_sym_")
     }

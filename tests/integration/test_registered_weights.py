@@ -1,0 +1,151 @@
+"""Note [weights of a registered model] (djinn/frontend/registered_weights.py): a model on
+the model path keeps meta tensors locally. Reading one of its weights raised torch's
+untyped "Cannot copy out of meta tensor"; writing one wrote into a meta tensor (and inside
+``inference_mode`` nothing noticed); ``torch.save(model.state_dict())`` saved meta
+tensors. A use of a weight's values now takes the model off the model path (its weights
+copied into the session, warned once) and goes on as eager; the shared copy stays as it
+was."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from djinn.errors import UnsupportedOp
+
+R = "remote_accelerator:0"
+transformers.logging.set_verbosity_error()
+IDS = torch.tensor([[1, 2, 3, 4, 5]])
+
+
+def _gpt2(device: str = "cpu") -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    return transformers.GPT2LMHeadModel(cfg).eval().to(device)
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(IDS.to(next(model.parameters()).device)).logits
+    return out.cpu()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
+
+
+def test_reading_a_weight_gives_its_values_and_the_model_goes_on(remote):
+    local, model = _gpt2(), _gpt2(R)
+    assert torch.equal(_logits(model), _logits(model))  # on the model path
+    assert model._djinn is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wte = model.transformer.wte.weight.cpu()  # was: "Cannot copy out of meta tensor"
+        norm = model.transformer.h[0].mlp.c_fc.weight.norm().item()
+        text = str(model.transformer.wpe.weight)
+    said = [w for w in caught if "a weight's values" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__  # once, at the program's line
+    assert torch.equal(wte, local.transformer.wte.weight.detach())
+    assert abs(norm - local.transformer.h[0].mlp.c_fc.weight.norm().item()) <= 1e-5
+    assert "meta" not in text and "..." not in text
+    assert getattr(model, "_djinn", None) is None  # off the model path, on the graph path
+    assert model.transformer.wte.weight.device == torch.device(R)
+    assert _close(_logits(model), _logits(local))
+
+
+def test_a_state_dict_reads_and_saves_the_weights(remote):
+    local, model = _gpt2(), _gpt2(R)
+    _logits(model)
+    state = model.state_dict()  # no weight taken yet: aliases
+    assert model._djinn is not None
+    assert state.keys() == local.state_dict().keys()
+    buf = io.BytesIO()
+    torch.save(state, buf)  # saved meta tensors, no weight at all
+    buf.seek(0)
+    loaded = torch.load(buf, map_location="cpu")
+    for name, want in local.state_dict().items():
+        assert loaded[name].device.type == "cpu" and torch.equal(loaded[name], want), name
+    fresh = _gpt2()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(loaded)
+    assert torch.equal(_logits(fresh), _logits(local))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("called_before", [False, True], ids=["first call", "later call"])
+def test_a_weight_written_in_place_runs_as_eager_and_the_shared_copy_stays(
+    remote, mode, called_before
+):
+    """Writes into the meta weights were a no-op; inside ``inference_mode`` (no version
+    counted) the model path then ran the registered weights, silently."""
+    local, model, other = _gpt2(), _gpt2(R), _gpt2(R)  # other: the same registered model
+    before = _logits(local)
+    if called_before:
+        _logits(model)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        for m in (local, model):
+            m.transformer.wpe.weight.zero_()
+            m.transformer.ln_f.bias.add_(0.5)
+    want = _logits(local)
+    assert not _close(want, before)
+    assert _close(_logits(model), want)
+    assert other._djinn is not None and _close(_logits(other), before)
+
+
+def test_a_state_dict_alias_follows_the_model_as_eagers_does(remote):
+    local, model = _gpt2(), _gpt2(R)
+    got = {}
+    for key, m in (("local", local), ("remote", model)):
+        state = m.state_dict()  # eager's values alias the parameters
+        m.train()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.manual_seed(5)  # the same dropout masks as eager's
+        m(
+            IDS.to(next(m.parameters()).device), labels=IDS.to(next(m.parameters()).device)
+        ).loss.backward()
+        opt.step()
+        with torch.no_grad():
+            state["transformer.ln_f.weight"].mul_(3.0)  # a write through the alias
+        got[key] = (state["transformer.h.0.mlp.c_fc.weight"].cpu(), m.transformer.ln_f.weight.cpu())
+    for a, b in zip(got["local"], got["remote"], strict=True):
+        assert _close(a.detach(), b.detach())
+
+
+def test_an_averaged_copy_of_a_registered_model_is_eagers(remote):
+    """``AveragedModel`` deep-copies the model (another module on the same registered
+    weights), then writes its own weights: they were meta no-ops."""
+    from torch.optim.swa_utils import AveragedModel
+
+    results = []
+    for device in ("cpu", R):
+        model = _gpt2(device)
+        ema = AveragedModel(model)
+        assert device == "cpu" or ema.module._djinn is not None
+        ema.update_parameters(model)  # a copy of the model's weights
+        with torch.no_grad():
+            model.transformer.wpe.weight.mul_(0.5)
+        ema.update_parameters(model)  # their mean with the new ones
+        results.append((_logits(ema.module), _logits(model)))
+    assert _close(results[0][0], results[1][0]) and _close(results[0][1], results[1][1])
+    assert not _close(results[1][0], results[1][1])
+
+
+def test_a_weight_copied_alone_or_replaced(remote):
+    local, model = _gpt2(), _gpt2(R)
+    _logits(model)
+    lone = copy.deepcopy(model.transformer.wpe.weight)  # a copy of its values
+    assert isinstance(lone, torch.nn.Parameter) and lone.device == torch.device(R)
+    assert torch.equal(lone.cpu(), local.transformer.wpe.weight.detach())
+    model = _gpt2(R)  # still on the model path
+    old = model.transformer.ln_f.weight
+    model.transformer.ln_f.weight = torch.nn.Parameter(torch.ones(32, device=R))
+    with pytest.raises(UnsupportedOp, match=r"'transformer\.ln_f\.weight' was replaced"):
+        old.sum()
