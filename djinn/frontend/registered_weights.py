@@ -36,17 +36,21 @@ parameter is another object now) holds no value: refused, typed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import threading
+import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
 
 from djinn.errors import UnsupportedOp
+
+from . import ties
 
 SOURCE = "_djinn_weight"  # the attribute that says whose weight a tensor is (tensor_copy.py)
 _copying = threading.local()  # a registered model's deep copy is under way on this thread
@@ -200,24 +204,61 @@ def own(
                     t.__dict__[SOURCE] = _Source(ref, kind, name, False, leave, device)
 
 
-@contextlib.contextmanager
-def copying() -> Iterator[None]:
-    """A registered model's deep copy: its weights are copied as meta tensors."""
+def own_once(module: torch.nn.Module, leave: Callable[[torch.nn.Module], None]) -> None:
+    """``own`` a registered model once the move that registered it has made all its
+    weights meta (this runs inside that move too: the module's class changed at its
+    first tensor), at the program's first look at its parts."""
+    binding = module.__dict__.get("_djinn")
+    if binding is None or binding.owned or being_moved(module):
+        return
+    binding.owned = True
+    own(module, leave, binding.device)
+
+
+def deep_copy(module: torch.nn.Module, memo: dict, leave: Callable) -> torch.nn.Module:
+    """Another module on the same registered model (its binding's twin), with meta weights
+    of its own."""
+    own_once(module, leave)
+    cls = type(module)
+    dup = cls.__new__(cls)
+    memo[id(module)] = dup
     was = getattr(_copying, "on", False)
     _copying.on = True
     try:
-        yield
+        state = copy.deepcopy(module.__dict__, memo)
     finally:
         _copying.on = was
+    dup.__setstate__(state)
+    own_once(dup, leave)
+    return dup
 
 
-def program_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel, for its caller, of the program's line that led to
-    it (past torch's and Djinn's frames, however many)."""
-    level, frame = 1, sys._getframe(1)
+def being_moved(module: torch.nn.Module) -> bool:
+    """Whether this thread is inside ``module``'s own ``Module._apply`` (its move)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is ties.APPLY and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def say_taken(module: torch.nn.Module, binding: Any) -> None:
+    """Warn, once per model, that a use of a weight takes the model off the model path,
+    at the program's line that led to it (past torch's and Djinn's frames)."""
+    if binding.told_weights:
+        return
+    binding.told_weights = True
+    level, frame = 1, sys._getframe(0)  # level 1: this function
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame, level = frame.f_back, level + 1
-    return level
+    warnings.warn(
+        f"{type(module).__name__} is registered on the appliance (the model path), and the "
+        "program used a weight's values: its weights are copied into the session and it "
+        "runs on the graph path from now on (Note [weights of a registered model]). To "
+        "keep the model path, read weights before the move",
+        stacklevel=level,
+    )
 
 
 def _source(t: Any) -> _Source | None:

@@ -260,15 +260,8 @@ class RemoteModelMixin:
             return torch.device("meta")
         return self._djinn.device
 
-    def _own(self) -> None:
-        """Note [weights of a registered model]: its meta weights get their class once the
-        move that registered it has made them all (this runs inside that move too: the
-        module's class changed at its first tensor), at the first look at its parts."""
-        binding = self.__dict__.get("_djinn")
-        if binding is None or binding.owned or _being_moved(self):
-            return
-        binding.owned = True
-        registered_weights.own(self, _leave_for_use, binding.device)
+    def _own(self) -> None:  # Note [weights of a registered model]: after its move
+        registered_weights.own_once(self, _leave_for_use)
 
     def __getattr__(self, name: str) -> Any:  # a submodule, a parameter: after the move
         self._own()
@@ -278,7 +271,7 @@ class RemoteModelMixin:
         self._own()
         return super().named_modules(*args, **kwargs)
 
-    def named_children(self) -> Any:
+    def named_children(self) -> Any:  # children()
         self._own()
         return super().named_children()
 
@@ -288,18 +281,8 @@ class RemoteModelMixin:
         self._own()
         return super().state_dict(*args, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        """Another module on the same registered model (its binding's twin), with meta
-        weights of its own (Note [weights of a registered model])."""
-        self._own()
-        cls = type(self)
-        dup = cls.__new__(cls)
-        memo[id(self)] = dup
-        with registered_weights.copying():
-            state = copy.deepcopy(self.__dict__, memo)
-        dup.__setstate__(state)
-        dup._own()
-        return dup
+    def __deepcopy__(self, memo: dict) -> Any:  # the same registered model, its own weights
+        return registered_weights.deep_copy(self, memo, _leave_for_use)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -352,32 +335,13 @@ def _leave(module: torch.nn.Module, binding: _RemoteBinding | None = None) -> No
         del module.__dict__["_djinn"]
 
 
-def _being_moved(module: torch.nn.Module) -> bool:
-    """Whether this thread is inside ``module``'s own ``Module._apply`` (its move)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is ties.APPLY and frame.f_locals.get("self") is module:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _leave_for_use(module: torch.nn.Module) -> None:
     """Off the model path for a use of a weight's values (Note [weights of a registered
     model]), saying so once."""
     binding = module.__dict__.get("_djinn")
-    if binding is None:
-        return
-    if not binding.told_weights:
-        binding.told_weights = True
-        warnings.warn(
-            f"{type(module).__name__} is registered on the appliance (the model path), and "
-            "the program used a weight's values: its weights are copied into the session "
-            "and it runs on the graph path from now on (Note [weights of a registered "
-            "model]). To keep the model path, read weights before the move",
-            stacklevel=registered_weights.program_stacklevel(),
-        )
-    _leave(module, binding)
+    if binding is not None:
+        registered_weights.say_taken(module, binding)
+        _leave(module, binding)
 
 
 _classes: dict[type, type] = {}
