@@ -80,7 +80,10 @@ def estimate(
     module: torch.nn.Module, method: str, args: list[Any], kwargs: dict[str, Any]
 ) -> CallGrowth:
     if method == WEIGHTS_METHOD:  # a copy of each weight (Note [a registered model trains])
-        return CallGrowth(data=sum(t.nbytes for t in own_tensors(module).values()))
+        tensors, names = own_tensors(module), kwargs.get("names")
+        return CallGrowth(
+            data=sum(tensors[n].nbytes for n in (tensors if names is None else names))
+        )
     shape = _tokens(args, kwargs)
     per_token = kv_bytes_per_token(module)
     if shape is None:

@@ -278,6 +278,8 @@ def handle_call(w: Worker, s: WorkerSession, frame: Frame) -> Reply:
     kwargs = decode_args(raw_kwargs, s, frame.segments, device)
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise InvalidArgument("args must be a list and kwargs an object")
+    if method == WEIGHTS_METHOD:
+        kwargs = {"names": _weight_names(entry.module, body.get("names"))}
     if method == "generate":
         _check_generate(kwargs)
     hints = body.get("hints")
@@ -448,10 +450,29 @@ def _run_call(
 # call's outputs are; the client puts them in its local parameters and runs the model on
 # the graph path from then on (djinn/frontend/model_leaves.py). The shared copy is not
 # touched, and stays registered for the session.
-def _weight_copies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _weight_copies(module: torch.nn.Module, names: list[str] | None) -> dict[str, torch.Tensor]:
     from .callmemory import own_tensors
 
-    return {name: t.clone() for name, t in own_tensors(module).items()}
+    tensors = own_tensors(module)
+    return {name: tensors[name].clone() for name in (tensors if names is None else names)}
+
+
+def _weight_names(module: torch.nn.Module, names: Any) -> list[str] | None:
+    """The weights a ``$weights`` call asks copies of: all (None), or these, each once
+    (Note [weights of a registered model] in djinn/frontend/registered_weights.py)."""
+    from .callmemory import own_tensors
+
+    if names is None:
+        return None
+    tensors = own_tensors(module)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise InvalidArgument(f"{WEIGHTS_METHOD} names must be a list of strings")
+    if len(set(names)) != len(names) or not 0 < len(names) <= len(tensors):
+        raise InvalidArgument(f"{WEIGHTS_METHOD} names must be distinct, 1 to {len(tensors)}")
+    unknown = next((n for n in names if n not in tensors), None)
+    if unknown is not None:
+        raise NotFound(f"the model has no weight named {unknown[:200]!r}")
+    return names
 
 
 # Note [cache lengths]: a program's decode loop asks its KV cache how long it is

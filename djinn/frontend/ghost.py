@@ -118,7 +118,7 @@ def _register_ghost(model: Any, path: str, session: Any, device: torch.device) -
     model._djinn.settings = model_changes.call_settings(model)
     model.__class__ = remote_module._remote_class(type(model))
     model._djinn.owned = True
-    registered_weights.own(model, remote_module._leave_for_use, device)
+    registered_weights.own(model, device)
     return model
 
 

@@ -42,10 +42,14 @@ from .device import is_remote, mapped_source
 from .model_changes import version_of
 
 
-def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
+def take_weights(
+    module: torch.nn.Module, binding: Any, decode: Any, given: dict | None = None
+) -> None:
     """Put copies of the registered weights into ``module``'s meta tensors (Note [a
-    registered model trains]); ``decode`` makes the reply's handles remote tensors. The
-    caller holds ``binding.lock`` and makes the module a plain one after."""
+    registered model trains]); ``decode`` makes the reply's handles remote tensors;
+    ``given``: copies the session has already for some, to put in instead (Note [weights
+    of a registered model]). The caller holds ``binding.lock`` and makes the module a
+    plain one after."""
     lost = _written_while_meta(module, binding)
     if lost is not None:
         raise UnsupportedOp(
@@ -70,7 +74,22 @@ def take_weights(module: torch.nn.Module, binding: Any, decode: Any) -> None:
         )
     body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD}
     reply = binding.session.call_model({**body, "args": [], "kwargs": {}})
-    _fill(module, decode(reply["out"], binding.session))
+    copies = decode(reply["out"], binding.session)
+    if isinstance(copies, dict) and given:
+        copies.update(given)
+    _fill(module, copies)
+
+
+def weights_of(binding: Any, names: list[str], decode: Any) -> dict[str, torch.Tensor]:
+    """Copies of the registered weights of these names in the session, by name (Note
+    [weights of a registered model]); the model stays registered."""
+    body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD, "names": names}
+    copies = decode(
+        binding.session.call_model({**body, "args": [], "kwargs": {}})["out"], binding.session
+    )
+    if not isinstance(copies, dict) or set(copies) != set(names):
+        raise InvalidArgument("the appliance sent other weights than those asked for")
+    return copies
 
 
 def _written_while_meta(module: torch.nn.Module, binding: Any) -> str | None:

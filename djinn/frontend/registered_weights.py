@@ -13,24 +13,38 @@ So each meta parameter and buffer of a registered model is given a class of its 
 (``RegisteredParameter``, still an ``nn.Parameter``; ``RegisteredBuffer``), with a
 ``__torch_function__`` that tells a question about the tensor from a use of its values:
 
-- what PyTorch knows without the values (its shape, dtype, device, version, flags,
-  ``requires_grad_``, hooks) is answered by the meta tensor, as before, so the model path's
-  own checks and analysis never take the weights (they also run with subclass handling
-  off: no Python on their path);
+- what PyTorch knows without the values (shape, dtype, version, flags, ``requires_grad_``,
+  hooks) is answered by the meta tensor, and ``device`` by the remote device (eager's
+  ``next(model.parameters()).device`` is the GPU), so the model path's own checks and
+  analysis never take the weights (they run with subclass handling off: no Python on
+  their path);
 - ``detach()`` and ``.data``, which ``state_dict()`` uses, give an *alias*: a meta tensor
   that knows whose weight it aliases, and costs nothing until it is used;
-- any other use, of the tensor or of an alias, first takes the model off the model path
-  as ``.train()`` does (Note [a registered model trains]: its weights copied into the
-  session, each parameter keeping its object), warning once, then runs on the copies. A
-  read then gives the registered values, a write lands in the session's copy, never in
-  the shared one, and an alias reads and writes the model's weight as eager's does, before
-  or after a later ``.train()``. ``torch.save`` of the state dict saves the weights.
+- a use of the values, of the weight or of an alias, runs on a copy of the registered
+  weight the session gets for it (CALL ``$weights`` with its names), and the model stays
+  on the model path: ``p.norm().item()``, ``print(p)``, ``torch.save(state_dict)`` (each
+  copy freed with the use). The use is eager's as long as the copy is eager's weight:
+  - a use that writes the copy (its version moved), or hands it back (itself, or a view
+    the program may write later), makes that copy the weight: the model leaves the model
+    path as ``.train()`` takes it (Note [a registered model trains]: its weights copied
+    into the session, each parameter keeping its object), with this copy for that weight.
+    A write lands in the session's copy, never the shared one;
+  - a differentiable use with gradients on, of a weight that requires them, leaves
+    first: eager's result would take gradients back to the parameter itself (reads under
+    ``torch.no_grad()`` keep the model path), and so do ``data_ptr()`` and storages,
+    which tell weights' memory apart (``save_pretrained``);
+  - once the model left, a weight is the model's own tensor, and an alias stands for the
+    tensor its name gave then (as eager's, it follows later training, and outlives the
+    model); a warning says once that the model left.
+  The leaving copies are made outside any ``inference_mode`` the program is in: an
+  inference tensor could not train, nor be written outside one.
 
 A deep copy of a registered model (``AveragedModel``) is registered too, with weights of
-its own class (``own``); a deep copy of one weight alone is a copy of its values. Taking
-the model off the path is the cost of a use: the session then holds a copy of every
-weight, and calls run op by op. A use of a weight the program replaced since (the model's
-parameter is another object now) holds no value: refused, typed.
+its own class (``own``); a deep copy or a pickle of one weight alone is a copy of its
+values. A use of a weight the program replaced while the model was registered (the
+model's parameter is another object now) holds no value: refused, typed. Not covered: a
+submodule taken before the move (its weights get their class at the program's first look
+at the model after it), and KV caches kept on the appliance are no use once the model left.
 """
 
 from __future__ import annotations
@@ -41,29 +55,38 @@ import os
 import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from djinn.errors import UnsupportedOp
 
-from . import ties
+from .device import is_remote
+from .shared_copies import address_of
 
 SOURCE = "_djinn_weight"  # the attribute that says whose weight a tensor is (tensor_copy.py)
 _copying = threading.local()  # a registered model's deep copy is under way on this thread
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+_APPLY = torch.nn.Module._apply.__code__  # the frame of a module's move (as ties.APPLY)
+# set by remote_module (``connect``): leave(module, given) takes a model off the model path,
+# ``given`` the copies it keeps for some weights; fetch(module, names) copies those weights
+# into the session, by name
+_PATH: dict[str, Callable[..., Any]] = {}
+
+
+def connect(leave: Callable[..., None], fetch: Callable[..., dict]) -> None:
+    _PATH.update(leave=leave, fetch=fetch)
 
 
 class _Source(NamedTuple):
-    owner: weakref.ref  # the registered model
+    owner: torch.nn.Module  # the registered model (held: an alias outlives it, as eager's)
     kind: str  # "parameter" or "buffer"
     name: str  # its first name in the model
     alias: bool  # a detach() of the weight, not the weight itself
-    leave: Callable[[torch.nn.Module], None]  # takes the model off the model path
     device: torch.device  # the remote device, where the program's weights are
+    target: Any = None  # the tensor it stands for, once the model left the model path
 
 
 # What PyTorch answers without the values: property getters by name, and calls
@@ -72,14 +95,26 @@ _SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_post_accumul
 _CALLS = frozenset(
     {
         "size", "dim", "stride", "numel", "nelement", "is_contiguous", "is_floating_point",
-        "is_complex", "is_signed", "element_size", "is_inference", "data_ptr",
-        "storage_offset", "requires_grad_", "get_device", "_is_view", "_use_count",
-        "is_shared", "is_pinned", "type", "__len__", "untyped_storage", "register_hook",
-        "register_post_accumulate_grad_hook", "__setstate__", "dim_order", "has_names",
-        "retain_grad", "share_memory_", "_typed_storage", "is_set_to", "__hash__",
+        "is_complex", "is_signed", "element_size", "is_inference", "storage_offset",
+        "requires_grad_", "get_device", "_is_view", "_use_count", "is_shared", "is_pinned",
+        "__len__", "register_hook", "register_post_accumulate_grad_hook", "__setstate__",
+        "dim_order", "has_names", "retain_grad", "share_memory_", "__hash__",
     }
 )  # fmt: skip
 _ALIASES = frozenset({("call", "detach"), ("get", "data")})
+# what tells tensors' memory apart (safetensors, save_pretrained: a meta tensor's is 0 for
+# all, so every weight seemed to share one): the weights themselves, the model leaving
+_MEMORY = frozenset({"data_ptr", "untyped_storage", "_typed_storage", "storage"})
+# uses whose eager result never has a gradient function: a copy of the values serves them
+# with gradients on too; and those whose result is no tensor the program can write
+_NOT_HANDED_BACK = frozenset({"__reduce_ex__", "__deepcopy__", "__repr__", "__format__"})
+_NOT_DIFFERENTIABLE = _NOT_HANDED_BACK | frozenset(
+    {
+        "item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__",
+        "__index__", "eq", "ne", "__eq__", "__ne__", "equal", "allclose", "isclose", "isnan",
+        "isinf", "isfinite", "any", "all", "argmax", "argmin", "nonzero", "count_nonzero",
+    }
+)  # fmt: skip
 _WHERE = {
     ("get", "device"): lambda d: d,
     ("get", "is_meta"): lambda d: False,
@@ -122,11 +157,65 @@ def _handle(func: Any, args: tuple, kwargs: dict | None) -> Any:
             out.__class__ = RegisteredBuffer
             out.__dict__[SOURCE] = source._replace(alias=True)
         return out
-    args, kwargs = tree_map(_real, (args, kwargs))
+    return _use(func, what, args, kwargs)
+
+
+def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
+    """``func`` run on the values of the registered weights it was given: copies of them
+    while their model is on the model path, its own weights once it left."""
+    flat, spec = tree_flatten((args, kwargs))
+    weights = [(i, x) for i, x in enumerate(flat) if isinstance(x, _REGISTERED)]
+    # eager's result of a differentiable use may take gradients back to the parameters
+    # themselves: the model leaves for them
+    leaving = what[1] in _MEMORY or (
+        torch.is_grad_enabled()
+        and what[1] not in _NOT_DIFFERENTIABLE
+        and any(x.requires_grad for _, x in weights)
+    )
+    wanted: dict[torch.nn.Module, dict[str, None]] = {}
+    copied: list[tuple[int, _Source]] = []
+    for i, x in weights:
+        source = _checked(x)
+        if leaving or not _registered(source.owner):
+            flat[i] = _real(x)
+        else:
+            wanted.setdefault(source.owner, {})[source.name] = None
+            copied.append((i, source))
+    copies = {}  # (model, name): a copy of the registered weight, this use's own
+    for owner, names in wanted.items():
+        got = _PATH["fetch"](owner, list(names))
+        copies.update({(owner, name): got[name] for name in names})
+    for i, source in copied:
+        value = copies[source.owner, source.name]
+        flat[i] = value.detach() if source.alias else value
+    versions = {key: c._version for key, c in copies.items()}
+    args, kwargs = tree_unflatten(flat, spec)
     kind, name = what
     if kind == "call" and args and getattr(torch.Tensor, name, None) is func:
-        return getattr(args[0], name)(*args[1:], **kwargs)  # the remote class's own, if any
-    return func(*args, **kwargs)
+        out = getattr(args[0], name)(*args[1:], **kwargs)  # the remote class's own, if any
+    else:
+        out = func(*args, **kwargs)
+    if copies:  # a pickled or copied value cannot be written later
+        _keep_written(copies, versions, None if what[1] in _NOT_HANDED_BACK else out)
+    return out
+
+
+def _keep_written(copies: dict, versions: dict, out: Any) -> None:
+    """A copy the use wrote into, or handed back (itself or a view: the program may write
+    it later), is that weight's value from now on: its model leaves the model path with
+    it, as eager's weight would have been written (a copy only read is dropped)."""
+    addresses = {address_of(c): key for key, c in copies.items()}
+    kept = {key for key, c in copies.items() if c._version != versions[key]}
+    for o in tree_flatten(out)[0]:
+        if isinstance(o, torch.Tensor) and is_remote(o.device):
+            key = addresses.get(address_of(o))
+            if key is not None:
+                kept.add(key)
+    given: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
+    for owner, name in kept:
+        given.setdefault(owner, {})[name] = copies[owner, name]
+    for owner, values in given.items():
+        _leave(owner, values)
 
 
 class RegisteredParameter(torch.nn.Parameter):
@@ -140,7 +229,9 @@ class RegisteredParameter(torch.nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         if not getattr(_copying, "on", False):  # this weight alone: a copy of its values
-            return _real(self).__deepcopy__(memo)
+            dup = torch.nn.Parameter(self._values(), self.requires_grad)
+            memo[id(self)] = dup
+            return dup
         with meta_answers():
             empty = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype, device="meta")
             dup = RegisteredParameter(empty, self.requires_grad)
@@ -149,7 +240,12 @@ class RegisteredParameter(torch.nn.Parameter):
         return dup
 
     def __reduce_ex__(self, proto: Any) -> Any:  # pickled (torch.save) by its values
-        return _real(self).__reduce_ex__(proto)
+        return torch._utils._rebuild_parameter, (self._values(), self.requires_grad, {})
+
+    def _values(self) -> torch.Tensor:
+        """A copy of its values, as a remote tensor of the program's."""
+        with torch.no_grad():
+            return _use(torch.Tensor.clone, ("call", "clone"), (self,), {})
 
 
 class RegisteredBuffer(torch.Tensor):
@@ -172,6 +268,7 @@ def _meta_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
 
 
 _CLASSES = {torch.nn.Parameter: RegisteredParameter, torch.Tensor: RegisteredBuffer}
+_REGISTERED = (RegisteredParameter, RegisteredBuffer)
 
 
 def meta_answers() -> contextlib.AbstractContextManager:
@@ -180,13 +277,9 @@ def meta_answers() -> contextlib.AbstractContextManager:
     return torch._C.DisableTorchFunctionSubclass()
 
 
-def own(
-    module: torch.nn.Module, leave: Callable[[torch.nn.Module], None], device: torch.device
-) -> None:
+def own(module: torch.nn.Module, device: torch.device) -> None:
     """Give each meta parameter and buffer of the registered ``module`` its class and
-    name; ``leave(module)`` takes the model off the model path; ``device`` is where the
-    program is told they are."""
-    ref = weakref.ref(module)
+    name; ``device`` is where the program is told they are."""
     seen: set[int] = set()
     with meta_answers():
         for kind, named in (
@@ -201,10 +294,10 @@ def own(
                 if cls is not None:
                     t.__class__ = cls
                 if isinstance(t, (RegisteredParameter, RegisteredBuffer)):
-                    t.__dict__[SOURCE] = _Source(ref, kind, name, False, leave, device)
+                    t.__dict__[SOURCE] = _Source(module, kind, name, False, device)
 
 
-def own_once(module: torch.nn.Module, leave: Callable[[torch.nn.Module], None]) -> None:
+def own_once(module: torch.nn.Module) -> None:
     """``own`` a registered model once the move that registered it has made all its
     weights meta (this runs inside that move too: the module's class changed at its
     first tensor), at the program's first look at its parts."""
@@ -212,13 +305,13 @@ def own_once(module: torch.nn.Module, leave: Callable[[torch.nn.Module], None]) 
     if binding is None or binding.owned or being_moved(module):
         return
     binding.owned = True
-    own(module, leave, binding.device)
+    own(module, binding.device)
 
 
-def deep_copy(module: torch.nn.Module, memo: dict, leave: Callable) -> torch.nn.Module:
+def deep_copy(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     """Another module on the same registered model (its binding's twin), with meta weights
     of its own."""
-    own_once(module, leave)
+    own_once(module)
     cls = type(module)
     dup = cls.__new__(cls)
     memo[id(module)] = dup
@@ -229,7 +322,7 @@ def deep_copy(module: torch.nn.Module, memo: dict, leave: Callable) -> torch.nn.
     finally:
         _copying.on = was
     dup.__setstate__(state)
-    own_once(dup, leave)
+    own_once(dup)
     return dup
 
 
@@ -237,7 +330,7 @@ def being_moved(module: torch.nn.Module) -> bool:
     """Whether this thread is inside ``module``'s own ``Module._apply`` (its move)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is ties.APPLY and frame.f_locals.get("self") is module:
+        if frame.f_code is _APPLY and frame.f_locals.get("self") is module:
             return True
         frame = frame.f_back
     return False
@@ -254,9 +347,10 @@ def say_taken(module: torch.nn.Module, binding: Any) -> None:
         frame, level = frame.f_back, level + 1
     warnings.warn(
         f"{type(module).__name__} is registered on the appliance (the model path), and the "
-        "program used a weight's values: its weights are copied into the session and it "
-        "runs on the graph path from now on (Note [weights of a registered model]). To "
-        "keep the model path, read weights before the move",
+        "program wrote one of its weights, kept a view of one, asked for its memory, or "
+        "used one with gradients on: its weights are copied into the session and it runs "
+        "on the graph path from now on (Note [weights of a registered model]). Reading "
+        "weights under torch.no_grad() keeps the model path",
         stacklevel=level,
     )
 
@@ -265,32 +359,55 @@ def _source(t: Any) -> _Source | None:
     return t.__dict__.get(SOURCE) if isinstance(t, torch.Tensor) else None
 
 
-def _real(x: Any) -> Any:
-    """``x``, or for a registered weight (or an alias of one) the model's weight itself,
-    the model taken off the model path first."""
-    if not isinstance(x, (RegisteredParameter, RegisteredBuffer)):
-        return x
+def _registered(module: torch.nn.Module) -> bool:
+    return "_djinn" in module.__dict__
+
+
+def _leave(owner: torch.nn.Module, given: dict[str, torch.Tensor] | None = None) -> None:
+    with meta_answers(), torch.inference_mode(False):  # the weights outlive the mode
+        _PATH["leave"](owner, given or {})
+
+
+def _checked(x: torch.Tensor) -> _Source:
+    """``x``'s source, refused if ``x`` is no longer the weight its name gives (the
+    program replaced it while the model was on the model path: it has no value)."""
     source = _source(x)
-    owner = source.owner() if source is not None else None
-    if owner is None:
+    if source is None:
         raise UnsupportedOp(
-            "this meta tensor was a weight of a model registered on the appliance (the "
-            "model path) that is gone: it holds no value (Note [weights of a registered "
-            "model])"
+            "a meta tensor of a model registered on the appliance that holds no value "
+            "(Note [weights of a registered model])"
         )
-    get = owner.get_parameter if source.kind == "parameter" else owner.get_buffer
+    if source.alias or source.target is not None or not _registered(source.owner):
+        return source
+    get = source.owner.get_parameter if source.kind == "parameter" else source.owner.get_buffer
     with meta_answers():
-        if not source.alias and get(source.name) is not x:
+        if get(source.name) is not x:
             raise UnsupportedOp(
-                f"{type(owner).__name__}'s {source.kind} {source.name!r} was replaced since "
-                "this tensor was it; on the model path it held no value here (a meta "
+                f"{type(source.owner).__name__}'s {source.kind} {source.name!r} was replaced "
+                "since this tensor was it; on the model path it held no value here (a meta "
                 "tensor), so it has none to use (Note [weights of a registered model])"
             )
-        source.leave(owner)
-        now = get(source.name)
-        if isinstance(now, (RegisteredParameter, RegisteredBuffer)) or now.is_meta:
-            raise UnsupportedOp(
-                f"{type(owner).__name__}'s {source.kind} {source.name!r} holds no value "
-                "(a meta tensor) (Note [weights of a registered model])"
-            )
-    return now.detach() if source.alias else now
+    return source
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """The model's weight that ``x`` (a registered weight or an alias of one) stands for,
+    the model taken off the model path first; remembered, so that ``x`` keeps standing
+    for that tensor whatever later takes its name (as an eager alias does)."""
+    source = _checked(x)
+    target = source.target
+    if target is None:
+        owner = source.owner
+        if _registered(owner):
+            _leave(owner)
+        get = owner.get_parameter if source.kind == "parameter" else owner.get_buffer
+        with meta_answers():
+            target = get(source.name)
+            if isinstance(target, _REGISTERED) or target.is_meta:
+                raise UnsupportedOp(
+                    f"{type(owner).__name__}'s {source.kind} {source.name!r} holds no value "
+                    "(a meta tensor) (Note [weights of a registered model])"
+                )
+        if target is not x:
+            x.__dict__[SOURCE] = source._replace(target=target)
+    return target.detach() if source.alias else target

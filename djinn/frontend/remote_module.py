@@ -261,7 +261,7 @@ class RemoteModelMixin:
         return self._djinn.device
 
     def _own(self) -> None:  # Note [weights of a registered model]: after its move
-        registered_weights.own_once(self, _leave_for_use)
+        registered_weights.own_once(self)
 
     def __getattr__(self, name: str) -> Any:  # a submodule, a parameter: after the move
         self._own()
@@ -282,7 +282,7 @@ class RemoteModelMixin:
         return super().state_dict(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:  # the same registered model, its own weights
-        return registered_weights.deep_copy(self, memo, _leave_for_use)
+        return registered_weights.deep_copy(self, memo)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -320,28 +320,41 @@ class RemoteModelMixin:
         return self  # its tensors are on the appliance: a no-op, as for CUDA tensors
 
 
-def _leave(module: torch.nn.Module, binding: _RemoteBinding | None = None) -> None:
+def _leave(
+    module: torch.nn.Module, binding: _RemoteBinding | None = None, given: dict | None = None
+) -> None:
     """Off the model path, with the registered weights copied into the session (Note [a
     registered model trains]). Once: a thread that waited on the lock while another took
     the model off finds it off (a review: an untyped AttributeError)."""
     binding = binding or module.__dict__.get("_djinn")
     if binding is None:
         return
-    with binding.lock, registered_weights.meta_answers():
+    # the weights outlive an inference mode the program is in (a use of one in it: an
+    # inference tensor can neither train nor be written outside one, as a weight must)
+    with binding.lock, registered_weights.meta_answers(), torch.inference_mode(False):
         if module.__dict__.get("_djinn") is not binding:
             return
-        model_leaves.take_weights(module, binding, _decode)
+        model_leaves.take_weights(module, binding, _decode, given)
         module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
         del module.__dict__["_djinn"]
 
 
-def _leave_for_use(module: torch.nn.Module) -> None:
-    """Off the model path for a use of a weight's values (Note [weights of a registered
-    model]), saying so once."""
+def _leave_for_use(module: torch.nn.Module, given: dict[str, torch.Tensor]) -> None:
+    """Off the model path for a use of a weight (Note [weights of a registered model]),
+    saying so once; ``given``: the session's copies of weights the use wrote."""
     binding = module.__dict__.get("_djinn")
     if binding is not None:
         registered_weights.say_taken(module, binding)
-        _leave(module, binding)
+        _leave(module, binding, given)
+
+
+def _weights_for_use(module: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    binding = module.__dict__["_djinn"]
+    with torch.inference_mode(False):
+        return model_leaves.weights_of(binding, names, _decode)
+
+
+registered_weights.connect(_leave_for_use, _weights_for_use)
 
 
 _classes: dict[type, type] = {}

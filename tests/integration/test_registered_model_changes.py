@@ -128,11 +128,12 @@ def test_what_transformers_itself_leaves_on_the_model_is_no_change(remote):
 
 
 @pytest.mark.parametrize("change", ["written", "replaced"])
-def test_a_buffer_changed_after_the_move_runs_as_eager(remote, change):
+def test_a_buffer_changed_after_the_move_runs_as_eager_or_is_refused(remote, change):
     """Buffers were not compared (a review: Llama's rotary inv_freq halved in place ran
-    the registered model, 0.0027 off, silently); then such a call was refused. Its values
-    are now read from the appliance, and the model runs on as eager (Note [weights of a
-    registered model])."""
+    the registered model, 0.0027 off, silently); then such a call was refused. Written in
+    place, the model now leaves the model path with the written value and runs as eager
+    (Note [weights of a registered model]); replaced by another tensor, the call is still
+    refused (Note [a registered model changed])."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -151,6 +152,10 @@ def test_a_buffer_changed_after_the_move_runs_as_eager(remote, change):
                 rotary.inv_freq.mul_(0.5)
             else:
                 rotary.inv_freq = rotary.inv_freq * 0.5
+            if change == "replaced" and device == R:
+                with pytest.raises(DjinnError, match=r"'model\.rotary_emb\.inv_freq' was"):
+                    model(_ids().to(device))
+                return
             got.append(model(_ids().to(device)).logits.cpu())
     assert (got[0] - got[1]).abs().max().item() <= 1e-5
 
