@@ -84,9 +84,10 @@ def weights_of(binding: Any, names: list[str], decode: Any) -> dict[str, torch.T
     """Copies of the registered weights of these names in the session, by name (Note
     [weights of a registered model]); the model stays registered."""
     body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD, "names": names}
-    copies = decode(
-        binding.session.call_model({**body, "args": [], "kwargs": {}})["out"], binding.session
-    )
+    reply = binding.session.call_model({**body, "args": [], "kwargs": {}})
+    # made outside the program's inference mode: a use may make a copy the weight itself
+    with torch.inference_mode(False):
+        copies = decode(reply["out"], binding.session)
     if not isinstance(copies, dict) or set(copies) != set(names):
         raise InvalidArgument("the appliance sent other weights than those asked for")
     return copies

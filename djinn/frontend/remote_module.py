@@ -329,8 +329,7 @@ def _leave(
     binding = binding or module.__dict__.get("_djinn")
     if binding is None:
         return
-    # the weights outlive an inference mode the program is in (a use of one in it: an
-    # inference tensor can neither train nor be written outside one, as a weight must)
+    # the weights outlive the program's inference mode (an inference tensor cannot train)
     with binding.lock, registered_weights.meta_answers(), torch.inference_mode(False):
         if module.__dict__.get("_djinn") is not binding:
             return
@@ -348,13 +347,9 @@ def _leave_for_use(module: torch.nn.Module, given: dict[str, torch.Tensor]) -> N
         _leave(module, binding, given)
 
 
-def _weights_for_use(module: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-    binding = module.__dict__["_djinn"]
-    with torch.inference_mode(False):
-        return model_leaves.weights_of(binding, names, _decode)
-
-
-registered_weights.connect(_leave_for_use, _weights_for_use)
+registered_weights.connect(
+    _leave_for_use, lambda m, names: model_leaves.weights_of(m._djinn, names, _decode)
+)
 
 
 _classes: dict[type, type] = {}

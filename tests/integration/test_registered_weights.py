@@ -228,3 +228,25 @@ def test_save_pretrained_saves_the_weights(remote, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert _close(_logits(loaded), _logits(local))
+
+
+def test_weight_copies_by_name_are_checked_on_the_appliance(remote):
+    """CALL ``$weights`` with names: only known, distinct names, refused typed before
+    anything is copied."""
+    from djinn.errors import InvalidArgument, NotFound
+
+    model = _gpt2(R)
+    _logits(model)
+    binding = model._djinn
+
+    def call(names):
+        body = {"fingerprint": binding.fingerprint, "method": "$weights", "names": names}
+        return binding.session.call_model({**body, "args": [], "kwargs": {}})
+
+    with pytest.raises(NotFound, match="no weight named 'nope'"):
+        call(["transformer.wpe.weight", "nope"])
+    for bad in ([1], ["transformer.wpe.weight"] * 2, [], "transformer.wpe.weight"):
+        with pytest.raises(InvalidArgument, match="names must be"):
+            call(bad)
+    out = call(["transformer.wpe.weight"])["out"]
+    assert list(out) == ["transformer.wpe.weight"] or len(str(out)) < 2000
