@@ -102,9 +102,13 @@ _CALLS = frozenset(
     }
 )  # fmt: skip
 _ALIASES = frozenset({("call", "detach"), ("get", "data")})
-# what tells tensors' memory apart (safetensors, save_pretrained: a meta tensor's is 0 for
+# What tells tensors' memory apart (safetensors, save_pretrained: a meta tensor's is 0 for
 # all, so every weight seemed to share one): the weights themselves, the model leaving
-_MEMORY = frozenset({"data_ptr", "untyped_storage", "_typed_storage", "storage"})
+# And what rebinds a tensor to other memory (``.data =``, ``set_``): the version of a copy
+# would not say it was written, and the weight itself must be
+_REBINDS = frozenset(
+    {"data_ptr", "untyped_storage", "_typed_storage", "storage", "set_", "resize_", "resize_as_"}
+)
 # uses whose eager result never has a gradient function: a copy of the values serves them
 # with gradients on too; and those whose result is no tensor the program can write
 _NOT_HANDED_BACK = frozenset({"__reduce_ex__", "__deepcopy__", "__repr__", "__format__"})
@@ -167,10 +171,14 @@ def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
     weights = [(i, x) for i, x in enumerate(flat) if isinstance(x, _REGISTERED)]
     # eager's result of a differentiable use may take gradients back to the parameters
     # themselves: the model leaves for them
-    leaving = what[1] in _MEMORY or (
-        torch.is_grad_enabled()
-        and what[1] not in _NOT_DIFFERENTIABLE
-        and any(x.requires_grad for _, x in weights)
+    leaving = (
+        what[0] == "set"
+        or what[1] in _REBINDS
+        or (
+            torch.is_grad_enabled()
+            and what[1] not in _NOT_DIFFERENTIABLE
+            and any(x.requires_grad for _, x in weights)
+        )
     )
     wanted: dict[torch.nn.Module, dict[str, None]] = {}
     copied: list[tuple[int, _Source]] = []
@@ -190,9 +198,14 @@ def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
         flat[i] = value.detach() if source.alias else value
     versions = {key: c._version for key, c in copies.items()}
     args, kwargs = tree_unflatten(flat, spec)
+    # the remote class's own method or property, if it has one
     kind, name = what
-    if kind == "call" and args and getattr(torch.Tensor, name, None) is func:
-        out = getattr(args[0], name)(*args[1:], **kwargs)  # the remote class's own, if any
+    if kind == "get":
+        out = getattr(args[0], name)
+    elif kind == "set":
+        out = setattr(args[0], name, args[1])
+    elif args and getattr(torch.Tensor, name, None) is func:
+        out = getattr(args[0], name)(*args[1:], **kwargs)
     else:
         out = func(*args, **kwargs)
     if copies:  # a pickled or copied value cannot be written later
