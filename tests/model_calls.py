@@ -33,3 +33,15 @@ def holds_no_weight(p: torch.Tensor) -> bool:
 
     with torch._C.DisableTorchFunctionSubclass():
         return p.is_meta and isinstance(p, (RegisteredParameter, RegisteredBuffer))
+
+
+def tiny_llama(device: str) -> torch.nn.Module:
+    """A one-layer Llama (rotary buffers, grouped-query attention), seeded, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval().to(device)

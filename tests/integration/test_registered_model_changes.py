@@ -14,6 +14,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, logging
 
 from djinn.errors import DjinnError
+from tests.model_calls import tiny_llama
 
 R = "remote_accelerator:0"
 CONFIG = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
@@ -134,16 +135,9 @@ def test_a_buffer_changed_after_the_move_runs_as_eager_or_is_refused(remote, cha
     place, the model now leaves the model path with the written value and runs as eager
     (Note [weights of a registered model]); replaced by another tensor, the call is still
     refused (Note [a registered model changed])."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=100,
-    )  # fmt: skip
     got = []
     for device in ("cpu", R):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).eval().to(device)
+        model = tiny_llama(device)
         with torch.no_grad():
             for _ in range(2):  # the call's own analysis writes nothing the check sees
                 model(_ids().to(device)).logits.cpu()

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from djinn.errors import UnsupportedOp
+from tests.model_calls import tiny_llama
 
 R = "remote_accelerator:0"
 transformers.logging.set_verbosity_error()
@@ -201,16 +202,9 @@ def test_written_inside_inference_mode_then_trained_as_eager(remote):
 
 def test_a_buffer_the_program_holds_stays_that_buffer(remote):
     """A held buffer was refused at its second use, once the model had left (a review)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=100,
-    )  # fmt: skip
     got = []
     for device in ("cpu", R):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).eval().to(device)
+        model = tiny_llama(device)
         inv = model.model.rotary_emb.inv_freq
         with torch.no_grad():
             inv.mul_(0.5)
