@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import os
 import sys
 import threading
@@ -366,6 +367,47 @@ def say_taken(module: torch.nn.Module, binding: Any) -> None:
         "weights under torch.no_grad() keeps the model path",
         stacklevel=level,
     )
+
+
+class WeightsOwner:
+    """Mixed into a registered model's class (before it, in remote_module's mixin): its
+    meta weights get their classes at the program's first look at its parts after the
+    move, and it copies and pickles with them."""
+
+    def _own(self) -> None:
+        own_once(self)
+
+    def __getattr__(self, name: str) -> Any:  # a submodule, a parameter
+        self._own()
+        return super().__getattr__(name)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:  # parameters(), modules()
+        self._own()
+        return super().named_modules(*args, **kwargs)
+
+    def named_children(self) -> Any:  # children()
+        self._own()
+        return super().named_children()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """PyTorch's, of detached meta weights: each an alias of its weight."""
+        self._own()
+        return super().state_dict(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:  # the same registered model, its own weights
+        return deep_copy(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save(model)``) as its own class with its weights' values (each
+        a copy, as a read: it stays registered). Its class is made by Djinn, and pickle
+        refused it ("not the same object")."""
+        state = {k: v for k, v in self.__dict__.items() if k != "_djinn"}
+        return copyreg._reconstructor, (plain_class(type(self)), object, None), state
+
+
+def plain_class(cls: type) -> type:
+    """The class a registered model's class was made from."""
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, WeightsOwner))
 
 
 def _source(t: Any) -> _Source | None:

@@ -233,8 +233,9 @@ class _RemoteBinding:
         return twin
 
 
-class RemoteModelMixin:
-    """Mixed into a registered module's class: calls run on the appliance."""
+class RemoteModelMixin(registered_weights.WeightsOwner):
+    """Mixed into a registered module's class: calls run on the appliance (and its meta
+    weights are the program's to use: Note [weights of a registered model])."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "tracing", False):  # djinn.analyze tracing on meta: stay local
@@ -259,30 +260,6 @@ class RemoteModelMixin:
         if getattr(_local, "tracing", False):
             return torch.device("meta")
         return self._djinn.device
-
-    def _own(self) -> None:  # Note [weights of a registered model]: after its move
-        registered_weights.own_once(self)
-
-    def __getattr__(self, name: str) -> Any:  # a submodule, a parameter: after the move
-        self._own()
-        return super().__getattr__(name)
-
-    def named_modules(self, *args: Any, **kwargs: Any) -> Any:  # parameters(), modules()
-        self._own()
-        return super().named_modules(*args, **kwargs)
-
-    def named_children(self) -> Any:  # children()
-        self._own()
-        return super().named_children()
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Its state as PyTorch gives it: detached meta weights, each an alias that takes
-        the model's weights when used (Note [weights of a registered model])."""
-        self._own()
-        return super().state_dict(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Any:  # the same registered model, its own weights
-        return registered_weights.deep_copy(self, memo)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -334,7 +311,7 @@ def _leave(
         if module.__dict__.get("_djinn") is not binding:
             return
         model_leaves.take_weights(module, binding, _decode, given)
-        module.__class__ = next(c for c in type(module).__mro__[1:] if c is not RemoteModelMixin)
+        module.__class__ = registered_weights.plain_class(type(module))
         del module.__dict__["_djinn"]
 
 

@@ -272,3 +272,22 @@ def test_each_way_of_writing_a_weight_lands_as_eagers(remote, way):
             WRITES[way](model)
         got.append(_logits(model))
     assert _close(got[0], got[1])
+
+
+def test_a_registered_model_pickles_as_its_own_class_with_its_weights(remote):
+    """``torch.save(model)`` raised PicklingError: its class is Djinn's, made at the move."""
+    import pickle
+
+    local, model = _gpt2(), _gpt2(R)
+    _logits(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert model._djinn is not None  # its weights were read: it stays on the model path
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False, map_location="cpu")
+    assert type(back) is transformers.GPT2LMHeadModel
+    assert next(back.parameters()).device.type == "cpu"
+    assert torch.equal(_logits(back), _logits(local))
+    again = pickle.loads(pickle.dumps(model))  # on the remote device, as pickled
+    assert type(again) is transformers.GPT2LMHeadModel
+    assert _close(_logits(again), _logits(local))
