@@ -56,6 +56,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -69,6 +70,8 @@ from .shared_copies import address_of
 
 SOURCE = "_djinn_weight"  # the attribute that says whose weight a tensor is (tensor_copy.py)
 _copying = threading.local()  # a registered model's deep copy is under way on this thread
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's: one use at a time
+_LOCKS_LOCK = threading.Lock()
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 _APPLY = torch.nn.Module._apply.__code__  # the frame of a module's move (as ties.APPLY)
 # set by remote_module (``connect``): leave(module, given) takes a model off the model path,
@@ -92,14 +95,14 @@ class _Source(NamedTuple):
 
 # What PyTorch answers without the values: property getters by name, and calls
 _GETTERS_OF_VALUES = frozenset({"T", "mT", "H", "mH", "real", "imag"})  # views: values
-_SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_post_accumulate_grad_hooks"})
+_SETTERS = frozenset({"requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"})
 _CALLS = frozenset(
     {
         "size", "dim", "stride", "numel", "nelement", "is_contiguous", "is_floating_point",
         "is_complex", "is_signed", "element_size", "is_inference", "storage_offset",
         "requires_grad_", "get_device", "_is_view", "_use_count", "is_shared", "is_pinned",
         "__len__", "register_hook", "register_post_accumulate_grad_hook", "__setstate__",
-        "dim_order", "has_names", "retain_grad", "share_memory_", "__hash__",
+        "dim_order", "has_names", "retain_grad", "__hash__",
     }
 )  # fmt: skip
 _ALIASES = frozenset({("call", "detach"), ("get", "data")})
@@ -147,6 +150,8 @@ def _answered_by_meta(what: tuple[str, str]) -> bool:
 def _handle(func: Any, args: tuple, kwargs: dict | None) -> Any:
     kwargs = kwargs or {}
     what = _what(func)
+    if what == ("call", "share_memory_"):
+        return args[0]  # on the appliance: a no-op, as for a CUDA tensor
     if what in _WHERE:  # where the weight is for the program: the remote device
         source = _source(args[0])
         if source is not None:
@@ -167,9 +172,20 @@ def _handle(func: Any, args: tuple, kwargs: dict | None) -> Any:
 
 def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
     """``func`` run on the values of the registered weights it was given: copies of them
-    while their model is on the model path, its own weights once it left."""
+    while their model is on the model path, its own weights once it left. One use of a
+    model's weights at a time (a review: two threads writing weights of one model each
+    wrote a copy, and the first to leave the model path took its copy alone: the other
+    write was lost)."""
     flat, spec = tree_flatten((args, kwargs))
     weights = [(i, x) for i, x in enumerate(flat) if isinstance(x, _REGISTERED)]
+    owners = sorted({id(s.owner): s.owner for s in map(_checked, (x for _, x in weights))}.items())
+    with contextlib.ExitStack() as held:
+        for _, owner in owners:
+            held.enter_context(_lock_of(owner))
+        return _use_held(func, what, flat, spec, weights)
+
+
+def _use_held(func: Any, what: tuple[str, str], flat: list, spec: Any, weights: list) -> Any:
     # eager's result of a differentiable use may take gradients back to the parameters
     # themselves: the model leaves for them
     leaving = (
@@ -182,21 +198,25 @@ def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
         )
     )
     wanted: dict[torch.nn.Module, dict[str, None]] = {}
-    copied: list[tuple[int, _Source]] = []
+    copied: list[tuple[int, _Source, torch.Tensor]] = []
     for i, x in weights:
+        if not isinstance(x, _REGISTERED):
+            continue  # the model left while this use waited: ``x`` is its weight now
         source = _checked(x)
         if leaving or not _registered(source.owner):
             flat[i] = _real(x)
         else:
             wanted.setdefault(source.owner, {})[source.name] = None
-            copied.append((i, source))
+            copied.append((i, source, x))
     copies = {}  # (model, name): a copy of the registered weight, this use's own
     for owner, names in wanted.items():
         got = _PATH["fetch"](owner, list(names))
         copies.update({(owner, name): got[name] for name in names})
-    for i, source in copied:
+    stood_for = {}  # id of what the function was given: the program's tensor
+    for i, source, x in copied:
         value = copies[source.owner, source.name]
         flat[i] = value.detach() if source.alias else value
+        stood_for[id(flat[i])] = flat[i], x
     versions = {key: c._version for key, c in copies.items()}
     args, kwargs = tree_unflatten(flat, spec)
     # the remote class's own method or property, if it has one
@@ -211,7 +231,9 @@ def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
     if copies:  # a pickled or copied value cannot be written later
         _keep_written(copies, versions, None if what[1] in _NOT_HANDED_BACK else out)
-    return out
+    # an in-place method returns its tensor: the program's (``p += 1`` sets it back)
+    given = stood_for.get(id(out))
+    return given[1] if given is not None and given[0] is out else out
 
 
 def _keep_written(copies: dict, versions: dict, out: Any) -> None:
@@ -412,6 +434,14 @@ def plain_class(cls: type) -> type:
 
 def _source(t: Any) -> _Source | None:
     return t.__dict__.get(SOURCE) if isinstance(t, torch.Tensor) else None
+
+
+def _lock_of(module: torch.nn.Module) -> threading.RLock:
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.RLock()
+        return lock
 
 
 def _registered(module: torch.nn.Module) -> bool:

@@ -291,3 +291,47 @@ def test_a_registered_model_pickles_as_its_own_class_with_its_weights(remote):
     again = pickle.loads(pickle.dumps(model))  # on the remote device, as pickled
     assert type(again) is transformers.GPT2LMHeadModel
     assert _close(_logits(again), _logits(local))
+
+
+def test_threads_writing_one_models_weights_lose_no_write(remote):
+    """Each thread wrote a copy, and the first to take the model off the model path took
+    its own alone: the others' writes were lost, silently (a review)."""
+    import threading
+
+    model = _gpt2(R)
+    a, b = model.transformer.h[0].ln_1.bias, model.transformer.h[1].ln_2.bias  # zeros
+    start = threading.Barrier(4)
+    errors = []
+
+    def write(p: torch.Tensor) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                p.add_(1.0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    with torch.no_grad():
+        assert (a.sum().item(), b.sum().item()) == (64.0, 64.0)
+
+
+def test_in_place_on_a_weight_returns_the_weight_and_grad_and_sharing_are_eagers(remote):
+    """``p += 1`` on a module's weight raised "cannot assign ... as parameter" (the use
+    returned the copy); ``p.grad = g`` and ``p.share_memory_()`` raised (a review)."""
+    local, model = _gpt2(), _gpt2(R)
+    for m in (local, model):
+        with torch.no_grad():
+            m.transformer.wpe.weight += 1.0  # Module.__setattr__ gets the weight back
+            w = m.transformer.ln_f.weight
+            assert w.mul_(2.0) is w
+        p = m.transformer.h[0].mlp.c_fc.bias
+        p.grad = torch.ones(128, device=p.device)
+        assert torch.equal(p.grad.cpu(), torch.ones(128))
+        assert p.share_memory_() is p
+    assert _close(_logits(model), _logits(local))
