@@ -40,6 +40,7 @@ from djinn.protocol.frames import WEIGHTS_METHOD
 from . import ties
 from .device import is_remote, mapped_source
 from .model_changes import version_of
+from .registered_weights import registered_name
 
 
 def take_weights(
@@ -127,8 +128,10 @@ def _added(module: torch.nn.Module, name: str) -> UnsupportedOp:
 
 def _meta_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Its parameters still meta (one the program replaced by a tensor of its own keeps
-    it), a tied one once, under its first name."""
-    return [(name, p) for name, p in module.named_parameters() if p.is_meta]
+    it), a tied one once, under the name it was registered by (a submodule wrapped since,
+    as peft's LoRA wraps one, renames its weight: Note [weights of a registered model]),
+    else its first name."""
+    return [(registered_name(p, n), p) for n, p in module.named_parameters() if p.is_meta]
 
 
 def _fill(module: torch.nn.Module, copies: Any) -> None:
@@ -152,7 +155,7 @@ def _fill(module: torch.nn.Module, copies: Any) -> None:
     given: dict[int, torch.Tensor] = {}
     for name, b in module.named_buffers():  # one buffer in two modules: once
         if b.is_meta:
-            value = copies.get(name)
+            value = copies.get(registered_name(b, name))
             if value is None or value.shape != b.shape or value.dtype != b.dtype:
                 raise InvalidArgument(f"the appliance sent no buffer {name!r}")
             given[id(b)] = value

@@ -432,6 +432,12 @@ def plain_class(cls: type) -> type:
     return next(c for c in cls.__mro__[1:] if not issubclass(c, WeightsOwner))
 
 
+def registered_name(t: torch.Tensor, name: str) -> str:
+    """The name a registered model's weight was registered by (``name`` for another)."""
+    source = _source(t)
+    return source.name if source is not None and not source.alias else name
+
+
 def _source(t: Any) -> _Source | None:
     return t.__dict__.get(SOURCE) if isinstance(t, torch.Tensor) else None
 

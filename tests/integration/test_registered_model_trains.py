@@ -240,11 +240,13 @@ def test_threads_calling_a_model_that_leaves_all_get_answers(remote):
     assert getattr(model, "_djinn", None) is None and len(got) == 3
 
 
-def test_parameters_added_after_the_move_are_refused_typed(remote):
+def test_parameters_added_after_the_move_are_refused_typed_and_a_wrap_trains(remote):
     """A submodule wrapped (peft's get_peft_model renames c_attn.weight to
-    c_attn.base_layer.weight and adds meta lora weights) after the move: it said "the
-    appliance sent no weight" (a review). (``resize_token_embeddings`` reads the old
-    weights, which takes them first: test_weights_written_after_the_move_train_as_eager.)"""
+    c_attn.base_layer.weight) after the move said "the appliance sent no weight" (a
+    review), then was refused: the renamed weight is found by the name it was registered
+    by now (Note [weights of a registered model]), and the model trains as eager. A meta
+    parameter the program added holds no value: refused, typed, the model still
+    registered."""
 
     class Wrapped(torch.nn.Module):
         def __init__(self, base: torch.nn.Module) -> None:
@@ -254,13 +256,20 @@ def test_parameters_added_after_the_move_are_refused_typed(remote):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.base_layer(x)
 
-    model = _gpt2()
-    model.to(R)
-    attn = model.transformer.h[0].attn
-    attn.c_attn = Wrapped(attn.c_attn)
+    ids = torch.tensor([[1, 2, 3]])
+    losses = []
+    for device in ("cpu", R):
+        model = _gpt2().to(device)
+        attn = model.transformer.h[0].attn
+        attn.c_attn = Wrapped(attn.c_attn)
+        model.train()
+        losses.append(_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), ids.to(device)))
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(*losses, strict=True)), losses
+    model = _gpt2().to(R)
+    model.transformer.h[0].attn.extra = torch.nn.Parameter(torch.empty(3, device="meta"))
     model.train()
     with pytest.raises(UnsupportedOp, match="was added or reshaped since the move"):
-        model(torch.tensor([[1, 2, 3]]).to(R))
+        model(ids.to(R))
     assert model._djinn is not None
 
 

@@ -335,3 +335,29 @@ def test_in_place_on_a_weight_returns_the_weight_and_grad_and_sharing_are_eagers
         assert torch.equal(p.grad.cpu(), torch.ones(128))
         assert p.share_memory_() is p
     assert _close(_logits(model), _logits(local))
+
+
+def test_lora_wrapped_around_a_registered_model_trains_as_eager(remote):
+    """peft's ``get_peft_model`` after the move (the usual order: load, move, wrap) was
+    refused: it renames each wrapped weight (``c_attn.base_layer.weight``)."""
+    from peft import LoraConfig, get_peft_model
+
+    losses = []
+    for device in ("cpu", R):
+        model = _gpt2(device)
+        torch.manual_seed(1)
+        config = LoraConfig(
+            r=4, target_modules=["c_attn"], lora_dropout=0.0, init_lora_weights=False
+        )
+        lora = get_peft_model(model, config)
+        lora.train()
+        opt = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.1)
+        ids = IDS.to(device)
+        for _ in range(3):
+            torch.manual_seed(7)  # the same dropout masks as eager's
+            loss = lora(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses[:3], losses[3:], strict=True)), losses
