@@ -254,7 +254,18 @@ def _keep_written(copies: dict, versions: dict, out: Any) -> None:
         _leave(owner, values)
 
 
-class RegisteredParameter(torch.nn.Parameter):
+class _SetOwn:
+    """``set_`` does not reach ``__torch_function__``: a rebinding use, seen here. A
+    parametrization registered on a weight sets it to itself (a no-op): its version moved,
+    and taking the weights then refused it as written while meta."""
+
+    def set_(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and args[0] is self and not kwargs:
+            return self
+        return _use(torch.Tensor.set_, ("call", "set_"), (self, *args), kwargs)
+
+
+class RegisteredParameter(_SetOwn, torch.nn.Parameter):
     """A registered model's meta parameter (Note [weights of a registered model])."""
 
     @classmethod
@@ -284,7 +295,7 @@ class RegisteredParameter(torch.nn.Parameter):
             return _use(torch.Tensor.clone, ("call", "clone"), (self,), {})
 
 
-class RegisteredBuffer(torch.Tensor):
+class RegisteredBuffer(_SetOwn, torch.Tensor):
     """A registered model's meta buffer, or an alias of one of its weights."""
 
     @classmethod
