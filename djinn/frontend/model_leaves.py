@@ -40,7 +40,7 @@ from djinn.protocol.frames import WEIGHTS_METHOD
 from . import ties
 from .device import is_remote, mapped_source
 from .model_changes import version_of
-from .registered_weights import registered_name
+from .registered_weights import registered_name, replaced
 
 
 def take_weights(
@@ -163,6 +163,7 @@ def _fill(module: torch.nn.Module, copies: Any) -> None:
         for key, b in list(m._buffers.items()):
             if b is not None and id(b) in given:
                 m._buffers[key] = given[id(b)]
+                replaced(b, given[id(b)])
 
 
 def converts_nothing(module: torch.nn.Module, fn: Any) -> bool:

@@ -90,7 +90,8 @@ class _Source(NamedTuple):
     name: str  # its first name in the model
     alias: bool  # a detach() of the weight, not the weight itself
     device: torch.device  # the remote device, where the program's weights are
-    target: Any = None  # the tensor it stands for, once the model left the model path
+    target: Any = None  # a buffer's tensor, once the model left the model path
+    weight: Any = None  # an alias's: the registered weight it aliases
 
 
 # What PyTorch answers without the values: property getters by name, and calls
@@ -106,10 +107,10 @@ _CALLS = frozenset(
     }
 )  # fmt: skip
 _ALIASES = frozenset({("call", "detach"), ("get", "data")})
-# What tells tensors' memory apart (safetensors, save_pretrained: a meta tensor's is 0 for
-# all, so every weight seemed to share one): the weights themselves, the model leaving
-# And what rebinds a tensor to other memory (``.data =``, ``set_``): the version of a copy
-# would not say it was written, and the weight itself must be
+# Uses that need the weight itself, the model leaving first: what rebinds a tensor to other
+# memory (``.data =``, ``set_``; a copy's version would not say it was written), and what
+# tells tensors' memory apart (save_pretrained: a meta tensor's address is 0 for all, so
+# every weight seemed to share one)
 _REBINDS = frozenset(
     {"data_ptr", "untyped_storage", "_typed_storage", "storage", "set_", "resize_", "resize_as_"}
 )
@@ -165,7 +166,8 @@ def _handle(func: Any, args: tuple, kwargs: dict | None) -> Any:
         source = _source(args[0])
         if type(out) is torch.Tensor and source is not None:
             out.__class__ = RegisteredBuffer
-            out.__dict__[SOURCE] = source._replace(alias=True)
+            weight = source.weight if source.alias else args[0]
+            out.__dict__[SOURCE] = source._replace(alias=True, weight=weight)
         return out
     return _use(func, what, args, kwargs)
 
@@ -181,7 +183,7 @@ def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
     owners = sorted({id(s.owner): s.owner for s in map(_checked, (x for _, x in weights))}.items())
     with contextlib.ExitStack() as held:
         for _, owner in owners:
-            held.enter_context(_lock_of(owner))
+            held.enter_context(lock_of(owner))
         return _use_held(func, what, flat, spec, weights)
 
 
@@ -453,7 +455,8 @@ def _source(t: Any) -> _Source | None:
     return t.__dict__.get(SOURCE) if isinstance(t, torch.Tensor) else None
 
 
-def _lock_of(module: torch.nn.Module) -> threading.RLock:
+def lock_of(module: torch.nn.Module) -> threading.RLock:
+    """The lock of the uses of ``module``'s weights, and of its leaving the model path."""
     with _LOCKS_LOCK:
         lock = _LOCKS.get(module)
         if lock is None:
@@ -471,8 +474,8 @@ def _leave(owner: torch.nn.Module, given: dict[str, torch.Tensor] | None = None)
 
 
 def _checked(x: torch.Tensor) -> _Source:
-    """``x``'s source, refused if ``x`` is no longer the weight its name gives (the
-    program replaced it while the model was on the model path: it has no value)."""
+    """``x``'s source, refused if ``x`` is no longer a weight of its model while the model
+    is on the model path (the program replaced it: it has no value of its own)."""
     source = _source(x)
     if source is None:
         raise UnsupportedOp(
@@ -481,35 +484,57 @@ def _checked(x: torch.Tensor) -> _Source:
         )
     if source.alias or source.target is not None or not _registered(source.owner):
         return source
-    get = source.owner.get_parameter if source.kind == "parameter" else source.owner.get_buffer
-    with meta_answers():
-        if get(source.name) is not x:
-            raise UnsupportedOp(
-                f"{type(source.owner).__name__}'s {source.kind} {source.name!r} was replaced "
-                "since this tensor was it; on the model path it held no value here (a meta "
-                "tensor), so it has none to use (Note [weights of a registered model])"
-            )
+    if not _in_model(source, x):
+        raise UnsupportedOp(
+            f"{type(source.owner).__name__}'s {source.kind} {source.name!r} was replaced "
+            "since this tensor was it; on the model path it held no value here (a meta "
+            "tensor), so it has none to use (Note [weights of a registered model])"
+        )
     return source
+
+
+def _in_model(source: _Source, x: torch.Tensor) -> bool:
+    """Whether ``x`` is still one of its model's tensors: under its registered name, or
+    another (a submodule wrapped since, as peft's LoRA wraps one, renames it)."""
+    owner = source.owner
+    with meta_answers():
+        prefix, _, leaf = source.name.rpartition(".")
+        try:
+            holder = owner.get_submodule(prefix)
+        except AttributeError:
+            holder = None
+        slots = "_parameters" if source.kind == "parameter" else "_buffers"
+        if holder is not None and getattr(holder, slots).get(leaf) is x:
+            return True
+        named = owner.named_parameters if source.kind == "parameter" else owner.named_buffers
+        return any(t is x for _, t in named(remove_duplicate=False))
 
 
 def _real(x: torch.Tensor) -> torch.Tensor:
     """The model's weight that ``x`` (a registered weight or an alias of one) stands for,
-    the model taken off the model path first; remembered, so that ``x`` keeps standing
-    for that tensor whatever later takes its name (as an eager alias does)."""
+    the model taken off the model path first (a parameter then is that weight: the
+    leaving swapped it; a buffer's slot got another tensor, its ``target``)."""
     source = _checked(x)
-    target = source.target
+    if source.alias:
+        weight = source.weight
+        return (_real(weight) if isinstance(weight, _REGISTERED) else weight).detach()
+    if source.target is None and _registered(source.owner):
+        _leave(source.owner)
+    if not isinstance(x, _REGISTERED):
+        return x  # swapped into the model's own remote tensor
+    target = x.__dict__[SOURCE].target
     if target is None:
-        owner = source.owner
-        if _registered(owner):
-            _leave(owner)
-        get = owner.get_parameter if source.kind == "parameter" else owner.get_buffer
-        with meta_answers():
-            target = get(source.name)
-            if isinstance(target, _REGISTERED) or target.is_meta:
-                raise UnsupportedOp(
-                    f"{type(owner).__name__}'s {source.kind} {source.name!r} holds no value "
-                    "(a meta tensor) (Note [weights of a registered model])"
-                )
-        if target is not x:
-            x.__dict__[SOURCE] = source._replace(target=target)
-    return target.detach() if source.alias else target
+        raise UnsupportedOp(
+            f"{type(source.owner).__name__}'s {source.kind} {source.name!r} (this tensor) "
+            "is no longer the model's: it held no value here (a meta tensor) (Note [weights "
+            "of a registered model])"
+        )
+    return target
+
+
+def replaced(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """A registered buffer's slot got ``value`` as its model left the model path: the
+    program's ``buffer`` (held, or aliased) stands for it from now on."""
+    source = _source(buffer)
+    if isinstance(buffer, _REGISTERED) and source is not None and not source.alias:
+        buffer.__dict__[SOURCE] = source._replace(target=value)

@@ -306,11 +306,13 @@ def _leave(
     binding = binding or module.__dict__.get("_djinn")
     if binding is None:
         return
-    # the weights outlive the program's inference mode (an inference tensor cannot train)
-    with binding.lock, registered_weights.meta_answers(), torch.inference_mode(False):
+    # after a use of its weights under way on another thread (registered_weights.lock_of),
+    # so that a write it made is kept
+    with registered_weights.lock_of(module), binding.lock, registered_weights.meta_answers():
         if module.__dict__.get("_djinn") is not binding:
             return
-        model_leaves.take_weights(module, binding, _decode, given)
+        with torch.inference_mode(False):  # the weights outlive the program's mode
+            model_leaves.take_weights(module, binding, _decode, given)
         module.__class__ = registered_weights.plain_class(type(module))
         del module.__dict__["_djinn"]
 

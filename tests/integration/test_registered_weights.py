@@ -381,3 +381,33 @@ def test_a_parametrization_registered_on_a_weight_runs_as_eager(remote):
         parametrize.register_parametrization(model.transformer.wpe, "weight", Half())
         got.append(_logits(model))
     assert _close(got[0], got[1])
+
+
+class Wrapped(torch.nn.Module):
+    """A submodule wrapped as peft's LoRA wraps one (``base_layer``), without its
+    delegation of ``weight``."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+
+def test_a_wrapped_weight_reads_while_registered_and_a_held_alias_follows_it(remote):
+    """A weight renamed by a wrap was looked up by its registered name, which no longer
+    resolves: an untyped AttributeError at any use (a read of the change)."""
+    got = []
+    for device in ("cpu", R):
+        model = _gpt2(device)
+        alias = model.state_dict()["transformer.h.0.attn.c_attn.weight"]
+        attn = model.transformer.h[0].attn
+        attn.c_attn = Wrapped(attn.c_attn)
+        base = attn.c_attn.base_layer.weight
+        with torch.no_grad():
+            norm = base.norm().item()  # a read: the model stays registered
+            assert device == "cpu" or model._djinn is not None
+            base.mul_(2.0)  # a write: it leaves, the wrapped weight written
+            got.append((norm, alias.sum().item(), model.transformer.wte.weight.sum().item()))
+    assert got[0] == pytest.approx(got[1], abs=1e-4)
