@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +174,24 @@ def run_together(*calls: dict) -> list[subprocess.CompletedProcess]:
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(subprocess.run, **kwargs) for kwargs in calls]
         return [f.result() for f in futures]
+
+
+def in_threads(fn, args_list, timeout: float = 120.0) -> list[BaseException]:
+    """Run ``fn(*args)`` on a thread per ``args`` at once; what they raised."""
+    errors: list[BaseException] = []
+
+    def run(*args):
+        try:
+            fn(*args)
+        except BaseException as exc:  # reported to the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=args) for args in args_list]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return errors
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from djinn.errors import UnsupportedOp
+from tests.conftest import in_threads
 from tests.model_calls import tiny_llama
 
 R = "remote_accelerator:0"
@@ -302,21 +303,13 @@ def test_threads_writing_one_models_weights_lose_no_write(remote):
     model = _gpt2(R)
     a, b = model.transformer.h[0].ln_1.bias, model.transformer.h[1].ln_2.bias  # zeros
     start = threading.Barrier(4)
-    errors = []
 
     def write(p: torch.Tensor) -> None:
-        try:
-            start.wait()
-            with torch.no_grad():
-                p.add_(1.0)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        start.wait()
+        with torch.no_grad():
+            p.add_(1.0)
 
-    threads = [threading.Thread(target=write, args=(p,)) for p in (a, b, a, b)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    errors = in_threads(write, [(a,), (b,), (a,), (b,)])
     assert not errors, errors
     with torch.no_grad():
         assert (a.sum().item(), b.sum().item()) == (64.0, 64.0)
