@@ -2,9 +2,10 @@
 the model path keeps meta tensors locally. Reading one of its weights raised torch's
 untyped "Cannot copy out of meta tensor"; writing one wrote into a meta tensor (and inside
 ``inference_mode`` nothing noticed); ``torch.save(model.state_dict())`` saved meta
-tensors. A use of a weight's values now takes the model off the model path (its weights
-copied into the session, warned once) and goes on as eager; the shared copy stays as it
-was."""
+tensors. A use now runs on a session copy of the weight: reads under ``no_grad`` keep the
+model path; a write, a view kept or a use with gradients takes the model off it (its
+weights copied into the session, warned once) and goes on as eager. Every case is
+compared with the same code on the CPU; the shared copy stays as it was."""
 
 from __future__ import annotations
 
