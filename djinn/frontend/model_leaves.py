@@ -73,23 +73,23 @@ def take_weights(
             "take its weights (a weak reference): move the model in training mode "
             "(model.train().to(...)) (Note [a registered model trains])"
         )
-    body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD}
-    reply = binding.session.call_model({**body, "args": [], "kwargs": {}})
-    copies = decode(reply["out"], binding.session)
+    copies = weights_of(binding, None, decode)
     if isinstance(copies, dict) and given:
         copies.update(given)
     _fill(module, copies)
 
 
-def weights_of(binding: Any, names: list[str], decode: Any) -> dict[str, torch.Tensor]:
-    """Copies of the registered weights of these names in the session, by name (Note
-    [weights of a registered model]); the model stays registered."""
-    body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD, "names": names}
+def weights_of(binding: Any, names: list[str] | None, decode: Any) -> Any:
+    """Copies of the registered weights in the session, by name: all, or those ``names``
+    (Note [weights of a registered model]); the model stays registered."""
+    body = {"fingerprint": binding.fingerprint, "method": WEIGHTS_METHOD}
+    if names is not None:
+        body["names"] = names
     reply = binding.session.call_model({**body, "args": [], "kwargs": {}})
     # made outside the program's inference mode: a use may make a copy the weight itself
     with torch.inference_mode(False):
         copies = decode(reply["out"], binding.session)
-    if not isinstance(copies, dict) or set(copies) != set(names):
+    if names is not None and (not isinstance(copies, dict) or set(copies) != set(names)):
         raise InvalidArgument("the appliance sent other weights than those asked for")
     return copies
 

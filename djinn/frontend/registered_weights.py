@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
-import os
 import sys
 import threading
 import warnings
@@ -65,15 +64,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from djinn.errors import UnsupportedOp
 
+from . import ties
 from .device import is_remote
 from .shared_copies import address_of
+from .tensor_copy import WEIGHT_SOURCE as SOURCE
 
-SOURCE = "_djinn_weight"  # the attribute that says whose weight a tensor is (tensor_copy.py)
 _copying = threading.local()  # a registered model's deep copy is under way on this thread
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's: one use at a time
 _LOCKS_LOCK = threading.Lock()
-_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-_APPLY = torch.nn.Module._apply.__code__  # the frame of a module's move (as ties.APPLY)
 # set by remote_module (``connect``): leave(module, given) takes a model off the model path,
 # ``given`` the copies it keeps for some weights; fetch(module, names) copies those weights
 # into the session, by name
@@ -180,7 +178,8 @@ def _use(func: Any, what: tuple[str, str], args: tuple, kwargs: dict) -> Any:
     write was lost)."""
     flat, spec = tree_flatten((args, kwargs))
     weights = [(i, x) for i, x in enumerate(flat) if isinstance(x, _REGISTERED)]
-    owners = sorted({id(s.owner): s.owner for s in map(_checked, (x for _, x in weights))}.items())
+    sources = [s for s in map(_source, (x for _, x in weights)) if s is not None]
+    owners = sorted({id(s.owner): s.owner for s in sources}.items())  # checked when held
     with contextlib.ExitStack() as held:
         for _, owner in owners:
             held.enter_context(lock_of(owner))
@@ -379,7 +378,7 @@ def being_moved(module: torch.nn.Module) -> bool:
     """Whether this thread is inside ``module``'s own ``Module._apply`` (its move)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _APPLY and frame.f_locals.get("self") is module:
+        if frame.f_code is ties.APPLY and frame.f_locals.get("self") is module:
             return True
         frame = frame.f_back
     return False
@@ -391,16 +390,13 @@ def say_taken(module: torch.nn.Module, binding: Any) -> None:
     if binding.told_weights:
         return
     binding.told_weights = True
-    level, frame = 1, sys._getframe(0)  # level 1: this function
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame, level = frame.f_back, level + 1
     warnings.warn(
         f"{type(module).__name__} is registered on the appliance (the model path), and the "
         "program wrote one of its weights, kept a view of one, asked for its memory, or "
         "used one with gradients on: its weights are copied into the session and it runs "
         "on the graph path from now on (Note [weights of a registered model]). Reading "
         "weights under torch.no_grad() keeps the model path",
-        stacklevel=level,
+        stacklevel=ties._callers_level(),
     )
 
 

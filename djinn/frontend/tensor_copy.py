@@ -7,7 +7,10 @@ import copy
 import torch
 
 from . import shared_copies
-from .registered_weights import SOURCE
+
+# the attribute that says whose weight a registered model's meta tensor is: Djinn's, not
+# the program's (Note [weights of a registered model], registered_weights.py)
+WEIGHT_SOURCE = "_djinn_weight"
 
 
 def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
@@ -44,5 +47,5 @@ def program_attributes(t: torch.Tensor) -> dict:
     return {
         k: v
         for k, v in vars(t).items()
-        if k not in ("_b", "_dyn", SOURCE) and not k.startswith("_sym_")
+        if k not in ("_b", "_dyn", WEIGHT_SOURCE) and not k.startswith("_sym_")
     }
