@@ -69,17 +69,31 @@ def written_values(op: Any, args: Any, kwargs: Any) -> list[Any]:
     return out
 
 
+def remote_failed(x: RemoteTensor) -> DjinnError | None:
+    """The error a handle's value holds: its own, or that of a failed write into a tensor
+    it shares bytes with (Note [a failed write's views])."""
+    if x.failed is not None:
+        return x.failed
+    storage = x.storage
+    return storage.failed if storage is not None else None
+
+
 def depends_on_failure(node: Node) -> bool:
     def failed(x: Any) -> bool:
         if isinstance(x, Pending):
             if x.node.failed is not None:
                 return True
             results = x.node.results if x.node.executed else None
-            return bool(results) and isinstance(results[x.index], Failed)
+            if not results:
+                return False
+            done = results[x.index]
+            return isinstance(done, Failed) or (
+                isinstance(done, RemoteTensor) and remote_failed(done) is not None
+            )
         if isinstance(x, Failed):
             return True
         if isinstance(x, RemoteTensor):
-            return x.failed is not None
+            return remote_failed(x) is not None
         if isinstance(x, (list, tuple)):
             return any(failed(v) for v in x)
         if isinstance(x, dict):
@@ -129,6 +143,15 @@ def fail(node: Node, error: DjinnError) -> None:
                 cell.ref = failed
 
 
+# Note [a failed write's views]: a view holds a handle of its own, on the bytes its base
+# has (``v = a.t()`` once sent). A write into ``a`` that failed poisoned ``a`` (and ``a``'s
+# base), but ``v`` still named its handle: reading it gave the bytes from before the
+# write, and every later write into ``a`` was lost in it too (``a`` was failed), with no
+# error anywhere (a fuzz of views and writes: ``torch.add(a.t(), 1, out=a)``, whose
+# overlap eager refuses at the call, then ``a.data.add_(1)``; ``v`` read the values from
+# before both). So the ``Storage`` mark a tensor shares with its views (writes.py) keeps
+# the error of a failed write into any of them, and a read of any of them raises it, as
+# a read of the tensor written raises it.
 def poison_writes(node: Node, error: DjinnError) -> None:
     """An in-place or ``out=`` op that did not run leaves its targets without the value
     the program computed: reading them must raise, never return the stale bytes."""
@@ -140,6 +163,10 @@ def poison_writes(node: Node, error: DjinnError) -> None:
     # it from now on) no longer holds what the program computed either
     for base in node.bases:
         _poison(base, node, error)
+    # and no view made of it before: Note [a failed write's views]
+    for storage in node.storages:
+        storage.failed = storage.failed or error
+    node.storages = ()
 
 
 def _poison(ref: Any, node: Node, error: DjinnError) -> None:

@@ -80,6 +80,11 @@ def fetch(t: LazyTensor) -> torch.Tensor:
     trace = current()
     ref = ref_for_node(t, trace)
     value = flush(trace, fetch=[ref])[0][0]
+    storage = t.__dict__["_b"].storage
+    if storage is not None and storage.failed is not None:
+        # a write into it, in that graph after the op that made ``ref``, failed: Note [a
+        # failed write's views] (failures.py)
+        raise trace_mod.reported(storage.failed)
     return value
 
 

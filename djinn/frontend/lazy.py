@@ -322,6 +322,8 @@ def ref_for_node(x: LazyTensor, trace: trace_mod.Trace) -> Any:
     cell = x.__dict__["_b"]
     storage = cell.storage  # a view, or viewed: a write into any of them counts
     if storage is not None:
+        if storage.failed is not None:  # Note [a failed write's views] (failures.py)
+            raise trace_mod.reported(storage.failed)
         writes.mark_read(storage, trace)  # Note [reads another thread captured]
         if storage.writer is not None:
             writes.writes_sent(storage, trace)

@@ -39,6 +39,7 @@ class Node:
         "results",
         "rng",
         "specs",
+        "storages",
         "trace",
     )
 
@@ -63,6 +64,9 @@ class Node:
         self.specs: Any = None
         # the values of the bases of the views this op writes into (Note [failed values])
         self.bases: tuple[Any, ...] = ()
+        # the ``Storage`` marks of what it writes into, shared with their views (Note
+        # [a failed write's views], failures.py)
+        self.storages: tuple[Storage, ...] = ()
 
     @property
     def name(self) -> str:
@@ -132,7 +136,7 @@ class Storage:
     Held by the cells, not the other way: a base cell kept alive by its views would count
     as a holder of its node's output (Note [bindings])."""
 
-    __slots__ = ("address", "reader", "writer", "written")
+    __slots__ = ("address", "failed", "reader", "writer", "written")
 
     def __init__(self) -> None:
         # what data_ptr() says of it on the client: a number of its own, 2**40 apart from
@@ -145,6 +149,9 @@ class Storage:
         # once anything wrote into it: a value the client kept of it no longer holds
         # (Note [values the client knows], known.py)
         self.written = False
+        # the error of a write into it that failed: every tensor sharing it raises it
+        # when read (Note [a failed write's views], failures.py)
+        self.failed: DjinnError | None = None
 
 
 class HostTensor:
@@ -198,10 +205,12 @@ def ran(sent: list[Node], keep_targets: list, kept: list[Any], failure: Any) -> 
         n.executed = True
         n.args = n.kwargs = None  # let inputs go
         n.rng = n.draw = None
-        n.bases = ()
+        n.bases = n.storages = ()
     for (n, _k, alive), remote in zip(keep_targets, kept, strict=False):
         if remote is not None:
             if KNOWN_CLONES and n in KNOWN_CLONES:
                 remote.known = KNOWN_CLONES.pop(n)
             for cell in alive:
                 cell.ref = remote
+                if cell.storage is not None:  # Note [a failed write's views] (failures.py)
+                    remote.storage = cell.storage

@@ -14,6 +14,7 @@ from .failures import (
     depends_on_failure,
     fail,
     failed_error,
+    remote_failed,
 )
 from .nodes import Node, Pending
 
@@ -69,6 +70,8 @@ def _reads_failed(node: Node) -> bool:
         for v in x if type(x) in (list, tuple) else (x,):
             if isinstance(v, Pending) and v.node.failed is not None:
                 return True
-            if isinstance(v, RemoteTensor) and v.failed is not None:
+            if isinstance(v, Pending) and v.node.executed and v.node.results:
+                v = v.node.results[v.index]
+            if isinstance(v, RemoteTensor) and remote_failed(v) is not None:
                 return True
     return False

@@ -175,6 +175,7 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     WRITES[0] += 1
     optimizer = func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
     bases: list[Any] = []
+    storages: list[Storage] = []
     for t in written_values(func, args, kwargs):
         if not isinstance(t, torch.Tensor):
             continue
@@ -189,6 +190,7 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
             readers_sent(cell.storage.reader, node.trace)
             cell.storage.writer = node
             cell.storage.written = True
+            storages.append(cell.storage)
         base = None if optimizer else t._base
         if base is not None:
             ref = base.__dict__["_b"].ref
@@ -198,6 +200,8 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
                 ref.writer = node
                 ref.known = None
     node.bases = tuple(bases)
+    if storages:
+        node.storages = tuple(storages)
 
 
 def written_roots(node: Node) -> list[Any]:

@@ -30,6 +30,7 @@ class RemoteTensor:
         "reader",
         "session",
         "shape",
+        "storage",
         "strides",
         "view",
         "writer",
@@ -59,6 +60,10 @@ class RemoteTensor:
         # a copy of its value the client keeps, and the mark of writes into the tensor and
         # its views (Note [values the client knows], frontend/known.py)
         self.known: Any = None
+        # the frontend's ``Storage`` mark its tensor shares with views of it, once bound
+        # to one: a failed write into any of them is a failure of this value too (Note
+        # [a failed write's views], frontend/failures.py)
+        self.storage: Any = None
         self._finalizer = weakref.finalize(self, session._free_later, handle)
         rec = getattr(session, "_lineage", None)
         if rec is not None:
