@@ -173,12 +173,21 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     if not written_args(func):
         return
     WRITES[0] += 1
-    optimizer = func._schema.name.startswith(("aten::_foreach_", "aten::_fused_"))
+    name = func._schema.name
+    optimizer = name.startswith(("aten::_foreach_", "aten::_fused_"))
     bases: list[Any] = []
     storages: list[Storage] = []
-    for t in written_values(func, args, kwargs):
-        if not isinstance(t, torch.Tensor):
-            continue
+    written = [t for t in written_values(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    if name.startswith("aten::_foreach_"):
+        # Note [foreach writes count]: eager's foreach kernels count their writes in the
+        # version counters themselves (the CPU loop of in-place ops, CUDA's kernels), and
+        # autograd's ADInplaceOrView does not for them. Captured as one node, a remote
+        # one counted nothing: an ``opt.step()`` between a forward and its ``backward()``
+        # (a GAN's classic slip), which eager refuses ("modified by an inplace
+        # operation"), gave gradients of the stepped weights without a word (a hunt).
+        # The fused family counts nothing in eager, so nor here.
+        torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
+    for t in written:
         cell = t.__dict__.get("_b")
         if cell is None:
             continue

@@ -88,6 +88,7 @@ def test_every_foreach_overload_matches_eager_outputs_and_mutations(remote):
         args, kwargs = built
         op = _op(schema)
         want_args, want_kwargs = _clone(args), _clone(kwargs)
+        before = _versions(want_args, want_kwargs)
         try:
             want = op(*want_args, **want_kwargs)
         except (RuntimeError, TypeError):
@@ -95,9 +96,15 @@ def test_every_foreach_overload_matches_eager_outputs_and_mutations(remote):
         names = [a.name for a in schema.arguments if not a.kwarg_only]
         rargs = [_remote(v, n) for v, n in zip(args, names, strict=True)]
         rkwargs = {k: _remote(v, k) for k, v in kwargs.items()}
+        rbefore = _versions(rargs, rkwargs)
         got = op(*rargs, **rkwargs)
         label = f"{schema.name}.{schema.overload_name}"
         tried.append(label)
+        # each write counts in its tensor's version, as eager's (Note [foreach writes
+        # count], writes.py): autograd refuses a saved tensor written since
+        assert [b - a for a, b in zip(rbefore, _versions(rargs, rkwargs), strict=True)] == [
+            b - a for a, b in zip(before, _versions(want_args, want_kwargs), strict=True)
+        ], label
         torch.testing.assert_close(_local(got), _local(want), msg=label, rtol=1e-5, atol=1e-5)
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
             mutating.append(label)
@@ -106,6 +113,30 @@ def test_every_foreach_overload_matches_eager_outputs_and_mutations(remote):
         torch.testing.assert_close(_local(rkwargs), _local(want_kwargs), msg=label)
     assert len(tried) > 150, len(tried)
     assert len(mutating) > 60, len(mutating)
+
+
+def _versions(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
+    out: list[int] = []
+    for v in [*args, *kwargs.values()]:
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(t, torch.Tensor):
+                out.append(t._version)
+    return out
+
+
+def test_an_optimizer_step_between_forward_and_backward_is_refused_as_in_eager(remote):
+    """The foreach step wrote weights the forward saved: eager's backward refuses it;
+    Djinn's gave gradients of the stepped weights without a word (a hunt)."""
+    for device in ("cpu", R):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)  # foreach by default
+        x = torch.randn(5, 3).to(device).requires_grad_()  # its gradient needs the weight
+        m(x).pow(2).sum().backward()
+        loss = m(x).pow(2).sum()
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 def test_foreach_add_in_place_on_a_remote_list(remote):
