@@ -42,6 +42,7 @@ from . import (
     model_changes,
     model_leaves,
     model_twin,
+    no_autograd,
     registered_weights,
     seeded,
     ties,
@@ -486,6 +487,10 @@ def _checked(
 def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
     binding: _RemoteBinding = module._djinn
     module._own()
+    if method == "forward" and torch.is_grad_enabled() and no_autograd.wants_grad(args, kwargs):
+        no_autograd.say_leaving(module)  # Note [no autograd on the model path]
+        _leave(module, binding)
+        return module(*args, **kwargs)
     # the analysis below runs the local module on meta values and would fill the
     # program's empty cache with them: it sees the call as sent. A call that leaves the
     # model path runs with the program's own arguments (a review: its cache stayed
@@ -541,30 +546,8 @@ def call(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Any
     # Note [a cache the program made]
     out = local_caches.bind(made, out) if made is not None else local_caches.rebound(out)
     if method == "forward" and torch.is_grad_enabled() and not binding.told_no_grad:
-        _say_no_grad(module, binding)
+        no_autograd.say_no_grad(module, binding)
     return out
-
-
-# Note [no autograd on the model path]: the model path runs a registered model for
-# inference; its outputs carry no autograd. Eager's, from an eval-mode model called with
-# gradients on and parameters that require them (fine-tuning with dropout off, a saliency
-# map), have a ``grad_fn``, and ``backward()`` here raised only PyTorch's "element 0 of
-# tensors does not require grad". Refusing such calls would refuse every inference call
-# made without ``torch.no_grad()``, so the first one warns, once per model, saying why and
-# what to do.
-def _say_no_grad(module: torch.nn.Module, binding: _RemoteBinding) -> None:
-    binding.told_no_grad = True
-    if any(p.requires_grad for p in module.parameters()):
-        warnings.warn(
-            f"{type(module).__name__} runs on the appliance's model path (it moved in eval "
-            "mode): its outputs carry no autograd, unlike eager's with gradients enabled. "
-            "Run inference under torch.no_grad() to say so; to train it or take gradients "
-            "through it, call model.train(): its next call takes its weights into the "
-            "session and runs on the graph path (Note [a registered model trains]); "
-            "model.eval() after that turns dropout off (Note [no autograd on the model "
-            "path])",
-            stacklevel=4,
-        )
 
 
 def _note_lengths(session: Any, lengths: Any) -> None:

@@ -467,6 +467,42 @@ def test_a_call_with_gradients_on_warns_once_that_outputs_carry_no_autograd():
         assert torch.equal(a.grad.cpu(), b.grad)
 
 
+def test_a_call_given_an_input_that_requires_grad_runs_with_autograd_as_eager():
+    """Note [no autograd on the model path]: a saliency map's ``inputs_embeds`` asks for
+    gradients through the model. The outputs had none, and a loss with a term of the
+    input's own got a gradient without the model's part (4e-4 off, a hunt), with only a
+    warning. Such a call leaves the model path (eval mode kept), saying so at the
+    program's line, and gives eager's gradients."""
+    import warnings
+
+    local = _gpt2()
+    model = copy.deepcopy(local).to(R)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(ids)  # on the model path until then
+    assert getattr(model, "_djinn", None) is not None
+
+    start = local.get_input_embeddings()(ids).detach()
+
+    def saliency(m, device):
+        emb = start.to(device).requires_grad_()
+        loss = m(inputs_embeds=emb).logits.pow(2).mean() + emb.pow(2).sum()
+        loss.backward()
+        return loss, emb.grad
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_grad = saliency(model, R)
+    said = [w for w in caught if "input that requires grad" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+    assert getattr(model, "_djinn", None) is None and not model.training
+    want, want_grad = saliency(local, "cpu")
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad.cpu(), want_grad, rtol=1e-5, atol=1e-5)
+    for a, b in zip(model.parameters(), local.parameters(), strict=True):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_a_registered_models_copy_state_and_parts_say_what_they_are():
     """A review: deepcopy raised "cannot pickle 'mmap.mmap' object"; state_dict() saved
     meta tensors with no word; a part called alone met "cannot mix a meta tensor". The
