@@ -56,6 +56,8 @@ def to_copy(
     exactly as ``_to_copy`` would, then uploaded once into an allocation that holds it."""
     if layout not in (None, torch.strided):
         raise UnsupportedOp(f"{layout} tensors cannot be sent to the appliance yet")
+    if ties.PENDING_HOOKS:
+        ties.move_hooks()  # Note [hooks through a swap]: the last parameter's swap is done
     adopted = _model_path(x, dtype, device)
     if adopted is not None:
         # the local meta copy keeps its ties too (Note [tied parameters]): counted apart,

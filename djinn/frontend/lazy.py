@@ -397,6 +397,8 @@ def upload(t: torch.Tensor) -> Any:
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    if ties.PENDING_HOOKS:
+        ties.move_hooks()  # Note [hooks through a swap]
     if func in uncaptured.SIZE_QUERIES:
         return uncaptured.size_query(func, args, kwargs)
     special = SPECIAL.get(func)

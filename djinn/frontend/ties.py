@@ -53,6 +53,7 @@ from __future__ import annotations
 import copyreg
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -97,6 +98,7 @@ class SeenByApply:
                 param = f_locals.get("param")
                 if swaps(param):
                     _forget(param)
+                    _hooks_to_move(param)
                     # the kernel set up a new Parameter's ties: the swap keeps them itself
                     params = f_locals["self"]._parameters
                     if isinstance(params, _StoreOnce):
@@ -109,6 +111,43 @@ class SeenByApply:
                 break
             frame = frame.f_back
         raise AttributeError(self.name)
+
+
+# Note [hooks through a swap]: a gradient hook (``p.register_hook``) and a post-accumulate
+# hook live in C++ on the tensor the parameter holds, pointing at the dict the parameter
+# keeps (``_backward_hooks``). ``_apply``'s ``swap_tensors`` gives the parameter the moved
+# tensor and keeps the dict, but the C++ hooks stayed with the CPU tensor, which the
+# parameter no longer is: a hook registered before ``model.to(remote)`` never ran (a
+# hunt: a ``g * 10`` hook left the gradient undoubled, a gradient-zeroing one left it as
+# it was, without a word). Setting the dict again registers it on the tensor held now,
+# as the move back does (``give_state``). The swap comes after the last Djinn code that
+# ``_apply`` runs for that parameter, so the parameter waits here until the next thing
+# Djinn does for the program: a captured op, the next conversion, a backward pass.
+PENDING_HOOKS: list[tuple[torch.Tensor, Any, Any]] = []
+
+
+def _hooks_to_move(param: torch.Tensor) -> None:
+    hooks, post = param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks or post:  # a strong reference: swap_tensors refuses a weakly referenced one
+        PENDING_HOOKS.append((param, hooks, post))
+
+
+def move_hooks() -> None:
+    """Register again the hooks of the parameters swapped since (Note [hooks through a
+    swap]), on the tensors they hold now; one not swapped yet (the move's own ops run
+    before its swap) waits on."""
+    with _MOVING_HOOKS:
+        waiting = []
+        for entry in PENDING_HOOKS:
+            param, hooks, post = entry
+            if _is_local(param):
+                waiting.append(entry)
+            else:
+                give_state(param, ({}, hooks, post))
+        PENDING_HOOKS[:] = waiting
+
+
+_MOVING_HOOKS = threading.Lock()
 
 
 def _not_flattened(*args: Any, **kwargs: Any) -> Any:

@@ -257,3 +257,38 @@ def test_a_move_back_keeps_the_parameters_hooks_and_attributes(remote):
     assert lin.weight is weight and weight.tag == "mine"
     lin(torch.ones(1, 3)).sum().backward()
     assert calls == [1] and torch.equal(weight.grad, torch.full((2, 3), 2.0))
+
+
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_hooks_registered_before_the_move_run_after_it_as_eagers(remote, with_grad):
+    """Note [hooks through a swap]: a gradient hook and a post-accumulate hook registered
+    before ``model.to(remote)`` stayed on the parameter's dict but never ran: the gradient
+    came back undoubled and unzeroed, silently (a hunt). Each runs once per backward, as
+    in eager, after a round trip too."""
+
+    def run(device: str) -> tuple[list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        calls: list[str] = []
+        model[0].weight.register_hook(lambda g: calls.append("w0") or g * 10)
+        model[2].bias.register_hook(lambda g: calls.append("b2") or g - 1)
+
+        def zeroed(p: torch.Tensor) -> None:
+            calls.append("post")
+            p.grad.mul_(0)
+
+        model[2].weight.register_post_accumulate_grad_hook(zeroed)
+        x = torch.randn(5, 3)
+        if with_grad:  # a gradient held while moving: _apply moves it apart
+            model(x).sum().backward()
+        model.to(device)
+        for _ in range(2):
+            model(x.to(device)).pow(2).sum().backward()
+        model.cpu().to(device)  # there and back again
+        model(x.to(device)).sum().backward()
+        return [p.grad.cpu() for p in model.parameters()], calls
+
+    (got, got_calls), (want, want_calls) = run(R), run("cpu")
+    assert got_calls == want_calls
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
