@@ -88,6 +88,14 @@ def meta_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any
         out = op(*margs, **mkwargs)
     except NotImplementedError:
         raise NoMetaKernel(op) from None
+    except ZeroDivisionError:
+        # PyTorch's Python meta kernels of these losses' backward divide by the input's
+        # numel: an empty batch, which the real kernel takes (a nan loss, an empty
+        # gradient of the input's shape), raised here (a hunt). Their outputs have the
+        # input's shape: empty, nothing to make room for.
+        if op in _EMPTY_LOSS_GRADS and any(t.numel() == 0 for t in tensors_of(args)):
+            raise NoMetaKernel(op) from None
+        raise ExecutionError(f"{op._schema.name}: division by zero in its meta kernel") from None
     except Exception as exc:  # any refusal of client-chosen arguments (linalg_eig of uint8:
         # KeyError inside PyTorch's meta kernel) is that request's typed error
         text = str(exc)
@@ -103,6 +111,13 @@ def meta_run(op: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, Any
             seen.add(st._cdata)
             total += st.nbytes()
     return total, out
+
+
+_EMPTY_LOSS_GRADS = {
+    torch.ops.aten.mse_loss_backward.default,
+    torch.ops.aten.smooth_l1_loss_backward.default,
+    torch.ops.aten.huber_loss_backward.default,
+}
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:

@@ -68,8 +68,8 @@ def _padding(op: str, a: dict[str, Any]) -> None:
     x, pad = a.get("self"), a.get("padding")
     if not isinstance(pad, list) or any(type(p) is not int for p in pad):
         raise InvalidArgument(f"{op}: padding must be a list of ints")
-    if "reflection" in op and any(p < 0 for p in pad):
-        raise InvalidArgument(f"{op}: reflection padding must be non-negative")
+    # a negative pad crops, as the kernel does (checked: every output index it reads is
+    # in the input; an output of no width it refuses itself)
     if "reflection" in op and isinstance(x, torch.Tensor):
         for k, p in enumerate(pad):
             d = x.dim() - 1 - k // 2
@@ -102,8 +102,10 @@ def _ctc(op: str, a: dict[str, Any]) -> None:
         raise InvalidArgument(f"{op}: a target is out of bounds for {classes} classes")
     if "log_alpha" not in a:
         return
-    lengths = a.get("target_lengths")
-    lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths or [])
+    lengths = a.get("target_lengths")  # 0-d for an unbatched loss (a hunt: not iterable)
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.reshape(-1).tolist()
+    lengths = [lengths] if isinstance(lengths, int) else list(lengths or [])
     batch, time = lp.shape[1], lp.shape[0]
     longest = max(lengths, default=0)
     want = {

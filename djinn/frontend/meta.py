@@ -119,6 +119,15 @@ def infer(func: Any, key: Any, build_meta_args) -> Any:
         out = func(*margs, **mkwargs)
     except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
         raise DataDependent(str(exc)) from None
+    except ZeroDivisionError as exc:
+        # PyTorch's Python meta kernels of some losses' backward (mse, smooth_l1, huber)
+        # divide by the input's numel: an empty batch, which the real kernel takes (a nan
+        # loss, an empty gradient), raised here (a hunt). Run it remotely, as an op with no
+        # meta kernel (appliance/executor/metacheck.py lets these through too).
+        given = [t for t in (*margs, *mkwargs.values()) if isinstance(t, torch.Tensor)]
+        if any(t.numel() == 0 for t in given):
+            raise DataDependent(str(exc)) from None
+        raise
     except RuntimeError as exc:
         # No meta kernel, or one that needs values (item() inside the op): run it remotely,
         # where a genuine argument error surfaces as EXECUTION_ERROR with PyTorch's text.

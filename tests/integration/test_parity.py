@@ -344,3 +344,35 @@ def test_silu_and_mish_backpropagate_with_the_kernel_local_eager_runs():
     for got, want in (once, first):
         assert torch.equal(got.cpu(), want)
     torch.testing.assert_close(second[0].cpu(), second[1], rtol=1e-6, atol=1e-5)
+
+
+def test_empty_batches_unbatched_ctc_and_cropping_reflect_pads_train_as_local_eager():
+    """Found by a module sweep, each refused or broken where eager computes: the backward
+    of ``mse_loss``, ``smooth_l1_loss`` and ``huber_loss`` on an empty batch (PyTorch's
+    meta kernels divide by its numel), an unbatched ``ctc_loss``'s backward (0-d lengths:
+    an InternalError) and a negative (cropping) ``reflect`` pad (refused by a check
+    stricter than the kernel's, which keeps every index it reads in the input)."""
+    import torch.nn.functional as F
+
+    def run(device: str) -> list[torch.Tensor]:
+        out = []
+        for loss in (F.mse_loss, F.smooth_l1_loss, F.huber_loss):
+            x = torch.randn(0, 4).to(device).requires_grad_()
+            value = loss(x, torch.randn(0, 4).to(device))
+            value.backward()
+            out += [value, x.grad]
+        lp = torch.randn(6, 4).log_softmax(-1).to(device).requires_grad_()
+        ctc = F.ctc_loss(lp, torch.tensor([1, 2, 2]).to(device), torch.tensor(6).to(device),
+                         torch.tensor(3).to(device))  # fmt: skip
+        ctc.backward()
+        out += [ctc, lp.grad]
+        for pads, shape in (((-1, 2), (1, 2, 5)), ((-2, 1, 3, -1), (1, 2, 5, 6)),
+                            ((1, -2, -1, 2, 2, -3), (1, 1, 4, 5, 6))):  # fmt: skip
+            x = torch.randn(shape).to(device).requires_grad_()
+            y = F.pad(x, pads, mode="reflect")
+            (y * torch.arange(y.numel()).reshape(y.shape).to(device)).sum().backward()
+            out += [y, x.grad]
+        return out
+
+    for got, want in _gradients_both_ways(run):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -22,6 +22,7 @@ def _t(k: int, t: torch.Tensor) -> dict:
 X = torch.randn(2, 64, 4)
 C = torch.randn(4, 4, dtype=torch.complex64)
 G, S = torch.randn(1, 4, 3), torch.randn(1, 4, 8)
+G16 = torch.randn(1, 4, 16)
 # (name, node without its handle, inline tensors, the codes that are a right answer)
 CASES = [
     ("to.prim_dtype", "aten::to.prim_dtype", ["H", None, True, True], [], "UNSUPPORTED_OP"),
@@ -42,10 +43,10 @@ CASES = [
         "INVALID_ARGUMENT",
     ),
     (
-        "reflection pad backward, negative padding",
+        "reflection pad backward, a pad as wide as the input",  # a negative pad crops
         "aten::reflection_pad1d_backward.default",
-        [_t(0, G), _t(1, S), [-3, -2]],
-        [G, S],
+        [_t(0, G16), _t(1, S), [8, 0]],
+        [G16, S],
         "INVALID_ARGUMENT",
     ),
     ("dtype as a bare enum value", "aten::_to_copy.default", ["H"], [], None),
