@@ -117,6 +117,44 @@ def checked_nodes(check: Node) -> tuple[Node, ...]:
 CHECK = torch.ops.aten._linalg_check_errors.default
 
 
+# Note [a failed value overwritten]: a value that holds an error stays failed for what reads
+# it, but an op that writes all of it without reading it (``zero_``, ``fill_``, ``copy_``)
+# gives it a value again, as eager's would after a ``try`` caught the failure. Each read
+# its target and failed too: a hook that raised in a "skip this batch" check left the
+# parameters' ``.grad`` failed, and ``zero_grad(set_to_none=False)`` kept them so, every
+# later step raising (a hunt). The target is bound to a new allocation that the op then
+# writes. A tensor it shared bytes with (its base, a view of it) holds the failure too
+# (Note [a failed write's views]) and keeps it: read, it raises, where eager's would show
+# the overwrite, but never the stale bytes.
+OVERWRITES = {
+    torch.ops.aten.zero_.default,
+    torch.ops.aten.fill_.Scalar,
+    torch.ops.aten.fill_.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten._foreach_zero_.default,
+    torch.ops.aten._foreach_copy_.default,
+}
+
+
+def heal(args: tuple, fresh: Any) -> None:
+    """``fresh(t)`` (bind it to a new allocation) for each target of an overwriting op
+    (``OVERWRITES``: ``args[0]``, or its list) that holds an error: the op replaces it
+    whole."""
+    targets = args[0] if type(args[0]) in (list, tuple) else (args[0],)
+    for t in targets:
+        cell = t.__dict__.get("_b") if isinstance(t, torch.Tensor) else None
+        if cell is None:
+            continue
+        ref = cell.ref
+        if (
+            isinstance(ref, Failed)
+            or (isinstance(ref, RemoteTensor) and remote_failed(ref) is not None)
+            or (isinstance(ref, Pending) and ref.node.failed is not None)
+            or (cell.storage is not None and cell.storage.failed is not None)
+        ):
+            fresh(t)
+
+
 def is_dependency_error(exc: DjinnError) -> bool:
     """Whether ``exc`` is the failure of one of a node's inputs (passed on as is)."""
     return getattr(exc, "_djinn_failed_value", False)

@@ -2,11 +2,10 @@
 
 One type, two states: a LazyTensor refers either to a *pending* output of a captured op
 (``trace.Pending``) or to a value held on the appliance (``RemoteTensor``); a third,
-transient state (``Uninit``) is an allocation nobody has written yet, so that
-``empty`` + ``copy_`` (how ``.to()`` moves data) uploads the bytes once and allocates
-nothing else remotely. Shapes, dtypes and strides come from ``meta`` inference; the
-client never holds a tensor's data.
-"""
+transient state (``Uninit``) is an allocation nobody has written yet, so that ``empty`` +
+``copy_`` (how ``.to()`` moves data) uploads the bytes once and allocates nothing else
+remotely. Shapes, dtypes and strides come from ``meta`` inference; the client never
+holds a tensor's data."""
 
 from __future__ import annotations
 
@@ -463,6 +462,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not trace_mod.MISSED:
             return out
     generator, args, kwargs = own_generators.taken(func, args, kwargs)
+    if func in failures.OVERWRITES:  # Note [a failed value overwritten] (failures.py)
+        failures.heal(args, lambda t: bind(t, Uninit(spec_of(t))))
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}

@@ -199,3 +199,53 @@ def test_saved_tensor_hooks_keep_the_programs_own_pair(remote):
         y.backward()
         grads.append(x.grad.cpu())
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_batch_skipped_by_a_raising_hook_then_zeroed_trains_on_as_eager(remote, foreach):
+    """Note [a failed value overwritten] (failures.py): the hook's error left the
+    gradients failed, and ``zero_grad(set_to_none=False)`` (its ``zero_``, or its
+    ``_foreach_zero_``) read them and failed too: every later step raised (a hunt)."""
+
+    def bad(_grad: torch.Tensor) -> None:
+        raise ValueError("skip this batch")
+
+    def run(device: str) -> list[torch.Tensor]:
+        model = copy.deepcopy(_mlp()).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(device)
+        model(x).sum().backward()  # gradients there before the skipped batch
+        opt.step()
+        hidden = model[1](model[0](x))
+        hidden.register_hook(bad)
+        with pytest.raises(ValueError, match="skip this batch"):
+            model[2](hidden).sum().backward()
+        opt.zero_grad(set_to_none=False)
+        for _ in range(2):
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return [p.detach().cpu() for p in model.parameters()]
+
+    for got, want in zip(run("remote_accelerator:0"), run("cpu"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_value_overwritten_whole_reads_as_eager(remote):
+    """zero_, fill_ and copy_ give a failed value (an index past the end) a value again;
+    an op that reads it still raises its error."""
+    R = "remote_accelerator:0"
+    for overwrite, want in (
+        (lambda t: t.zero_(), torch.zeros(2, 3)),
+        (lambda t: t.fill_(7.0), torch.full((2, 3), 7.0)),
+        (lambda t: t.copy_(torch.ones(3).to(R)), torch.ones(2, 3)),
+        (lambda t: torch._foreach_zero_([t]), torch.zeros(2, 3)),
+    ):
+        bad = torch.ones(4, 3).to(R)[torch.tensor([0, 9]).to(R)]  # fails on the appliance
+        with pytest.raises(DjinnError, match="out of bounds"):
+            (bad + 1).cpu()
+        overwrite(bad)
+        assert torch.equal(bad.cpu(), want)
+    bad = torch.ones(4, 3).to(R)[torch.tensor([0, 9]).to(R)]
+    with pytest.raises(DjinnError, match="out of bounds"):
+        bad.add_(1).cpu()  # reads it: still its error
