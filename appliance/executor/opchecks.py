@@ -88,8 +88,10 @@ def _padding(op: str, a: dict[str, Any]) -> None:
 
 def _ctc(op: str, a: dict[str, Any]) -> None:
     """The CTC kernels index ``log_probs`` by the targets' values, and the backward reads
-    ``log_alpha`` and ``neg_log_likelihood`` by the forward's shapes, all unchecked: a
-    target past the classes was a SIGSEGV, a short ``log_alpha`` a heap corruption."""
+    ``log_alpha`` and ``neg_log_likelihood`` by the forward's shapes, and reads one input
+    and one target length per batch element, all unchecked: a target past the classes was
+    a SIGSEGV, a short ``log_alpha`` a heap corruption, one length for a batch of three (a
+    review: 0-d lengths, an unbatched loss's) a lost worker."""
     lp, targets = a.get("log_probs"), a.get("targets")
     if not isinstance(lp, torch.Tensor) or not isinstance(targets, torch.Tensor):
         return
@@ -100,14 +102,29 @@ def _ctc(op: str, a: dict[str, Any]) -> None:
     classes = lp.shape[2]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= classes):
         raise InvalidArgument(f"{op}: a target is out of bounds for {classes} classes")
+    time, batch = lp.shape[0], lp.shape[1]
+    lengths = {}
+    for name in ("input_lengths", "target_lengths"):
+        given = a.get(name)
+        if isinstance(given, torch.Tensor):
+            given = given.reshape(-1).tolist()
+        given = [given] if isinstance(given, int) else list(given or [])
+        if len(given) != batch or any(type(n) is not int or n < 0 for n in given):
+            raise InvalidArgument(f"{op}: {name} must hold one length per batch element")
+        lengths[name] = given
+    if any(n > time for n in lengths["input_lengths"]):
+        raise InvalidArgument(f"{op}: an input length is longer than log_probs' {time} steps")
+    # targets padded (batch, longest) or concatenated: the lengths must fit in them
+    tl = lengths["target_lengths"]
+    if targets.dim() == 2:
+        fits = targets.shape[0] == batch and max(tl, default=0) <= targets.shape[1]
+    else:
+        fits = sum(tl) <= targets.numel()
+    if not fits:
+        raise InvalidArgument(f"{op}: target_lengths must fit in the targets")
     if "log_alpha" not in a:
         return
-    lengths = a.get("target_lengths")  # 0-d for an unbatched loss (a hunt: not iterable)
-    if isinstance(lengths, torch.Tensor):
-        lengths = lengths.reshape(-1).tolist()
-    lengths = [lengths] if isinstance(lengths, int) else list(lengths or [])
-    batch, time = lp.shape[1], lp.shape[0]
-    longest = max(lengths, default=0)
+    longest = max(tl, default=0)
     want = {
         "log_alpha": (batch, time, 2 * longest + 1),
         "neg_log_likelihood": (batch,),

@@ -173,6 +173,9 @@ CASES += [
 # segment_reduce reads between offsets it does not check (each found by reading kernels)
 LP, CT, Z3 = torch.randn(5, 1, 4).log_softmax(2), torch.tensor([[1, 2]]), torch.zeros(1, 1, 1)
 ONE1 = torch.ones(1)
+LP3, CT3, G3 = torch.randn(5, 3, 4).log_softmax(2), torch.tensor([[1, 2]] * 3), torch.ones(3)
+LA3 = torch.zeros(3, 5, 5)  # the forward's log_alpha: (batch, time, 2 * longest + 1)
+T5, T2 = torch.tensor(5), torch.tensor(2)
 CASES += [
     (
         "ctc loss, a target past the classes",
@@ -186,6 +189,27 @@ CASES += [
         "aten::_ctc_loss_backward.default",
         [_t(0, ONE1), _t(1, LP), _t(2, CT), [5], [2], _t(3, ONE1), _t(4, Z3), 0, False],
         [ONE1, LP, CT, ONE1, Z3],
+        "INVALID_ARGUMENT",
+    ),
+    (  # a review: the kernel reads one length per batch element, unchecked
+        "ctc loss backward, one length for a batch of 3",
+        "aten::_ctc_loss_backward.default",
+        [_t(0, G3), _t(1, LP3), _t(2, CT3), [5], [2], _t(3, G3), _t(4, LA3), 0, False],
+        [G3, LP3, CT3, G3, LA3],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "ctc loss backward, 0-d lengths for a batch of 3",
+        "aten::_ctc_loss_backward.Tensor",
+        [_t(0, G3), _t(1, LP3), _t(2, CT3), _t(5, T5), _t(6, T2), _t(3, G3), _t(4, LA3), 0, False],
+        [G3, LP3, CT3, G3, LA3, T5, T2],
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "ctc loss, an input length past log_probs' steps",
+        "aten::_ctc_loss.default",
+        [_t(0, LP3), _t(1, CT3), [5, 5, 9], [2, 2, 2], 0, False],
+        [LP3, CT3],
         "INVALID_ARGUMENT",
     ),
     (
