@@ -124,12 +124,18 @@ class SeenByApply:
 # ``_apply`` runs for that parameter, so the parameter waits here until the next thing
 # Djinn does for the program: a captured op, the next conversion, a backward pass.
 PENDING_HOOKS: list[tuple[torch.Tensor, Any, Any]] = []
+_MOVING_HOOKS = threading.Lock()
 
 
 def _hooks_to_move(param: torch.Tensor) -> None:
     hooks, post = param._backward_hooks, getattr(param, "_post_accumulate_grad_hooks", None)
-    if hooks or post:  # a strong reference: swap_tensors refuses a weakly referenced one
-        PENDING_HOOKS.append((param, hooks, post))
+    if not hooks and not post:
+        return
+    with _MOVING_HOOKS:  # asked twice per swap (both protocol attributes): kept once
+        if not any(p is param for p, _, _ in PENDING_HOOKS):
+            # a strong reference (swap_tensors refuses a weakly referenced tensor), held
+            # until Djinn's next op or conversion
+            PENDING_HOOKS.append((param, hooks, post))
 
 
 def move_hooks() -> None:
@@ -145,9 +151,6 @@ def move_hooks() -> None:
             else:
                 give_state(param, ({}, hooks, post))
         PENDING_HOOKS[:] = waiting
-
-
-_MOVING_HOOKS = threading.Lock()
 
 
 def _not_flattened(*args: Any, **kwargs: Any) -> Any:
@@ -263,6 +266,11 @@ class _OneStore(_StoreOnce):
             return self.tied
         if isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
             _record(self.src, value, self.version)
+            # a new Parameter object (the swap could not be made): it takes what the
+            # program put on the old one, its hooks too (a review: a hook registered
+            # before the move never ran, silently; Note [hooks through a swap])
+            if value is not self.src:
+                give_state(value, own_state(self.src))
         return value
 
 
