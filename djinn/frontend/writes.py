@@ -161,6 +161,13 @@ _MAKING = threading.Lock()
 WRITES = [0]
 
 
+INFERENCE_WRITE = (  # eager's words
+    "Inplace update to inference tensor outside InferenceMode is not allowed.You can make a "
+    "clone to get a normal tensor before doing inplace update.See "
+    "https://github.com/pytorch/rfcs/pull/17 for more details."
+)
+
+
 def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
     """What captured ``node`` (``func``) writes into, in one walk of its written values:
     ``node.bases``, the values of the bases of the views it writes into, as they are now
@@ -185,8 +192,13 @@ def record_writes(node: Node, func: Any, args: tuple, kwargs: dict) -> None:
         # one counted nothing: an ``opt.step()`` between a forward and its ``backward()``
         # (a GAN's classic slip), which eager refuses ("modified by an inplace
         # operation"), gave gradients of the stepped weights without a word (a hunt).
-        # The fused family counts nothing in eager, so nor here.
-        torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
+        # The fused family counts nothing in eager, so nor here. An inference tensor has
+        # no counter: written outside inference mode, eager refuses it (a review: the
+        # foreach op took it), here before the op is recorded, so that nothing is written.
+        counted = [t for t in written if not t.is_inference()]
+        if len(counted) < len(written) and not torch.is_inference_mode_enabled():
+            raise RuntimeError(INFERENCE_WRITE)
+        torch.autograd.graph.increment_version(counted)
     for t in written:
         cell = t.__dict__.get("_b")
         if cell is None:

@@ -139,6 +139,22 @@ def test_an_optimizer_step_between_forward_and_backward_is_refused_as_in_eager(r
             loss.backward()
 
 
+def test_a_foreach_write_into_inference_tensors_is_refused_outside_inference_mode(remote):
+    """Eager refuses it (a review: the foreach op took it), here before anything is
+    written (eager's CPU loop has written the first tensor when the second refuses);
+    inside the mode it runs."""
+    for device in ("cpu", R):
+        with torch.inference_mode():
+            xs = [torch.ones(3, device=device), torch.ones(2, device=device)]
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            torch._foreach_add_(xs, 1.0)
+        if device == R:
+            assert [x.sum().item() for x in xs] == [3.0, 2.0]
+            with torch.inference_mode():
+                torch._foreach_add_(xs, 1.0)
+            assert [x.sum().item() for x in xs] == [6.0, 4.0]
+
+
 def test_foreach_add_in_place_on_a_remote_list(remote):
     a = [torch.ones(3, device=R)]
     torch._foreach_add_(a, 1.0)
