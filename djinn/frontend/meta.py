@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from djinn.errors import UnsupportedOp
+from djinn.errors import ExecutionError, UnsupportedOp
 from djinn.protocol import norm_stats
 
 META = torch.device("meta")
@@ -127,7 +127,9 @@ def infer(func: Any, key: Any, build_meta_args) -> Any:
         given = [t for t in (*margs, *mkwargs.values()) if isinstance(t, torch.Tensor)]
         if any(t.numel() == 0 for t in given):
             raise DataDependent(str(exc)) from None
-        raise
+        # arguments eager's kernel refuses (``pixel_shuffle(x, 0)``), typed as a runtime
+        # error as eager's refusal is (a review: a bare ZeroDivisionError)
+        raise ExecutionError(f"{func._schema.name}: its arguments divide by zero ({exc})") from None
     except RuntimeError as exc:
         # No meta kernel, or one that needs values (item() inside the op): run it remotely,
         # where a genuine argument error surfaces as EXECUTION_ERROR with PyTorch's text.

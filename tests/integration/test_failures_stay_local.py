@@ -559,3 +559,14 @@ def test_a_failure_reaching_a_local_leafs_gradient_is_raised_by_backward(remote)
     (z.to(R) * 2).sum().backward()
     assert torch.equal(z.grad, torch.full((3,), 2.0))
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
+
+
+def test_arguments_a_meta_kernel_divides_by_zero_are_refused_as_eagers_runtime_error(remote):
+    """``pixel_shuffle(x, 0)``: PyTorch's Python meta kernel raised a bare
+    ZeroDivisionError (a review); eager's kernel raises a RuntimeError."""
+    for shuffle in (torch.pixel_shuffle, torch.pixel_unshuffle):
+        with pytest.raises(RuntimeError):
+            shuffle(torch.ones(1, 4, 2, 2), 0)
+        with pytest.raises(DjinnError, match="divide by zero") as err:
+            shuffle(torch.ones(1, 4, 2, 2, device=R), 0)
+        assert isinstance(err.value, RuntimeError)
