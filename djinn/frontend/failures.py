@@ -11,7 +11,7 @@ import torch
 from djinn.errors import DjinnError, ExecutionError, copy_of
 from djinn.runtime.remote import RemoteTensor
 
-from .nodes import Node, Pending
+from .nodes import Binding, Node, Pending, Uninit
 
 
 class Failed:
@@ -136,11 +136,11 @@ OVERWRITES = {
 }
 
 
-def heal(args: tuple, fresh: Any) -> None:
-    """``fresh(t)`` (bind it to a new allocation) for each target of an overwriting op
-    (``OVERWRITES``: ``args[0]``, or its list) that holds an error: the op replaces it
-    whole."""
+def failed_targets(args: tuple) -> list[Any]:
+    """The targets of an overwriting op (``OVERWRITES``: ``args[0]``, or its list) that
+    hold an error."""
     targets = args[0] if type(args[0]) in (list, tuple) else (args[0],)
+    out = []
     for t in targets:
         cell = t.__dict__.get("_b") if isinstance(t, torch.Tensor) else None
         if cell is None:
@@ -152,7 +152,25 @@ def heal(args: tuple, fresh: Any) -> None:
             or (isinstance(ref, Pending) and ref.node.failed is not None)
             or (cell.storage is not None and cell.storage.failed is not None)
         ):
-            fresh(t)
+            out.append(t)
+    return out
+
+
+def healed(args: tuple, run: Any) -> Any:
+    """``run()``, the capture of an overwriting op, with each failed target bound to a new
+    allocation first; if the capture raises (a source that failed too, a shape eager
+    refuses), each keeps its failure, never the new allocation's bytes."""
+    from .meta import spec_of
+
+    old = [(t, t.__dict__["_b"]) for t in failed_targets(args)]
+    for t, _ in old:
+        t.__dict__["_b"] = Binding(Uninit(spec_of(t)))
+    try:
+        return run()
+    except BaseException:
+        for t, cell in old:
+            t.__dict__["_b"] = cell
+        raise
 
 
 def is_dependency_error(exc: DjinnError) -> bool:

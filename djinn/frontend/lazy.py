@@ -42,6 +42,7 @@ from .device import DEVICE_TYPE
 from .failures import written_args, written_values
 from .immediate import _run_now, fetch, run_locally
 from .meta import META, TensorSpec, spec_of
+from .nodes import Uninit
 from .trace import Node, Pending, bind, current, flush
 
 _REMOTE: list[torch.device] = []  # torch.device(DEVICE_TYPE, 0), once the backend has a name
@@ -56,15 +57,6 @@ def _remote() -> torch.device:
 SMALL_UPLOAD = 64 << 10  # CPU tensors up to this size are copied into the trace inline
 SMALL_KEY = 64  # CPU tensors up to this many elements key the meta cache by value
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # the C++ getter and setter of .data
-
-
-class Uninit:
-    """An allocation (``empty``) not yet used: materialised only if something reads it."""
-
-    __slots__ = ("spec",)
-
-    def __init__(self, spec: TensorSpec) -> None:
-        self.spec = spec
 
 
 class LazyTensor(torch.Tensor):
@@ -462,8 +454,8 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not trace_mod.MISSED:
             return out
     generator, args, kwargs = own_generators.taken(func, args, kwargs)
-    if func in failures.OVERWRITES:  # Note [a failed value overwritten] (failures.py)
-        failures.heal(args, lambda t: bind(t, Uninit(spec_of(t))))
+    if func in failures.OVERWRITES and failures.failed_targets(args):
+        return failures.healed(args, lambda: capture(func, args, kwargs))  # Note [a failed ...
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}

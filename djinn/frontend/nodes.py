@@ -103,6 +103,15 @@ class Pending:
         self.index = index
 
 
+class Uninit:
+    """An allocation (``empty``) not yet used: materialised only if something reads it."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec  # a meta.TensorSpec
+
+
 class Binding:
     """What one LazyTensor stands for (its ``_ref``), in a cell of its own.
 

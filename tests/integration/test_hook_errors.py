@@ -249,3 +249,7 @@ def test_a_failed_value_overwritten_whole_reads_as_eager(remote):
     bad = torch.ones(4, 3).to(R)[torch.tensor([0, 9]).to(R)]
     with pytest.raises(DjinnError, match="out of bounds"):
         bad.add_(1).cpu()  # reads it: still its error
+    with pytest.raises(RuntimeError, match="must match"):
+        bad.copy_(torch.ones(5).to(R))  # refused at the call: it keeps its failure
+    with pytest.raises(DjinnError, match="out of bounds"):
+        bad.cpu()
