@@ -172,6 +172,9 @@ class LazyTensor(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> LazyTensor:
         return tensor_copy.deep_copy(self, memo)
 
+    def __copy__(self) -> LazyTensor:
+        return tensor_copy.shallow_copy(self)
+
     # Note [errors in hooks during backward] (hook_errors.py): Python autograd calls on
     # its device thread must not raise there, and ``backward()`` raises what it did
     def register_hook(self, hook: Any) -> Any:

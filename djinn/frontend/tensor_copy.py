@@ -13,6 +13,19 @@ from . import shared_copies
 WEIGHT_SOURCE = "_djinn_weight"
 
 
+def shallow_copy(t: torch.Tensor) -> torch.Tensor:
+    """``copy.copy(t)``: as eager's, a new leaf on the same bytes, with ``t``'s
+    ``requires_grad`` and attributes. It went through ``__reduce_ex__``, which fetches the
+    bytes (for ``torch.save``), and came back a copy of its own: a write through it never
+    reached ``t`` (a hunt)."""
+    with torch.no_grad():
+        new = t.detach()
+    new.requires_grad_(t.requires_grad)
+    for key, value in program_attributes(t).items():
+        setattr(new, key, value)
+    return new
+
+
 def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
     """A copy made on the appliance (a captured ``clone``), as a CUDA tensor's is made on
     its GPU: ``copy.deepcopy(model)`` of a moved model (a best checkpoint, an EMA copy)

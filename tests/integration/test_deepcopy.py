@@ -53,3 +53,28 @@ def test_a_tensor_whose_sizes_python_answers_copies(remote):
     x = torch.arange(4.0, device=R)
     x.grad = torch.ones(4, device=R)
     assert torch.equal(copy.deepcopy(x).grad.cpu(), torch.ones(4))  # a tensor's grad goes along
+
+
+def test_a_shallow_copy_shares_its_tensors_bytes_as_eagers(remote):
+    """``copy.copy`` went through ``__reduce_ex__``, which fetches the bytes: the copy had
+    its own, and a write through it never reached the tensor (a hunt)."""
+    import copy
+
+    def run(device: str) -> list[torch.Tensor]:
+        x = torch.arange(6.0).to(device).requires_grad_()
+        x.tag = "mine"
+        weight = torch.nn.Linear(3, 2).to(device).weight
+        view = torch.arange(6.0).reshape(2, 3).to(device)[1]
+        copies = [copy.copy(t) for t in (x, weight, view)]
+        assert copies[0].tag == "mine" and copies[0].requires_grad and copies[0].is_leaf
+        assert isinstance(copies[1], torch.nn.Parameter)
+        with torch.no_grad():
+            for c in copies:
+                c.mul_(2).add_(1)
+        return [x, weight, view]
+
+    torch.manual_seed(0)
+    want = run("cpu")
+    torch.manual_seed(0)
+    for got, w in zip(run(R), want, strict=True):
+        assert torch.equal(got.detach().cpu(), w.detach())
