@@ -26,6 +26,7 @@ from . import (
     hooks,
     immediate,
     inference_views,
+    local_targets,
     own_generators,
     seeded,
     serialization,
@@ -39,7 +40,7 @@ from . import (
 from . import meta as meta_mod
 from . import trace as trace_mod
 from .device import DEVICE_TYPE
-from .failures import written_args, written_values
+from .failures import written_args
 from .immediate import _run_now, fetch, run_locally
 from .meta import META, TensorSpec, spec_of
 from .nodes import Uninit
@@ -410,23 +411,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     own_body = custom_ops.body(func)  # raises for an op the appliance cannot run
     if own_body is not None:  # Note [custom ops]
         return own_body(*args, **kwargs)
-    if written_args(func):
-        _refuse_local_targets(func, args, kwargs)
+    if written_args(func) and (done := local_targets.run(func, args, kwargs)) is not None:
+        return done
     return capture(func, args, kwargs)
-
-
-def _refuse_local_targets(func: Any, args: tuple, kwargs: dict) -> None:
-    """An op writing into a local tensor with a remote operand (``cpu.add_(remote)``, an
-    optimizer state left on the CPU while its parameters moved) raises, in eager's words,
-    as on CUDA: captured, it wrote into a remote copy, and the local tensor silently kept
-    its old value. (A local target taking a remote value whole, ``copy_``, is a special
-    op: the value is fetched.)"""
-    for target in written_values(func, args, kwargs):
-        if not isinstance(target, LazyTensor) and isinstance(target, torch.Tensor):
-            raise RuntimeError(
-                "Expected all tensors to be on the same device, but found at least two "
-                f"devices, {_remote()} and {target.device}!"
-            )
 
 
 def streamed(trace: trace_mod.Trace, func: Any = None, args: tuple = ()) -> trace_mod.Trace:

@@ -376,3 +376,17 @@ def test_empty_batches_unbatched_ctc_and_cropping_reflect_pads_train_as_local_ea
 
     for got, want in _gradients_both_ways(run):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_a_local_tensor_filled_from_a_remote_scalar_takes_its_value_as_from_cuda(remote):
+    """Eager's ``fill_`` and ``masked_fill_`` take a 0-d value on another device by its
+    ``item()``, so ``cpu.fill_(loss)`` works beside CUDA; it was refused (a hunt). A
+    remote operand of another kind is still refused, as on CUDA."""
+    value = torch.tensor([2.5, 1.0]).to(R).sum()
+    assert torch.zeros(3).fill_(value).tolist() == [3.5, 3.5, 3.5]
+    mask = torch.tensor([True, False, True])
+    assert torch.zeros(3).masked_fill_(mask, value).tolist() == [3.5, 0.0, 3.5]
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.zeros(3).add_(torch.ones(3).to(R))
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.zeros(3).masked_fill_(mask.to(R), value)
