@@ -147,7 +147,7 @@ class LazyTensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:
             return format(self.item(), spec)
-        return format(repr(self), spec)
+        return object.__format__(self, spec)  # eager's: str(self), or a TypeError for a spec
 
     # Indexing with Python lists makes PyTorch build an index tensor on *this* tensor's
     # device through a path that asserts for Python backends: build it on the CPU instead

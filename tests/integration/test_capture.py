@@ -47,6 +47,7 @@ def test_nothing_executes_until_a_value_is_read():
         lambda t: bool(t.sum() > -1e9),
         lambda t: repr(t),
         lambda t: f"{t.sum():.3f}",
+        lambda t: f"{t[0]}",
         lambda t: float(t.sum()),
         lambda t: torch.nonzero(t > 0),
         lambda t: t[t > 0],
@@ -62,6 +63,7 @@ def test_nothing_executes_until_a_value_is_read():
         "bool",
         "repr",
         "format",
+        "format_1d",
         "float",
         "nonzero",
         "masked_select",
@@ -84,6 +86,13 @@ def test_every_materialisation_trigger_matches_eager(read):
         assert (got == want).all()
     else:
         assert got == want
+
+
+def test_a_format_spec_for_a_tensor_of_one_dimension_is_eagers_type_error():
+    """A hunt: Djinn formatted its repr with the spec (a ValueError)."""
+    for t in (torch.tensor([5.5]), torch.tensor([5.5]).to(R)):
+        with pytest.raises(TypeError, match="unsupported format string"):
+            f"{t:.2f}"
 
 
 def test_repr_says_what_eager_says_of_an_accelerators_tensor():
