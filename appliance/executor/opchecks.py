@@ -102,6 +102,13 @@ def _ctc(op: str, a: dict[str, Any]) -> None:
     classes = lp.shape[2]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= classes):
         raise InvalidArgument(f"{op}: a target is out of bounds for {classes} classes")
+    # the backward indexes log_probs by blank, and reads any targets that are not 1-d by
+    # their first two strides, unchecked (a review: both lost the worker)
+    blank = a.get("blank", 0)
+    if type(blank) is not int or not 0 <= blank < classes:
+        raise InvalidArgument(f"{op}: blank must be a class, below {classes}")
+    if targets.dim() not in (1, 2):
+        raise InvalidArgument(f"{op}: targets must be 1-d (concatenated) or 2-d (padded)")
     time, batch = lp.shape[0], lp.shape[1]
     lengths = {}
     for name in ("input_lengths", "target_lengths"):

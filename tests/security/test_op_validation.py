@@ -176,6 +176,7 @@ ONE1 = torch.ones(1)
 LP3, CT3, G3 = torch.randn(5, 3, 4).log_softmax(2), torch.tensor([[1, 2]] * 3), torch.ones(3)
 LA3 = torch.zeros(3, 5, 5)  # the forward's log_alpha: (batch, time, 2 * longest + 1)
 T5, T2 = torch.tensor(5), torch.tensor(2)
+TG3D, LA3D = torch.ones(3, 1, 1000, dtype=torch.long), torch.zeros(3, 5, 2001)
 CASES += [
     (
         "ctc loss, a target past the classes",
@@ -203,6 +204,20 @@ CASES += [
         "aten::_ctc_loss_backward.Tensor",
         [_t(0, G3), _t(1, LP3), _t(2, CT3), _t(5, T5), _t(6, T2), _t(3, G3), _t(4, LA3), 0, False],
         [G3, LP3, CT3, G3, LA3, T5, T2],
+        "INVALID_ARGUMENT",
+    ),
+    (  # a review: the backward indexes log_probs by blank, unchecked
+        "ctc loss backward, blank past the classes",
+        "aten::_ctc_loss_backward.default",
+        [_t(0, G3), _t(1, LP3), _t(2, CT3), [5] * 3, [2] * 3, _t(3, G3), _t(4, LA3), 10**8, False],
+        [G3, LP3, CT3, G3, LA3],
+        "INVALID_ARGUMENT",
+    ),
+    (  # a review: targets that are not 1-d are read by their first two strides
+        "ctc loss backward, 3-d targets",
+        "aten::_ctc_loss_backward.default",
+        [_t(0, G3), _t(1, LP3), _t(2, TG3D), [5] * 3, [1000] * 3, _t(3, G3), _t(4, LA3D), 0, False],
+        [G3, LP3, TG3D, G3, LA3D],
         "INVALID_ARGUMENT",
     ),
     (
