@@ -123,9 +123,10 @@ CHECK = torch.ops.aten._linalg_check_errors.default
 # its target and failed too: a hook that raised in a "skip this batch" check left the
 # parameters' ``.grad`` failed, and ``zero_grad(set_to_none=False)`` kept them so, every
 # later step raising (a hunt). The target is bound to a new allocation that the op then
-# writes. A tensor it shared bytes with (its base, a view of it) holds the failure too
-# (Note [a failed write's views]) and keeps it: read, it raises, where eager's would show
-# the overwrite, but never the stale bytes.
+# writes. Not a target that shares its bytes with another tensor (a view taken of it, or
+# it of another: their ``Storage`` mark): healed apart, each would get bytes of its own,
+# and a later write into one would miss the other (a review: a base and its view, healed
+# in turn, drifted apart without an error). Those stay failed: read, they raise.
 OVERWRITES = {
     torch.ops.aten.zero_.default,
     torch.ops.aten.fill_.Scalar,
@@ -143,14 +144,13 @@ def failed_targets(args: tuple) -> list[Any]:
     out = []
     for t in targets:
         cell = t.__dict__.get("_b") if isinstance(t, torch.Tensor) else None
-        if cell is None:
-            continue
+        if cell is None or cell.storage is not None:
+            continue  # it shares its bytes: healed apart, it and the others would drift
         ref = cell.ref
         if (
             isinstance(ref, Failed)
             or (isinstance(ref, RemoteTensor) and remote_failed(ref) is not None)
             or (isinstance(ref, Pending) and ref.node.failed is not None)
-            or (cell.storage is not None and cell.storage.failed is not None)
         ):
             out.append(t)
     return out

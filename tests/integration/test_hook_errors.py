@@ -253,3 +253,11 @@ def test_a_failed_value_overwritten_whole_reads_as_eager(remote):
         bad.copy_(torch.ones(5).to(R))  # refused at the call: it keeps its failure
     with pytest.raises(DjinnError, match="out of bounds"):
         bad.cpu()
+    # a failed value that shares its bytes stays failed: healed apart from its view, a
+    # later write into one would miss the other (a review)
+    bad = torch.ones(4, 3).to(R)[torch.tensor([0, 9]).to(R)]
+    view = bad[0]
+    with pytest.raises(DjinnError, match="out of bounds"):
+        bad.zero_().cpu()
+    with pytest.raises(DjinnError, match="out of bounds"):
+        view.fill_(5).cpu()
