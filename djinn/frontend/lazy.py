@@ -203,6 +203,9 @@ class LazyTensor(torch.Tensor):
         return rebuild, (data, self.dtype, serialization.saved_device(self), self.requires_grad)
 
 
+local_targets.REMOTE_CLASSES = (LazyTensor,)
+
+
 def _local_index(index: Any) -> Any:
     if isinstance(index, list):
         return torch.tensor(index, device="cpu")

@@ -16,6 +16,9 @@ _FILLS = {
 }
 
 
+REMOTE_CLASSES: tuple[type, ...] = ()  # LazyTensor, set by lazy.py (which imports this)
+
+
 def _remote(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE
 
@@ -28,7 +31,9 @@ def run(func: Any, args: tuple, kwargs: dict) -> Any:
     op: the value is fetched.) A fill from a remote 0-d value runs here with its value,
     as CUDA's does (a hunt: refused). None: no local target, for the op to be captured."""
     for target in written_values(func, args, kwargs):
-        if isinstance(target, torch.Tensor) and not _remote(target):
+        # a remote target (nearly always) is known by its class: .device costs ~0.8 µs,
+        # 300 of them per foreach step (a review)
+        if not isinstance(target, REMOTE_CLASSES) and isinstance(target, torch.Tensor):
             at, scalar_op = _FILLS.get(func, (None, None))
             value = args[at] if at is not None and len(args) > at else None
             rest = [a for i, a in enumerate(args) if i != at]
