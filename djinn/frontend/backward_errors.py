@@ -19,7 +19,10 @@ failure. Autograd's own use of it on the local side (accumulating it into ``x.gr
 raises it from ``backward()`` there, on the program's thread, where an exception leaves
 as any backward error does; a gradient autograd only stores raises at its first read.
 Raised, it is the failure reported on that thread (``trace.reported``): a failed check
-kept for the thread's next flush is not raised a second time.
+kept for the thread's next flush is not raised a second time. Two branches' gradients for
+one local tensor are summed by the engine outside any node, where an exception aborted
+the process (a review): a sum with a ``FailedHere`` is one, and the accumulation into the
+tensor's ``.grad`` raises it.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ def _local_target(func: Any, kwargs: dict) -> torch.device | None:
     return None if device.type == DEVICE_TYPE else device
 
 
+_SUM, _SUM_INTO = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+
+
 class FailedHere(torch.Tensor):
     """A local tensor standing for a gradient whose remote computation failed (Note
     [failed gradients of local tensors]): every op on it raises the failure."""
@@ -115,7 +121,20 @@ class FailedHere(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-        raise reported(next(a for a in flat if isinstance(a, FailedHere))._djinn_error)
+        failed = next(a for a in flat if isinstance(a, FailedHere))
+        if torch._C._current_graph_task_id() != -1 and (
+            func is _SUM or (func is _SUM_INTO and isinstance(args[0], FailedHere))
+        ):
+            # the engine summing two branches' gradients for one local tensor: raising
+            # there aborted the process (a review); the sum holds the failure. Not a
+            # local gradient summed into (``x.grad += g`` accumulating): that raises, and
+            # backward() raises it
+            return (
+                args[0]
+                if func is _SUM_INTO
+                else FailedHere.like(failed, failed.device, failed._djinn_error)
+            )
+        raise reported(failed._djinn_error)
 
     def __repr__(self) -> str:  # printing x.grad is reading it
         raise reported(self._djinn_error)

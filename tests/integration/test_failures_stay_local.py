@@ -559,6 +559,14 @@ def test_a_failure_reaching_a_local_leafs_gradient_is_raised_by_backward(remote)
     (z.to(R) * 2).sum().backward()
     assert torch.equal(z.grad, torch.full((3,), 2.0))
     assert (torch.ones(2, device=R) + 1).cpu().tolist() == [2.0, 2.0]
+    # two branches to the CPU leaf: the engine sums their failed gradients, and raising
+    # there aborted the process (a review: "terminate called without an active exception")
+    w = torch.full((2, 3), 2.0, requires_grad=True)
+    c = w.to(R) * 1.5
+    c.index_fill_(0, torch.tensor([0, 9]).to(R), 0.0)
+    with pytest.raises(DjinnError, match="out of bounds"):
+        ((c + w.to(R) * 3) ** 2).sum().backward()
+    assert w.grad is None
 
 
 def test_arguments_a_meta_kernel_divides_by_zero_are_refused_as_eagers_runtime_error(remote):
