@@ -13,6 +13,7 @@ from .failures import written_values
 _FILLS = {
     torch.ops.aten.fill_.Tensor: (1, torch.ops.aten.fill_.Scalar),
     torch.ops.aten.masked_fill_.Tensor: (2, torch.ops.aten.masked_fill_.Scalar),
+    torch.ops.aten.index_fill_.int_Tensor: (3, torch.ops.aten.index_fill_.int_Scalar),
 }
 
 

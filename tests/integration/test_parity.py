@@ -386,6 +386,7 @@ def test_a_local_tensor_filled_from_a_remote_scalar_takes_its_value_as_from_cuda
     assert torch.zeros(3).fill_(value).tolist() == [3.5, 3.5, 3.5]
     mask = torch.tensor([True, False, True])
     assert torch.zeros(3).masked_fill_(mask, value).tolist() == [3.5, 0.0, 3.5]
+    assert torch.zeros(3).index_fill_(0, torch.tensor([1]), value).tolist() == [0.0, 3.5, 0.0]
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.zeros(3).add_(torch.ones(3).to(R))
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
