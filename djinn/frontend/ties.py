@@ -121,8 +121,9 @@ class SeenByApply:
 # hunt: a ``g * 10`` hook left the gradient undoubled, a gradient-zeroing one left it as
 # it was, without a word). Setting the dict again registers it on the tensor held now,
 # as the move back does (``give_state``). The swap comes after the last Djinn code that
-# ``_apply`` runs for that parameter, so the parameter waits here until the next thing
-# Djinn does for the program: a captured op, the next conversion, a backward pass.
+# ``_apply`` runs for that parameter, so the parameter waits here until Djinn's next
+# captured op or conversion (a forward's ops come before any backward). One whose swap
+# raised (``_apply`` says it "Couldn't swap") stays local, and waits on.
 PENDING_HOOKS: list[tuple[torch.Tensor, Any, Any]] = []
 _MOVING_HOOKS = threading.Lock()
 
