@@ -447,8 +447,9 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not trace_mod.MISSED:
             return out
     generator, args, kwargs = own_generators.taken(func, args, kwargs)
+    # Note [a failed value overwritten] (failures.py)
     if func in failures.OVERWRITES and failures.failed_targets(args):
-        return failures.healed(args, lambda: capture(func, args, kwargs))  # Note [a failed ...
+        return failures.healed(args, lambda: capture(func, args, kwargs))
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
