@@ -53,11 +53,18 @@ def test_a_training_loop_sent_ahead_ends_with_eagers_parameters(remote, behind):
     step = djinn.replayable(_step_of(model, opt))
     eager = _step_of(local, local_opt)
     losses = []
+    channel = default_session().channel
+    beats = channel.sent_by_kind[Kind.HEARTBEAT]
     for x, y in batches:
         losses.append((step(x.to(remote), y.to(remote)), eager(x, y)))
     # two calls record, and the first step's momentum buffers change what the next reads
     assert step.stats()["replays"] == 5
-    assert sum(behind) == 4  # every replay after the first went behind the one before
+    # every replay after the first went behind the one before, but where a heartbeat
+    # landed the one before first (Note [a beat after a flight]: a loaded host, a CI
+    # rehearsal's 2 of 4, my reading: it stalled half a second between steps); each
+    # lands at most one
+    beats = channel.sent_by_kind[Kind.HEARTBEAT] - beats
+    assert sum(behind) >= max(4 - beats, 1), (behind, beats)
     for got, want in losses:
         assert torch.equal(got.cpu(), want)
     for p, q in zip(model.parameters(), local.parameters(), strict=True):
