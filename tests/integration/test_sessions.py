@@ -161,7 +161,10 @@ def test_closing_a_session_frees_its_handles_and_slabs(appliance):
         keep = [s.put(torch.randn(1024, 1024)) for _ in range(3)]
         wait_for(lambda: used()[0] >= before[0] + 3 * (4 << 20))
         s.close()
-        wait_for(lambda: used() == before)
+        # back to where it was, or below: the appliance is the file's, and an earlier
+        # test's session may let memory go meanwhile (a CI rehearsal on a loaded host
+        # never saw it equal again in 10 s)
+        wait_for(lambda: all(now <= then for now, then in zip(used(), before, strict=True)))
     del keep
 
 
