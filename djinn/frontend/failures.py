@@ -78,29 +78,28 @@ def remote_failed(x: RemoteTensor) -> DjinnError | None:
     return storage.failed if storage is not None else None
 
 
-def depends_on_failure(node: Node) -> bool:
-    def failed(x: Any) -> bool:
-        if isinstance(x, Pending):
-            if x.node.failed is not None:
-                return True
-            results = x.node.results if x.node.executed else None
-            if not results:
-                return False
-            done = results[x.index]
-            return isinstance(done, Failed) or (
-                isinstance(done, RemoteTensor) and remote_failed(done) is not None
-            )
-        if isinstance(x, Failed):
+def holds_failure(x: Any) -> bool:
+    """Whether ``x`` (a value's ref, or lists and dicts of them) holds an error: a failed
+    node's output, a ``Failed``, or a handle that failed or shares bytes with a failed
+    write (Note [a failed write's views])."""
+    if isinstance(x, Pending):
+        if x.node.failed is not None:
             return True
-        if isinstance(x, RemoteTensor):
-            return remote_failed(x) is not None
-        if isinstance(x, (list, tuple)):
-            return any(failed(v) for v in x)
-        if isinstance(x, dict):
-            return any(failed(v) for v in x.values())
-        return False
+        results = x.node.results if x.node.executed else None
+        return bool(results) and holds_failure(results[x.index])
+    if isinstance(x, Failed):
+        return True
+    if isinstance(x, RemoteTensor):
+        return remote_failed(x) is not None
+    if isinstance(x, (list, tuple)):
+        return any(holds_failure(v) for v in x)
+    if isinstance(x, dict):
+        return any(holds_failure(v) for v in x.values())
+    return False
 
-    return failed(node.args) or failed(node.kwargs)
+
+def depends_on_failure(node: Node) -> bool:
+    return holds_failure(node.args) or holds_failure(node.kwargs)
 
 
 def checked_nodes(check: Node) -> tuple[Node, ...]:
@@ -146,12 +145,7 @@ def failed_targets(args: tuple) -> list[Any]:
         cell = t.__dict__.get("_b") if isinstance(t, torch.Tensor) else None
         if cell is None or cell.storage is not None:
             continue  # it shares its bytes: healed apart, it and the others would drift
-        ref = cell.ref
-        if (
-            isinstance(ref, Failed)
-            or (isinstance(ref, RemoteTensor) and remote_failed(ref) is not None)
-            or (isinstance(ref, Pending) and ref.node.failed is not None)
-        ):
+        if holds_failure(cell.ref):
             out.append(t)
     return out
 

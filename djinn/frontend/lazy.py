@@ -397,6 +397,9 @@ def upload(t: torch.Tensor) -> Any:
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if ties.PENDING_HOOKS:
         ties.move_hooks()  # Note [hooks through a swap]
+    # Note [a failed value overwritten] (failures.py); copy_ is a special op
+    if func in failures.OVERWRITES and failures.failed_targets(args):
+        return failures.healed(args, lambda: dispatch(func, args, kwargs))
     if func in uncaptured.SIZE_QUERIES:
         return uncaptured.size_query(func, args, kwargs)
     special = SPECIAL.get(func)
@@ -447,9 +450,6 @@ def capture(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not trace_mod.MISSED:
             return out
     generator, args, kwargs = own_generators.taken(func, args, kwargs)
-    # Note [a failed value overwritten] (failures.py)
-    if func in failures.OVERWRITES and failures.failed_targets(args):
-        return failures.healed(args, lambda: capture(func, args, kwargs))
     a = _Args(trace, meta_mod.values_matter(func))
     ref_args = [a.ref(v) for v in args]
     ref_kwargs = {}
